@@ -1,0 +1,56 @@
+"""KV-cache pool tensors: K and V pages for every layer in one buffer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything two workers must agree on before one writes KV pages into the other's pool."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32", "bfloat16"
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+
+class KVPool:
+    """`buffer` is [num_layers, 2 (K, V), num_pages, page_size, num_kv_heads, head_dim].
+
+    One page of one layer's K (or V) is contiguous, so a page is addressed as
+    buffer[layer, kv, page_id] and a token slot as page_id * page_size + offset.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str):
+        self.layout = layout
+        self.num_pages = num_pages
+        self.buffer = torch.zeros(
+            layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads,
+            layout.head_dim, dtype=getattr(torch, layout.dtype), device=device)  # [L, 2, P, S, H, D]
+
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        return self.buffer[layer_id, 0]  # [P, S, H, D]
+
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        return self.buffer[layer_id, 1]  # [P, S, H, D]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.layout.page_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()

@@ -1,0 +1,51 @@
+"""The attention backend interface: plan() once per batch, run() once per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from pd_serve.cache.pool import KVPool
+
+
+@dataclass
+class AttentionMetadata:
+    """One batch, sequences in order; its new tokens are concatenated along T.
+
+    query_lens[i] new tokens of sequence i sit at the end of its seq_lens[i] tokens, which live in
+    pages page_tables[i]. slot_mapping[t] is the cache slot (page_id * page_size + offset) that
+    new token t writes its K and V to.
+    """
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    page_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [T] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a KVPool.
+
+    Invariant: run() first stores the new tokens' K and V into the pool at slot_mapping, then
+    attends causally over each sequence's whole context (cached prefix + new tokens).
+    """
+
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float):
+        self.pool = pool
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Build this batch's index tensors; called once before the forward pass."""
+
+    @abstractmethod
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D] -> attention output [T, Hq, D]."""

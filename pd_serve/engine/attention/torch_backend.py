@@ -1,0 +1,79 @@
+"""Paged attention in plain torch: the CPU backend and the reference for the GPU backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class _PrefillRow:
+    start: int  # first of this row's tokens in the batch
+    num_new: int
+    slots: torch.Tensor  # [L] cache slots of the row's whole context
+    mask: torch.Tensor  # [num_new, L] True where a query may attend
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Gathers each sequence's K/V from its pages and calls scaled_dot_product_attention.
+
+    Single-token (decode) rows run as one padded batch; rows with several new tokens (prefill
+    chunks) run one by one with a causal mask offset by their cached prefix.
+    """
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        device = self.pool.buffer.device
+        page_size = self.pool.layout.page_size
+        offsets = torch.arange(page_size, device=device)
+        self.slot_mapping = meta.slot_mapping
+        self.decode_token_ids: list[int] = []
+        decode_slots: list[torch.Tensor] = []
+        self.prefill_rows: list[_PrefillRow] = []
+        start = 0
+        for num_new, seq_len, pages in zip(meta.query_lens, meta.seq_lens, meta.page_tables):
+            num_pages = -(-seq_len // page_size)
+            page_ids = torch.tensor(pages[:num_pages], dtype=torch.int64, device=device)
+            slots = (page_ids[:, None] * page_size + offsets).flatten()[:seq_len]  # [L]
+            if num_new == 1:
+                self.decode_token_ids.append(start)
+                decode_slots.append(slots)
+            else:
+                q_pos = torch.arange(seq_len - num_new, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+                self.prefill_rows.append(_PrefillRow(start, num_new, slots, mask))
+            start += num_new
+        if decode_slots:
+            lens = torch.tensor([len(s) for s in decode_slots], device=device)
+            # Padding points at slot 0: finite data, masked out below.
+            self.decode_slots = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True)
+            self.decode_mask = (torch.arange(self.decode_slots.shape[1], device=device)[None, :]
+                                < lens[:, None])[:, None, None, :]  # [B, 1, 1, Lmax]
+            self.decode_index = torch.tensor(self.decode_token_ids, device=device)
+
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_kv_heads = k.shape[1]
+        k_cache = self.pool.k_cache(layer_id).view(-1, num_kv_heads, self.head_dim)  # [slots, H, D]
+        v_cache = self.pool.v_cache(layer_id).view(-1, num_kv_heads, self.head_dim)
+        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        out = torch.empty_like(q)
+        if self.decode_token_ids:
+            qd = q[self.decode_index].unsqueeze(2)  # [B, Hq, 1, D]
+            kd = k_cache[self.decode_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lmax, D]
+            vd = v_cache[self.decode_slots].transpose(1, 2).to(q.dtype)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask,
+                                                scale=self.scale, enable_gqa=True)
+            out[self.decode_index] = od.squeeze(2)
+        for row in self.prefill_rows:
+            end = row.start + row.num_new
+            qp = q[row.start:end].transpose(0, 1)  # [Hq, n, D]
+            kp = k_cache[row.slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+            vp = v_cache[row.slots].transpose(0, 1).to(q.dtype)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=self.scale,
+                                                enable_gqa=True)
+            out[row.start:end] = op.transpose(0, 1)
+        return out

@@ -1,0 +1,85 @@
+"""What a caller gets back per request, and the stop rules applied to each new token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pd_serve.engine.request import FinishReason, Request, TokenLogprob
+from pd_serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """A request's generated part so far. new_* hold what arrived since the previous output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    num_preemptions: int = 0
+
+
+class OutputTracker:
+    """Per request: incremental text, stop-string search, and what has been handed out already.
+
+    While a request runs, the last len(longest stop string) - 1 characters are held back, so a
+    stream never shows the start of a stop string that later cuts the text.
+    """
+
+    def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
+        self.request = request
+        self.eos_token_ids = tokenizer.eos_token_ids
+        self.max_model_len = max_model_len
+        params = request.sampling_params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                                  params.skip_special_tokens)
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.text = ""
+        self.num_tokens_sent = 0
+        self.num_chars_sent = 0
+
+    def on_token(self, token_id: int) -> FinishReason | None:
+        """Account for one sampled token (already appended); return why it ends the request."""
+        request, params = self.request, self.request.sampling_params
+        delta = self.detokenizer.step([token_id])
+        if params.stop and delta:
+            window = len(self.text) - self.holdback
+            self.text = self.detokenizer.text
+            hits = [i for i in (self.text.find(s, max(0, window)) for s in params.stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                return FinishReason.STOP
+        else:
+            self.text = self.detokenizer.text
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def make_output(self) -> RequestOutput:
+        request = self.request
+        visible = self.text if request.finished else self.text[:len(self.text) - self.holdback]
+        new_text = visible[self.num_chars_sent:]
+        self.num_chars_sent = max(self.num_chars_sent, len(visible))
+        new_token_ids = request.output_token_ids[self.num_tokens_sent:]
+        self.num_tokens_sent = len(request.output_token_ids)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=visible,
+            finished=request.finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+            num_preemptions=request.num_preemptions,
+        )

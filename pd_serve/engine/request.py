@@ -1,0 +1,83 @@
+"""A request's state inside an engine: its tokens, its KV pages, and how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pd_serve.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of the sampled token and its top alternatives as (token_id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. token_ids = prompt + output; the first num_computed_tokens are in the KV cache.
+
+    Prefill, chunked prefill, decode and recompute after preemption are the same thing: each
+    step computes some of the tokens not yet in the cache, and when the cache holds them all the
+    engine samples one more token.
+    """
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    priority: int = 0  # smaller runs first under --schedule-policy priority (as vLLM)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

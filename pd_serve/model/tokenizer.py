@@ -1,0 +1,188 @@
+"""Tokenizer of a Hugging Face-format model folder, chat prompt rendering, streaming detokenization.
+
+Built on the `tokenizers` library and jinja2 only (no transformers at serving time).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Backend
+
+# Prompt tokens decoded with the first output tokens, so a token's text is seen in context.
+_PROMPT_CONTEXT_TOKENS = 5
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template.
+
+    Attributes
+    ----------
+    eos_token_ids : frozenset[int]
+        Ids that end generation: tokenizer_config's eos_token together with
+        generation_config's eos_token_id (an int or a list).
+    bos_token_id : int | None
+    vocab_size : int
+        Number of ids the tokenizer can produce, added tokens included.
+    """
+
+    def __init__(self, backend: _Backend, special_tokens: dict[str, str],
+                 eos_token_ids: frozenset[int], bos_token_id: int | None,
+                 chat_template: str | None):
+        self._backend = backend
+        self._special_tokens = special_tokens  # e.g. {"bos_token": "<|im_start|>", ...}
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._chat_template_source = chat_template
+        self._chat_template = None  # compiled on first use
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "Tokenizer":
+        """Load `tokenizer.json`, `tokenizer_config.json`, `generation_config.json` and
+        `chat_template.jinja` (which, when present, wins over tokenizer_config's template).
+        Only tokenizer.json is required; its absence raises ValueError naming the path."""
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"tokenizer file not found: {path}")
+        backend = _Backend.from_file(str(path))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        gen_config = _read_json(model_dir / "generation_config.json")
+
+        special_tokens = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            value = config.get(key)
+            if isinstance(value, dict):  # serialized AddedToken
+                value = value.get("content")
+            if isinstance(value, str):
+                special_tokens[key] = value
+
+        eos_ids = set(_as_id_list(gen_config.get("eos_token_id")))
+        if "eos_token" in special_tokens:
+            eos_id = backend.token_to_id(special_tokens["eos_token"])
+            if eos_id is not None:
+                eos_ids.add(eos_id)
+        bos_id = None
+        if "bos_token" in special_tokens:
+            bos_id = backend.token_to_id(special_tokens["bos_token"])
+        if bos_id is None and isinstance(gen_config.get("bos_token_id"), int):
+            bos_id = gen_config["bos_token_id"]
+
+        template_file = model_dir / "chat_template.jinja"
+        if template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        else:
+            chat_template = _pick_template(config.get("chat_template"))
+        return cls(backend, special_tokens, frozenset(eos_ids), bos_id, chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text are always recognised;
+        `add_special_tokens` only controls what the post-processor adds (e.g. a BOS)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) into a prompt string the
+        way transformers does; extra keyword arguments (e.g. `tools`) reach the template."""
+        if self._chat_template is None:
+            if self._chat_template_source is None:
+                raise ValueError("this model has no chat template (none in tokenizer_config.json "
+                                 "or chat_template.jinja); send a plain prompt instead")
+            self._chat_template = _compile_template(self._chat_template_source)
+        return self._chat_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            **self._special_tokens, **kwargs)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without ever splitting a UTF-8 character.
+
+    Only a small window of ids is decoded per step: ids[prefix_offset:read_offset] is text
+    already emitted (kept as context, since a token's text can depend on its neighbours) and
+    ids[read_offset:] is not emitted yet. A step whose text ends in U+FFFD (an incomplete
+    multi-byte character) emits "" and waits for the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.text = ""  # all output text so far
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Append generated ids and return the text they complete (possibly "")."""
+        self._ids.extend(new_token_ids)
+        window = self._ids[self._prefix_offset:]
+        prefix_text = self._decode(window[:self._read_offset - self._prefix_offset])
+        new_text = self._decode(window)
+        if new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        # Drop ids left of the window so memory stays O(window) too.
+        del self._ids[:self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _as_id_list(value) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _pick_template(value) -> str | None:
+    """tokenizer_config's chat_template: a string, or a list of {"name", "template"}."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Like transformers' filter: no HTML escaping (jinja2's own tojson escapes <, >, &, ').
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)

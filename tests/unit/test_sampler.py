@@ -1,0 +1,201 @@
+"""Sampler: greedy, seeded reproducibility, filters, penalties and logprobs, all on CPU."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from pd_serve.engine.request import Request
+from pd_serve.engine.sampler import Sampler, apply_penalties
+from pd_serve.engine.sampling_params import SamplingParams
+
+
+def make_request(prompt=(0,), output=(), **params) -> Request:
+    """A request with the given prompt/output ids and SamplingParams fields."""
+    req = Request(prompt_token_ids=list(prompt), sampling_params=SamplingParams(**params))
+    req.output_token_ids = list(output)
+    return req
+
+
+def logits_from_probs(probs: list[float]) -> torch.Tensor:
+    """One logits row [V] whose softmax is `probs`."""
+    return torch.tensor(probs).log()
+
+
+def draw_many(row: torch.Tensor, num_draws: int, sampler: Sampler | None = None, **params):
+    """Sample `num_draws` unseeded rows that all share logits `row` [V]; returns a Counter."""
+    sampler = sampler or Sampler(seed=0)
+    logits = row.unsqueeze(0).expand(num_draws, -1)  # [N, V]
+    requests = [make_request(**params) for _ in range(num_draws)]
+    return Counter(sampler(logits, requests).token_ids)
+
+
+def entropy(counts: Counter) -> float:
+    total = sum(counts.values())
+    return -sum(c / total * math.log(c / total) for c in counts.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_argmax(dtype):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    expected = logits.float().argmax(-1).tolist()
+    out = Sampler()(logits, [make_request(temperature=0.0) for _ in range(4)])
+    assert out.token_ids == expected
+    assert out.logprobs == [None] * 4
+    # Greedy rows mixed with sampled rows (the non-fast path) still take the argmax.
+    mixed = [make_request(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(4)]
+    tokens = Sampler()(logits, mixed).token_ids
+    assert [tokens[0], tokens[2]] == [expected[0], expected[2]]
+    assert all(isinstance(t, int) for t in tokens)
+
+
+def test_top_k_1_equals_greedy():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1)) * 0.1
+    expected = logits.argmax(-1).tolist()
+    assert Sampler()(logits, [make_request(top_k=1) for _ in range(8)]).token_ids == expected
+    # With logprobs on, the fast path is skipped; the answer must not change.
+    reqs = [make_request(top_k=1, temperature=1.5, logprobs=0) for _ in range(8)]
+    assert Sampler()(logits, reqs).token_ids == expected
+
+
+def _seeded_draws(seed: int, logits: torch.Tensor, sampler_seed: int = 0) -> list[int]:
+    sampler, req = Sampler(seed=sampler_seed), make_request(seed=seed)
+    return [sampler(logits, [req]).token_ids[0] for _ in range(50)]
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = torch.zeros(1, 100)  # uniform: 50 draws of two seeds are all but surely different
+    first = _seeded_draws(7, logits)
+    assert _seeded_draws(7, logits, sampler_seed=123) == first  # the sampler's seed is irrelevant
+    assert _seeded_draws(8, logits) != first
+    assert len(set(first)) > 10  # really sampling, not stuck on one token
+
+
+def test_unseeded_sampling_follows_sampler_seed():
+    logits = torch.zeros(20, 100)
+    reqs = [make_request() for _ in range(20)]
+    assert Sampler(seed=3)(logits, reqs).token_ids == Sampler(seed=3)(logits, reqs).token_ids
+    assert Sampler(seed=3)(logits, reqs).token_ids != Sampler(seed=4)(logits, reqs).token_ids
+
+
+def test_seeded_sampling_is_independent_of_batch():
+    gen = torch.Generator().manual_seed(2)
+    row = torch.randn(1, 64, generator=gen) * 0.5
+    alone = _seeded_draws(11, row)
+    sampler, req = Sampler(), make_request(seed=11)
+    others = [make_request(), make_request(seed=5), make_request(temperature=0.0)]
+    in_batch = []
+    for _ in range(50):
+        before, after = torch.randn(2, 64, generator=gen), torch.randn(1, 64, generator=gen)
+        logits = torch.cat([before, row, after])  # [4, 64], the seeded row third
+        batch = [others[0], others[1], req, others[2]]
+        in_batch.append(sampler(logits, batch).token_ids[2])
+    assert in_batch == alone
+
+
+def test_sampling_frequencies_match_probabilities():
+    probs = [0.5, 0.3, 0.15, 0.05]
+    counts = draw_many(logits_from_probs(probs), 20000)
+    for token_id, p in enumerate(probs):
+        assert counts[token_id] / 20000 == pytest.approx(p, abs=0.015)
+
+
+def test_top_k_samples_only_among_top_k():
+    row = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    top5 = set(row.topk(5).indices.tolist())
+    counts = draw_many(row, 2000, top_k=5)
+    assert set(counts) <= top5
+    assert len(counts) >= 3  # it samples, it does not collapse to greedy
+    assert len(draw_many(row, 2000, top_k=0)) > 5  # 0 disables the filter
+
+
+def test_top_p_small_keeps_only_dominant_token():
+    row = torch.zeros(20)
+    row[7] = 2.0  # p(7) ~ 0.28 >= top_p, every other token ~ 0.038
+    assert set(draw_many(row, 1000, top_p=0.2)) == {7}
+    assert len(draw_many(row, 1000, top_p=1.0)) > 5
+
+
+def test_top_p_samples_only_the_nucleus():
+    # Sorted probs 0.4, 0.3, 0.15, 0.1, 0.05 -> cumulative 0.4, 0.7, 0.85, 0.95: the smallest set
+    # reaching 0.9 is the first four tokens. Ids are shuffled so order is not the id order.
+    ids = [3, 0, 4, 1, 2]
+    probs = [0.0] * 5
+    for token_id, p in zip(ids, [0.4, 0.3, 0.15, 0.1, 0.05]):
+        probs[token_id] = p
+    row = logits_from_probs(probs)
+    counts = draw_many(row, 3000, top_p=0.9)
+    assert set(counts) == set(ids[:4])
+    assert ids[4] in draw_many(row, 3000)  # without top_p the tail token does show up
+
+
+def test_min_p_drops_unlikely_tokens():
+    # threshold = 0.15 * 0.5 = 0.075: tokens 3 (0.06) and 4 (0.04) go, 2 (0.1) stays.
+    row = logits_from_probs([0.5, 0.3, 0.1, 0.06, 0.04])
+    assert set(draw_many(row, 3000, min_p=0.15)) == {0, 1, 2}
+    assert set(draw_many(row, 3000)) == {0, 1, 2, 3, 4}
+
+
+def test_apply_penalties_by_hand():
+    row = [1.0, -1.0, 2.0, -2.0, 0.5, 3.0]
+    logits = torch.tensor([row, row, row])
+    before = logits.clone()
+    reqs = [
+        make_request(prompt=[0, 1], output=[2, 2, 3], repetition_penalty=2.0,
+                     frequency_penalty=0.5, presence_penalty=0.25),
+        make_request(prompt=[0, 1], output=[2, 2, 3]),  # neutral
+        make_request(prompt=[5], output=[4], frequency_penalty=1.0, presence_penalty=1.0),
+    ]
+    out = apply_penalties(logits, reqs)
+    expected = torch.tensor([
+        # 0: prompt, >0 -> /2; 1: prompt, <0 -> *2; 2: output x2, >0 -> /2 - 0.5*2 - 0.25;
+        # 3: output x1, <0 -> *2 - 0.5 - 0.25; 4 and 5 unseen.
+        [0.5, -2.0, -0.25, -4.75, 0.5, 3.0],
+        row,
+        # frequency/presence count only output ids: 4 -> 0.5 - 1 - 1; prompt id 5 untouched.
+        [1.0, -1.0, 2.0, -2.0, -1.5, 3.0],
+    ])
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(logits, before)  # input not modified
+
+
+def test_penalties_change_greedy_choice():
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    assert Sampler()(logits, [make_request(temperature=0.0)]).token_ids == [0]
+    req = make_request(prompt=[0], temperature=0.0, repetition_penalty=2.0)  # 3 -> 1.5 < 2
+    assert Sampler()(logits, [req]).token_ids == [1]
+    req = make_request(prompt=[2], output=[0], temperature=0.0, presence_penalty=2.0)
+    assert Sampler()(logits, [req]).token_ids == [1]
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(4))
+    reqs = [
+        make_request(prompt=[1, 2], logprobs=5, temperature=0.5, repetition_penalty=1.5),
+        make_request(logprobs=0, temperature=0.0),
+        make_request(logprobs=None),
+    ]
+    out = Sampler()(logits, reqs)
+    raw = torch.log_softmax(logits, dim=-1)
+    first, second = out.logprobs[0], out.logprobs[1]
+    assert out.logprobs[2] is None
+    assert first.token_id == out.token_ids[0] and second.token_id == out.token_ids[1]
+    assert first.logprob == pytest.approx(raw[0, out.token_ids[0]].item(), abs=1e-6)
+    assert second.logprob == pytest.approx(raw[1].max().item(), abs=1e-6)
+    assert second.top == []
+    top_lps = [lp for _, lp in first.top]
+    assert len(first.top) == 5 and top_lps == sorted(top_lps, reverse=True)
+    expected_ids = raw[0].topk(5).indices.tolist()
+    assert [t for t, _ in first.top] == expected_ids
+    assert top_lps == pytest.approx(raw[0, expected_ids].tolist(), abs=1e-6)
+
+
+def test_higher_temperature_spreads_distribution():
+    row = torch.randn(20, generator=torch.Generator().manual_seed(5)) * 2
+    cold = entropy(draw_many(row, 4000, temperature=0.3))
+    warm = entropy(draw_many(row, 4000, temperature=1.0))
+    hot = entropy(draw_many(row, 4000, temperature=3.0))
+    assert cold < warm < hot

@@ -1,0 +1,146 @@
+"""Tokenizer and IncrementalDetokenizer on the default model's converted folder.
+
+The folder comes from default_model_dir() (the user's cache, converted on first use).
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+from jinja2 import TemplateError
+
+from pd_serve.model.gguf_default import default_model_dir
+from pd_serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+MULTIBYTE = "héllo 世界 🙂 done"
+CONVERSATIONS = {
+    "with_system": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3? héllo 🙂"},
+    ],
+    "without_system": [{"role": "user", "content": "Hi there"}],
+}
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tok(model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_tok(model_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def _copy_tokenizer(model_dir: Path, dest: Path, **config_overrides) -> Path:
+    shutil.copy(model_dir / "tokenizer.json", dest / "tokenizer.json")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.update(config_overrides)
+    (dest / "tokenizer_config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_special_ids(tok):
+    assert tok.eos_token_ids == frozenset({2})
+    assert tok.bos_token_id == 1
+    assert tok.vocab_size == 49152
+
+
+@pytest.mark.parametrize("text", ["Hello, world!", "12345", MULTIBYTE,
+                                  "for i in range(10):\n\tprint(i)",
+                                  "<|im_start|>user\nhi<|im_end|>"])
+def test_encode_decode_match_transformers(tok, hf_tok, text):
+    ids = tok.encode(text)
+    assert ids == hf_tok.encode(text)
+    assert tok.encode(text, add_special_tokens=False) == ids  # this model adds no BOS
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tok, hf_tok, name, add_generation_prompt):
+    messages = CONVERSATIONS[name]
+    ours = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
+    assert ("You are a helpful AI assistant" in ours) == (name == "without_system")
+
+
+def test_template_helpers_match_transformers(tok, hf_tok, tmp_path, model_dir):
+    source = ("{% for m in messages %}{{ m | tojson }}{% if m.role == 'bad' %}"
+              "{{ raise_exception('bad role') }}{% endif %}{% if loop.last %}{% break %}"
+              "{% endif %}\n{% endfor %}{{ bos_token }}|{{ eos_token }}")
+    (_copy_tokenizer(model_dir, tmp_path) / "chat_template.jinja").write_text(source)
+    custom = Tokenizer.from_dir(tmp_path)  # chat_template.jinja wins over tokenizer_config
+    messages = [{"role": "user", "content": "<a & 'é'>"}, {"role": "assistant", "content": "x"}]
+    assert custom.apply_chat_template(messages) == hf_tok.apply_chat_template(
+        messages, chat_template=source, tokenize=False, add_generation_prompt=True)
+    assert '"<a & \'é\'>"' in custom.apply_chat_template(messages)
+    with pytest.raises(TemplateError, match="bad role"):
+        custom.apply_chat_template([{"role": "bad", "content": ""}])
+
+
+def test_no_chat_template_is_a_clear_error(model_dir, tmp_path):
+    _copy_tokenizer(model_dir, tmp_path, chat_template=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_dict_tokens_and_generation_config_eos(model_dir, tmp_path):
+    _copy_tokenizer(model_dir, tmp_path, bos_token={"content": "<|endoftext|>"},
+                    eos_token={"content": "<|im_end|>", "special": True})
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
+    loaded = Tokenizer.from_dir(tmp_path)
+    assert loaded.bos_token_id == 0
+    assert loaded.eos_token_ids == frozenset({0, 2, 5})
+    assert loaded.apply_chat_template([]).endswith("<|im_start|>assistant\n")
+
+
+def test_missing_tokenizer_json_names_the_file(tmp_path):
+    with pytest.raises(ValueError, match=str(tmp_path / "tokenizer.json")):
+        Tokenizer.from_dir(tmp_path)
+
+
+def _stream(tok, prompt_ids, ids, **kwargs):
+    detok = IncrementalDetokenizer(tok, prompt_ids, **kwargs)
+    deltas = [detok.step([i]) for i in ids]
+    return detok, deltas
+
+
+def test_incremental_detokenizer_never_splits_characters(tok):
+    prompt_ids = tok.encode("Say something: ")
+    ids = tok.encode(MULTIBYTE)
+    detok, deltas = _stream(tok, prompt_ids, ids)
+    assert "".join(deltas) == detok.text == tok.decode(ids) == MULTIBYTE
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # some tokens carry only part of a character: the test exercises that
+
+
+def test_incremental_detokenizer_multi_token_steps_and_specials(tok):
+    ids = tok.encode(MULTIBYTE + "<|im_end|>")
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+        deltas = [detok.step(ids[i:i + 3]) for i in range(0, len(ids), 3)]
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+        assert detok.text.endswith("<|im_end|>") == (not skip)
+
+
+def test_incremental_detokenizer_window_stays_small(tok):
+    ids = tok.encode("word " * 300)
+    detok, deltas = _stream(tok, [], ids)
+    assert "".join(deltas) == tok.decode(ids)
+    assert len(detok._ids) <= 4  # decoding work per step does not grow with the output
