@@ -1,0 +1,85 @@
+"""Shared fixtures: the embedded default model, and tiny random checkpoints written by transformers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from pd_serve.model.gguf_default import default_model_dir
+    return default_model_dir()
+
+
+def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed: int = 0,
+                          max_shard_size: str | None = None) -> Path:
+    """A random model of `kind` saved with transformers' save_pretrained, with a real tokenizer.
+
+    Weights are drawn wide (std 0.3, not 0.02) so logits are peaked and greedy decoding is not
+    a string of near-ties.
+    """
+    import transformers
+
+    vocab = len(_tokenizer_vocab(tokenizer_dir))
+    common = dict(TINY_SHAPE, vocab_size=vocab, initializer_range=0.3, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)
+    if kind == "llama3":
+        config = transformers.LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen2":
+        config, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
+        cls = transformers.Qwen3ForCausalLM
+    elif kind == "mistral":
+        config, cls = transformers.MistralConfig(**common, sliding_window=None), transformers.MistralForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # biases default to zero; make Qwen2's QKV bias matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tokenizer_dir / name).exists() and not (out_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+def _tokenizer_vocab(tokenizer_dir: Path) -> dict:
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama3": write_tiny_checkpoint("llama3", root / "llama3", default_model_dir, seed=1),
+        "qwen2": write_tiny_checkpoint("qwen2", root / "qwen2", default_model_dir, seed=2,
+                                       max_shard_size="2MB"),
+        "qwen3": write_tiny_checkpoint("qwen3", root / "qwen3", default_model_dir, seed=3),
+        "mistral": write_tiny_checkpoint("mistral", root / "mistral", default_model_dir, seed=4),
+    }
+
+
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py

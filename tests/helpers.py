@@ -1,0 +1,38 @@
+"""Reference checks shared by tests: transformers' greedy decoding and the near-tie rule."""
+
+from __future__ import annotations
+
+import torch
+
+NEAR_TIE = 1e-3
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens of a transformers model (full forward each step) and the logits behind each."""
+    ids = list(prompt_ids)
+    tokens, logits = [], []
+    for _ in range(num_tokens):
+        step_logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+        token = int(step_logits.argmax())
+        tokens.append(token)
+        logits.append(step_logits)
+        ids.append(token)
+    return tokens, logits
+
+
+def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor]) -> int:
+    """Equal token for token, or parted at a near-tie of the reference (top two within 1e-3).
+
+    Returns how many tokens matched before the sequences parted (len(ref) when they never did).
+    """
+    assert len(ours) == len(ref), f"lengths differ: ours {len(ours)}, reference {len(ref)}"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a == b:
+            continue
+        top2 = ref_logits[i].topk(2)
+        gap = float(top2.values[0] - top2.values[1])
+        assert gap < NEAR_TIE and a in top2.indices.tolist(), (
+            f"token {i}: ours {a}, reference {b}; reference top-2 gap {gap:.2e} is not a near-tie")
+        return i
+    return len(ref)

@@ -1,0 +1,100 @@
+"""Scheduler plans built from fake requests: budgets, chunking, admission, preemption, priority."""
+
+from pd_serve.cache.allocator import PageAllocator
+from pd_serve.config import SchedulerConfig
+from pd_serve.engine.request import FinishReason, Request, RequestStatus
+from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.engine.scheduler import Scheduler
+
+
+def make_scheduler(num_pages=64, page_size=4, **kwargs) -> Scheduler:
+    return Scheduler(SchedulerConfig(**kwargs), PageAllocator(num_pages), page_size)
+
+
+def make_request(num_prompt: int, priority: int = 0, arrival: float = 0.0) -> Request:
+    return Request(list(range(1, num_prompt + 1)), SamplingParams(temperature=0),
+                   priority=priority, arrival_time=arrival)
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    plan = sched.schedule()
+    sched.update(plan, [token] * sum(c.sample for c in plan.chunks))
+    return plan
+
+
+def test_chunked_prefill_splits_prompt_under_budget():
+    sched = make_scheduler(chunked_prefill_size=8)
+    req = make_request(20)
+    sched.add(req)
+    sizes = []
+    while not req.output_token_ids:
+        plan = run_step(sched)
+        sizes.append([(c.start, c.num_tokens, c.sample) for c in plan.chunks])
+    assert sizes == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)]]
+    assert len(req.page_ids) == 5  # 20 tokens / page size 4
+
+
+def test_decodes_run_before_new_prefills_and_share_budget():
+    sched = make_scheduler(chunked_prefill_size=6)
+    a, b = make_request(4, arrival=0), make_request(10, arrival=1)
+    sched.add(a)
+    run_step(sched)  # a prefilled, sampled its first token
+    sched.add(b)
+    plan = run_step(sched)
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(a, 1), (b, 5)]
+    assert plan.num_tokens == 6
+
+
+def test_max_running_requests_caps_admission():
+    sched = make_scheduler(max_running_requests=2)
+    reqs = [make_request(3, arrival=i) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    plan = run_step(sched)
+    assert [c.request for c in plan.chunks] == reqs[:2]
+    assert reqs[2].status is RequestStatus.WAITING
+
+
+def test_priority_policy_orders_admission():
+    sched = make_scheduler(max_running_requests=1, schedule_policy="priority")
+    low, high = make_request(3, priority=5, arrival=0), make_request(3, priority=1, arrival=1)
+    sched.add(low)
+    sched.add(high)
+    plan = run_step(sched)
+    assert [c.request for c in plan.chunks] == [high]
+
+
+def test_out_of_pages_preempts_latest_and_frees_its_pages():
+    # 4 pages of 4 tokens; two requests of 8 tokens fill them; the next decode needs a 5th.
+    sched = make_scheduler(num_pages=4, page_size=4)
+    a, b = make_request(8, arrival=0), make_request(8, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prefilled: 2 pages each, 9 tokens now (8 prompt + 1 sampled)
+    assert sched.allocator.num_free_pages == 0
+    plan = run_step(sched)  # a needs a 3rd page -> b is preempted
+    assert plan.preempted == [b] and b.status is RequestStatus.WAITING
+    assert b.page_ids == [] and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert [c.request for c in plan.chunks] == [a]
+    assert sched.allocator.num_free_pages == 1
+
+
+def test_request_larger_than_pool_finishes_instead_of_hanging():
+    sched = make_scheduler(num_pages=2, page_size=4)
+    big = make_request(12)
+    sched.add(big)
+    plan = sched.schedule()
+    assert plan.finished == [big] and big.finish_reason is FinishReason.LENGTH
+    assert sched.allocator.num_free_pages == 2 and not sched.has_unfinished()
+
+
+def test_finish_frees_pages_once_from_any_state():
+    sched = make_scheduler()
+    a, b = make_request(5), make_request(5)
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    sched.finish(a, FinishReason.ABORT)
+    sched.finish(a, FinishReason.ABORT)  # second finish is a no-op, not a double free
+    sched.finish(b, FinishReason.ABORT)  # still waiting: holds no pages
+    assert sched.allocator.num_free_pages == 64 and not sched.has_unfinished()
