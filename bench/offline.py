@@ -1,0 +1,196 @@
+"""Offline throughput: the same random-token requests through pd-serve's Engine and through
+Hugging Face transformers' `generate` on the same model, device and dtype, in one run.
+
+    python bench/offline.py                               # embedded SmolLM2-135M, 16 x (128 in, 64 out)
+    python bench/offline.py --num-prompts 64 --hf-batch-size 16 --output result.json
+
+Both sides generate exactly --output-len tokens per request (the engine with ignore_eos, HF with
+min_new_tokens == max_new_tokens), greedy, after one short warm-up each. Throughput counts output
+tokens only; wall time covers the whole generate call (prefill included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported anywhere
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # `python bench/offline.py` from a checkout without install
+
+import torch  # noqa: E402
+
+from pd_serve import Engine, SamplingParams  # noqa: E402
+
+NUM_AGREEMENT_TOKENS = 16
+FIRST_REGULAR_ID = 100  # ids below this are left out of random prompts (special tokens live there)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF model folder or GGUF; default: embedded model")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: --num-prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true", help="run the engine only")
+    p.add_argument("--output", default=None, help="write a JSON result here")
+    args = p.parse_args()
+    args.hf_batch_size = args.hf_batch_size or args.num_prompts
+    for name in ("num_prompts", "input_len", "output_len", "hf_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def random_prompts(model_dir: Path, vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
+    """`num` prompts of `length` ids drawn from [FIRST_REGULAR_ID, vocab_size), minus added tokens."""
+    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    added = {t["id"] for t in tokenizer_json.get("added_tokens", [])}
+    allowed = torch.tensor([i for i in range(FIRST_REGULAR_ID, vocab_size) if i not in added])
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(allowed), (num, length), generator=gen)  # [N, L]
+    return allowed[picks].tolist()
+
+
+def progress(items, desc: str):
+    """tqdm when installed (it is not a dependency), else a line per item on stderr."""
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc=desc, unit="batch", file=sys.stderr)
+    except ImportError:
+        def lines():
+            for i, item in enumerate(items):
+                print(f"{desc}: batch {i + 1}/{len(items)}", file=sys.stderr, flush=True)
+                yield item
+        return lines()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], float]:
+    """Returns the output ids of each prompt and the seconds taken."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    print(f"engine: {len(prompts)} requests ...", file=sys.stderr, flush=True)
+    sync(engine.device)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    sync(engine.device)
+    return [out.token_ids for out in outputs], time.perf_counter() - start
+
+
+def run_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, prompts: list[list[int]],
+           output_len: int, batch_size: int) -> tuple[list[list[int]], float]:
+    """HF generate in batches of `batch_size`, left-padded; returns output ids and seconds."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def generate(batch: list[list[int]], num_new: int) -> list[list[int]]:
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)  # [B, W]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)  # [B, W]
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                 min_new_tokens=num_new, max_new_tokens=num_new, pad_token_id=pad_id)
+        if tuple(out.shape) != (len(batch), width + num_new):
+            raise RuntimeError(f"HF generate returned shape {tuple(out.shape)}, "
+                               f"expected {(len(batch), width + num_new)}")
+        return out[:, width:].tolist()
+
+    generate(prompts[:2], 4)  # warm-up
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    sync(device)
+    start = time.perf_counter()
+    token_ids = [ids for batch in progress(batches, "transformers") for ids in generate(batch, output_len)]
+    sync(device)
+    return token_ids, time.perf_counter() - start
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def transformers_version() -> str | None:
+    try:
+        import transformers
+        return transformers.__version__
+    except ImportError:
+        return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def main() -> None:
+    args = parse_args()
+    engine = Engine(model=args.model, device=args.device, dtype=args.dtype)
+    model_dir, device, dtype = engine.model_dir, engine.device, engine.dtype
+    prompts = random_prompts(model_dir, engine.model_config.vocab_size, args.num_prompts,
+                             args.input_len, args.seed)
+    torch.manual_seed(args.seed)
+
+    engine_ids, engine_s = run_engine(engine, prompts, args.output_len)
+    # Free the engine (and on GPU its KV pool, sized from free memory) before HF loads.
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    results = {"engine": side_result(sum(len(ids) for ids in engine_ids), engine_s)}
+    if not args.skip_hf:
+        hf_ids, hf_s = run_hf(model_dir, device, dtype, prompts, args.output_len, args.hf_batch_size)
+        results["transformers"] = side_result(args.output_len * args.num_prompts, hf_s)
+        results["ratio"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+        n = min(NUM_AGREEMENT_TOKENS, args.output_len)
+        results["greedy_agreement"] = sum(a[:n] == b[:n] for a, b in zip(engine_ids, hf_ids)) / len(prompts)
+
+    print(f"\nmodel {model_dir}  device {device} ({device_name(device)})  dtype {dtype}  "
+          f"{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out)")
+    for side in ("engine", "transformers"):
+        if side in results:
+            r = results[side]
+            print(f"{side:<14}: {r['num_output_tokens']} out tokens in {r['seconds']:.1f} s "
+                  f"= {r['tokens_per_s']:6.1f} tok/s")
+    if "ratio" in results:
+        print(f"ratio engine/transformers = {results['ratio']:.2f}x")
+        print(f"greedy agreement (first {min(NUM_AGREEMENT_TOKENS, args.output_len)} tokens) = "
+              f"{results['greedy_agreement']:.2f} of requests")
+
+    if args.output:
+        record = {"device": str(device), "device_name": device_name(device), "dtype": str(dtype),
+                  "model_dir": str(model_dir), "torch": torch.__version__,
+                  "transformers": transformers_version(), "git_commit": git_commit(),
+                  "torch_threads": torch.get_num_threads(), "flags": vars(args), **results}
+        Path(args.output).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.output}")
+
+
+def side_result(num_output_tokens: int, seconds: float) -> dict:
+    return {"num_output_tokens": num_output_tokens, "seconds": seconds,
+            "tokens_per_s": num_output_tokens / seconds}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Bad input is a one-line ValueError that names the file, flag or field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pd_serve import Engine, SamplingParams
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tiny_checkpoints):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_checkpoints["llama3"], dst)
+    return dst
+
+
+def load(path, **kwargs):
+    return Engine(path, device="cpu", max_total_tokens=256, **kwargs)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match=r"--model .*nope: no such directory"):
+        load(tmp_path / "nope")
+
+
+def test_missing_config(checkpoint):
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config\.json: missing"):
+        load(checkpoint)
+
+
+def test_missing_weights(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"no model\.safetensors"):
+        load(checkpoint)
+
+
+def test_corrupt_weights_name_the_file(checkpoint):
+    path = checkpoint / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors: cannot read safetensors"):
+        load(checkpoint)
+
+
+def test_missing_shard_names_it(tmp_path, tiny_checkpoints):
+    dst = tmp_path / "sharded"
+    shutil.copytree(tiny_checkpoints["qwen2"], dst)
+    shard = sorted(dst.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(ValueError, match=shard.name):
+        load(dst)
+
+
+def test_tensor_shape_mismatch_names_tensor(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor .*mlp\.\w+_proj\.weight. has shape .* config\.json implies"):
+        load(checkpoint)
+
+
+def test_unsupported_architecture(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: architecture 'GPT2LMHeadModel' is not supported"):
+        load(checkpoint)
+
+
+def test_unsupported_dtype_and_flags(checkpoint):
+    with pytest.raises(ValueError, match=r"--dtype 'int3' is not supported"):
+        load(checkpoint, dtype="int3")
+    with pytest.raises(ValueError, match=r"--page-size 0 must be >= 1"):
+        load(checkpoint, page_size=0)
+    with pytest.raises(ValueError, match=r"--schedule-policy 'lifo'"):
+        load(checkpoint, schedule_policy="lifo")
+
+
+def test_prompt_longer_than_context_and_bad_params(checkpoint):
+    engine = load(checkpoint, context_length=64)
+    with pytest.raises(ValueError, match="prompt has 64 tokens; the context length is 64"):
+        engine.add_request(list(range(10, 74)))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match=r"token id 999999 is outside the vocabulary"):
+        engine.add_request([5, 999999])
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_p=0 must be in \(0, 1\]"):
+        SamplingParams(top_p=0)
+
+
+def test_cli_prints_one_line_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pd_serve.cli", "chat", "hi", "--model",
+                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert lines[0].startswith("pd-serve: error: --model ") and "no such directory" in lines[0]
