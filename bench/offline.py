@@ -145,7 +145,7 @@ def device_name(device: torch.device) -> str:
 
 def main() -> None:
     args = parse_args()
-    engine = Engine(model=args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
     model_dir, device, dtype = engine.model_dir, engine.device, engine.dtype
     prompts = random_prompts(model_dir, engine.model_config.vocab_size, args.num_prompts,
                              args.input_len, args.seed)
@@ -180,8 +180,8 @@ def main() -> None:
 
     if args.output:
         record = {"device": str(device), "device_name": device_name(device), "dtype": str(dtype),
-                  "model_dir": str(model_dir), "torch": torch.__version__,
-                  "transformers": transformers_version(), "git_commit": git_commit(),
+                  "model_dir": str(model_dir), "torch_version": torch.__version__,
+                  "transformers_version": transformers_version(), "git_commit": git_commit(),
                   "torch_threads": torch.get_num_threads(), "flags": vars(args), **results}
         Path(args.output).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.output}")
