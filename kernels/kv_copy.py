@@ -1,0 +1,207 @@
+"""Copy whole KV pages between the pool and a contiguous staging tensor (the transfer path).
+
+The pool `buffer` is [L, 2 (K, V), P, S, H, D], contiguous. For pages `page_ids` (n of them)
+and layers [a, b), the staging tensor is [b - a, 2, n, S, H, D], contiguous:
+
+    gather:  staging[l, kv, i] = buffer[a + l, kv, page_ids[i]]
+    scatter: buffer[a + l, kv, page_ids[i]] = staging[l, kv, i]
+
+One page of one layer's K (or V) is a contiguous chunk of S*H*D elements in both tensors, so
+the Triton kernel is a flat copy: program (row, block) copies `block` of chunk `row`, where a
+row is (layer, kv, i) in staging order. One launch covers every layer, K and V, and page.
+Offsets are 64-bit (a pool can pass 2**31 elements), and both tensors are viewed as a
+same-size integer dtype, so the copy is bit-exact for any dtype (fp8 included).
+
+`gather_pages` / `scatter_pages` run the kernel when the buffer is on CUDA, or on CPU tensors
+when TRITON_INTERPRET=1 (Triton's interpreter; how the tests exercise the kernel); otherwise
+they run the torch references `gather_pages_ref` / `scatter_pages_ref`. Triton is imported
+lazily, so importing this module never imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+# Kernel launches so far; the tests read it to confirm the Triton path really ran.
+triton_launches = 0
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # itemsize -> dtype
+_MAX_BLOCK = 4096
+tl = None  # triton.language, bound by _kernel() on first use
+
+
+# ----------------------------------------------------------------------------- references
+
+def gather_pages_ref(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
+                     layer_end: int) -> torch.Tensor:
+    """Torch reference: `buffer[layer_start:layer_end].index_select(2, page_ids)`.
+
+    Returns a new contiguous [layer_end - layer_start, 2, n, S, H, D] tensor.
+    """
+    _check_pool(buffer, page_ids, layer_start, layer_end)
+    return buffer[layer_start:layer_end].index_select(2, page_ids)
+
+
+def scatter_pages_ref(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
+                      layer_start: int, layer_end: int) -> None:
+    """Torch reference: `buffer[layer_start:layer_end, :, page_ids] = staging`, in place."""
+    _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
+    _check_staging(staging, buffer, page_ids, layer_start, layer_end, "staging")
+    buffer[layer_start:layer_end].index_copy_(2, page_ids.long(), staging)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def gather_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy pages `page_ids` of layers [layer_start, layer_end) out of the pool.
+
+    Parameters
+    ----------
+    buffer : [L, 2, P, S, H, D], contiguous, any dtype.
+    page_ids : [n] int64 or int32, on buffer's device; ids in [0, P) (checked on CPU only).
+    out : optional [layer_end - layer_start, 2, n, S, H, D] contiguous tensor to fill.
+
+    Returns
+    -------
+    The staging tensor (`out` when given).
+    """
+    _check_pool(buffer, page_ids, layer_start, layer_end)
+    if out is None:
+        out = buffer.new_empty(_staging_shape(buffer, page_ids, layer_start, layer_end))
+    else:
+        _check_staging(out, buffer, page_ids, layer_start, layer_end, "out")
+    if _use_triton(buffer):
+        _launch(buffer, page_ids, out, layer_start, to_staging=True)
+    else:
+        torch.index_select(buffer[layer_start:layer_end], 2, page_ids, out=out)
+    return out
+
+
+def scatter_pages(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
+                  layer_start: int, layer_end: int) -> None:
+    """Write `staging` into pages `page_ids` of layers [layer_start, layer_end), in place.
+
+    Shapes as in `gather_pages`. Page ids must be distinct (checked on CPU only; on the GPU a
+    repeated id leaves that page holding one of its staging copies, unspecified which).
+    """
+    if not _use_triton(buffer):
+        scatter_pages_ref(buffer, page_ids, staging, layer_start, layer_end)
+        return
+    _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
+    _check_staging(staging, buffer, page_ids, layer_start, layer_end, "staging")
+    _launch(buffer, page_ids, staging, layer_start, to_staging=False)
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def _use_triton(buffer: torch.Tensor) -> bool:
+    if buffer.is_cuda:
+        return True
+    return _interpret_requested() and _kernel(True) is not None
+
+
+# ----------------------------------------------------------------------------- Triton kernel
+
+@functools.cache
+def _kernel(interpret: bool):
+    """The jitted copy kernel, or None when Triton does not import.
+
+    Triton decides at @triton.jit time whether a function is interpreted, so the kernel is
+    built (and cached) separately for each mode.
+    """
+    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def copy_pages_kernel(pool_ptr, staging_ptr, page_ids_ptr, num_pool_pages, num_ids, chunk,
+                          BLOCK: tl.constexpr, TO_STAGING: tl.constexpr):
+        # pool_ptr starts at layer a; staging row = ((layer - a) * 2 + kv) * num_ids + i
+        row = tl.program_id(0).to(tl.int64)
+        page = tl.load(page_ids_ptr + row % num_ids).to(tl.int64)
+        pool_row = (row // num_ids) * num_pool_pages + page
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < chunk
+        if TO_STAGING:
+            vals = tl.load(pool_ptr + pool_row * chunk + cols, mask=mask)
+            tl.store(staging_ptr + row * chunk + cols, vals, mask=mask)
+        else:
+            vals = tl.load(staging_ptr + row * chunk + cols, mask=mask)
+            tl.store(pool_ptr + pool_row * chunk + cols, vals, mask=mask)
+
+    return copy_pages_kernel
+
+
+def _launch(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
+            layer_start: int, to_staging: bool) -> None:
+    global triton_launches
+    num_layers, _, num_ids = staging.shape[:3]
+    chunk = math.prod(buffer.shape[3:])  # S * H * D
+    if num_ids == 0 or chunk == 0:
+        return
+    kernel = _kernel(_interpret_requested())
+    if kernel is None:
+        raise RuntimeError("Triton is needed for CUDA KV page copies but does not import")
+    int_dtype = _INT_VIEW[buffer.element_size()]
+    pool = buffer[layer_start:layer_start + num_layers].view(int_dtype)  # [b-a, 2, P, S, H, D]
+    block = min(_MAX_BLOCK, 1 << (chunk - 1).bit_length())
+    grid = (num_layers * 2 * num_ids, -(-chunk // block))
+    kernel[grid](pool, staging.view(int_dtype), page_ids, buffer.shape[2], num_ids, chunk,
+                 BLOCK=block, TO_STAGING=to_staging)
+    triton_launches += 1
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _staging_shape(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
+                   layer_end: int) -> tuple[int, ...]:
+    _, _, _, page_size, num_heads, head_dim = buffer.shape
+    return (layer_end - layer_start, 2, page_ids.numel(), page_size, num_heads, head_dim)
+
+
+def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
+                unique: bool = False) -> None:
+    if buffer.dim() != 6 or buffer.shape[1] != 2:
+        raise ValueError(f"buffer must be [L, 2, P, S, H, D], got shape {tuple(buffer.shape)}")
+    if not buffer.is_contiguous():
+        raise ValueError("buffer must be contiguous")
+    if buffer.element_size() not in _INT_VIEW:
+        raise ValueError(f"unsupported buffer dtype {buffer.dtype}")
+    num_layers, _, num_pages = buffer.shape[:3]
+    if not 0 <= layer_start < layer_end <= num_layers:
+        raise ValueError(f"layer range [{layer_start}, {layer_end}) is not a non-empty range "
+                         f"inside [0, {num_layers})")
+    if page_ids.dim() != 1 or page_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"page_ids must be a 1-D int64 or int32 tensor, got "
+                         f"{page_ids.dtype} of shape {tuple(page_ids.shape)}")
+    if page_ids.device != buffer.device:
+        raise ValueError(f"page_ids are on {page_ids.device}, buffer on {buffer.device}")
+    if page_ids.is_cuda or page_ids.numel() == 0:
+        return  # range checks on the GPU would cost a host sync
+    low, high = int(page_ids.min()), int(page_ids.max())
+    if low < 0 or high >= num_pages:
+        raise ValueError(f"page ids must lie in [0, {num_pages}), got min {low} max {high}")
+    if unique and torch.unique(page_ids).numel() != page_ids.numel():
+        raise ValueError("page ids written to must be distinct")
+
+
+def _check_staging(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch.Tensor,
+                   layer_start: int, layer_end: int, name: str) -> None:
+    expected = _staging_shape(buffer, page_ids, layer_start, layer_end)
+    if tuple(staging.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(staging.shape)}")
+    if staging.dtype != buffer.dtype or staging.device != buffer.device:
+        raise ValueError(f"{name} is {staging.dtype} on {staging.device}; buffer is "
+                         f"{buffer.dtype} on {buffer.device}")
+    if not staging.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")

@@ -1,0 +1,39 @@
+"""tcp: the pages travel as one zero-copy zmq frame after the chunk header. Works anywhere."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kernels.kv_copy import gather_pages
+from pd_serve.protocol import KVChunk
+from pd_serve.transfer.base import ReceiverPlane, SenderPlane, staging_shape
+
+
+class TcpSenderPlane(SenderPlane):
+    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int]) -> list:
+        buf = self.pool.buffer
+        index = torch.tensor(src_page_ids, dtype=torch.int64, device=buf.device)
+        staging = gather_pages(buf, index, chunk.layer_start, chunk.layer_end)
+        if staging.is_cuda:
+            staging = staging.cpu()
+        # zmq keeps the memoryview (and so the tensor) alive until the frame is sent.
+        return [memoryview(staging.view(torch.uint8).numpy()).cast("B")]
+
+
+class TcpReceiverPlane(ReceiverPlane):
+    def __init__(self, pool, timeout_s: float, host: str):
+        super().__init__(pool, timeout_s)
+
+    def receive(self, sender_id: str, chunk: KVChunk, frames: list) -> torch.Tensor:
+        if len(frames) != 1 or len(frames[0].buffer) != chunk.nbytes:
+            got = [len(f.buffer) for f in frames]
+            raise ValueError(f"chunk of {chunk.request_id} carries frames {got}, expected [{chunk.nbytes}]")
+        with warnings.catch_warnings():  # the frame is read-only; we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(frames[0].buffer, dtype=torch.uint8)
+        shape = staging_shape(self.pool.layout, len(chunk.dst_page_ids), chunk.layer_start,
+                              chunk.layer_end)
+        staging = flat.view(self.pool.buffer.dtype).view(shape)
+        return staging.to(self.pool.buffer.device)

@@ -1,0 +1,132 @@
+"""What every KV transfer backend shares: results, errors, stats and the data-plane interface.
+
+A transfer moves layers [a, b) of some pages of the sender's (prefill) pool into pages the
+receiver (decode) has reserved for that request id. Control messages (handshake, chunk headers,
+acks) always travel over the connector's zmq socket; a backend's data plane only moves bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pd_serve.cache.pool import KVLayout, KVPool
+from pd_serve.protocol import KVChunk
+
+BACKENDS = ("torch", "ipc", "tcp", "nixl")
+
+
+class TransferError(RuntimeError):
+    """A pair cannot work (layout mismatch, backend unavailable) or a transfer failed."""
+
+
+@dataclass
+class TransferResult:
+    request_id: str
+    ok: bool
+    error: str = ""
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+class TransferStats:
+    """Counters and a latency histogram, in their own registry (one per connector) so a worker
+    can expose them on /metrics."""
+
+    def __init__(self, role: str, backend: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        labels = dict(role=role, backend=backend)
+        self.bytes = Counter("pd_serve:kv_transfer_bytes", "KV bytes moved", list(labels),
+                             registry=self.registry).labels(**labels)
+        self.transfers = Counter("pd_serve:kv_transfers", "KV transfers completed", list(labels),
+                                 registry=self.registry).labels(**labels)
+        self.failures = Counter("pd_serve:kv_transfer_failures", "KV transfers failed",
+                                list(labels), registry=self.registry).labels(**labels)
+        self.seconds = Histogram(
+            "pd_serve:kv_transfer_seconds", "KV transfer latency per request", list(labels),
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+            registry=self.registry).labels(**labels)
+
+    def record(self, result: TransferResult) -> None:
+        if result.ok:
+            self.transfers.inc()
+            self.bytes.inc(result.num_bytes)
+            self.seconds.observe(result.seconds)
+        else:
+            self.failures.inc()
+
+
+def layout_of(pool: KVPool) -> dict:
+    return asdict(pool.layout)
+
+
+def layout_mismatch(ours: KVLayout, theirs: dict) -> str:
+    """'' when the layouts match, else a sentence naming every differing field."""
+    diffs = [f"{k} {theirs.get(k)!r} != {v!r}" for k, v in asdict(ours).items() if theirs.get(k) != v]
+    return "; ".join(diffs)
+
+
+def staging_shape(layout: KVLayout, num_pages: int, layer_start: int, layer_end: int) -> tuple:
+    return (layer_end - layer_start, 2, num_pages, layout.page_size, layout.num_kv_heads,
+            layout.head_dim)
+
+
+class ReceiverPlane(ABC):
+    """The receiving half of a backend's data plane; called from the receiver's I/O thread."""
+
+    def __init__(self, pool: KVPool, timeout_s: float):
+        self.pool = pool
+        self.timeout_s = timeout_s
+
+    def welcome_info(self, sender_id: str, hello_info: dict) -> dict:
+        """Backend facts the sender needs (sent in TransferWelcome)."""
+        return {}
+
+    def after_welcome(self, sender_id: str, hello_info: dict) -> None:
+        """Finish pairing once the welcome is sent (e.g. join the pair's process group)."""
+
+    @abstractmethod
+    def receive(self, sender_id: str, chunk: KVChunk, frames: list) -> torch.Tensor | None:
+        """Take a chunk's data: a staging tensor to scatter into the pool, or None when the
+        data is already in place (ipc). Must consume the data even if the chunk is refused."""
+
+    def drop_sender(self, sender_id: str) -> None:
+        """Forget a sender (it failed or left)."""
+
+    def close(self) -> None:
+        pass
+
+
+class SenderPlane(ABC):
+    """The sending half of a backend's data plane; called from the sender's I/O thread."""
+
+    def __init__(self, pool: KVPool, timeout_s: float):
+        self.pool = pool
+        self.timeout_s = timeout_s
+
+    def hello_info(self) -> dict:
+        return {}
+
+    def connect(self, peer: str, welcome_info: dict) -> None:
+        """Pair with a receiver after its welcome."""
+
+    @abstractmethod
+    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int]) -> list:
+        """Before the header is sent: gather the pages; return frames that travel with the header."""
+
+    def finish(self, peer: str, chunk: KVChunk) -> None:
+        """After the header is sent: move the data out of band (torch) if this backend does."""
+
+    def drop_peer(self, peer: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def now() -> float:
+    return time.monotonic()

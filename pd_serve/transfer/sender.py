@@ -1,0 +1,226 @@
+"""The prefill side of KV transfer: pairs with receivers and ships pages to their reserved pages.
+
+All sockets and data-plane calls live on one I/O thread; the caller's methods only queue work
+(bounded) and read results, so the engine loop never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from pd_serve import protocol
+from pd_serve.cache.pool import KVPool
+from pd_serve.protocol import KVChunk, TransferAbort, TransferAck, TransferHello, TransferWelcome
+from pd_serve.transfer.backends import make_sender_plane
+from pd_serve.transfer.base import (TransferError, TransferResult, TransferStats, layout_of, now)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Outgoing:
+    address: str
+    deadline: float
+    started: float = field(default_factory=now)
+    num_bytes: int = 0
+    last_sent: bool = False
+
+
+@dataclass
+class _SendJob:
+    request_id: str
+    address: str
+    src_page_ids: list[int]
+    chunk: KVChunk
+    ready: torch.cuda.Event | None  # the compute that wrote the pages (GPU)
+
+
+class KVSender:
+    """connect() once per receiver; send() a request's pages (whole, or layer group by group);
+    poll() for one TransferResult per request: ok once the receiver acknowledged the last chunk,
+    or failed (refused, aborted, receiver gone, timed out). The source pages must stay allocated
+    until that result arrives."""
+
+    def __init__(self, pool: KVPool, backend: str = "tcp", sender_id: str | None = None,
+                 timeout_s: float = 30.0, max_queued: int = 4096, stats: TransferStats | None = None):
+        self.pool = pool
+        self.backend = backend
+        self.sender_id = sender_id or f"sender-{uuid.uuid4().hex[:12]}"
+        self.timeout_s = timeout_s
+        self.stats = stats or TransferStats("send", backend)
+        self.plane = make_sender_plane(backend, pool, timeout_s)
+        self._ctx = zmq.Context.instance()
+        self._jobs: queue.Queue = queue.Queue(maxsize=max_queued)
+        self._lock = threading.Lock()
+        self._results: list[TransferResult] = []
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._socks: dict[str, zmq.Socket] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ----------------------------------------------------------------------
+    def connect(self, address: str, timeout_s: float | None = None) -> None:
+        """Handshake with a receiver; raises TransferError (layout mismatch, unreachable)."""
+        future: Future = Future()
+        self._put(("connect", address, future))
+        try:
+            future.result(timeout=(timeout_s or self.timeout_s) + 5)
+        except TimeoutError:
+            raise TransferError(f"{address}: no handshake answer") from None
+
+    def send(self, request_id: str, address: str, src_page_ids: list[int], dst_page_ids: list[int],
+             layer_start: int = 0, layer_end: int | None = None, last: bool = True) -> None:
+        """Queue layers [layer_start, layer_end) of the pages; `last` on the request's final call."""
+        layout = self.pool.layout
+        layer_end = layout.num_layers if layer_end is None else layer_end
+        if len(src_page_ids) != len(dst_page_ids):
+            raise ValueError(f"{len(src_page_ids)} source pages but {len(dst_page_ids)} destination pages")
+        if not 0 <= layer_start < layer_end <= layout.num_layers:
+            raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {layout.num_layers})")
+        nbytes = (layer_end - layer_start) * len(src_page_ids) * layout.bytes_per_page // layout.num_layers
+        chunk = KVChunk(request_id, list(dst_page_ids), layer_start, layer_end, nbytes, last,
+                        list(src_page_ids))
+        ready = None
+        if self.pool.buffer.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._put(("send", _SendJob(request_id, address, list(src_page_ids), chunk, ready)))
+
+    def abort(self, request_id: str) -> None:
+        """Give up on a request; its result (failed) follows unless it already finished."""
+        self._put(("abort", request_id, "aborted by the sender"))
+
+    def poll(self) -> list[TransferResult]:
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.plane.close()
+
+    def _put(self, job) -> None:
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise TransferError(f"transfer queue full ({self._jobs.maxsize} jobs)") from None
+
+    # ---- I/O thread -----------------------------------------------------------------------
+    def _serve(self) -> None:
+        if self.pool.buffer.is_cuda:
+            torch.cuda.set_device(self.pool.buffer.device)
+        poller = zmq.Poller()
+        try:
+            while not self._stop.is_set():
+                try:
+                    job = self._jobs.get(timeout=0.002 if self._outgoing else 0.02)
+                    self._run(job, poller)
+                except queue.Empty:
+                    pass
+                for sock, _ in poller.poll(0):
+                    self._on_message(protocol.decode(sock.recv()))
+                self._expire()
+        finally:
+            for sock in self._socks.values():
+                sock.close()
+
+    def _run(self, job, poller: zmq.Poller) -> None:
+        kind = job[0]
+        if kind == "connect":
+            _, address, future = job
+            try:
+                self._connect(address, poller)
+                future.set_result(None)
+            except Exception as e:
+                future.set_exception(e if isinstance(e, TransferError) else TransferError(f"{address}: {e}"))
+        elif kind == "send":
+            self._send_chunk(job[1], poller)
+        elif kind == "abort":
+            self._abort(job[1], job[2])
+
+    def _connect(self, address: str, poller: zmq.Poller) -> None:
+        if address in self._socks:
+            return
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.sender_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(protocol.encode(TransferHello(self.sender_id, self.backend, layout_of(self.pool),
+                                                self.plane.hello_info())))
+        if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            sock.close()
+            raise TransferError(f"{address}: no handshake answer within {self.timeout_s} s")
+        welcome = protocol.decode(sock.recv())
+        if not isinstance(welcome, TransferWelcome) or not welcome.ok:
+            sock.close()
+            raise TransferError(f"{address} refused the pair: {getattr(welcome, 'error', welcome)}")
+        self.plane.connect(address, welcome.info)
+        self._socks[address] = sock
+        poller.register(sock, zmq.POLLIN)
+
+    def _send_chunk(self, job: _SendJob, poller: zmq.Poller) -> None:
+        rid = job.request_id
+        out = self._outgoing.get(rid)
+        if out is None:
+            if job.chunk.layer_start != 0 and not self._known(rid):
+                return  # an earlier chunk failed or was aborted: drop the rest
+            out = self._outgoing[rid] = _Outgoing(job.address, now() + self.timeout_s)
+        try:
+            self._connect(job.address, poller)
+            if job.ready is not None:
+                job.ready.synchronize()  # the pages are written before anyone reads them
+            frames = self.plane.prepare(job.address, job.chunk, job.src_page_ids)
+            self._socks[job.address].send_multipart([protocol.encode(job.chunk), *frames], copy=False)
+            self.plane.finish(job.address, job.chunk)
+        except Exception as e:
+            logger.warning("send of %s to %s failed: %s", rid, job.address, e)
+            self._drop_peer(job.address, poller)
+            self._finish(rid, ok=False, error=f"send failed: {e}")
+            return
+        out.num_bytes += job.chunk.nbytes
+        out.last_sent = job.chunk.last
+
+    def _known(self, request_id: str) -> bool:
+        return request_id in self._outgoing
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, TransferAck) and msg.request_id in self._outgoing:
+            self._finish(msg.request_id, ok=msg.ok, error=msg.error)
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        out = self._outgoing.get(request_id)
+        if out is None:
+            return
+        sock = self._socks.get(out.address)
+        if sock is not None:
+            sock.send(protocol.encode(TransferAbort(request_id, reason)))
+        self._finish(request_id, ok=False, error=reason)
+
+    def _expire(self) -> None:
+        t = now()
+        for rid in [r for r, o in self._outgoing.items() if o.deadline < t]:
+            self._abort(rid, f"no acknowledgement within {self.timeout_s} s")
+
+    def _drop_peer(self, address: str, poller: zmq.Poller) -> None:
+        sock = self._socks.pop(address, None)
+        if sock is not None:
+            poller.unregister(sock)
+            sock.close()
+        self.plane.drop_peer(address)
+
+    def _finish(self, request_id: str, ok: bool, error: str = "") -> None:
+        out = self._outgoing.pop(request_id)
+        result = TransferResult(request_id, ok, error, out.num_bytes, now() - out.started)
+        self.stats.record(result)
+        with self._lock:
+            self._results.append(result)

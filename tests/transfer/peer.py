@@ -1,0 +1,88 @@
+"""A transfer peer in its own process, driven by JSON lines on stdin; answers on stdout.
+
+    python peer.py sender|receiver --backend tcp --layout '{...}' --num-pages N --seed S
+
+The sender's pool is torch.manual_seed(S) random data (the test rebuilds it to check bytes);
+the receiver's pool is filled with POISON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from pd_serve.cache.pool import KVLayout, KVPool  # noqa: E402
+from pd_serve.transfer.receiver import KVReceiver  # noqa: E402
+from pd_serve.transfer.sender import KVSender  # noqa: E402
+
+POISON = -7.25
+
+
+def seeded_pool(layout: KVLayout, num_pages: int, seed: int, device: str = "cpu") -> KVPool:
+    pool = KVPool(layout, num_pages, device)
+    gen = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(pool.buffer.dtype))
+    return pool
+
+
+def poisoned_pool(layout: KVLayout, num_pages: int, device: str = "cpu") -> KVPool:
+    pool = KVPool(layout, num_pages, device)
+    pool.buffer.fill_(POISON)
+    return pool
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["sender", "receiver"])
+    ap.add_argument("--backend", default="tcp")
+    ap.add_argument("--layout", required=True)
+    ap.add_argument("--num-pages", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    layout = KVLayout(**json.loads(args.layout))
+    say = lambda obj: print(json.dumps(obj), flush=True)  # noqa: E731
+    if args.role == "sender":
+        node = KVSender(seeded_pool(layout, args.num_pages, args.seed, args.device), args.backend,
+                        timeout_s=args.timeout)
+    else:
+        node = KVReceiver(poisoned_pool(layout, args.num_pages, args.device), args.backend,
+                          timeout_s=args.timeout)
+        say({"address": node.address})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "connect":
+                node.connect(cmd["address"])
+                say({"ok": True})
+            elif op == "send":
+                node.send(**cmd)
+                say({"ok": True})
+            elif op == "expect":
+                node.expect(**cmd)
+                say({"ok": True})
+            elif op == "poll":  # wait up to `wait` s for `count` results
+                results, deadline = [], time.monotonic() + cmd.get("wait", 0)
+                while len(results) < cmd.get("count", 0) and time.monotonic() < deadline:
+                    results += node.poll()
+                    time.sleep(0.005)
+                results += node.poll()
+                say({"results": [r.__dict__ for r in results]})
+            elif op == "abort":
+                node.abort(cmd["request_id"])
+                say({"ok": True})
+        except Exception as e:
+            say({"error": f"{type(e).__name__}: {e}"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""KV transfer between real processes over real sockets (CPU: tcp and torch/gloo)."""
+
+from __future__ import annotations
+
+import json
+import random
+import select
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from pd_serve.cache.pool import KVLayout
+from pd_serve.transfer.base import TransferError
+from pd_serve.transfer.receiver import KVReceiver
+from pd_serve.transfer.sender import KVSender
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer import POISON, poisoned_pool, seeded_pool  # noqa: E402
+
+PEER = str(Path(__file__).parent / "peer.py")
+LAYOUT = KVLayout(num_layers=4, page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+NUM_PAGES = 64
+SEED = 11
+BACKENDS = ["tcp", "torch"]
+
+
+class Peer:
+    """A sender or receiver in a child process."""
+
+    def __init__(self, role: str, backend: str, layout: KVLayout = LAYOUT, timeout: float = 3.0):
+        self.proc = subprocess.Popen(
+            [sys.executable, PEER, role, "--backend", backend, "--layout", json.dumps(asdict(layout)),
+             "--num-pages", str(NUM_PAGES), "--seed", str(SEED), "--timeout", str(timeout)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if role == "receiver":
+            self.address = self._read(60)["address"]
+
+    def call(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(kw.get("wait", 0) + 60)
+
+    def _read(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, "peer did not answer in time"
+        line = self.proc.stdout.readline()
+        assert line, f"peer exited with {self.proc.wait()}"
+        return json.loads(line)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def peers():
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Peer(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.kill()
+
+
+def wait_results(node, count: int, timeout: float) -> list:
+    results, deadline = [], time.monotonic() + timeout
+    while len(results) < count and time.monotonic() < deadline:
+        results += node.poll()
+        time.sleep(0.005)
+    return results
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_16_concurrent_requests_arrive_bit_exact_and_only_in_reserved_pages(backend, peers):
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)
+    sender = peers("sender", backend)
+    assert sender.call("connect", address=receiver.address) == {"ok": True}
+    rng = random.Random(0)
+    dst_free = rng.sample(range(NUM_PAGES), NUM_PAGES)  # shuffled: non-contiguous destinations
+    plan = {}
+    for i in range(16):
+        n = rng.randint(1, 3)
+        src = rng.sample(range(NUM_PAGES), n)
+        dst, dst_free = dst_free[:n], dst_free[n:]
+        plan[f"r{i}"] = (src, dst)
+        receiver.expect(f"r{i}", dst)
+    for rid, (src, dst) in plan.items():
+        assert sender.call("send", request_id=rid, address=receiver.address,
+                           src_page_ids=src, dst_page_ids=dst) == {"ok": True}
+    sent = sender.call("poll", count=16, wait=10)["results"]
+    received = wait_results(receiver, 16, 10)
+    assert sorted(r["request_id"] for r in sent if r["ok"]) == sorted(plan)
+    assert sorted(r.request_id for r in received if r.ok) == sorted(plan)
+    expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
+    got = receiver.pool.buffer
+    used = set()
+    for src, dst in plan.values():
+        assert torch.equal(bits(got[:, :, dst]), bits(expected[:, :, src]))
+        used |= set(dst)
+    untouched = [p for p in range(NUM_PAGES) if p not in used]
+    assert (got[:, :, untouched] == POISON).all()
+    assert all(r.num_bytes == len(plan[r.request_id][0]) * LAYOUT.bytes_per_page for r in received)
+    receiver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_groups_assemble_one_request(backend, peers):
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)
+    sender = peers("sender", backend)
+    sender.call("connect", address=receiver.address)
+    src, dst = [5, 2, 9], [40, 3, 17]
+    receiver.expect("req", dst)
+    for start, end in [(0, 1), (1, 3), (3, 4)]:
+        sender.call("send", request_id="req", address=receiver.address, src_page_ids=src,
+                    dst_page_ids=dst, layer_start=start, layer_end=end, last=end == 4)
+    (result,) = wait_results(receiver, 1, 10)
+    assert result.ok
+    expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
+    assert torch.equal(bits(receiver.pool.buffer[:, :, dst]), bits(expected[:, :, src]))
+    receiver.close()
+
+
+@pytest.mark.parametrize("change", [dict(dtype="bfloat16"), dict(page_size=8), dict(num_kv_heads=4)])
+def test_layout_mismatch_fails_the_handshake_clearly(change, peers):
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
+    sender = peers("sender", "tcp", layout=replace(LAYOUT, **change))
+    answer = sender.call("connect", address=receiver.address)
+    field, value = next(iter(change.items()))
+    assert "KV layout mismatch" in answer["error"] and field in answer["error"]
+    assert repr(value) in answer["error"]
+    receiver.close()
+
+
+def test_backend_mismatch_and_unknown_backend():
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=5)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "torch", timeout_s=5)
+    with pytest.raises(TransferError, match="backend mismatch"):
+        sender.connect(receiver.address)
+    with pytest.raises(TransferError, match="'nixl' package, which is not installed; use --transfer-backend torch, ipc or tcp"):
+        KVSender(seeded_pool(LAYOUT, 4, SEED), "nixl")
+    with pytest.raises(TransferError, match="not one of torch, ipc, tcp, nixl"):
+        KVSender(seeded_pool(LAYOUT, 4, SEED), "carrier-pigeon")
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unreserved_request_is_refused_and_writes_nothing(backend, peers):
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)
+    sender = peers("sender", backend)
+    sender.call("connect", address=receiver.address)
+    sender.call("send", request_id="ghost", address=receiver.address, src_page_ids=[1, 2],
+                dst_page_ids=[3, 4])
+    (result,) = sender.call("poll", count=1, wait=10)["results"]
+    assert not result["ok"] and "not expected" in result["error"]
+    receiver.expect("wrong-pages", [10, 11])
+    sender.call("send", request_id="wrong-pages", address=receiver.address, src_page_ids=[1, 2],
+                dst_page_ids=[10, 12])
+    (result,) = wait_results(receiver, 1, 10)
+    assert not result.ok and "destination pages differ" in result.error
+    assert (receiver.pool.buffer == POISON).all()
+    receiver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_mid_transfer_fails_both_sides(backend, peers):
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)
+    sender = peers("sender", backend)
+    sender.call("connect", address=receiver.address)
+    receiver.expect("req", [1, 2])
+    sender.call("send", request_id="req", address=receiver.address, src_page_ids=[3, 4],
+                dst_page_ids=[1, 2], layer_start=0, layer_end=2, last=False)
+    sender.call("abort", request_id="req")
+    (sent,) = sender.call("poll", count=1, wait=5)["results"]
+    (received,) = wait_results(receiver, 1, 5)
+    assert not sent["ok"] and "aborted" in sent["error"]
+    assert not received.ok and "sender aborted" in received.error
+    assert receiver.num_expected == 0
+    receiver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_killed_mid_transfer_receiver_times_out(backend, peers):
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)
+    sender = peers("sender", backend)
+    sender.call("connect", address=receiver.address)
+    receiver.expect("req", [1, 2], timeout_s=1.5)
+    sender.call("send", request_id="req", address=receiver.address, src_page_ids=[3, 4],
+                dst_page_ids=[1, 2], layer_start=0, layer_end=1, last=False)
+    sender.kill()
+    start = time.monotonic()
+    (result,) = wait_results(receiver, 1, 10)
+    assert not result.ok and "timed out" in result.error
+    assert time.monotonic() - start < 3.0
+    receiver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receiver_killed_sender_reports_error_within_timeout(backend, peers):
+    receiver = peers("receiver", backend)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), backend, timeout_s=2.0)
+    sender.connect(receiver.address)
+    receiver.call("expect", request_id="req", page_ids=[1, 2])
+    receiver.kill()
+    start = time.monotonic()
+    sender.send("req", receiver.address, [3, 4], [1, 2])
+    (result,) = wait_results(sender, 1, 10)
+    assert not result.ok
+    assert time.monotonic() - start < 4.0
+    sender.close()
+
+
+def test_stats_count_bytes_transfers_and_failures(peers):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
+    sender = peers("sender", "tcp")
+    sender.call("connect", address=receiver.address)
+    receiver.expect("ok", [1])
+    sender.call("send", request_id="ok", address=receiver.address, src_page_ids=[2], dst_page_ids=[1])
+    receiver.expect("late", [5], timeout_s=0.2)
+    assert len(wait_results(receiver, 2, 10)) == 2
+    text = generate_latest(receiver.stats.registry).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["pd_serve:kv_transfers_total"] == 1
+    assert samples["pd_serve:kv_transfer_failures_total"] == 1
+    assert samples["pd_serve:kv_transfer_bytes_total"] == LAYOUT.bytes_per_page
+    assert samples["pd_serve:kv_transfer_seconds_count"] == 1
+    receiver.close()
