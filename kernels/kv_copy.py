@@ -40,10 +40,11 @@ def gather_pages_ref(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: 
                      layer_end: int) -> torch.Tensor:
     """Torch reference: `buffer[layer_start:layer_end].index_select(2, page_ids)`.
 
-    Returns a new contiguous [layer_end - layer_start, 2, n, S, H, D] tensor.
+    Copies through integer views, so it is bit-exact and works for fp8 on CPU too. Returns a
+    new contiguous [layer_end - layer_start, 2, n, S, H, D] tensor.
     """
     _check_pool(buffer, page_ids, layer_start, layer_end)
-    return buffer[layer_start:layer_end].index_select(2, page_ids)
+    return _as_int(buffer[layer_start:layer_end]).index_select(2, page_ids).view(buffer.dtype)
 
 
 def scatter_pages_ref(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
@@ -51,7 +52,7 @@ def scatter_pages_ref(buffer: torch.Tensor, page_ids: torch.Tensor, staging: tor
     """Torch reference: `buffer[layer_start:layer_end, :, page_ids] = staging`, in place."""
     _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
     _check_staging(staging, buffer, page_ids, layer_start, layer_end, "staging")
-    buffer[layer_start:layer_end].index_copy_(2, page_ids.long(), staging)
+    _as_int(buffer[layer_start:layer_end]).index_copy_(2, page_ids.long(), _as_int(staging))
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -78,7 +79,7 @@ def gather_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
     if _use_triton(buffer):
         _launch(buffer, page_ids, out, layer_start, to_staging=True)
     else:
-        torch.index_select(buffer[layer_start:layer_end], 2, page_ids, out=out)
+        torch.index_select(_as_int(buffer[layer_start:layer_end]), 2, page_ids, out=_as_int(out))
     return out
 
 
@@ -98,7 +99,7 @@ def scatter_pages(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.T
 
 
 def _interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _use_triton(buffer: torch.Tensor) -> bool:
@@ -152,13 +153,18 @@ def _launch(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
     kernel = _kernel(_interpret_requested())
     if kernel is None:
         raise RuntimeError("Triton is needed for CUDA KV page copies but does not import")
-    int_dtype = _INT_VIEW[buffer.element_size()]
-    pool = buffer[layer_start:layer_start + num_layers].view(int_dtype)  # [b-a, 2, P, S, H, D]
+    pool = _as_int(buffer[layer_start:layer_start + num_layers])  # [b-a, 2, P, S, H, D]
     block = min(_MAX_BLOCK, 1 << (chunk - 1).bit_length())
     grid = (num_layers * 2 * num_ids, -(-chunk // block))
-    kernel[grid](pool, staging.view(int_dtype), page_ids, buffer.shape[2], num_ids, chunk,
+    kernel[grid](pool, _as_int(staging), page_ids, buffer.shape[2], num_ids, chunk,
                  BLOCK=block, TO_STAGING=to_staging)
     triton_launches += 1
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as the integer dtype of its element size: copies stay bit-exact, and torch
+    has index kernels for it where it lacks them for the dtype itself (fp8 on CPU)."""
+    return t.view(_INT_VIEW[t.element_size()])
 
 
 # ----------------------------------------------------------------------------- validation

@@ -134,9 +134,11 @@ def test_round_trip_moves_pages_between_pools(device, dtype, layers, ids_dtype, 
     dst = poisoned_pool(7, page_size, dtype, device)  # a smaller pool, other page ids
     src_ids, dst_ids = PAGE_IDS["random"], [6, 0, 4, 1, 5, 2]
     a, b = layers
+    src_ids_t = torch.tensor(src_ids, dtype=ids_dtype, device=device)
+    dst_ids_t = torch.tensor(dst_ids, dtype=ids_dtype, device=device)
     with expect_launches(2):
-        staging = kv_copy.gather_pages(src, torch.tensor(src_ids, dtype=ids_dtype, device=device), a, b)
-        kv_copy.scatter_pages(dst, torch.tensor(dst_ids, dtype=ids_dtype, device=device), staging, a, b)
+        staging = kv_copy.gather_pages(src, src_ids_t, a, b)
+        kv_copy.scatter_pages(dst, dst_ids_t, staging, a, b)
     assert_only_pages_written(dst, dst_ids, layers, bits(src)[a:b, :, src_ids])
 
 
@@ -152,9 +154,10 @@ def test_no_pages_launches_nothing():
     assert torch.equal(bits(pool), bits(before))
 
 
-def test_without_interpreter_cpu_uses_the_reference(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_without_interpreter_cpu_uses_the_reference(monkeypatch, dtype):
     monkeypatch.delenv("TRITON_INTERPRET")
-    pool = random_bits((L, 2, P, 4, H, D), torch.float32, "cpu", seed=5)
+    pool = random_bits((L, 2, P, 4, H, D), dtype, "cpu", seed=5)
     ids = torch.tensor([8, 1, 4])
     with expect_launches(0):
         staging = kv_copy.gather_pages(pool, ids, 1, L)
@@ -178,10 +181,12 @@ def _bad_calls():
     yield "pool not 6-D", lambda: kv_copy.gather_pages(pool[0], ids, 0, 1)
     yield "pool not contiguous", lambda: kv_copy.gather_pages(pool.transpose(3, 4), ids, 0, L)
     yield "out of wrong shape", lambda: kv_copy.gather_pages(pool, ids, 0, L, out=staging[:2])
-    yield "staging of wrong shape", lambda: kv_copy.scatter_pages(pool, ids, staging[:, :, :1], 0, L)
+    yield "staging of wrong shape", lambda: kv_copy.scatter_pages(pool, ids, staging[:, :, :1],
+                                                                  0, L)
     yield "staging of wrong layers", lambda: kv_copy.scatter_pages(pool, ids, staging, 1, L)
     yield "staging of wrong dtype", lambda: kv_copy.scatter_pages(pool, ids, staging.half(), 0, L)
-    yield "repeated scatter ids", lambda: kv_copy.scatter_pages(pool, torch.tensor([1, 1]), staging, 0, L)
+    yield "repeated scatter ids", lambda: kv_copy.scatter_pages(pool, torch.tensor([1, 1]),
+                                                                staging, 0, L)
 
 
 @pytest.mark.parametrize("call", [pytest.param(c, id=name) for name, c in _bad_calls()])
@@ -200,8 +205,9 @@ def test_pool_past_int32_offsets(monkeypatch):
     pool.random_(0, 256)
     ids = torch.tensor([num_pages - 1, 0, num_pages - 2], device="cuda")
     with expect_launches(2):
-        staging = kv_copy.gather_pages(pool.view(torch.float8_e4m3fn), ids, 0, 2)
+        fp8_pool = pool.view(torch.float8_e4m3fn)
+        staging = kv_copy.gather_pages(fp8_pool, ids, 0, 2)
         assert torch.equal(staging.view(torch.uint8), kv_copy.gather_pages_ref(pool, ids, 0, 2))
         new = torch.randint_like(staging.view(torch.uint8), 0, 256)
-        kv_copy.scatter_pages(pool.view(torch.float8_e4m3fn), ids, new.view(torch.float8_e4m3fn), 0, 2)
+        kv_copy.scatter_pages(fp8_pool, ids, new.view(torch.float8_e4m3fn), 0, 2)
     assert torch.equal(pool[:, :, ids.tolist()], new)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import select
+import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -23,6 +26,39 @@ from pd_serve.transfer.receiver import KVReceiver  # noqa: E402
 from pd_serve.transfer.sender import KVSender  # noqa: E402
 
 POISON = -7.25
+LAYOUT = KVLayout(num_layers=4, page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+NUM_PAGES = 64
+SEED = 11
+
+
+class Peer:
+    """A sender or receiver in a child process."""
+
+    def __init__(self, role: str, backend: str, layout: KVLayout = LAYOUT, timeout: float = 3.0,
+                 device: str = "cpu"):
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, role, "--backend", backend, "--layout",
+             json.dumps(asdict(layout)), "--num-pages", str(NUM_PAGES), "--seed", str(SEED),
+             "--timeout", str(timeout), "--device", device],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if role == "receiver":
+            self.address = self._read(60)["address"]
+
+    def call(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(kw.get("wait", 0) + 60)
+
+    def _read(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, "peer did not answer in time"
+        line = self.proc.stdout.readline()
+        assert line, f"peer exited with {self.proc.wait()}"
+        return json.loads(line)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def seeded_pool(layout: KVLayout, num_pages: int, seed: int, device: str = "cpu") -> KVPool:

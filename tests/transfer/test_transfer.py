@@ -2,72 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import random
-import select
-import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from pd_serve.cache.pool import KVLayout
 from pd_serve.transfer.base import TransferError
 from pd_serve.transfer.receiver import KVReceiver
 from pd_serve.transfer.sender import KVSender
 
-sys.path.insert(0, str(Path(__file__).parent))
-from peer import POISON, poisoned_pool, seeded_pool  # noqa: E402
+from peer import POISON, Peer, poisoned_pool, seeded_pool  # noqa: E402
 
-PEER = str(Path(__file__).parent / "peer.py")
-LAYOUT = KVLayout(num_layers=4, page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
-NUM_PAGES = 64
-SEED = 11
+from peer import LAYOUT, NUM_PAGES, SEED  # noqa: E402
 BACKENDS = ["tcp", "torch"]
-
-
-class Peer:
-    """A sender or receiver in a child process."""
-
-    def __init__(self, role: str, backend: str, layout: KVLayout = LAYOUT, timeout: float = 3.0):
-        self.proc = subprocess.Popen(
-            [sys.executable, PEER, role, "--backend", backend, "--layout", json.dumps(asdict(layout)),
-             "--num-pages", str(NUM_PAGES), "--seed", str(SEED), "--timeout", str(timeout)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if role == "receiver":
-            self.address = self._read(60)["address"]
-
-    def call(self, op: str, **kw) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        return self._read(kw.get("wait", 0) + 60)
-
-    def _read(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, "peer did not answer in time"
-        line = self.proc.stdout.readline()
-        assert line, f"peer exited with {self.proc.wait()}"
-        return json.loads(line)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-@pytest.fixture
-def peers():
-    made = []
-
-    def make(*args, **kwargs):
-        made.append(Peer(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for p in made:
-        p.kill()
 
 
 def wait_results(node, count: int, timeout: float) -> list:

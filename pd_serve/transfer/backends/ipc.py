@@ -83,8 +83,11 @@ class IpcReceiverPlane(ReceiverPlane):
         remote = self._remote.get(sender_id)
         if remote is None:
             raise RuntimeError(f"no mapped pool of {sender_id}")
-        index = torch.tensor(chunk.src_page_ids, dtype=torch.int64, device=self.pool.buffer.device)
-        return gather_pages(remote, index, chunk.layer_start, chunk.layer_end)
+        # Gather on the GPU that owns the source pool, then one peer-to-peer copy to ours.
+        with torch.cuda.device(remote.device):
+            index = torch.tensor(chunk.src_page_ids, dtype=torch.int64, device=remote.device)
+            staging = gather_pages(remote, index, chunk.layer_start, chunk.layer_end)
+        return staging.to(self.pool.buffer.device)
 
     def drop_sender(self, sender_id: str) -> None:
         self._remote.pop(sender_id, None)
