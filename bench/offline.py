@@ -15,8 +15,6 @@ import argparse
 import gc
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ sys.path.insert(0, str(REPO_ROOT))  # `python bench/offline.py` from a checkout 
 
 import torch  # noqa: E402
 
+from _common import device_name, git_commit, sync, write_json  # noqa: E402
 from pd_serve import Engine, SamplingParams  # noqa: E402
 
 NUM_AGREEMENT_TOKENS = 16
@@ -76,11 +75,6 @@ def progress(items, desc: str):
         return lines()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], float]:
     """Returns the output ids of each prompt and the seconds taken."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -121,26 +115,12 @@ def run_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, prompts: l
     return token_ids, time.perf_counter() - start
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def transformers_version() -> str | None:
     try:
         import transformers
         return transformers.__version__
     except ImportError:
         return None
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def main() -> None:
@@ -183,8 +163,7 @@ def main() -> None:
                   "model_dir": str(model_dir), "torch_version": torch.__version__,
                   "transformers_version": transformers_version(), "git_commit": git_commit(),
                   "torch_threads": torch.get_num_threads(), "flags": vars(args), **results}
-        Path(args.output).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.output}")
+        write_json(args.output, record)
 
 
 def side_result(num_output_tokens: int, seconds: float) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pd_serve.engine.core import token_stop_reason
 from pd_serve.engine.request import FinishReason, Request, TokenLogprob
 from pd_serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -56,13 +57,7 @@ class OutputTracker:
                 return FinishReason.STOP
         else:
             self.text = self.detokenizer.text
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return token_stop_reason(request, self.eos_token_ids, self.max_model_len)
 
     def make_output(self) -> RequestOutput:
         request = self.request

@@ -1,0 +1,119 @@
+"""The parts every worker role shares: model, KV pool, allocator, scheduler, runner.
+
+EngineCore.step() is schedule -> run -> take the sampled tokens back. It knows token ids only;
+text, stop strings and APIs live above it (the colocated Engine, the prefill and decode workers).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pd_serve.cache.allocator import PageAllocator
+from pd_serve.cache.pool import KVLayout, KVPool
+from pd_serve.config import CacheConfig, EngineConfig
+from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
+from pd_serve.engine.request import FinishReason, Request
+from pd_serve.engine.runner import ModelRunner
+from pd_serve.engine.sampler import Sampler, SamplerOutput
+from pd_serve.engine.scheduler import Scheduler, SchedulerOutput
+from pd_serve.model.config import ModelConfig, resolve_dtype
+from pd_serve.model.loader import load_model
+from pd_serve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self._build()
+
+    def _build(self) -> None:
+        cfg = self.config
+        model_dir = Path(cfg.model) if cfg.model else _default_model_dir()
+        if not model_dir.is_dir():
+            raise ValueError(f"--model {model_dir}: no such directory")
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device is available; use --device cpu")
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device.type)
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        limit = self.model_config.max_position_embeddings
+        if cfg.context_length and cfg.context_length > limit:
+            raise ValueError(f"--context-length {cfg.context_length} exceeds the model's "
+                             f"max_position_embeddings ({limit}) in {model_dir}/config.json")
+        self.max_model_len = cfg.context_length or limit
+        self.model = load_model(model_dir, self.dtype, self.device)
+        mc = self.model_config
+        layout = KVLayout(mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
+                          str(self.dtype).removeprefix("torch."))
+        num_pages = _num_kv_pages(cfg.cache, layout, self.device)
+        self.kv_pool = KVPool(layout, num_pages, self.device)
+        self.allocator = PageAllocator(num_pages)
+        logger.info("KV cache: %d pages x %d tokens = %d tokens, %d bytes per token, %.2f GiB",
+                    num_pages, layout.page_size, self.kv_pool.num_tokens, layout.bytes_per_token,
+                    self.kv_pool.num_bytes / 2**30)
+        attn = TorchAttentionBackend(self.kv_pool, mc.num_heads, mc.head_dim, mc.head_dim ** -0.5)
+        self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """Raise ValueError (one line, naming the limit) for a prompt this worker cannot take."""
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the context length is "
+                             f"{self.max_model_len} (prompt + output must fit; see --context-length)")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def step(self) -> tuple[SchedulerOutput, list[Request]]:
+        """One batch. Returns the plan and the requests that got a new token (appended)."""
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan) if plan.chunks else SamplerOutput([], [])
+        self.scheduler.update(plan, sampled.token_ids)
+        requests = [c.request for c in plan.chunks if c.sample]
+        for request, logprob in zip(requests, sampled.logprobs):
+            if logprob is not None:
+                request.output_logprobs.append(logprob)
+        return plan, requests
+
+
+def token_stop_reason(request: Request, eos_token_ids, max_model_len: int) -> FinishReason | None:
+    """Why the request's newest token ends it (EOS, stop token id, max_tokens, context), if it does."""
+    params, token_id = request.sampling_params, request.output_token_ids[-1]
+    if token_id in params.stop_token_ids:
+        return FinishReason.STOP
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return FinishReason.STOP
+    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def _default_model_dir() -> Path:
+    from pd_serve.model.gguf_default import default_model_dir
+    return default_model_dir()
+
+
+def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
+    """Pool size in pages: --max-total-tokens if given, else from free memory."""
+    if cache.max_total_tokens is not None:
+        return -(-cache.max_total_tokens // layout.page_size)
+    if device.type == "cpu":
+        budget = cache.cpu_kv_cache_gb * 2**30
+    else:
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = total * cache.mem_fraction_static - torch.cuda.memory_allocated(device)
+        if budget < layout.bytes_per_page:
+            raise ValueError(f"--mem-fraction-static {cache.mem_fraction_static} leaves no room "
+                             "for the KV cache after the weights; raise it")
+    return int(budget // layout.bytes_per_page)

@@ -1,0 +1,271 @@
+"""OpenAI request bodies -> a validated `ParsedRequest`; bad input -> `ApiError` (a 4xx to send).
+
+Parsing knows the tokenizer (prompts become token ids here) and the served model's name and
+context length, nothing about where tokens come from. Field names and defaults follow the
+OpenAI API, with vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+
+from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.model.tokenizer import Tokenizer
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Message keys passed through to the chat template besides role and content.
+_MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "tool_call_id")
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_PARAMS_ERROR = re.compile(r"^SamplingParams\.(\w+)=(.*)$", re.S)
+
+
+class ApiError(Exception):
+    """A request the gateway refuses: HTTP status plus OpenAI's error object."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class ModelInfo:
+    """What parsing needs to know about the served model."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int | None  # None: the source does not say; no context check
+
+
+@dataclass
+class ParsedRequest:
+    """One validated completion or chat request.
+
+    logprobs: None, or N top alternatives per token (chat's top_logprobs, completions' logprobs).
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams  # stop strings included; the HTTP layer applies them
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    priority: int
+
+
+def parse_completion(body, model: ModelInfo) -> ParsedRequest:
+    """Validate a /v1/completions body and tokenize its prompt (add_special_tokens=True)."""
+    body = _check_common(body, model)
+    if "prompt" not in body:
+        raise ApiError("'prompt' is a required field", "prompt")
+    prompt_ids = _prompt_token_ids(body["prompt"], model.tokenizer)
+    if _opt(body, "echo", bool):
+        raise ApiError("echo=true is not supported", "echo")
+    best_of = _opt(body, "best_of", int)
+    if best_of is not None and best_of != 1:
+        raise ApiError("best_of > 1 is not supported (one sequence per request)", "best_of")
+    logprobs = _opt(body, "logprobs", int)
+    max_tokens = _opt(body, "max_tokens", int)
+    given = max_tokens is not None
+    params = _sampling_params(body, max_tokens if given else _COMPLETIONS_DEFAULT_MAX_TOKENS,
+                              logprobs, {"logprobs": "logprobs"})
+    _check_context(len(prompt_ids), params.max_tokens, given, model.max_model_len, "prompt")
+    return _parsed(body, prompt_ids, params, logprobs)
+
+
+def parse_chat(body, model: ModelInfo) -> ParsedRequest:
+    """Validate a /v1/chat/completions body, render the chat template and tokenize it."""
+    body = _check_common(body, model)
+    if "messages" not in body:
+        raise ApiError("'messages' is a required field", "messages")
+    messages = _messages(body["messages"])
+    try:
+        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except (TemplateError, ValueError) as e:
+        raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages")
+    prompt_ids = model.tokenizer.encode(text, add_special_tokens=False)
+    if not prompt_ids:
+        raise ApiError("the messages rendered to an empty prompt", "messages")
+    want_logprobs = _opt(body, "logprobs", bool) or False
+    top_logprobs = _opt(body, "top_logprobs", int)
+    if top_logprobs is not None and not want_logprobs:
+        raise ApiError("top_logprobs requires logprobs=true", "top_logprobs")
+    logprobs = (top_logprobs or 0) if want_logprobs else None
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _opt(body, max_field, int)
+    given = max_tokens is not None
+    if not given:  # as many as fit; max(1, ...) lets the context check word the error
+        limit = model.max_model_len
+        max_tokens = max(1, limit - len(prompt_ids)) if limit else _COMPLETIONS_DEFAULT_MAX_TOKENS
+    params = _sampling_params(body, max_tokens, logprobs,
+                              {"logprobs": "top_logprobs", "max_tokens": max_field})
+    _check_context(len(prompt_ids), params.max_tokens, given, model.max_model_len, "messages")
+    return _parsed(body, prompt_ids, params, logprobs)
+
+
+# ---- shared pieces -------------------------------------------------------------------------
+def _check_common(body, model: ModelInfo) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {_json_type(body)}")
+    name = body.get("model")
+    if name is None:
+        raise ApiError("'model' is a required field", "model")
+    if not isinstance(name, str):
+        raise ApiError(f"'model' must be a string, got {_json_type(name)}", "model")
+    if name != model.name:
+        raise ApiError(f"The model `{name}` does not exist. This server serves `{model.name}`.",
+                       "model", status=404, type="NotFoundError", code="model_not_found")
+    n = _opt(body, "n", int)
+    if n is not None and n != 1:
+        raise ApiError(f"n={n} is not supported: this server returns one choice per request (n=1)", "n")
+    return body
+
+
+def _parsed(body: dict, prompt_ids: list[int], params: SamplingParams,
+            logprobs: int | None) -> ParsedRequest:
+    stream = _opt(body, "stream", bool) or False
+    options = _opt(body, "stream_options", dict)
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise ApiError("stream_options is only allowed with stream=true", "stream_options")
+        include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage") or False
+    priority = _opt(body, "priority", int)
+    return ParsedRequest(prompt_ids, params, stream, include_usage, logprobs, priority or 0)
+
+
+def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
+                     field_names: dict[str, str]) -> SamplingParams:
+    """SamplingParams from the body's fields; its ValueError becomes a 400 naming the body field."""
+    kwargs = {"max_tokens": max_tokens, "logprobs": logprobs}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        kwargs[name] = _opt(body, name, float)
+    for name in ("top_k", "seed"):
+        kwargs[name] = _opt(body, name, int)
+    for name in ("ignore_eos", "skip_special_tokens"):
+        kwargs[name] = _opt(body, name, bool)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError("'stop' must be a string or a list of strings", "stop")
+    kwargs["stop"] = stop
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
+        raise ApiError("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    kwargs["stop_token_ids"] = stop_ids
+    seed = kwargs["seed"]
+    if seed is not None and not -2**63 <= seed < 2**64:
+        raise ApiError(f"seed={seed} is out of range (a 64-bit integer)", "seed")
+    try:
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+    except ValueError as e:
+        match = _PARAMS_ERROR.match(str(e))
+        if match is None:
+            raise ApiError(str(e))
+        field = field_names.get(match.group(1), match.group(1))
+        raise ApiError(f"{field}={match.group(2)}", field)
+
+
+def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
+                   max_model_len: int | None, what: str) -> None:
+    if max_model_len is None or num_prompt + max_tokens <= max_model_len:
+        return
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if not max_tokens_given:
+        raise ApiError(f"{head}your {what} resulted in {num_prompt} tokens. "
+                       f"Please reduce the length of the {what}.", what)
+    raise ApiError(f"{head}you requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
+                   f"{what}, {max_tokens} in the completion). Please reduce the length of the "
+                   f"{what} or completion.", what)
+
+
+def _prompt_token_ids(prompt, tokenizer: Tokenizer) -> list[int]:
+    """A string, a list of token ids, or a list holding one string (or one list of ids)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise ApiError(f"batched prompts are not supported: got {len(prompt)} prompts; "
+                           "send one request per prompt", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        ids = prompt
+        bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise ApiError(f"prompt token id {bad} is outside the vocabulary "
+                           f"[0, {tokenizer.vocab_size})", "prompt")
+    else:
+        raise ApiError("'prompt' must be a string, a list of token ids or a list with one string, "
+                       f"got {_json_type(prompt)}", "prompt")
+    if not ids:
+        raise ApiError("the prompt is empty", "prompt")
+    return ids
+
+
+def _messages(messages) -> list[dict]:
+    """Messages as the chat template wants them: role plus string content."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list of message objects", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(f"{where} must be an object, got {_json_type(message)}", where)
+        role = message.get("role")
+        if role not in _CHAT_ROLES:
+            raise ApiError(f"{where}.role must be one of {', '.join(_CHAT_ROLES)}; got {role!r}",
+                           f"{where}.role")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        elif isinstance(content, list):
+            content = "\n".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+        elif not isinstance(content, str):
+            raise ApiError(f"{where}.content must be a string or a list of text parts, "
+                           f"got {_json_type(content)}", f"{where}.content")
+        clean = {"role": role, "content": content}
+        clean.update({k: message[k] for k in _MESSAGE_EXTRA_KEYS if k in message})
+        out.append(clean)
+    return out
+
+
+def _text_part(part, where: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+        raise ApiError(f"{where}: only {{\"type\": \"text\", \"text\": ...}} parts are supported, "
+                       f"got {kind!r}", where)
+    return part["text"]
+
+
+def _opt(body: dict, name: str, kind: type, param: str | None = None):
+    """body[name] if present and not null, checked against a JSON type (float accepts ints)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = {bool: lambda v: isinstance(v, bool), int: _is_int, dict: lambda v: isinstance(v, dict),
+          float: lambda v: _is_int(v) or isinstance(v, float)}[kind](value)
+    if not ok:
+        expected = {bool: "a boolean", int: "an integer", float: "a number", dict: "an object"}[kind]
+        raise ApiError(f"'{param or name}' must be {expected}, got {_json_type(value)}", param or name)
+    return float(value) if kind is float else value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "an integer", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

@@ -1,0 +1,58 @@
+"""Output text of one request: incremental detokenization, stop strings, and stream hold-back.
+
+The token source enforces EOS, stop token ids and max_tokens; stop strings need text, so they
+are found here. While a request runs, the last len(longest stop string) - 1 characters are held
+back, so a stream never shows the start of a stop string that a later token completes.
+"""
+
+from __future__ import annotations
+
+from pd_serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class OutputText:
+    """Feed it token ids as they arrive; take text deltas that are safe to show.
+
+    Attributes
+    ----------
+    text : str
+        All output text so far; cut before the stop string once one is found.
+    stopped : bool
+        A stop string was found; tokens after the one that completed it are not taken.
+    token_offsets : list[int]
+        Per taken token, where its text starts in `text` (OpenAI's text_offset).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
+                 skip_special_tokens: bool = True):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._num_chars_sent = 0
+        self.text = ""
+        self.stopped = False
+        self.token_offsets: list[int] = []
+
+    def add(self, token_ids: list[int]) -> int:
+        """Take token ids in order until one completes a stop string; return how many were taken."""
+        for i, token_id in enumerate(token_ids):
+            start = len(self._detokenizer.text)
+            self.token_offsets.append(start)
+            self._detokenizer.step([token_id])
+            self.text = self._detokenizer.text
+            if self._stop and len(self.text) > start:
+                # A stop string ending in the new text starts at most holdback chars before it.
+                window = max(0, start - self._holdback)
+                hits = [j for j in (self.text.find(s, window) for s in self._stop) if j >= 0]
+                if hits:
+                    self.text = self.text[:min(hits)]
+                    self.stopped = True
+                    return i + 1
+        return len(token_ids)
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not handed out yet; all of it once finished, else all but the hold-back."""
+        end = len(self.text) if finished or self.stopped else len(self.text) - self._holdback
+        delta = self.text[self._num_chars_sent:end]
+        self._num_chars_sent = max(self._num_chars_sent, end)
+        return delta

@@ -1,0 +1,78 @@
+"""The gateway's view of whatever produces tokens: a cluster of workers, or an in-process engine.
+
+The HTTP layer (openai_api.py) turns a request into a GenerateSpec, iterates the TokenEvents
+of `source.generate(spec)` and turns them into OpenAI responses. Closing the iterator early
+(client gone) must abort the request wherever it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from pd_serve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateSpec:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request. The last event has finished=True (or an error)."""
+
+    new_token_ids: list[int]
+    logprobs: list[dict] | None = None  # per new token: {"token_id", "logprob", "top": [[id, lp], ...]}
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    error: str = ""  # set when the request failed inside the cluster (worker died, timeout)
+    timings: dict = field(default_factory=dict)  # phase timings in seconds, on the last event
+
+
+class TokenSource(ABC):
+    @abstractmethod
+    def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
+        """Yield the request's events; the final one has finished=True."""
+
+    @abstractmethod
+    def model_name(self) -> str:
+        """The id /v1/models lists and requests must name."""
+
+    def max_model_len(self) -> int | None:
+        return None
+
+
+class EngineSource(TokenSource):
+    """A colocated AsyncEngine in the gateway's own process (tests and single-process serving)."""
+
+    def __init__(self, async_engine, name: str):
+        self.engine = async_engine
+        self.name = name
+        self._ids = itertools.count()
+
+    def model_name(self) -> str:
+        return self.name
+
+    def max_model_len(self) -> int | None:
+        return self.engine.engine.max_model_len
+
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
+        # The engine does token-level stops; stop strings are the HTTP layer's (it detokenizes).
+        params = dataclasses.replace(spec.params, stop=[])
+        async for out in self.engine.generate(spec.prompt_token_ids, params,
+                                              request_id=spec.request_id, priority=spec.priority):
+            n = len(out.new_token_ids)
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                             "top": [list(t) for t in lp.top]} for lp in out.logprobs[-n:]] if n else []
+            yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason)
+            await asyncio.sleep(0)
