@@ -44,6 +44,7 @@ from pd_serve.transfer.base import TransferError, TransferResult  # noqa: E402
 from pd_serve.transfer.receiver import KVReceiver  # noqa: E402
 from pd_serve.transfer.sender import KVSender  # noqa: E402
 
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
 MiB = 1 << 20
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
 DEFAULT_SIZES_MIB = [1, 4, 16, 64, 256, 1024]
@@ -96,6 +97,8 @@ def parse_args() -> argparse.Namespace:
                           "--sizes-mib")
     args.latency_tokens = ints(args.latency_tokens, QUICK["latency_tokens"] if args.quick
                                else DEFAULT_LATENCY_TOKENS, "--latency-tokens")
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be >= 1")
     args.repeats = args.repeats or (QUICK["repeats"] if args.quick else 5)
     args.sender_device, args.receiver_device = map(torch.device, (args.sender_device, args.receiver_device))
     args.backends = check_backends(p, args.backends, args.sender_device, args.receiver_device)
@@ -292,11 +295,14 @@ class Pair:
 
 
 def run_backend(backend: str, pool: KVPool, raw_gbps: float, args: argparse.Namespace) -> dict:
+    """Sizes, latencies and one verified transfer; a failure ends the backend's run, and its
+    rows so far are kept along with the error."""
     layout = pool.layout
     out = {"backend": backend, "sizes": [], "latency": []}
-    pair = Pair(backend, pool, args)
-    out["receiver_device_name"] = pair.receiver.device_name
+    pair = None
     try:
+        pair = Pair(backend, pool, args)
+        out["receiver_device_name"] = pair.receiver.device_name
         for size_mib in args.sizes_mib:
             seconds = pair.timed(size_mib * MiB // layout.bytes_per_page, args.repeats)
             gbps = [size_mib * MiB / s / 1e9 for s in seconds]
@@ -318,9 +324,13 @@ def run_backend(backend: str, pool: KVPool, raw_gbps: float, args: argparse.Name
         out["verify"] = pair.verify(max(args.sizes_mib) * MiB // layout.bytes_per_page)
         log(f"{backend:>5} verify {out['verify']['num_pages']} pages: "
             f"{'bit-exact' if out['verify']['ok'] else 'MISMATCH'}")
+    except (TransferError, RuntimeError, ValueError) as e:  # RuntimeError: CUDA OOM among them
+        out["error"] = f"{type(e).__name__}: {e}"
+        log(f"{backend:>5} FAILED: {out['error']}")
     finally:
-        pair.close()
-        del pair
+        if pair is not None:
+            pair.close()
+        pair = None  # the sender, its staging buffers and (torch) its process group
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -395,6 +405,20 @@ def nccl_version() -> str | None:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
+def run_facts(args: argparse.Namespace, layout: KVLayout, num_pages: int) -> dict:
+    """Devices, versions, commit and flags: what a result file records beside its numbers."""
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"sender_device": str(args.sender_device),
+            "sender_device_name": device_name(args.sender_device),
+            "receiver_device": str(args.receiver_device),
+            "receiver_device_name": device_name(args.receiver_device), "gpu_count": num_gpus,
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+            "nccl_version": nccl_version() if num_gpus else None, "git_commit": git_commit(),
+            "torch_threads": torch.get_num_threads(), "layout": asdict(layout), "num_pages": num_pages,
+            "flags": {k: str(v) if isinstance(v, torch.device) else v
+                      for k, v in vars(args).items() if k not in RECEIVER_FLAGS}}
+
+
 def main() -> None:
     args = parse_args()
     if args.role == "receiver":
@@ -413,31 +437,13 @@ def main() -> None:
 
     pool = KVPool(layout, num_pages, sender_device)
     pool.buffer.normal_(generator=torch.Generator(sender_device).manual_seed(args.seed))
-    results = []
-    for backend in args.backends:
-        try:
-            results.append(run_backend(backend, pool, raw["median_gbps"], args))
-        except (TransferError, RuntimeError, ValueError) as e:
-            log(f"{backend}: FAILED: {type(e).__name__}: {e}")
-            results.append({"backend": backend, "sizes": [], "latency": [], "error": str(e)})
+    results = [run_backend(backend, pool, raw["median_gbps"], args) for backend in args.backends]
     print_tables(results, raw)
 
     if args.output:
-        path = args.output
-        if path == "auto":
-            path = REPO_ROOT / "bench" / "results" / f"transfer-{device_kind([sender_device, receiver_device])}.json"
-        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        record = {"sender_device": str(sender_device), "sender_device_name": device_name(sender_device),
-                  "receiver_device": str(receiver_device),
-                  "receiver_device_name": device_name(receiver_device), "gpu_count": num_gpus,
-                  "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-                  "nccl_version": nccl_version() if num_gpus else None,
-                  "git_commit": git_commit(), "torch_threads": torch.get_num_threads(),
-                  "layout": asdict(layout), "num_pages": num_pages,
-                  "flags": {k: str(v) if isinstance(v, torch.device) else v
-                            for k, v in vars(args).items() if k not in RECEIVER_FLAGS},
-                  "raw_link": raw, "backends": results}
-        write_json(path, record)
+        kind = device_kind([sender_device, receiver_device])
+        path = RESULTS_DIR / f"transfer-{kind}.json" if args.output == "auto" else args.output
+        write_json(path, {**run_facts(args, layout, num_pages), "raw_link": raw, "backends": results})
     if any("error" in r or not r.get("verify", {}).get("ok") for r in results):
         sys.exit(1)
 

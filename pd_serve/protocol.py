@@ -67,8 +67,116 @@ class TransferAck:
     error: str = ""
 
 
-MESSAGES = {cls.__name__: cls for cls in (TransferHello, TransferWelcome, KVChunk, TransferAbort,
-                                          TransferAck)}
+# ---- control plane: workers <-> gateway ---------------------------------------------------
+
+
+@dataclass
+class WorkerStatus:
+    """Worker -> gateway, at start and every heartbeat: registers (again, after a gateway
+    restart) and reports load. `metrics` is the worker's Prometheus text."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    model: str
+    transfer_backend: str = ""
+    transfer_address: str = ""  # decode: where prefill workers send KV
+    layout: dict = field(default_factory=dict)
+    num_pages: int = 0
+    num_free_pages: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_outstanding_tokens: int = 0
+    max_model_len: int = 0
+    metrics: str = ""
+
+
+@dataclass
+class Admit:
+    """Gateway -> decode: reserve pages for this prompt (DESIGN step 3)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    priority: int = 0
+
+
+@dataclass
+class AdmitReply:
+    """Decode -> gateway: the reserved pages, or why not (full: retry later)."""
+
+    request_id: str
+    ok: bool
+    dst_page_ids: list[int] = field(default_factory=list)
+    transfer_address: str = ""
+    error: str = ""
+    retryable: bool = False
+
+
+@dataclass
+class Prefill:
+    """Gateway -> prefill: compute the prompt's KV, sample token 1, send the KV to decode."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    decode_address: str
+    dst_page_ids: list[int]
+    priority: int = 0
+
+
+@dataclass
+class PrefillDone:
+    """Prefill -> gateway: the KV is in decode's pages (ok) and this is token 1; or an error."""
+
+    request_id: str
+    ok: bool
+    first_token_id: int = -1
+    logprob: dict | None = None
+    error: str = ""
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class StartDecode:
+    """Gateway -> decode: the KV has arrived; continue from token 1."""
+
+    request_id: str
+    first_token_id: int
+    logprob: dict | None = None
+
+
+@dataclass
+class Generate:
+    """Gateway -> colocated worker: run the whole request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict
+    priority: int = 0
+
+
+@dataclass
+class TokenBatch:
+    """Decode/colocated -> gateway, once per step: every request's new tokens.
+
+    items: [request_id, new_token_ids, logprobs (list of dicts) or None, finished,
+    finish_reason or None, error] per request.
+    """
+
+    worker_id: str
+    items: list[list]
+
+
+@dataclass
+class AbortRequest:
+    """Gateway -> worker: drop the request wherever it is and free its pages."""
+
+    request_id: str
+
+
+MESSAGES = {cls.__name__: cls for cls in (
+    TransferHello, TransferWelcome, KVChunk, TransferAbort, TransferAck, WorkerStatus, Admit,
+    AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest)}
 
 
 def encode(msg) -> bytes:

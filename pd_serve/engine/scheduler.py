@@ -52,6 +52,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose KV is already in its pages (decode after a transfer)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def detach(self, request: Request) -> None:
+        """Take a running request out but keep its pages: the caller now owns and frees them
+        (prefill, while the pages are being sent)."""
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request from any state; its pages are freed exactly once."""
         if request.finished:

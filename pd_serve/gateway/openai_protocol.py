@@ -7,6 +7,7 @@ OpenAI API, with vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -258,6 +259,8 @@ def _opt(body: dict, name: str, kind: type, param: str | None = None):
     if not ok:
         expected = {bool: "a boolean", int: "an integer", float: "a number", dict: "an object"}[kind]
         raise ApiError(f"'{param or name}' must be {expected}, got {_json_type(value)}", param or name)
+    if kind is float and not math.isfinite(value):
+        raise ApiError(f"'{param or name}' must be a finite number, got {value}", param or name)
     return float(value) if kind is float else value
 
 

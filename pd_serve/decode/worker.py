@@ -1,0 +1,121 @@
+"""Decode worker: reserves pages for a prompt, receives its KV, then decodes in continuous batches.
+
+Lifecycle of a request here: Admit (pages reserved, receiver told to expect them) -> the KV
+arrives (transfer result) and StartDecode brings token 1 -> running in the batch -> finished.
+Abort or a failed transfer at any point frees the pages exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd_serve.engine.core import token_stop_reason
+from pd_serve.engine.request import Request, TokenLogprob
+from pd_serve.protocol import AbortRequest, Admit, AdmitReply, StartDecode, TokenBatch
+from pd_serve.transfer.receiver import KVReceiver
+from pd_serve.worker import Worker, WorkerConfig, make_request
+
+
+@dataclass
+class _Pending:
+    request: Request
+    kv_arrived: bool = False
+    first_token: StartDecode | None = None
+
+
+class DecodeWorker(Worker):
+    role = "decode"
+
+    def __init__(self, config: WorkerConfig):
+        super().__init__(config)
+        self.receiver = KVReceiver(self.core.kv_pool, self.transfer_backend, host=config.host,
+                                   port=config.port, timeout_s=config.transfer_timeout_s)
+        self.pending: dict[str, _Pending] = {}
+
+    def status_fields(self) -> dict:
+        return {"transfer_backend": self.transfer_backend,
+                "transfer_address": self.receiver.address}
+
+    def metrics_text(self) -> str:
+        from prometheus_client import generate_latest
+        return super().metrics_text() + generate_latest(self.receiver.stats.registry).decode()
+
+    def busy(self) -> bool:
+        return bool(self.pending) or self.core.scheduler.has_unfinished()
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, Admit):
+            self.send(self._admit(msg))
+        elif isinstance(msg, StartDecode):
+            pending = self.pending.get(msg.request_id)
+            if pending is not None:
+                pending.first_token = msg
+                self._start_ready()
+        elif isinstance(msg, AbortRequest):
+            pending = self.pending.pop(msg.request_id, None)
+            if pending is not None:
+                self.receiver.cancel(msg.request_id)
+                self._free(pending.request)
+            else:
+                self.abort_in_scheduler(msg.request_id)
+
+    def _admit(self, msg: Admit) -> AdmitReply:
+        try:
+            request = make_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.priority)
+            self.core.check_prompt(request.prompt_token_ids)
+        except (ValueError, TypeError) as e:
+            return AdmitReply(msg.request_id, ok=False, error=str(e))
+        sched = self.core.scheduler
+        if len(self.pending) + len(sched.running) + len(sched.waiting) >= sched.config.max_running_requests:
+            return AdmitReply(msg.request_id, ok=False, error="decode worker at --max-running-requests",
+                              retryable=True)
+        num_pages = -(-request.num_prompt_tokens // self.core.kv_pool.layout.page_size)
+        page_ids = self.core.allocator.allocate(num_pages)
+        if page_ids is None:
+            return AdmitReply(msg.request_id, ok=False, error="decode KV cache full", retryable=True)
+        request.page_ids = page_ids
+        self.pending[msg.request_id] = _Pending(request)
+        self.receiver.expect(msg.request_id, page_ids)
+        return AdmitReply(msg.request_id, ok=True, dst_page_ids=page_ids,
+                          transfer_address=self.receiver.address)
+
+    def tick(self) -> None:
+        for result in self.receiver.poll():
+            pending = self.pending.get(result.request_id)
+            if pending is None:
+                continue
+            if result.ok:
+                pending.kv_arrived = True
+            else:
+                del self.pending[result.request_id]
+                self._free(pending.request)
+                self.fail(result.request_id, f"KV transfer failed: {result.error}")
+        self._start_ready()
+        if self.core.scheduler.has_unfinished():
+            self.step_and_stream()
+
+    def _start_ready(self) -> None:
+        """Requests with both their KV and token 1 join the running batch."""
+        ready = [p for p in self.pending.values() if p.kv_arrived and p.first_token is not None]
+        finished_items = []
+        for p in ready:
+            request, first = p.request, p.first_token
+            del self.pending[request.request_id]
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.output_token_ids.append(first.first_token_id)
+            if first.logprob is not None:
+                lp = first.logprob
+                request.output_logprobs.append(TokenLogprob(lp["token_id"], lp["logprob"],
+                                                            [tuple(t) for t in lp["top"]]))
+            reason = token_stop_reason(request, self.core.tokenizer.eos_token_ids,
+                                       self.core.max_model_len)
+            self.core.scheduler.add_running(request)
+            if reason is not None:  # token 1 already ends it (EOS, max_tokens=1)
+                self.core.scheduler.finish(request, reason)
+                finished_items.append([request.request_id, [], None, True, reason.value, ""])
+        if finished_items:
+            self.send(TokenBatch(self.worker_id, finished_items))
+
+    def _free(self, request: Request) -> None:
+        self.core.allocator.free(request.page_ids)
+        request.page_ids = []

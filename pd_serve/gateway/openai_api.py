@@ -1,0 +1,278 @@
+"""OpenAI HTTP handlers: /v1/completions, /v1/chat/completions (stream and not), /v1/models, /health.
+
+A request is parsed (openai_protocol), handed to a TokenSource as a GenerateSpec, and its
+TokenEvents become text (openai_text: detokenization and stop strings) and OpenAI JSON. Every
+exit path closes the source iterator, which aborts the request wherever it runs: a stop
+string, a client gone mid-stream (a failed write or a cancelled handler), an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from aiohttp import web
+
+from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest, parse_chat,
+                                              parse_completion)
+from pd_serve.gateway.openai_text import OutputText
+from pd_serve.gateway.source import GenerateSpec, TokenSource
+from pd_serve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_MIN_LOGPROB = -9999.0  # -inf is not JSON; clamp as vLLM does
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+
+
+class SourceError(Exception):
+    """The token source reported a failure (TokenEvent.error) or broke its contract."""
+
+
+@dataclass
+class _Delta:
+    """What one TokenEvent adds to the response."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None  # the source's per-token entries
+    text_offsets: list[int]
+    finish_reason: str | None
+
+
+class OpenAIServer:
+    """The OpenAI routes over one TokenSource. `new_request_id(prefix)` names each request."""
+
+    def __init__(self, source: TokenSource, tokenizer: Tokenizer,
+                 new_request_id: Callable[[str], str]):
+        self.source = source
+        self.tokenizer = tokenizer
+        self.new_request_id = new_request_id
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health)]
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.source.model_name(), "object": "model", "created": self.created,
+                "owned_by": "pd-serve", "max_model_len": self.source.max_model_len()}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion, _CompletionShape, "cmpl")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_chat, _ChatShape, "chatcmpl")
+
+    # ---- one request ---------------------------------------------------------------------
+    async def _serve(self, request: web.Request, parse, shape_cls, id_prefix: str) -> web.StreamResponse:
+        try:
+            info = ModelInfo(self.source.model_name(), self.tokenizer, self.source.max_model_len())
+            parsed = parse(await _read_json(request), info)
+        except ApiError as e:
+            return _error_response(e)
+        request_id = self.new_request_id(id_prefix)
+        shape = shape_cls(request_id, info.name, self.tokenizer)
+        spec = GenerateSpec(request_id, parsed.prompt_token_ids, parsed.params, parsed.priority)
+        deltas = self._run(spec, parsed)
+        if parsed.stream:
+            return await self._stream(request, deltas, shape, parsed)
+        return await self._complete(request, deltas, shape, parsed)
+
+    async def _run(self, spec: GenerateSpec, parsed: ParsedRequest) -> AsyncIterator[_Delta]:
+        """The source's events as text deltas; ends at the first finish (stop string included)."""
+        out = OutputText(self.tokenizer, spec.prompt_token_ids, spec.params.stop,
+                         spec.params.skip_special_tokens)
+        events = self.source.generate(spec)
+        try:
+            async for event in events:
+                if event.error:
+                    raise SourceError(event.error)
+                n = out.add(event.new_token_ids)
+                finish = "stop" if out.stopped else (
+                    (event.finish_reason or "stop") if event.finished else None)
+                logprobs = event.logprobs[:n] if parsed.logprobs is not None and event.logprobs else None
+                yield _Delta(out.take_delta(finish is not None), event.new_token_ids[:n], logprobs,
+                             out.token_offsets[len(out.token_offsets) - n:], finish)
+                if finish is not None:
+                    return
+            raise SourceError("the token source ended without a final event")
+        finally:  # a stop string, a closed client or an error: the source aborts the request
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _complete(self, request: web.Request, deltas: AsyncIterator[_Delta], shape,
+                        parsed: ParsedRequest) -> web.Response:
+        texts, token_ids, logprobs, offsets, finish = [], [], [], [], None
+        try:
+            async with aclosing(deltas):
+                async for d in deltas:
+                    texts.append(d.text)
+                    token_ids += d.token_ids
+                    logprobs += d.logprobs or []
+                    offsets += d.text_offsets
+                    finish = d.finish_reason
+                    if _client_gone(request):
+                        logger.info("%s: client gone; request aborted", shape.id)
+                        return web.Response(status=499)
+        except Exception as e:
+            return _error_response(_api_error(e, shape.id))
+        usage = _usage(len(parsed.prompt_token_ids), len(token_ids))
+        lp = shape.logprobs(logprobs, offsets, parsed.logprobs) if parsed.logprobs is not None else None
+        return web.json_response(shape.response("".join(texts), lp, finish, usage))
+
+    async def _stream(self, request: web.Request, deltas: AsyncIterator[_Delta], shape,
+                      parsed: ParsedRequest) -> web.StreamResponse:
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        extra = {"usage": None} if parsed.include_usage else {}
+        num_tokens = 0
+        try:
+            await response.prepare(request)
+            try:
+                async with aclosing(deltas):
+                    for chunk in shape.opening_chunks():
+                        await _send(response, chunk | extra)
+                    async for d in deltas:
+                        num_tokens += len(d.token_ids)
+                        if not (d.text or d.logprobs or d.finish_reason):
+                            continue  # nothing visible yet (held back or a partial character)
+                        lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs) \
+                            if parsed.logprobs is not None else None
+                        await _send(response, shape.chunk(d.text, lp, d.finish_reason) | extra)
+                if parsed.include_usage:
+                    usage = _usage(len(parsed.prompt_token_ids), num_tokens)
+                    await _send(response, shape.usage_chunk(usage))
+            except ConnectionResetError:
+                raise
+            except Exception as e:
+                await _send(response, _api_error(e, shape.id).body())
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the client left; closing `deltas` aborted the request
+            logger.info("%s: client gone mid-stream; request aborted", shape.id)
+        return response
+
+
+# ---- response shapes -----------------------------------------------------------------------
+class _Shape:
+    """JSON of one response: ids, chunk and final layouts, logprobs format."""
+
+    object = chunk_object = ""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer):
+        self.id, self.model, self.tokenizer = request_id, model, tokenizer
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._head(self.chunk_object) | {"choices": [], "usage": usage}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class _CompletionShape(_Shape):
+    object = chunk_object = "text_completion"
+
+    def chunk(self, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head(self.object) | {"choices": [choice]}
+
+    def response(self, text: str, logprobs: dict | None, finish_reason: str | None, usage: dict) -> dict:
+        return self.chunk(text, logprobs, finish_reason) | {"usage": usage}
+
+    def logprobs(self, entries: list[dict], offsets: list[int], num_top: int) -> dict:
+        """OpenAI's legacy format: parallel lists, top alternatives as {token: logprob}."""
+        return {"tokens": [self._token(e["token_id"]) for e in entries],
+                "token_logprobs": [_clamp(e["logprob"]) for e in entries],
+                "top_logprobs": [{self._token(t): _clamp(lp) for t, lp in e["top"][:num_top]}
+                                 for e in entries],
+                "text_offset": list(offsets)}
+
+
+class _ChatShape(_Shape):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def opening_chunks(self) -> list[dict]:
+        return [self.chunk(None, None, None, role=True)]
+
+    def chunk(self, text: str | None, logprobs: dict | None, finish_reason: str | None,
+              role: bool = False) -> dict:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head(self.chunk_object) | {"choices": [choice]}
+
+    def response(self, text: str, logprobs: dict | None, finish_reason: str | None, usage: dict) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._head(self.object) | {"choices": [choice], "usage": usage}
+
+    def logprobs(self, entries: list[dict], offsets: list[int], num_top: int) -> dict:
+        return {"content": [self._entry(e["token_id"], e["logprob"])
+                            | {"top_logprobs": [self._entry(t, lp) for t, lp in e["top"][:num_top]]}
+                            for e in entries]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": _clamp(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+# ---- helpers -------------------------------------------------------------------------------
+async def _read_json(request: web.Request):
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ApiError(f"request body too large: {e.text}", status=413)
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError(f"request body is not valid JSON: {e}")
+
+
+async def _send(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _api_error(exc: Exception, request_id: str) -> ApiError:
+    """What a failure while generating becomes: the source's error 500, a rejected prompt 400."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValueError):
+        return ApiError(str(exc))
+    if not isinstance(exc, SourceError):
+        logger.exception("%s: generation failed", request_id, exc_info=exc)
+    return ApiError(f"generation failed: {exc}", status=500, type="server_error")
+
+
+def _error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+def _usage(num_prompt: int, num_completion: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+def _clamp(logprob: float) -> float:
+    return max(float(logprob), _MIN_LOGPROB)

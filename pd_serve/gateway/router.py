@@ -1,0 +1,48 @@
+"""Which worker of a pool takes a request: round_robin, least_load, and prefix for prefill."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from pd_serve.protocol import WorkerStatus
+
+POLICIES = {"prefill": ("round_robin", "least_load", "prefix"),
+            "decode": ("round_robin", "least_load")}
+PREFIX_TOKENS = 64  # requests sharing this many leading tokens go to the same prefill worker
+
+
+@dataclass
+class WorkerState:
+    status: WorkerStatus
+    last_seen: float = field(default_factory=time.monotonic)
+    # Requests the gateway has routed here and not seen finish, with their token estimate.
+    inflight: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def worker_id(self) -> str:
+        return self.status.worker_id
+
+    @property
+    def load(self) -> int:
+        """Outstanding tokens: what the gateway routed here and has not seen finish."""
+        return sum(self.inflight.values())
+
+
+class Router:
+    def __init__(self, policy: str, role: str):
+        if policy not in POLICIES[role]:
+            raise ValueError(f"--{role}-policy {policy!r} must be one of {', '.join(POLICIES[role])}")
+        self.policy = policy
+        self._turn = itertools.count()
+
+    def pick(self, workers: list[WorkerState], prompt_token_ids: list[int]) -> WorkerState:
+        """workers is non-empty and sorted by worker id."""
+        if self.policy == "round_robin":
+            return workers[next(self._turn) % len(workers)]
+        if self.policy == "prefix":
+            head = ",".join(map(str, prompt_token_ids[:PREFIX_TOKENS])).encode()
+            return workers[int.from_bytes(hashlib.blake2b(head, digest_size=8).digest(), "big") % len(workers)]
+        return min(workers, key=lambda w: (w.load, w.worker_id))

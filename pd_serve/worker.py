@@ -1,0 +1,197 @@
+"""What every worker process shares: the control socket to the gateway, heartbeats, the loop.
+
+A worker is one process around an EngineCore. It registers with the gateway by sending its
+WorkerStatus (again every heartbeat, so a restarted gateway learns it within one interval),
+handles the gateway's messages between steps, and steps its engine while it has work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from pd_serve import protocol
+from pd_serve.config import EngineConfig
+from pd_serve.engine.core import EngineCore, token_stop_reason
+from pd_serve.engine.request import FinishReason, Request, TokenLogprob
+from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.protocol import AbortRequest, Generate, TokenBatch, WorkerStatus
+
+logger = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    engine: EngineConfig
+    gateway: str  # the gateway's control address, tcp://host:port
+    worker_id: str = ""
+    host: str = "127.0.0.1"  # where this worker binds (decode: its KV receiver)
+    port: int = 0  # decode: KV receiver port (0 = any free port)
+    transfer_backend: str = "auto"  # auto: tcp on CPU, torch on GPU
+    transfer_timeout_s: float = 30.0
+    heartbeat_s: float = 1.0
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp != 1:
+            raise ValueError(f"--tp {self.tp}: tensor parallelism is not implemented yet; use --tp 1")
+        if not self.gateway.startswith("tcp://"):
+            raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT")
+
+
+def make_request(request_id: str, prompt_token_ids: list[int], sampling: dict, priority: int) -> Request:
+    """A Request from wire fields; a bad field is a ValueError naming it."""
+    return Request(list(prompt_token_ids), SamplingParams(**sampling), request_id=request_id,
+                   priority=priority)
+
+
+def logprob_dict(lp: TokenLogprob | None) -> dict | None:
+    return None if lp is None else {"token_id": lp.token_id, "logprob": lp.logprob,
+                                    "top": [list(t) for t in lp.top]}
+
+
+class WorkerMetrics:
+    """The worker's own series; the gateway adds a `worker` label when it merges them."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.pages_used = Gauge("pd_serve:kv_pages_used", "KV pages in use", registry=r)
+        self.pages_total = Gauge("pd_serve:kv_pages_total", "KV pages in the pool", registry=r)
+        self.running = Gauge("pd_serve:num_requests_running", "requests in the batch", registry=r)
+        self.waiting = Gauge("pd_serve:num_requests_waiting", "requests queued", registry=r)
+        self.prompt_tokens = Counter("pd_serve:prompt_tokens", "prompt tokens computed", registry=r)
+        self.generation_tokens = Counter("pd_serve:generation_tokens", "tokens generated", registry=r)
+
+
+class Worker:
+    role = ""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.core = EngineCore(config.engine)
+        self.worker_id = config.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.metrics = WorkerMetrics()
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(config.gateway)
+        self._next_heartbeat = 0.0
+        self._stop = False
+
+    @property
+    def transfer_backend(self) -> str:
+        backend = self.config.transfer_backend
+        return backend if backend != "auto" else ("tcp" if self.core.device.type == "cpu" else "torch")
+
+    # ---- role hooks -----------------------------------------------------------------------
+    def handle(self, msg) -> None:
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        """Poll transfers and run one engine step if there is work."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        return self.core.scheduler.has_unfinished()
+
+    def status_fields(self) -> dict:
+        return {}
+
+    # ---- loop -----------------------------------------------------------------------------
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        logger.info("%s %s: model %s, gateway %s", self.role, self.worker_id, self.core.model_dir,
+                    self.config.gateway)
+        while not self._stop:
+            if self._sock.poll(0 if self.busy() else 10, zmq.POLLIN):
+                while self._sock.poll(0, zmq.POLLIN):
+                    self.handle(protocol.decode(self._sock.recv()))
+            self.tick()
+            if time.monotonic() >= self._next_heartbeat:
+                self.send(self.status())
+                self._next_heartbeat = time.monotonic() + self.config.heartbeat_s
+
+    def send(self, msg) -> None:
+        self._sock.send(protocol.encode(msg))
+
+    def status(self) -> WorkerStatus:
+        core, alloc = self.core, self.core.allocator
+        m = self.metrics
+        m.pages_used.set(alloc.num_used_pages)
+        m.pages_total.set(alloc.num_pages)
+        m.running.set(len(core.scheduler.running))
+        m.waiting.set(len(core.scheduler.waiting))
+        outstanding = sum(r.num_uncomputed_tokens + r.sampling_params.max_tokens - len(r.output_token_ids)
+                          for r in core.scheduler.running + core.scheduler.waiting)
+        return WorkerStatus(
+            worker_id=self.worker_id, role=self.role, model=str(core.model_dir),
+            layout=dataclasses.asdict(core.kv_pool.layout), num_pages=alloc.num_pages,
+            num_free_pages=alloc.num_free_pages, num_running=len(core.scheduler.running),
+            num_waiting=len(core.scheduler.waiting), num_outstanding_tokens=outstanding,
+            max_model_len=core.max_model_len, metrics=self.metrics_text(), **self.status_fields())
+
+    def metrics_text(self) -> str:
+        return generate_latest(self.metrics.registry).decode()
+
+    # ---- shared by decode and colocated: step and stream tokens ------------------------------
+    def step_and_stream(self) -> None:
+        plan, sampled = self.core.step()
+        self.metrics.prompt_tokens.inc(sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1))
+        self.metrics.generation_tokens.inc(len(sampled))
+        items = []
+        for request in sampled:
+            reason = token_stop_reason(request, self.core.tokenizer.eos_token_ids, self.core.max_model_len)
+            if reason is not None:
+                self.core.scheduler.finish(request, reason)
+            lp = request.output_logprobs[-1] if request.sampling_params.logprobs is not None else None
+            items.append([request.request_id, request.output_token_ids[-1:],
+                          None if lp is None else [logprob_dict(lp)], request.finished,
+                          reason.value if reason else None, ""])
+        for request in plan.finished:  # ended by the scheduler: more KV than the pool holds
+            items.append([request.request_id, [], None, True, request.finish_reason.value, ""])
+        if items:
+            self.send(TokenBatch(self.worker_id, items))
+
+    def abort_in_scheduler(self, request_id: str) -> bool:
+        sched = self.core.scheduler
+        for request in sched.running + sched.waiting:
+            if request.request_id == request_id:
+                sched.finish(request, FinishReason.ABORT)
+                return True
+        return False
+
+    def fail(self, request_id: str, error: str) -> None:
+        self.send(TokenBatch(self.worker_id, [[request_id, [], None, True, None, error]]))
+
+
+class ColocatedWorker(Worker):
+    """Both phases in one process: the baseline the disaggregated path is compared against."""
+
+    role = "colocated"
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, Generate):
+            try:
+                request = make_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.priority)
+                self.core.check_prompt(request.prompt_token_ids)
+            except (ValueError, TypeError) as e:
+                self.fail(msg.request_id, str(e))
+                return
+            self.core.scheduler.add(request)
+        elif isinstance(msg, AbortRequest):
+            self.abort_in_scheduler(msg.request_id)
+
+    def tick(self) -> None:
+        if self.core.scheduler.has_unfinished():
+            self.step_and_stream()
