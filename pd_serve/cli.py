@@ -1,6 +1,11 @@
 """pd-serve command line. Flags are named as SGLang and vLLM name them.
 
-    pd-serve chat "What is the capital of France?"     # colocated engine, embedded default model
+    pd-serve demo                                       # local 1P1D cluster + an OpenAI client request
+    pd-serve launch --prefill 1 --decode 1 --port 8000  # a local cluster until Ctrl-C
+    pd-serve gateway --port 8000 --control-port 8100    # each part on its own ...
+    pd-serve prefill --gateway tcp://127.0.0.1:8100     # ... on any host, started in any order
+    pd-serve decode --gateway tcp://127.0.0.1:8100
+    pd-serve chat "What is the capital of France?"     # the colocated engine in this process
 """
 
 from __future__ import annotations
@@ -72,6 +77,133 @@ def cmd_chat(args: argparse.Namespace) -> None:
                                        elapsed, num_tokens / elapsed, out.finish_reason)
 
 
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("worker")
+    g.add_argument("--gateway", required=True, help="the gateway's control address, tcp://HOST:PORT")
+    g.add_argument("--worker-id", default="", help="default: ROLE-HOSTNAME-PID")
+    g.add_argument("--host", default="127.0.0.1", help="address this worker binds and advertises")
+    g.add_argument("--port", type=int, default=0, help="decode: KV receiver port (0 = any free port)")
+    g.add_argument("--transfer-backend", default="auto", choices=["auto", "torch", "ipc", "tcp", "nixl"],
+                   help="auto: tcp on CPU, torch (NCCL) on GPU")
+    g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size (1 only, for now)")
+
+
+def worker_config_from_args(args: argparse.Namespace):
+    from pd_serve.worker import WorkerConfig
+
+    return WorkerConfig(engine=engine_config_from_args(args), gateway=args.gateway,
+                        worker_id=args.worker_id, host=args.host, port=args.port,
+                        transfer_backend=args.transfer_backend,
+                        transfer_timeout_s=args.transfer_timeout, tp=args.tp)
+
+
+def cmd_worker(args: argparse.Namespace) -> None:
+    from pd_serve.decode.worker import DecodeWorker
+    from pd_serve.prefill.worker import PrefillWorker
+    from pd_serve.worker import ColocatedWorker
+
+    cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}[args.command]
+    cls(worker_config_from_args(args)).run()
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    from pd_serve.gateway.cluster import GatewayConfig
+    from pd_serve.gateway.router import POLICIES
+
+    d = GatewayConfig()
+    g = parser.add_argument_group("gateway")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port")
+    g.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
+    g.add_argument("--control-port", type=int, default=8100, help="port workers register on")
+    g.add_argument("--control-host", default="127.0.0.1", help="address workers register on")
+    g.add_argument("--model", default=None, help="model folder for the tokenizer and chat template "
+                   "(default: the embedded SmolLM2-135M-Instruct); workers must serve the same model")
+    g.add_argument("--served-model-name", default=None, help="the id clients name (default: the folder name)")
+    g.add_argument("--prefill-policy", default=d.prefill_policy, choices=POLICIES["prefill"])
+    g.add_argument("--decode-policy", default=d.decode_policy, choices=POLICIES["decode"])
+    g.add_argument("--worker-timeout", type=float, default=d.worker_timeout_s,
+                   help="seconds without a heartbeat before a worker is dropped")
+    g.add_argument("--admit-timeout", type=float, default=d.admit_timeout_s,
+                   help="seconds a request may wait for decode capacity")
+    g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
+                   help="longest silence from a worker on a live request")
+
+
+def cmd_gateway(args: argparse.Namespace) -> None:
+    import asyncio
+    from pathlib import Path
+
+    from pd_serve.gateway.cluster import GatewayConfig
+    from pd_serve.gateway.server import serve
+    from pd_serve.model.gguf_default import default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ValueError(f"--model {model_dir}: no tokenizer.json there")
+    name = args.served_model_name or ("SmolLM2-135M-Instruct" if not args.model else model_dir.name)
+    config = GatewayConfig(control_host=args.control_host, control_port=args.control_port,
+                           served_model_name=name, prefill_policy=args.prefill_policy,
+                           decode_policy=args.decode_policy, worker_timeout_s=args.worker_timeout,
+                           admit_timeout_s=args.admit_timeout, step_timeout_s=args.step_timeout)
+    asyncio.run(serve(config, model_dir, args.host, args.port))
+
+
+def _cluster_from_args(args: argparse.Namespace):
+    from pd_serve.launch import LocalCluster
+
+    passthrough = list(args.engine_argv) + (["--model", args.model] if args.model else [])
+    gateway_args = ["--model", args.model] if args.model else []
+    return LocalCluster(port=args.port, num_prefill=args.prefill, num_decode=args.decode,
+                        num_colocated=args.colocated, engine_args=passthrough,
+                        gateway_args=gateway_args, control_port=args.control_port,
+                        log_level=args.log_level,
+                        gpu_ids=args.gpu_ids.split(",") if args.gpu_ids else None)
+
+
+def cmd_launch(args: argparse.Namespace) -> None:
+    from pd_serve.launch import LaunchError
+
+    with _cluster_from_args(args) as cluster:
+        cluster.wait_ready()
+        logging.getLogger("pd_serve").info("cluster ready: %s/v1 (Ctrl-C stops it)", cluster.base_url)
+        try:
+            while all(p.poll() is None for _, p in cluster.procs):
+                time.sleep(0.5)
+            raise LaunchError("a cluster process exited; stopping the rest")
+        except KeyboardInterrupt:
+            pass
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    import openai
+
+    with _cluster_from_args(args) as cluster:
+        cluster.wait_ready()
+        client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="pd-serve")
+        model = client.models.list().data[0].id
+        print(f"> {args.message}")
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": args.message}],
+            max_tokens=args.max_tokens, temperature=0.0)
+        print(reply.choices[0].message.content)
+        timings = (reply.model_extra or {}).get("timings", {})
+        phases = ["queue", "prefill", "transfer", "first_token", "decode", "e2e"]
+        print("timings: " + ", ".join(f"{k} {timings[k] * 1000:.1f} ms" for k in phases if k in timings))
+        print(f"tokens: {reply.usage.prompt_tokens} prompt, {reply.usage.completion_tokens} completion")
+
+
+def _add_launch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    parser.add_argument("--colocated", type=int, default=0, help="colocated workers")
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    parser.add_argument("--control-port", type=int, default=0, help="gateway control port (0: any)")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--gpu-ids", default=None,
+                        help="comma-separated GPU ids handed to workers in turn (CUDA_VISIBLE_DEVICES)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-serve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -84,16 +216,41 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=float, default=1.0)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+    for role in ("prefill", "decode", "colocated"):
+        worker = sub.add_parser(role, help=f"a {role} worker; registers with --gateway")
+        add_engine_args(worker)
+        add_worker_args(worker)
+        worker.set_defaults(func=cmd_worker)
+    gateway = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    add_gateway_args(gateway)
+    gateway.set_defaults(func=cmd_gateway)
+    launch = sub.add_parser("launch", help="a local cluster: gateway + workers (other flags go to "
+                            "every worker, e.g. --device, --max-total-tokens, --transfer-backend)")
+    _add_launch_args(launch)
+    launch.set_defaults(func=cmd_launch)
+    demo = sub.add_parser("demo", help="start a local 1P1D cluster, ask it one chat question "
+                          "with the openai client, print the answer and phase timings, stop")
+    demo.add_argument("message", nargs="?", default="What is the capital of France?")
+    demo.add_argument("--max-tokens", type=int, default=128)
+    _add_launch_args(demo)
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in ("launch", "demo"):
+        args.engine_argv = rest  # every other flag is handed to each worker as is
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pd_serve.launch import LaunchError
+
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, LaunchError) as e:
         # Bad input is one line that names the flag, file or field; no traceback.
         print(f"pd-serve: error: {e}", file=sys.stderr)
         return 2

@@ -53,6 +53,7 @@ class OutputText:
     def take_delta(self, finished: bool) -> str:
         """Text not handed out yet; all of it once finished, else all but the hold-back."""
         end = len(self.text) if finished or self.stopped else len(self.text) - self._holdback
-        delta = self.text[self._num_chars_sent:end]
-        self._num_chars_sent = max(self._num_chars_sent, end)
+        if end <= self._num_chars_sent:
+            return ""
+        delta, self._num_chars_sent = self.text[self._num_chars_sent:end], end
         return delta

@@ -1,0 +1,57 @@
+"""Prometheus metrics of the gateway, plus every registered worker's series, in one scrape.
+
+Workers send their exposition text with each heartbeat; the gateway re-emits their samples
+with a `worker` label, merged per metric family so each family appears once.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pd_serve:time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pd_serve:time_per_output_token_seconds", "TPOT per request",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pd_serve:inter_token_latency_seconds", "gap between token arrivals",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pd_serve:e2e_request_latency_seconds", "end-to-end latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("pd_serve:request_queue_time_seconds",
+                                    "arrival until decode admitted it", buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("pd_serve:requests", "finished requests", ["finish_reason"], registry=r)
+        self.num_workers = Gauge("pd_serve:num_workers", "registered workers", ["role"], registry=r)
+
+    def finished(self, reason: str) -> None:
+        self.requests.labels(finish_reason=reason).inc()
+
+
+def render(gateway: GatewayMetrics, workers: dict) -> bytes:
+    """The gateway's series followed by all workers' series (label worker=<id>)."""
+    for role in ("prefill", "decode", "colocated"):
+        gateway.num_workers.labels(role=role).set(sum(w.status.role == role for w in workers.values()))
+    families: dict[str, Metric] = {}
+    for worker_id, state in sorted(workers.items()):
+        for fam in text_string_to_metric_families(state.status.metrics):
+            merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+            for s in fam.samples:
+                merged.add_sample(s.name, {**s.labels, "worker": worker_id}, s.value, s.timestamp)
+    registry = CollectorRegistry()
+    registry.register(_Static(list(families.values())))
+    return generate_latest(gateway.registry) + generate_latest(registry)
+
+
+class _Static:
+    def __init__(self, metrics: list[Metric]):
+        self.metrics = metrics
+
+    def collect(self):
+        return self.metrics

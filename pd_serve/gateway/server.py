@@ -1,0 +1,50 @@
+"""`pd-serve gateway`: the cluster behind the OpenAI HTTP API, with /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from pd_serve.gateway.app import build_app, start_server
+from pd_serve.gateway.cluster import Cluster, GatewayConfig
+from pd_serve.gateway.metrics import render
+from pd_serve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def make_routes(cluster: Cluster) -> list[web.RouteDef]:
+    async def health(_request: web.Request) -> web.Response:
+        ready = bool(cluster.pool("colocated")) or bool(cluster.pool("prefill") and cluster.pool("decode"))
+        workers = {w.worker_id: {"role": w.status.role, "free_pages": w.status.num_free_pages,
+                                 "total_pages": w.status.num_pages, "running": w.status.num_running,
+                                 "waiting": w.status.num_waiting, "inflight": len(w.inflight)}
+                   for w in cluster.workers.values()}
+        return web.json_response({"status": "ok" if ready else "no workers", "workers": workers},
+                                 status=200 if ready else 503)
+
+    async def metrics(_request: web.Request) -> web.Response:
+        body = render(cluster.metrics, cluster.workers)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    return [web.get("/health", health), web.get("/metrics", metrics)]
+
+
+async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) -> None:
+    tokenizer = Tokenizer.from_dir(model_dir)
+    cluster = Cluster(config)
+    await cluster.start()
+    runner = await start_server(build_app(cluster, tokenizer, make_routes(cluster)), host, port)
+    logger.info("gateway: http://%s:%d (model %s), workers register at %s", host, port,
+                config.served_model_name, cluster.control_address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await cluster.stop()

@@ -1,0 +1,99 @@
+"""`pd-serve launch`: a whole local cluster (gateway, N prefill, M decode, K colocated) from one
+command. Every child dies with it: on exit, on Ctrl-C, and (PR_SET_PDEATHSIG) if it is killed."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+logger = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """A cluster process failed to start or exited."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the parent's cleanup still stops the children
+
+
+class LocalCluster:
+    """Starts the processes; stop() (or the context manager) ends all of them."""
+
+    def __init__(self, *, port: int, num_prefill: int = 1, num_decode: int = 1,
+                 num_colocated: int = 0, engine_args: list[str] = (), worker_args: list[str] = (),
+                 gateway_args: list[str] = (), control_port: int = 0, log_level: str = "info",
+                 gpu_ids: list[str] | None = None):
+        self.port = port
+        self.control_port = control_port or free_port()
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.base_url = f"http://127.0.0.1:{port}"
+        gateway = f"tcp://127.0.0.1:{self.control_port}"
+        self._start("gateway", ["gateway", "--port", str(port), "--control-port",
+                                str(self.control_port), *gateway_args], log_level)
+        roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
+        for i, role in enumerate(roles):
+            env_gpu = None if not gpu_ids else gpu_ids[i % len(gpu_ids)]
+            self._start(f"{role}-{i}", [role, "--gateway", gateway, "--worker-id", f"{role}-{i}",
+                                        *engine_args, *worker_args], log_level, env_gpu)
+
+    def _start(self, name: str, args: list[str], log_level: str, gpu: str | None = None) -> None:
+        import os
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        cmd = [sys.executable, "-m", "pd_serve.cli", "--log-level", log_level, *args]
+        self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
+
+    def wait_ready(self, timeout_s: float = 300.0, num_workers: int | None = None) -> dict:
+        """Until /health is 200 with every worker registered; a child that exits is an error."""
+        deadline = time.monotonic() + timeout_s
+        want = num_workers if num_workers is not None else len(self.procs) - 1
+        while time.monotonic() < deadline:
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    raise LaunchError(f"{name} exited with code {proc.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                    health = json.loads(r.read())
+                if len(health["workers"]) >= want:
+                    return health
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise LaunchError(f"cluster not ready within {timeout_s} s")
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

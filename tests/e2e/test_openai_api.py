@@ -1,0 +1,357 @@
+"""The OpenAI HTTP API end to end: a real aiohttp server over the colocated engine, the official
+`openai` client for good requests, raw HTTP for bad ones and for clients that hang up.
+
+Two servers share one engine: `plain` is aiohttp's default (handlers run on after a disconnect,
+so a stream's failed write or the non-stream client check must abort), `cancel` comes from
+`start_server` (handlers are cancelled on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+from pd_serve import AsyncEngine, Engine, SamplingParams
+from pd_serve.gateway.app import build_app, start_server
+from pd_serve.gateway.openai_protocol import ModelInfo, parse_chat
+from pd_serve.gateway.source import EngineSource
+
+openai = pytest.importorskip("openai")
+
+MODEL = "default"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class ServerThread:
+    """An asyncio loop in a daemon thread serving the engine on two localhost ports."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.ports = self._call(self._start())
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
+    async def _start(self) -> dict[str, int]:
+        source = EngineSource(AsyncEngine(self.engine), name=MODEL)
+        plain = web.AppRunner(build_app(source, self.engine.tokenizer))
+        await plain.setup()
+        await web.TCPSite(plain, "127.0.0.1", 0).start()
+        cancel = await start_server(build_app(source, self.engine.tokenizer), "127.0.0.1", 0)
+        self.runners = [plain, cancel]
+        return {"plain": plain.addresses[0][1], "cancel": cancel.addresses[0][1]}
+
+    def stop(self) -> None:
+        for runner in self.runners:
+            self._call(runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_dir):
+    """(served engine, reference engine): the reference runs beside the server, never inside it."""
+    served = Engine(default_model_dir, device="cpu", max_total_tokens=4096)
+    reference = Engine(default_model_dir, device="cpu", max_total_tokens=4096)
+    return served, reference
+
+
+@pytest.fixture(scope="module")
+def server(engines):
+    server = ServerThread(engines[0])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.ports['plain']}/v1", api_key="x",
+                         max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ref(engines):
+    """Greedy reference outputs of the engine itself, cached per (prompt, max_tokens, logprobs)."""
+    engine, cache = engines[1], {}
+
+    def run(prompt, max_tokens, logprobs=None):
+        key = (str(prompt), max_tokens, logprobs)
+        if key not in cache:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs)
+            cache[key] = engine.generate(prompt, params)[0]
+        return cache[key]
+    return run
+
+
+def chat_ids(engine: Engine, messages) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
+                      add_special_tokens=False)
+
+
+def wait_idle(engine: Engine, timeout: float = 5.0) -> None:
+    """Every KV page free and no request left, within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.allocator.num_free_pages == engine.allocator.num_pages and not engine.has_unfinished():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"engine not idle after {timeout}s: {engine.allocator.num_free_pages}/"
+                         f"{engine.allocator.num_pages} pages free, unfinished={engine.has_unfinished()}")
+
+
+def post(port: int, path: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# ---- good requests -------------------------------------------------------------------------
+def test_completion_greedy_equals_engine(client, ref, engines):
+    expected = ref(PROMPT, 24)
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    choice = resp.choices[0]
+    assert resp.id.startswith("cmpl-") and resp.object == "text_completion" and resp.model == MODEL
+    assert choice.text == expected.text and choice.finish_reason == expected.finish_reason
+    num_prompt = len(engines[0].tokenizer.encode(PROMPT))
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == \
+        (num_prompt, len(expected.token_ids), num_prompt + len(expected.token_ids))
+    # The same prompt as token ids, and as a one-string list, gives the same answer.
+    ids = engines[0].tokenizer.encode(PROMPT)
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=24,
+                                     temperature=0).choices[0].text == expected.text
+    assert client.completions.create(model=MODEL, prompt=[PROMPT], max_tokens=24,
+                                     temperature=0).choices[0].text == expected.text
+
+
+def test_completion_stream_concatenates_to_engine_text(client, ref, engines):
+    expected = ref(PROMPT, 24)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert len(text_chunks) > 3  # it really streamed
+    assert "".join(c.choices[0].text for c in text_chunks) == expected.text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == expected.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(expected.token_ids)
+    assert usage_chunk.usage.prompt_tokens == len(engines[0].tokenizer.encode(PROMPT))
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_greedy_equals_engine_on_template(client, ref, engines):
+    ids = chat_ids(engines[0], MESSAGES)
+    expected = ref(ids, 32)
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=32, temperature=0)
+    msg = resp.choices[0].message
+    assert resp.id.startswith("chatcmpl-") and resp.object == "chat.completion"
+    assert msg.role == "assistant" and msg.content == expected.text and expected.text
+    assert resp.choices[0].finish_reason == expected.finish_reason
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(ids), len(expected.token_ids))
+    # Content as a list of text parts renders the same prompt.
+    parts = [{"role": "user", "content": [{"type": "text", "text": MESSAGES[0]["content"]}]}]
+    resp2 = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=32,
+                                           temperature=0)
+    assert resp2.choices[0].message.content == expected.text
+
+
+def test_chat_stream_equals_engine(client, ref, engines):
+    ids = chat_ids(engines[0], MESSAGES)
+    expected = ref(ids, 32)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=32,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    body = chunks[1:-1]
+    assert "".join(c.choices[0].delta.content or "" for c in body) == expected.text
+    assert body[-1].choices[0].finish_reason == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(ids)
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_default_max_tokens_fills_the_context(engines):
+    engine = engines[0]
+    info = ModelInfo(MODEL, engine.tokenizer, engine.max_model_len)
+    parsed = parse_chat({"model": MODEL, "messages": MESSAGES}, info)
+    assert parsed.params.max_tokens == engine.max_model_len - len(chat_ids(engine, MESSAGES))
+
+
+def test_completion_logprobs(client, ref):
+    expected = ref(PROMPT, 8, logprobs=3)
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    n = resp.usage.completion_tokens
+    assert n == 8 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(logprob)  # greedy: the chosen token is the best one
+        assert logprob == pytest.approx(max(top.values()))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens) == resp.choices[0].text
+    # Streamed logprobs cover every token once.
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                            logprobs=3, stream=True))
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
+def test_chat_logprobs(client, ref, engines):
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    expected = ref(chat_ids(engines[0], MESSAGES), 8, logprobs=2)
+    assert len(content) == resp.usage.completion_tokens == len(expected.token_ids)
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    # Without logprobs=true there are none.
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_stop_string_cuts_text_and_aborts(client, ref, engines):
+    full = ref(PROMPT, 24).text
+    k = next(i for i in range(8, len(full) - 3) if full.find(full[i:i + 3]) == i and full[i] != " ")
+    stop = full[k:k + 3]
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                     stop=["never-seen-xyz", stop])
+    assert resp.choices[0].text == full[:k] and resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens < 24
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full[:k]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_idle(engines[0])
+
+
+# ---- bad requests --------------------------------------------------------------------------
+LONG = [28] * 8192  # token ids: as long as the whole context
+
+BAD_REQUESTS = {
+    "malformed_json": ("/v1/completions", b'{"model": "default", "prompt": ', 400, None, "not valid JSON"),
+    "not_an_object": ("/v1/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+    "missing_prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt", "'prompt' is a required"),
+    "prompt_is_a_dict": ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt",
+                         "must be a string"),
+    "batched_prompts": ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt",
+                        "batched prompts are not supported"),
+    "missing_model": ("/v1/completions", {"prompt": "hi"}, 400, "model", "'model' is a required"),
+    "max_tokens_0": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400,
+                     "max_tokens", "max_tokens=0 must be >= 1"),
+    "max_tokens_negative": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1},
+                            400, "max_tokens", "max_tokens=-1 must be >= 1"),
+    "max_tokens_string": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"},
+                          400, "max_tokens", "must be an integer"),
+    "temperature_negative": ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1},
+                             400, "temperature", "temperature=-1.0 must be >= 0"),
+    "top_p_zero": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "top_p": 0},
+                   400, "top_p", "top_p=0.0 must be in (0, 1]"),
+    "prompt_beyond_context": ("/v1/completions", {"model": MODEL, "prompt": LONG, "max_tokens": 16},
+                              400, "prompt", "maximum context length is 8192 tokens. However, you "
+                              "requested 8208 tokens (8192 in the prompt, 16 in the completion)"),
+    "chat_beyond_context": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                                     "max_completion_tokens": 8192}, 400, "messages",
+                            "maximum context length is 8192 tokens"),
+    "unknown_model": ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model",
+                      "The model `gpt-4` does not exist"),
+    "n_2": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n",
+            "n=2 is not supported"),
+    "missing_messages": ("/v1/chat/completions", {"model": MODEL}, 400, "messages",
+                         "'messages' is a required"),
+    "bad_role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]},
+                 400, "messages[0].role", "must be one of"),
+    "image_part": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]",
+        "only {\"type\": \"text\""),
+    "top_logprobs_without_logprobs": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                                               "top_logprobs": 2}, 400, "top_logprobs",
+                                      "requires logprobs=true"),
+    "token_id_outside_vocab": ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt",
+                               "outside the vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request(server, engines, case):
+    path, body, status, param, message = BAD_REQUESTS[case]
+    code, resp = post(server.ports["plain"], path, body)
+    assert code == status, resp
+    error = resp["error"]
+    assert message in error["message"] and error["param"] == param
+    if status == 404:
+        assert (error["type"], error["code"]) == ("NotFoundError", "model_not_found")
+    else:
+        assert (error["type"], error["code"]) == ("invalid_request_error", None)
+    assert not engines[0].has_unfinished()
+
+
+def test_openai_client_sees_errors(client):
+    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+        client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+
+
+def test_models_and_health(server):
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports['plain']}/v1/models") as resp:
+        models = json.loads(resp.read())
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 8192
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports['plain']}/health") as resp:
+        assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
+
+
+# ---- clients that hang up ------------------------------------------------------------------
+def _open_request(port: int, path: str, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("kind", ["plain", "cancel"])
+def test_disconnect_mid_stream_aborts(server, engines, kind):
+    engine = engines[0]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    sock = _open_request(server.ports[kind], "/v1/completions", body)
+    received = b""
+    while received.count(b"data: ") < 3:  # headers, then a few chunks
+        received += sock.recv(65536)
+    assert b"200 OK" in received and b"text/event-stream" in received
+    assert engine.has_unfinished()
+    sock.close()
+    wait_idle(engine)  # 3000 tokens would take minutes: only an abort frees the pages this soon
+
+
+@pytest.mark.parametrize("kind", ["plain", "cancel"])
+def test_disconnect_while_waiting_for_full_response_aborts(server, engines, kind):
+    engine = engines[0]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}
+    sock = _open_request(server.ports[kind], "/v1/completions", body)
+    deadline = time.monotonic() + 10
+    while not engine.has_unfinished():
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+    time.sleep(0.2)  # a few tokens in
+    sock.close()
+    wait_idle(engine)
