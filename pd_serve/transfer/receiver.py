@@ -152,7 +152,7 @@ class KVReceiver:
                                          device=self.pool.buffer.device)
                     scatter_pages(self.pool.buffer, index, staging, chunk.layer_start,
                                   chunk.layer_end)
-                if self.pool.buffer.is_cuda:
+                if chunk.last and self.pool.buffer.is_cuda:
                     torch.cuda.current_stream().synchronize()  # data in place before we say so
                 incoming.num_bytes += chunk.nbytes
                 if chunk.last:

@@ -50,8 +50,10 @@ class KVSender:
     until that result arrives."""
 
     def __init__(self, pool: KVPool, backend: str = "tcp", sender_id: str | None = None,
-                 timeout_s: float = 30.0, max_queued: int = 4096, stats: TransferStats | None = None):
+                 timeout_s: float = 30.0, max_queued: int = 4096, stats: TransferStats | None = None,
+                 chunk_bytes: int = 32 * 2**20):
         self.pool = pool
+        self.chunk_bytes = chunk_bytes
         self.backend = backend
         self.sender_id = sender_id or f"sender-{uuid.uuid4().hex[:12]}"
         self.timeout_s = timeout_s
@@ -86,14 +88,19 @@ class KVSender:
             raise ValueError(f"{len(src_page_ids)} source pages but {len(dst_page_ids)} destination pages")
         if not 0 <= layer_start < layer_end <= layout.num_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {layout.num_layers})")
-        nbytes = (layer_end - layer_start) * len(src_page_ids) * layout.bytes_per_page // layout.num_layers
-        chunk = KVChunk(request_id, list(dst_page_ids), layer_start, layer_end, nbytes, last,
-                        list(src_page_ids))
         ready = None
         if self.pool.buffer.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self._put(("send", _SendJob(request_id, address, list(src_page_ids), chunk, ready)))
+        # Large sends go out as several layer groups, so gathering group i+1 overlaps moving
+        # group i (and scattering it on the receiver).
+        bytes_per_layer = len(src_page_ids) * layout.bytes_per_page // layout.num_layers
+        step = max(1, self.chunk_bytes // max(1, bytes_per_layer))
+        for start in range(layer_start, layer_end, step):
+            end = min(layer_end, start + step)
+            chunk = KVChunk(request_id, list(dst_page_ids), start, end, (end - start) * bytes_per_layer,
+                            last and end == layer_end, list(src_page_ids))
+            self._put(("send", _SendJob(request_id, address, list(src_page_ids), chunk, ready)))
 
     def abort(self, request_id: str) -> None:
         """Give up on a request; its result (failed) follows unless it already finished."""

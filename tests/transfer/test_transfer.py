@@ -191,3 +191,21 @@ def test_stats_count_bytes_transfers_and_failures(peers):
     assert samples["pd_serve:kv_transfer_bytes_total"] == LAYOUT.bytes_per_page
     assert samples["pd_serve:kv_transfer_seconds_count"] == 1
     receiver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_sends_split_into_layer_groups_stay_bit_exact(backend):
+    """chunk_bytes of one byte: every layer travels as its own chunk of the same request."""
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), backend, timeout_s=10, chunk_bytes=1)
+    sender.connect(receiver.address)
+    src, dst = [7, 1, 30, 12], [0, 63, 8, 9]
+    receiver.expect("req", dst)
+    sender.send("req", receiver.address, src, dst)
+    (sent,) = wait_results(sender, 1, 10)
+    (received,) = wait_results(receiver, 1, 10)
+    assert sent.ok and received.ok and received.num_bytes == 4 * LAYOUT.bytes_per_page
+    expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
+    assert torch.equal(bits(receiver.pool.buffer[:, :, dst]), bits(expected[:, :, src]))
+    sender.close()
+    receiver.close()

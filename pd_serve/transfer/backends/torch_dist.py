@@ -57,7 +57,11 @@ class TorchReceiverPlane(ReceiverPlane):
         shape = staging_shape(self.pool.layout, len(chunk.dst_page_ids), chunk.layer_start,
                               chunk.layer_end)
         staging = torch.empty(shape, dtype=self.pool.buffer.dtype, device=self.pool.buffer.device)
-        group.recv([staging], SENDER_RANK, 0).wait(timedelta(seconds=self.timeout_s))
+        work = group.recv([staging], SENDER_RANK, 0)
+        if staging.is_cuda:
+            work.wait()  # the current stream waits; the group's timeout bounds it
+        else:
+            work.wait(timedelta(seconds=self.timeout_s))
         return staging
 
     def drop_sender(self, sender_id: str) -> None:
@@ -69,6 +73,7 @@ class TorchSenderPlane(SenderPlane):
         super().__init__(pool, timeout_s)
         self._groups: dict[str, object] = {}
         self._staging: dict[str, torch.Tensor] = {}
+        self._in_flight: dict[str, list] = {}  # peer -> [(work, staging)] of the current request
 
     def connect(self, peer: str, welcome_info: dict) -> None:
         store = dist.TCPStore(welcome_info["store_host"], welcome_info["store_port"],
@@ -83,11 +88,22 @@ class TorchSenderPlane(SenderPlane):
         return []
 
     def finish(self, peer: str, chunk: KVChunk) -> None:
+        """Sends are waited for at the request's last chunk, so layer groups pipeline."""
         staging = self._staging.pop(peer)
-        self._groups[peer].send([staging], RECEIVER_RANK, 0).wait(timedelta(seconds=self.timeout_s))
+        in_flight = self._in_flight.setdefault(peer, [])
+        in_flight.append((self._groups[peer].send([staging], RECEIVER_RANK, 0), staging))
+        if not chunk.last:
+            return
+        for work, _ in in_flight:
+            if staging.is_cuda:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=self.timeout_s))
         if staging.is_cuda:
             torch.cuda.current_stream().synchronize()
+        in_flight.clear()
 
     def drop_peer(self, peer: str) -> None:
         self._groups.pop(peer, None)
         self._staging.pop(peer, None)
+        self._in_flight.pop(peer, None)
