@@ -111,7 +111,7 @@ class OpenAIServer:
         finally:  # a stop string, a closed client or an error: the source aborts the request
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
-                pass
+                await aclose()
 
     async def _complete(self, request: web.Request, deltas: AsyncIterator[_Delta], shape,
                         parsed: ParsedRequest) -> web.Response:
@@ -124,7 +124,7 @@ class OpenAIServer:
                     logprobs += d.logprobs or []
                     offsets += d.text_offsets
                     finish = d.finish_reason
-                    if False:
+                    if _client_gone(request):
                         logger.info("%s: client gone; request aborted", shape.id)
                         return web.Response(status=499)
         except Exception as e:

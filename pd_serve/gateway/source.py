@@ -8,6 +8,7 @@ of `source.generate(spec)` and turns them into OpenAI responses. Closing the ite
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 from abc import ABC, abstractmethod
@@ -67,12 +68,14 @@ class EngineSource(TokenSource):
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
         # The engine does token-level stops; stop strings are the HTTP layer's (it detokenizes).
         params = dataclasses.replace(spec.params, stop=[])
-        async for out in self.engine.generate(spec.prompt_token_ids, params,
-                                              request_id=spec.request_id, priority=spec.priority):
-            n = len(out.new_token_ids)
-            logprobs = None
-            if out.logprobs is not None:
-                logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob,
-                             "top": [list(t) for t in lp.top]} for lp in out.logprobs[-n:]] if n else []
-            yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason)
-            await asyncio.sleep(0)
+        outputs = self.engine.generate(spec.prompt_token_ids, params, request_id=spec.request_id,
+                                       priority=spec.priority)
+        async with contextlib.aclosing(outputs):  # closing us aborts the engine request now
+            async for out in outputs:
+                n = len(out.new_token_ids)
+                logprobs = None
+                if out.logprobs is not None:
+                    logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                                 "top": [list(t) for t in lp.top]} for lp in out.logprobs[-n:]] if n else []
+                yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason)
+                await asyncio.sleep(0)

@@ -70,6 +70,15 @@ def layout_mismatch(ours: KVLayout, theirs: dict) -> str:
     return "; ".join(diffs)
 
 
+def page_index(page_ids: list[int], device: torch.device) -> torch.Tensor:
+    """Page ids as an int64 tensor on `device`, without a stream sync: a pageable host-to-device
+    copy would wait for all queued GPU work and stop layer groups from pipelining."""
+    index = torch.tensor(page_ids, dtype=torch.int64)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def staging_shape(layout: KVLayout, num_pages: int, layer_start: int, layer_end: int) -> tuple:
     return (layer_end - layer_start, 2, num_pages, layout.page_size, layout.num_kv_heads,
             layout.head_dim)

@@ -18,7 +18,7 @@ from pd_serve import protocol
 from pd_serve.cache.pool import KVPool
 from pd_serve.protocol import KVChunk, TransferAbort, TransferAck, TransferHello, TransferWelcome
 from pd_serve.transfer.backends import make_receiver_plane
-from pd_serve.transfer.base import TransferResult, TransferStats, layout_mismatch, now
+from pd_serve.transfer.base import TransferResult, TransferStats, layout_mismatch, now, page_index
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,7 @@ class KVReceiver:
                 self._finish(chunk.request_id, ok=False, error=error)
             else:
                 if staging is not None:
-                    index = torch.tensor(incoming.page_ids, dtype=torch.int64,
-                                         device=self.pool.buffer.device)
+                    index = page_index(incoming.page_ids, self.pool.buffer.device)
                     scatter_pages(self.pool.buffer, index, staging, chunk.layer_start,
                                   chunk.layer_end)
                 if chunk.last and self.pool.buffer.is_cuda:

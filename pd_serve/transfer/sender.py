@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import uuid
 from concurrent.futures import Future
@@ -66,6 +67,10 @@ class KVSender:
         self._outgoing: dict[str, _Outgoing] = {}
         self._socks: dict[str, zmq.Socket] = {}
         self._stop = threading.Event()
+        # A byte on this socket pair wakes the I/O thread when work is queued, so it can sleep
+        # in one poll over its peers' sockets and the queue together.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
         self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -121,25 +126,37 @@ class KVSender:
             self._jobs.put_nowait(job)
         except queue.Full:
             raise TransferError(f"transfer queue full ({self._jobs.maxsize} jobs)") from None
+        self._wake_w.send(b"\0")
 
     # ---- I/O thread -----------------------------------------------------------------------
     def _serve(self) -> None:
         if self.pool.buffer.is_cuda:
             torch.cuda.set_device(self.pool.buffer.device)
         poller = zmq.Poller()
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                try:
-                    job = self._jobs.get(timeout=0.002 if self._outgoing else 0.02)
-                    self._run(job, poller)
-                except queue.Empty:
-                    pass
-                for sock, _ in poller.poll(0):
-                    self._on_message(protocol.decode(sock.recv()))
+                for sock, _ in poller.poll(50):
+                    if isinstance(sock, int):  # the wake-up socket's fd
+                        self._drain_wakeups()
+                    else:
+                        self._on_message(protocol.decode(sock.recv()))
+                while True:
+                    try:
+                        self._run(self._jobs.get_nowait(), poller)
+                    except queue.Empty:
+                        break
                 self._expire()
         finally:
             for sock in self._socks.values():
                 sock.close()
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _run(self, job, poller: zmq.Poller) -> None:
         kind = job[0]

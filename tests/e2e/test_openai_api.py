@@ -3,12 +3,15 @@
 
 Two servers share one engine: `plain` is aiohttp's default (handlers run on after a disconnect,
 so a stream's failed write or the non-stream client check must abort), `cancel` comes from
-`start_server` (handlers are cancelled on disconnect).
+`start_server` (handlers are cancelled on disconnect). A third, `scripted` (aiohttp's default
+too), serves a fake source that never ends on its own and fails on cue: it shows the HTTP layer closes the source
+itself and reports source errors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import threading
@@ -22,7 +25,7 @@ from aiohttp import web
 from pd_serve import AsyncEngine, Engine, SamplingParams
 from pd_serve.gateway.app import build_app, start_server
 from pd_serve.gateway.openai_protocol import ModelInfo, parse_chat
-from pd_serve.gateway.source import EngineSource
+from pd_serve.gateway.source import EngineSource, GenerateSpec, TokenEvent, TokenSource
 
 openai = pytest.importorskip("openai")
 
@@ -31,11 +34,53 @@ PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+class ScriptedSource(TokenSource):
+    """Endless tokens, one per event; the prompt FAIL_PROMPT gets an error event after two tokens.
+
+    It keeps every generator it hands out, so nothing but an explicit close ends one (no
+    garbage-collector finalization); `closed` lists the request ids whose generator was closed.
+    """
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self.specs: list[GenerateSpec] = []
+        self.generators = []
+        self.closed: list[str] = []
+
+    def model_name(self) -> str:
+        return MODEL
+
+    def max_model_len(self) -> int:
+        return 1024
+
+    def generate(self, spec: GenerateSpec):
+        self.specs.append(spec)
+        gen = self._events(spec)
+        self.generators.append(gen)
+        return gen
+
+    async def _events(self, spec: GenerateSpec):
+        try:
+            for i in itertools.count():
+                if spec.prompt_token_ids == FAIL_PROMPT and i == 2:
+                    yield TokenEvent([], finished=True, error="decode worker 3 died")
+                    return
+                yield TokenEvent([self.token_ids[i % len(self.token_ids)]])
+                await asyncio.sleep(0.005)
+        finally:
+            self.closed.append(spec.request_id)
+
+
+FAIL_PROMPT = [5, 6, 7]
+SCRIPT = " one two three STOP four five"
+
+
 class ServerThread:
-    """An asyncio loop in a daemon thread serving the engine on two localhost ports."""
+    """An asyncio loop in a daemon thread serving the engine (and a scripted source) on localhost."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.scripted = ScriptedSource(engine.tokenizer.encode(SCRIPT))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -50,14 +95,24 @@ class ServerThread:
         await plain.setup()
         await web.TCPSite(plain, "127.0.0.1", 0).start()
         cancel = await start_server(build_app(source, self.engine.tokenizer), "127.0.0.1", 0)
-        self.runners = [plain, cancel]
-        return {"plain": plain.addresses[0][1], "cancel": cancel.addresses[0][1]}
+        scripted = web.AppRunner(build_app(self.scripted, self.engine.tokenizer))  # no cancellation
+        await scripted.setup()
+        await web.TCPSite(scripted, "127.0.0.1", 0).start()
+        self.runners = [plain, cancel, scripted]
+        return {name: r.addresses[0][1] for name, r in zip(("plain", "cancel", "scripted"), self.runners)}
 
     def stop(self) -> None:
         for runner in self.runners:
             self._call(runner.cleanup())
+        self._call(self._cancel_tasks())  # the AsyncEngine's loop task
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.fixture(scope="module")
@@ -355,3 +410,78 @@ def test_disconnect_while_waiting_for_full_response_aborts(server, engines, kind
     time.sleep(0.2)  # a few tokens in
     sock.close()
     wait_idle(engine)
+
+
+# ---- the HTTP layer's own duties, against a scripted source --------------------------------
+def _sse_events(port: int, path: str, body: dict) -> list[str]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    assert raw.endswith("\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[len("data: "):] for e in events]
+
+
+def test_stop_string_closes_the_source_and_fields_reach_it(server):
+    port, source = server.ports["scripted"], server.scripted
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stop": "STOP", "temperature": 0.5,
+            "top_p": 0.9, "top_k": 7, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "seed": 3, "stop_token_ids": [9], "ignore_eos": True,
+            "skip_special_tokens": False, "priority": -2}
+    code, resp = post(port, "/v1/completions", body)
+    assert code == 200 and resp["choices"][0]["text"] == " one two three "
+    assert resp["choices"][0]["finish_reason"] == "stop"
+    spec = source.specs[-1]
+    assert spec.request_id == resp["id"] and spec.request_id in source.closed  # closed, not GC'd
+    assert spec.priority == -2
+    p = spec.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty,
+            p.presence_penalty, p.frequency_penalty, p.seed, p.stop, p.stop_token_ids, p.ignore_eos,
+            p.skip_special_tokens, p.logprobs) == (100, 0.5, 0.9, 7, 0.1, 1.1, 0.5, -0.5, 3, ["STOP"],
+                                                   [9], True, False, None)
+    # Streamed: the stop string never leaks, even partly, and the text is cut the same way.
+    events = _sse_events(port, "/v1/chat/completions",
+                         {"model": MODEL, "messages": MESSAGES, "stop": ["STOP", "xyz"], "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    assert "".join(deltas) == " one two three " and not any("S" in d for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert source.specs[-1].request_id in source.closed
+
+
+def test_disconnect_closes_the_source(server):
+    source = server.scripted
+    sock = _open_request(server.ports["scripted"], "/v1/completions",
+                         {"model": MODEL, "prompt": "hi", "max_tokens": 1000, "stream": True})
+    received = b""
+    while received.count(b"data: ") < 3:
+        received += sock.recv(65536)
+    request_id = source.specs[-1].request_id
+    assert request_id not in source.closed
+    sock.close()
+    deadline = time.monotonic() + 5
+    while request_id not in source.closed:
+        assert time.monotonic() < deadline, "the source was never closed after the client left"
+        time.sleep(0.01)
+
+
+def test_source_error_is_500_or_an_sse_error(server):
+    port = server.ports["scripted"]
+    code, resp = post(port, "/v1/completions", {"model": MODEL, "prompt": FAIL_PROMPT})
+    assert code == 500 and resp["error"]["type"] == "server_error"
+    assert "decode worker 3 died" in resp["error"]["message"]
+    # Streamed: the tokens so far, then an error event, then [DONE].
+    events = _sse_events(port, "/v1/completions", {"model": MODEL, "prompt": FAIL_PROMPT, "stream": True})
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "decode worker 3 died" in error["message"] and error["type"] == "server_error"
+    assert all("choices" in json.loads(e) for e in events[:-2])
+    # The openai client turns that event into an exception.
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError, match="decode worker 3 died"):
+        list(client.completions.create(model=MODEL, prompt=FAIL_PROMPT, stream=True))

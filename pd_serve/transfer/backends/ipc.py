@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from kernels.kv_copy import gather_pages
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import ReceiverPlane, SenderPlane
+from pd_serve.transfer.base import ReceiverPlane, SenderPlane, page_index
 
 # The only classes a description may name when it is rebuilt.
 _CLASSES = {c.__module__ + "." + c.__qualname__: c for c in
@@ -85,7 +85,7 @@ class IpcReceiverPlane(ReceiverPlane):
             raise RuntimeError(f"no mapped pool of {sender_id}")
         # Gather on the GPU that owns the source pool, then one peer-to-peer copy to ours.
         with torch.cuda.device(remote.device):
-            index = torch.tensor(chunk.src_page_ids, dtype=torch.int64, device=remote.device)
+            index = page_index(chunk.src_page_ids, remote.device)
             staging = gather_pages(remote, index, chunk.layer_start, chunk.layer_end)
         return staging.to(self.pool.buffer.device)
 

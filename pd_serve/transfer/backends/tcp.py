@@ -8,13 +8,13 @@ import torch
 
 from kernels.kv_copy import gather_pages
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import ReceiverPlane, SenderPlane, staging_shape
+from pd_serve.transfer.base import ReceiverPlane, SenderPlane, staging_shape, page_index
 
 
 class TcpSenderPlane(SenderPlane):
     def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int]) -> list:
         buf = self.pool.buffer
-        index = torch.tensor(src_page_ids, dtype=torch.int64, device=buf.device)
+        index = page_index(src_page_ids, buf.device)
         staging = gather_pages(buf, index, chunk.layer_start, chunk.layer_end)
         if staging.is_cuda:
             staging = staging.cpu()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from kernels.kv_copy import gather_pages
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import ReceiverPlane, SenderPlane, staging_shape
+from pd_serve.transfer.base import ReceiverPlane, SenderPlane, staging_shape, page_index
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 
@@ -83,7 +83,7 @@ class TorchSenderPlane(SenderPlane):
 
     def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int]) -> list:
         buf = self.pool.buffer
-        index = torch.tensor(src_page_ids, dtype=torch.int64, device=buf.device)
+        index = page_index(src_page_ids, buf.device)
         self._staging[peer] = gather_pages(buf, index, chunk.layer_start, chunk.layer_end)
         return []
 
