@@ -79,6 +79,7 @@ class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.core = EngineCore(config.engine)
+        self.core.warmup()
         self.worker_id = config.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.metrics = WorkerMetrics()
         self._ctx = zmq.Context.instance()

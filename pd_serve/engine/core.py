@@ -63,6 +63,18 @@ class EngineCore:
         self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)
 
+    def warmup(self, num_tokens: int = 16) -> None:
+        """One throwaway prefill and decode, so the first real request does not pay for lazy
+        initialisation (kernel selection, allocator growth). Leaves every page free."""
+        from pd_serve.engine.sampling_params import SamplingParams
+
+        request = Request(list(range(1, num_tokens + 1)), SamplingParams(temperature=0, max_tokens=2,
+                                                                          ignore_eos=True))
+        self.scheduler.add(request)
+        while len(request.output_token_ids) < 2 and not request.finished:
+            self.step()
+        self.scheduler.finish(request, FinishReason.ABORT)
+
     def check_prompt(self, token_ids: list[int]) -> None:
         """Raise ValueError (one line, naming the limit) for a prompt this worker cannot take."""
         if not token_ids:

@@ -43,6 +43,7 @@ class _Delta:
     logprobs: list[dict] | None  # the source's per-token entries
     text_offsets: list[int]
     finish_reason: str | None
+    timings: dict  # phase timings (s) from the cluster, on the final delta
 
 
 class OpenAIServer:
@@ -104,7 +105,7 @@ class OpenAIServer:
                     (event.finish_reason or "stop") if event.finished else None)
                 logprobs = event.logprobs[:n] if parsed.logprobs is not None and event.logprobs else None
                 yield _Delta(out.take_delta(finish is not None), event.new_token_ids[:n], logprobs,
-                             out.token_offsets[len(out.token_offsets) - n:], finish)
+                             out.token_offsets[len(out.token_offsets) - n:], finish, event.timings)
                 if finish is not None:
                     return
             raise SourceError("the token source ended without a final event")
@@ -115,7 +116,7 @@ class OpenAIServer:
 
     async def _complete(self, request: web.Request, deltas: AsyncIterator[_Delta], shape,
                         parsed: ParsedRequest) -> web.Response:
-        texts, token_ids, logprobs, offsets, finish = [], [], [], [], None
+        texts, token_ids, logprobs, offsets, finish, timings = [], [], [], [], None, {}
         try:
             async with aclosing(deltas):
                 async for d in deltas:
@@ -124,6 +125,7 @@ class OpenAIServer:
                     logprobs += d.logprobs or []
                     offsets += d.text_offsets
                     finish = d.finish_reason
+                    timings = d.timings or timings
                     if _client_gone(request):
                         logger.info("%s: client gone; request aborted", shape.id)
                         return web.Response(status=499)
@@ -131,7 +133,10 @@ class OpenAIServer:
             return _error_response(_api_error(e, shape.id))
         usage = _usage(len(parsed.prompt_token_ids), len(token_ids))
         lp = shape.logprobs(logprobs, offsets, parsed.logprobs) if parsed.logprobs is not None else None
-        return web.json_response(shape.response("".join(texts), lp, finish, usage))
+        body = shape.response("".join(texts), lp, finish, usage)
+        if timings:  # pd-serve's extension: where the time went (queue, prefill, transfer, ...)
+            body["timings"] = timings
+        return web.json_response(body)
 
     async def _stream(self, request: web.Request, deltas: AsyncIterator[_Delta], shape,
                       parsed: ParsedRequest) -> web.StreamResponse:
