@@ -1,0 +1,55 @@
+"""Start local clusters for end-to-end tests and read their state."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_serve.launch import LocalCluster, free_port
+
+WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--transfer-timeout", "10"]
+
+
+def start_cluster(num_prefill=1, num_decode=1, num_colocated=0, model=None, extra=(),
+                  gateway_args=("--worker-timeout", "3", "--step-timeout", "30")) -> LocalCluster:
+    engine_args = list(WORKER_ARGS) + (["--model", str(model)] if model else []) + list(extra)
+    cluster = LocalCluster(port=free_port(), num_prefill=num_prefill, num_decode=num_decode,
+                           num_colocated=num_colocated, engine_args=engine_args,
+                           gateway_args=list(gateway_args) + (["--model", str(model)] if model else []),
+                           log_level="warning")
+    try:
+        cluster.wait_ready(timeout_s=240)
+    except Exception:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def metrics(base_url: str) -> dict:
+    """{(sample name, worker label): value} from the gateway's /metrics."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, s.labels.get("worker", ""))] = s.value
+    return out
+
+
+def pages(base_url: str) -> dict[str, tuple[float, float]]:
+    """worker -> (used pages, total pages)."""
+    m = metrics(base_url)
+    return {w: (m[("pd_serve:kv_pages_used", w)], m[("pd_serve:kv_pages_total", w)])
+            for (name, w) in m if name == "pd_serve:kv_pages_total"}
+
+
+def health(base_url: str) -> dict:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=5) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
+    except OSError:  # not listening (yet)
+        return {}

@@ -1,0 +1,269 @@
+"""The disaggregated cluster end to end: real processes, real sockets, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import openai
+import pytest
+import torch
+import transformers
+
+from cluster_helpers import health, metrics, pages, start_cluster
+from helpers import assert_greedy_matches, hf_greedy
+from pd_serve import Engine, SamplingParams
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, in a land far away,",
+           "The three primary colours are", "Water boils at", "In 1492,"]
+CHAT = [{"role": "user", "content": "Name a fruit that is yellow."}]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir) -> Engine:
+    return Engine(default_model_dir, device="cpu", max_total_tokens=8192)
+
+
+@pytest.fixture(scope="module")
+def cluster_1p1d():
+    cluster = start_cluster(1, 1)
+    yield cluster
+    cluster.stop()
+
+
+def client_for(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def greedy_text(engine: Engine, prompt, max_tokens=MAX_TOKENS) -> tuple[str, int]:
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    return out.text, len(out.token_ids)
+
+
+def wait_idle(cluster, timeout=20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = pages(cluster.base_url)
+        if all(used == 0 for used, _ in state.values()) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
+def test_completions_and_chat_equal_colocated_and_transformers(cluster_1p1d, reference, default_model_dir):
+    client = client_for(cluster_1p1d)
+    model = client.models.list().data[0].id
+    for prompt in PROMPTS[:3]:
+        text, n = greedy_text(reference, prompt)
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert out.choices[0].text == text and out.usage.completion_tokens == n
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == text
+    templated = reference.tokenizer.encode(reference.tokenizer.apply_chat_template(CHAT),
+                                           add_special_tokens=False)
+    text, n = greedy_text(reference, templated, 40)
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == text
+    stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    # transformers on the same weights, token for token: cluster == colocated == transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    prompt_ids = reference.tokenizer.encode(PROMPTS[0])
+    want = reference.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                           ignore_eos=True))[0]
+    ref, ref_logits = hf_greedy(hf, prompt_ids, MAX_TOKENS)
+    assert_greedy_matches(want.token_ids, ref, ref_logits)
+    out = client.completions.create(model=model, prompt=prompt_ids, max_tokens=MAX_TOKENS,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == want.text and out.usage.completion_tokens == MAX_TOKENS
+
+
+def test_timings_metrics_and_idle_pages(cluster_1p1d):
+    client = client_for(cluster_1p1d)
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+    timings = out.model_extra["timings"]
+    for key in ("queue", "prefill", "transfer", "first_token", "decode", "e2e"):
+        assert key in timings
+    m = metrics(cluster_1p1d.base_url)
+    for name in ("pd_serve:time_to_first_token_seconds_count", "pd_serve:e2e_request_latency_seconds_count",
+                 "pd_serve:request_queue_time_seconds_count", "pd_serve:inter_token_latency_seconds_count"):
+        assert m[(name, "")] >= 1, name
+    workers = {w for (_, w) in m if w}
+    assert any(w.startswith("prefill") for w in workers) and any(w.startswith("decode") for w in workers)
+    assert any(name == "pd_serve:kv_transfers_total" and m[(name, w)] >= 1 for (name, w) in m)
+    state = wait_idle(cluster_1p1d)
+    assert all(used == 0 and total > 0 for used, total in state.values()), state
+
+
+def test_64_concurrent_streams_complete_and_free_every_page(cluster_1p1d, reference):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i % 3) for i in range(64)]
+    lengths = [4 + (i * 7) % 20 for i in range(64)]
+    expected = [greedy_text(reference, p, n)[0] for p, n in zip(prompts, lengths)]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{cluster_1p1d.base_url}/v1", api_key="x",
+                                    max_retries=0, timeout=300)
+        model = (await client.models.list()).data[0].id
+
+        async def one(prompt, n):
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                                     temperature=0, stream=True)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+
+    assert asyncio.run(main()) == expected
+    state = wait_idle(cluster_1p1d)
+    assert all(used == 0 for used, _ in state.values()), state
+
+
+def _open_stream(base_url: str, prompt: str, max_tokens: int) -> socket.socket:
+    host, port = base_url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "ignore_eos": True})
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    return sock
+
+
+def test_client_disconnect_frees_pages_in_decode_and_in_prefill(cluster_1p1d):
+    sock = _open_stream(cluster_1p1d.base_url, "Tell me a long story.", 2000)
+    assert b"data:" in sock.recv(4096) or b"data:" in sock.recv(4096)  # streaming has begun
+    sock.close()  # mid-decode
+    state = wait_idle(cluster_1p1d)
+    assert all(used == 0 for used, _ in state.values()), state
+    long_prompt = "word " * 1500  # long enough that prefill is still running when we leave
+    sock = _open_stream(cluster_1p1d.base_url, long_prompt, 50)
+    time.sleep(0.3)
+    sock.close()
+    state = wait_idle(cluster_1p1d)
+    assert all(used == 0 for used, _ in state.values()), state
+
+
+def test_bad_requests_get_openai_errors(cluster_1p1d):
+    client = client_for(cluster_1p1d)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=0)
+    assert "max_tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi " * 9000, max_tokens=4)
+    assert "maximum context length" in str(e.value)
+
+
+@pytest.mark.parametrize("model", ["default", "qwen3"])
+@pytest.mark.parametrize("num_prefill,num_decode", [(2, 1), (1, 2)])
+def test_other_splits_give_the_same_tokens(num_prefill, num_decode, model, reference, tiny_checkpoints):
+    model_dir = None if model == "default" else tiny_checkpoints[model]
+    engine = reference if model_dir is None else Engine(model_dir, device="cpu", max_total_tokens=4096)
+    cluster = start_cluster(num_prefill, num_decode, model=model_dir)
+    try:
+        client = client_for(cluster)
+        name = client.models.list().data[0].id
+        for prompt in PROMPTS:
+            want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                            ignore_eos=True))[0]
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                            temperature=0, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == want.text
+        m = metrics(cluster.base_url)
+        role_counts = {r: sum(1 for (n, w) in m if n == "pd_serve:kv_pages_total" and w.startswith(r))
+                       for r in ("prefill", "decode")}
+        assert role_counts == {"prefill": num_prefill, "decode": num_decode}
+        state = wait_idle(cluster)
+        assert all(used == 0 for used, _ in state.values()), state
+    finally:
+        cluster.stop()
+
+
+def test_tiny_qwen3_cluster_equals_colocated(tiny_checkpoints):
+    model_dir = tiny_checkpoints["qwen3"]
+    engine = Engine(model_dir, device="cpu", max_total_tokens=4096)
+    cluster = start_cluster(1, 1, model=model_dir)
+    try:
+        client = client_for(cluster)
+        model = client.models.list().data[0].id
+        for prompt in PROMPTS[:3]:
+            ids = engine.tokenizer.encode(prompt)
+            want = engine.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+            out = client.completions.create(model=model, prompt=ids, max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].text == want.text and out.usage.completion_tokens == 16
+        templated = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHAT),
+                                            add_special_tokens=False)
+        want = engine.generate([templated], SamplingParams(temperature=0, max_tokens=16,
+                                                           ignore_eos=True))[0]
+        for stream in (False, True):
+            chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=16,
+                                                  temperature=0, stream=stream,
+                                                  extra_body={"ignore_eos": True})
+            text = ("".join(c.choices[0].delta.content or "" for c in chat if c.choices) if stream
+                    else chat.choices[0].message.content)
+            assert text == want.text
+    finally:
+        cluster.stop()
+
+
+def test_kill_decode_mid_stream_errors_and_survivor_serves():
+    cluster = start_cluster(1, 2, gateway_args=("--worker-timeout", "2", "--step-timeout", "20",
+                                               "--decode-policy", "round_robin"))
+    try:
+        client = client_for(cluster)
+        model = client.models.list().data[0].id
+        stream = client.completions.create(model=model, prompt="Count to one thousand:", max_tokens=2000,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        start = None
+        with pytest.raises(openai.APIError):
+            for i, _chunk in enumerate(stream):
+                if i == 2:  # kill the decode worker that holds this stream
+                    busy = [w for w, info in health(cluster.base_url)["workers"].items()
+                            if w.startswith("decode") and info["inflight"]]
+                    victim = dict(cluster.procs)[busy[0]]
+                    os.kill(victim.pid, signal.SIGKILL)
+                    start = time.monotonic()
+        assert start is None or time.monotonic() - start < 15
+        deadline = time.monotonic() + 10
+        while len(health(cluster.base_url)["workers"]) > 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for prompt in PROMPTS[:3]:  # the survivor takes new requests
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+            assert out.choices[0].finish_reason == "length"
+    finally:
+        cluster.stop()
+
+
+def test_kill_prefill_fails_inflight_and_gateway_restart_reregisters():
+    cluster = start_cluster(1, 1, gateway_args=("--worker-timeout", "2", "--step-timeout", "20"))
+    try:
+        client = client_for(cluster)
+        model = client.models.list().data[0].id
+        prefill = next(p for name, p in cluster.procs if name.startswith("prefill"))
+        os.kill(prefill.pid, signal.SIGSTOP)  # hung mid-request, then gone
+        start = time.monotonic()
+        with pytest.raises(openai.APIError):
+            client.completions.create(model=model, prompt="word " * 400, max_tokens=4)
+        assert time.monotonic() - start < 25
+        os.kill(prefill.pid, signal.SIGKILL)
+        # gateway restart: the workers find the new one on the same control port
+        gateway = dict(cluster.procs)["gateway"]
+        gateway.kill()
+        gateway.wait()
+        cluster._start("gateway", ["gateway", "--port", str(cluster.port), "--control-port",
+                                   str(cluster.control_port), "--worker-timeout", "2"], "warning")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(w.startswith("decode") for w in health(cluster.base_url).get("workers", {})):
+                break
+            time.sleep(0.3)
+        assert any(w.startswith("decode") for w in health(cluster.base_url)["workers"])
+    finally:
+        cluster.stop()
