@@ -1,25 +1,30 @@
-"""Copy whole KV pages between the pool and a contiguous staging tensor (the transfer path).
+"""Copy whole KV pages between pools and contiguous staging tensors (the transfer path).
 
-The pool `buffer` is [L, 2 (K, V), P, S, H, D], contiguous. For pages `page_ids` (n of them)
+A pool `buffer` is [L, 2 (K, V), P, S, H, D], contiguous. For pages `page_ids` (n of them)
 and layers [a, b), the staging tensor is [b - a, 2, n, S, H, D], contiguous:
 
     gather:  staging[l, kv, i] = buffer[a + l, kv, page_ids[i]]
     scatter: buffer[a + l, kv, page_ids[i]] = staging[l, kv, i]
+    copy:    dst[a + l, kv, dst_ids[i]] = src[a + l, kv, src_ids[i]]   (pool to pool, one pass)
 
-One page of one layer's K (or V) is a contiguous chunk of S*H*D elements in both tensors, so
-the Triton kernel is a flat copy: program (row, block) copies `block` of chunk `row`, where a
-row is (layer, kv, i) in staging order. One launch covers every layer, K and V, and page.
-Offsets are 64-bit (a pool can pass 2**31 elements), and both tensors are viewed as a
-same-size integer dtype, so the copy is bit-exact for any dtype (fp8 included).
+One page of one layer's K (or V) is a contiguous chunk of S*H*D elements in every tensor, so
+one Triton kernel serves all three as a flat copy: program (row, block) copies `block` of chunk
+`row`, where a row is (layer, kv, i) in staging order and each side either looks its page up in
+its id list or is a staging tensor (page i). One launch covers every layer, K and V, and page.
+`copy_pages` runs on the destination's device and may read a source pool that lives on a peer
+GPU (mapped over CUDA IPC, or peer access enabled): gather, peer copy and scatter in one pass.
+Offsets are 64-bit (a pool can pass 2**31 elements), and all tensors are viewed as a same-size
+integer dtype, so the copy is bit-exact for any dtype (fp8 included).
 
-`gather_pages` / `scatter_pages` run the kernel when the buffer is on CUDA, or on CPU tensors
-when TRITON_INTERPRET=1 (Triton's interpreter; how the tests exercise the kernel); otherwise
-they run the torch references `gather_pages_ref` / `scatter_pages_ref`. Triton is imported
-lazily, so importing this module never imports it.
+The functions run the kernel when the destination is on CUDA, or on CPU tensors when
+TRITON_INTERPRET=1 (Triton's interpreter; how the tests exercise the kernel); otherwise they
+run the torch references (`*_ref`). Triton is imported lazily, so importing this module never
+imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -55,6 +60,14 @@ def scatter_pages_ref(buffer: torch.Tensor, page_ids: torch.Tensor, staging: tor
     _as_int(buffer[layer_start:layer_end]).index_copy_(2, page_ids.long(), _as_int(staging))
 
 
+def copy_pages_ref(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
+                   dst_page_ids: torch.Tensor, layer_start: int, layer_end: int) -> None:
+    """Torch reference of `copy_pages`: a gather on src's device, a copy, a scatter on dst's."""
+    _check_copy(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end)
+    staging = gather_pages_ref(src, src_page_ids.to(src.device), layer_start, layer_end)
+    scatter_pages_ref(dst, dst_page_ids, staging.to(dst.device), layer_start, layer_end)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 def gather_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
@@ -77,7 +90,7 @@ def gather_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
     else:
         _check_staging(out, buffer, page_ids, layer_start, layer_end, "out")
     if _use_triton(buffer):
-        _launch(buffer, page_ids, out, layer_start, to_staging=True)
+        _launch(buffer[layer_start:layer_end], page_ids, out, None, page_ids.numel())
     else:
         torch.index_select(_as_int(buffer[layer_start:layer_end]), 2, page_ids, out=_as_int(out))
     return out
@@ -95,7 +108,28 @@ def scatter_pages(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.T
         return
     _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
     _check_staging(staging, buffer, page_ids, layer_start, layer_end, "staging")
-    _launch(buffer, page_ids, staging, layer_start, to_staging=False)
+    _launch(staging, None, buffer[layer_start:layer_end], page_ids, page_ids.numel())
+
+
+def copy_pages(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
+               dst_page_ids: torch.Tensor, layer_start: int, layer_end: int) -> None:
+    """Copy pages `src_page_ids` of pool `src` into pages `dst_page_ids` of pool `dst`, layers
+    [layer_start, layer_end), in one pass with no staging tensor.
+
+    Parameters
+    ----------
+    src, dst : [L, 2, P_src, S, H, D] and [L, 2, P_dst, S, H, D], contiguous, same dtype.
+        The kernel runs on dst's device (the current stream there); src may be memory of a
+        peer GPU that dst's device can read (IPC-mapped into it, or peer access enabled).
+    src_page_ids, dst_page_ids : [n] int64 or int32, both on dst's device; dst ids distinct
+        (checked on CPU only).
+    """
+    _check_copy(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end)
+    if not _use_triton(dst):
+        copy_pages_ref(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end)
+        return
+    _launch(src[layer_start:layer_end], src_page_ids, dst[layer_start:layer_end], dst_page_ids,
+            src_page_ids.numel())
 
 
 def _interpret_requested() -> bool:
@@ -125,39 +159,49 @@ def _kernel(interpret: bool):
         return None
 
     @triton.jit
-    def copy_pages_kernel(pool_ptr, staging_ptr, page_ids_ptr, num_pool_pages, num_ids, chunk,
-                          BLOCK: tl.constexpr, TO_STAGING: tl.constexpr):
-        # pool_ptr starts at layer a; staging row = ((layer - a) * 2 + kv) * num_ids + i
+    def copy_pages_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, src_pages, dst_pages,
+                          num_ids, chunk, BLOCK: tl.constexpr, SRC_IDS: tl.constexpr,
+                          DST_IDS: tl.constexpr):
+        # Both pointers start at layer a. Row = ((layer - a) * 2 + kv) * num_ids + i; a side
+        # with ids reads page ids[i] of its `pages`, a staging side is page i of num_ids.
         row = tl.program_id(0).to(tl.int64)
-        page = tl.load(page_ids_ptr + row % num_ids).to(tl.int64)
-        pool_row = (row // num_ids) * num_pool_pages + page
+        group = row // num_ids
+        i = row % num_ids
+        if SRC_IDS:
+            src_row = group * src_pages + tl.load(src_ids_ptr + i).to(tl.int64)
+        else:
+            src_row = row
+        if DST_IDS:
+            dst_row = group * dst_pages + tl.load(dst_ids_ptr + i).to(tl.int64)
+        else:
+            dst_row = row
         cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < chunk
-        if TO_STAGING:
-            vals = tl.load(pool_ptr + pool_row * chunk + cols, mask=mask)
-            tl.store(staging_ptr + row * chunk + cols, vals, mask=mask)
-        else:
-            vals = tl.load(staging_ptr + row * chunk + cols, mask=mask)
-            tl.store(pool_ptr + pool_row * chunk + cols, vals, mask=mask)
+        vals = tl.load(src_ptr + src_row * chunk + cols, mask=mask)
+        tl.store(dst_ptr + dst_row * chunk + cols, vals, mask=mask)
 
     return copy_pages_kernel
 
 
-def _launch(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
-            layer_start: int, to_staging: bool) -> None:
+def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
+            dst_ids: torch.Tensor | None, num_ids: int) -> None:
+    """Copy on dst's device. src and dst start at the first layer copied; a side without ids
+    is a staging tensor."""
     global triton_launches
-    num_layers, _, num_ids = staging.shape[:3]
-    chunk = math.prod(buffer.shape[3:])  # S * H * D
+    num_groups = dst.shape[0] * 2  # (layer, kv) pairs
+    chunk = math.prod(dst.shape[3:])  # S * H * D
     if num_ids == 0 or chunk == 0:
         return
     kernel = _kernel(_interpret_requested())
     if kernel is None:
         raise RuntimeError("Triton is needed for CUDA KV page copies but does not import")
-    pool = _as_int(buffer[layer_start:layer_start + num_layers])  # [b-a, 2, P, S, H, D]
+    ids = src_ids if src_ids is not None else dst_ids
     block = min(_MAX_BLOCK, 1 << (chunk - 1).bit_length())
-    grid = (num_layers * 2 * num_ids, -(-chunk // block))
-    kernel[grid](pool, _as_int(staging), page_ids, buffer.shape[2], num_ids, chunk,
-                 BLOCK=block, TO_STAGING=to_staging)
+    grid = (num_groups * num_ids, -(-chunk // block))
+    with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
+            kernel[grid](_as_int(src), _as_int(dst), ids if src_ids is None else src_ids,
+                     ids if dst_ids is None else dst_ids, src.shape[2], dst.shape[2], num_ids,
+                     chunk, BLOCK=block, SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None)
     triton_launches += 1
 
 
@@ -176,7 +220,7 @@ def _staging_shape(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: in
 
 
 def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
-                unique: bool = False) -> None:
+                unique: bool = False, ids_device: torch.device | None = None) -> None:
     if buffer.dim() != 6 or buffer.shape[1] != 2:
         raise ValueError(f"buffer must be [L, 2, P, S, H, D], got shape {tuple(buffer.shape)}")
     if not buffer.is_contiguous():
@@ -190,8 +234,9 @@ def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, 
     if page_ids.dim() != 1 or page_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"page_ids must be a 1-D int64 or int32 tensor, got "
                          f"{page_ids.dtype} of shape {tuple(page_ids.shape)}")
-    if page_ids.device != buffer.device:
-        raise ValueError(f"page_ids are on {page_ids.device}, buffer on {buffer.device}")
+    ids_device = buffer.device if ids_device is None else ids_device
+    if page_ids.device != ids_device:
+        raise ValueError(f"page_ids are on {page_ids.device}, expected on {ids_device}")
     if page_ids.is_cuda or page_ids.numel() == 0:
         return  # range checks on the GPU would cost a host sync
     low, high = int(page_ids.min()), int(page_ids.max())
@@ -199,6 +244,18 @@ def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, 
         raise ValueError(f"page ids must lie in [0, {num_pages}), got min {low} max {high}")
     if unique and torch.unique(page_ids).numel() != page_ids.numel():
         raise ValueError("page ids written to must be distinct")
+
+
+def _check_copy(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
+                dst_page_ids: torch.Tensor, layer_start: int, layer_end: int) -> None:
+    _check_pool(src, src_page_ids, layer_start, layer_end, ids_device=dst.device)
+    _check_pool(dst, dst_page_ids, layer_start, layer_end, unique=True)
+    if src.dtype != dst.dtype or src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
+        raise ValueError(f"pools differ: src {src.dtype} {tuple(src.shape)}, dst {dst.dtype} "
+                         f"{tuple(dst.shape)} (only the page count may differ)")
+    if src_page_ids.numel() != dst_page_ids.numel():
+        raise ValueError(f"{src_page_ids.numel()} source pages but {dst_page_ids.numel()} "
+                         f"destination pages")
 
 
 def _check_staging(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch.Tensor,

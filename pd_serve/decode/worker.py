@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pd_serve.engine.core import token_stop_reason
 from pd_serve.engine.request import Request, TokenLogprob
+from pd_serve.engine.sampler import advance_generator
 from pd_serve.protocol import AbortRequest, Admit, AdmitReply, StartDecode, TokenBatch
 from pd_serve.transfer.receiver import KVReceiver
 from pd_serve.worker import Worker, WorkerConfig, make_request
@@ -103,6 +104,7 @@ class DecodeWorker(Worker):
             del self.pending[request.request_id]
             request.num_computed_tokens = request.num_prompt_tokens
             request.output_token_ids.append(first.first_token_id)
+            advance_generator(request, self.core.model_config.vocab_size)
             if first.logprob is not None:
                 lp = first.logprob
                 request.output_logprobs.append(TokenLogprob(lp["token_id"], lp["logprob"],

@@ -191,3 +191,14 @@ def _logprobs(
         top = list(zip(top_ids[i][: p.logprobs], both[i][1 : 1 + p.logprobs]))
         out.append(TokenLogprob(token_id=token_list[i], logprob=both[i][0], top=top))
     return out
+
+
+def advance_generator(request: Request, vocab_size: int) -> None:
+    """Consume the random draws one sampled token takes from a seeded request's generator.
+
+    A request whose first token was sampled in another process (prefill) continues here
+    (decode) from the same point of its random stream, so seeded output does not depend on
+    whether the request was disaggregated.
+    """
+    if request.generator is not None and not request.sampling_params.greedy:
+        torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=request.generator)

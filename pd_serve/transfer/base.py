@@ -7,6 +7,9 @@ acks) always travel over the connector's zmq socket; a backend's data plane only
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
@@ -18,6 +21,7 @@ from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.protocol import KVChunk
 
 BACKENDS = ("torch", "ipc", "tcp", "nixl")
+TRACE = os.environ.get("PD_SERVE_TRANSFER_TRACE", "0") not in ("", "0")
 
 
 class TransferError(RuntimeError):
@@ -71,12 +75,17 @@ def layout_mismatch(ours: KVLayout, theirs: dict) -> str:
 
 
 def page_index(page_ids: list[int], device: torch.device) -> torch.Tensor:
-    """Page ids as an int64 tensor on `device`, without a stream sync: a pageable host-to-device
-    copy would wait for all queued GPU work and stop layer groups from pipelining."""
-    index = torch.tensor(page_ids, dtype=torch.int64)
+    """Page ids as an int32 tensor on `device`, without a host sync: a pageable host-to-device
+    copy would wait for all queued GPU work and stop chunks from pipelining. On CUDA the copy
+    is queued on the current stream."""
     if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(page_ids, dtype=torch.int64)
+    return torch.tensor(page_ids, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+
+
+def on_stream(stream: torch.cuda.Stream | None):
+    """`with on_stream(s):` makes s the current stream; a no-op for None (CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def staging_shape(layout: KVLayout, num_pages: int, layer_start: int, layer_end: int) -> tuple:
@@ -85,11 +94,17 @@ def staging_shape(layout: KVLayout, num_pages: int, layer_start: int, layer_end:
 
 
 class ReceiverPlane(ABC):
-    """The receiving half of a backend's data plane; called from the receiver's I/O thread."""
+    """The receiving half of a backend's data plane; called from the receiver's I/O thread.
+
+    GPU work goes on the plane's own streams and is only queued: `receive` returns once the
+    writes are enqueued, and `synchronize` waits until every write queued so far has landed.
+    """
 
     def __init__(self, pool: KVPool, timeout_s: float):
         self.pool = pool
         self.timeout_s = timeout_s
+        self.device = pool.buffer.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def welcome_info(self, sender_id: str, hello_info: dict) -> dict:
         """Backend facts the sender needs (sent in TransferWelcome)."""
@@ -99,9 +114,16 @@ class ReceiverPlane(ABC):
         """Finish pairing once the welcome is sent (e.g. join the pair's process group)."""
 
     @abstractmethod
-    def receive(self, sender_id: str, chunk: KVChunk, frames: list) -> torch.Tensor | None:
-        """Take a chunk's data: a staging tensor to scatter into the pool, or None when the
-        data is already in place (ipc). Must consume the data even if the chunk is refused."""
+    def receive(self, sender_id: str, chunk: KVChunk, frames: list,
+                dst_page_ids: list[int] | None) -> None:
+        """Move the chunk's data into pages `dst_page_ids` of the pool (layers of the chunk),
+        or, when None (the chunk is refused), consume it and write nothing. Must consume the
+        data either way, or the pair falls out of step."""
+
+    def synchronize(self) -> None:
+        """Block until every write queued by `receive` is in the pool."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def drop_sender(self, sender_id: str) -> None:
         """Forget a sender (it failed or left)."""
@@ -111,11 +133,20 @@ class ReceiverPlane(ABC):
 
 
 class SenderPlane(ABC):
-    """The sending half of a backend's data plane; called from the sender's I/O thread."""
+    """The sending half of a backend's data plane; called from the sender's I/O thread.
+
+    A chunk goes out as prepare() -> header (with prepare's frames) -> finish(). `ready` is the
+    event recorded after the compute that wrote the pages (None on CPU): nothing may read the
+    pages before it has passed.
+    """
+
+    sends_src_page_ids = False  # does the receiver need the source page ids (ipc)?
 
     def __init__(self, pool: KVPool, timeout_s: float):
         self.pool = pool
         self.timeout_s = timeout_s
+        self.device = pool.buffer.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def hello_info(self) -> dict:
         return {}
@@ -124,10 +155,12 @@ class SenderPlane(ABC):
         """Pair with a receiver after its welcome."""
 
     @abstractmethod
-    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int]) -> list:
-        """Before the header is sent: gather the pages; return frames that travel with the header."""
+    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
+                ready: torch.cuda.Event | None) -> list:
+        """Before the header is sent: return the frames that travel with it."""
 
-    def finish(self, peer: str, chunk: KVChunk) -> None:
+    def finish(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
+               ready: torch.cuda.Event | None) -> None:
         """After the header is sent: move the data out of band (torch) if this backend does."""
 
     def drop_peer(self, peer: str) -> None:
@@ -139,3 +172,12 @@ class SenderPlane(ABC):
 
 def now() -> float:
     return time.monotonic()
+
+
+def trace(role: str, request_id: str, start: float, **marks: float) -> None:
+    """With PD_SERVE_TRANSFER_TRACE=1, one stderr line per chunk: `start` as absolute monotonic
+    microseconds (comparable across processes of one host), then each mark's microseconds
+    after it, in the order given."""
+    if TRACE:
+        phases = " ".join(f"{k}={(t - start) * 1e6:.0f}" for k, t in marks.items())
+        sys.stderr.write(f"[transfer-trace] {role} {request_id} t0={start * 1e6:.0f} {phases}\n")

@@ -84,6 +84,15 @@ def test_completions_and_chat_equal_colocated_and_transformers(cluster_1p1d, ref
     assert out.choices[0].text == want.text and out.usage.completion_tokens == MAX_TOKENS
 
 
+def test_seeded_sampling_equals_colocated(cluster_1p1d, reference):
+    params = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)
+    want = reference.generate([PROMPTS[3]], SamplingParams(**params, ignore_eos=True))[0]
+    client = client_for(cluster_1p1d)
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[3],
+                                    extra_body={"ignore_eos": True}, **params)
+    assert out.choices[0].text == want.text
+
+
 def test_timings_metrics_and_idle_pages(cluster_1p1d):
     client = client_for(cluster_1p1d)
     model = client.models.list().data[0].id

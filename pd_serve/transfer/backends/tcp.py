@@ -6,18 +6,23 @@ import warnings
 
 import torch
 
-from kernels.kv_copy import gather_pages
+from kernels.kv_copy import gather_pages, scatter_pages
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import ReceiverPlane, SenderPlane, staging_shape, page_index
+from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, on_stream, page_index,
+                                    staging_shape)
 
 
 class TcpSenderPlane(SenderPlane):
-    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int]) -> list:
+    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
+                ready: torch.cuda.Event | None) -> list:
         buf = self.pool.buffer
-        index = page_index(src_page_ids, buf.device)
-        staging = gather_pages(buf, index, chunk.layer_start, chunk.layer_end)
-        if staging.is_cuda:
-            staging = staging.cpu()
+        with on_stream(self.stream):
+            if ready is not None:
+                self.stream.wait_event(ready)
+            index = page_index(src_page_ids, buf.device)
+            staging = gather_pages(buf, index, chunk.layer_start, chunk.layer_end)
+            if staging.is_cuda:
+                staging = staging.cpu()  # waits for the gather
         # zmq keeps the memoryview (and so the tensor) alive until the frame is sent.
         return [memoryview(staging.view(torch.uint8).numpy()).cast("B")]
 
@@ -26,14 +31,20 @@ class TcpReceiverPlane(ReceiverPlane):
     def __init__(self, pool, timeout_s: float, host: str):
         super().__init__(pool, timeout_s)
 
-    def receive(self, sender_id: str, chunk: KVChunk, frames: list) -> torch.Tensor:
+    def receive(self, sender_id: str, chunk: KVChunk, frames: list,
+                dst_page_ids: list[int] | None) -> None:
         if len(frames) != 1 or len(frames[0].buffer) != chunk.nbytes:
             got = [len(f.buffer) for f in frames]
             raise ValueError(f"chunk of {chunk.request_id} carries frames {got}, expected [{chunk.nbytes}]")
+        if dst_page_ids is None:
+            return  # the frame is consumed already
         with warnings.catch_warnings():  # the frame is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(frames[0].buffer, dtype=torch.uint8)
-        shape = staging_shape(self.pool.layout, len(chunk.dst_page_ids), chunk.layer_start,
+        shape = staging_shape(self.pool.layout, len(dst_page_ids), chunk.layer_start,
                               chunk.layer_end)
-        staging = flat.view(self.pool.buffer.dtype).view(shape)
-        return staging.to(self.pool.buffer.device)
+        with on_stream(self.stream):
+            # From pageable memory the copy is done when .to() returns, so the frame may go.
+            staging = flat.view(self.pool.buffer.dtype).view(shape).to(self.device)
+            scatter_pages(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
+                          chunk.layer_start, chunk.layer_end)
