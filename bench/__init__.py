@@ -1,0 +1,1 @@
+"""pd-serve benchmarks: the serving load generator, offline throughput and KV transfer."""
