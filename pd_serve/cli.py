@@ -193,6 +193,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
         print(f"tokens: {reply.usage.prompt_tokens} prompt, {reply.usage.completion_tokens} completion")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from bench import serving
+
+    code = serving.main(args.engine_argv)
+    if code:
+        raise SystemExit(code)
+
+
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -234,14 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=128)
     _add_launch_args(demo)
     demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="benchmarks: serving (load generator against a gateway); "
+                           "the flags after the name go to it (pd-serve bench serving --help)")
+    bench.add_argument("name", choices=["serving"])
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("launch", "demo"):
-        args.engine_argv = rest  # every other flag is handed to each worker as is
+    if args.command in ("launch", "demo", "bench"):
+        args.engine_argv = rest  # launch/demo: flags for every worker; bench: the benchmark's flags
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
