@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=128)
     _add_launch_args(demo)
     demo.set_defaults(func=cmd_demo)
-    bench = sub.add_parser("bench", help="benchmarks: serving (load generator against a gateway); "
+    bench = sub.add_parser("bench", add_help=False, help="benchmarks: serving (load generator against a gateway); "
                            "the flags after the name go to it (pd-serve bench serving --help)")
     bench.add_argument("name", choices=["serving"])
     bench.set_defaults(func=cmd_bench)
