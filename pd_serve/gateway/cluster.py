@@ -35,7 +35,8 @@ class GatewayConfig:
     served_model_name: str = "default"
     prefill_policy: str = "least_load"
     decode_policy: str = "least_load"
-    worker_timeout_s: float = 5.0  # no heartbeat for this long: the worker is gone
+    worker_timeout_s: float = 10.0  # no heartbeat for this long: the worker is gone (a step runs
+    # between heartbeats, so this must exceed the longest step: one --chunked-prefill-size chunk)
     admit_timeout_s: float = 60.0  # how long a request may wait for decode capacity
     step_timeout_s: float = 120.0  # longest silence from a worker on a live request
     max_outstanding_requests: int = 4096
