@@ -9,8 +9,8 @@ This process is the sender (pool on --sender-device); the receiver is a child pr
 script (`--role receiver`, JSON lines on stdin/stdout), one per backend, with its pool on
 --receiver-device. The KV layout is Llama-3-8B's (32 layers, 8 KV heads, head_dim 128) with pages
 of 1 MiB, so a request of X MiB is X pages, drawn at random (non-contiguous) on both sides.
-A timed request runs from send() to the sender's ok result: the receiver has the pages in its
-pool and acknowledged. Telling the receiver to expect the request comes first and is not timed.
+A timed request runs from send() to the sender's ok result (a blocking poll wakes as it comes):
+the receiver has the pages in its pool and acknowledged. Telling the receiver to expect the request comes first and is not timed.
 Each size gets one warm-up request, then --repeats timed ones. GB/s are 1e9 bytes of KV per
 second. The raw link rate is one process's plain 1 GiB `dst.copy_(src)` between the two
 devices: GPU0 -> GPU1 (P2P) on two GPUs, within the GPU on one, host memory on CPU.
@@ -47,12 +47,11 @@ from pd_serve.transfer.sender import KVSender  # noqa: E402
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 MiB = 1 << 20
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
-DEFAULT_SIZES_MIB = [1, 4, 16, 64, 256, 1024]
+DEFAULT_SIZES_MIB = [1, 4, 8, 16, 64, 256, 1024]
 DEFAULT_LATENCY_TOKENS = [1024, 4096, 16384]
 QUICK = dict(sizes_mib=[1, 4, 16], latency_tokens=[1024], repeats=2)
 SPARE_PAGES = 8
 POISON = -7.25  # what the receiver's pages hold before data arrives
-POLL_S = 50e-6  # the sender's result is polled this often
 CHECKSUM_PAGES = 64  # pages per step of a checksum (bounds its int64 temporaries)
 RECEIVER_FLAGS = ("role", "layout", "num_pages")  # the child's hidden flags
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # itemsize -> dtype
@@ -63,7 +62,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default=None, help="comma list; default: torch,ipc,tcp on GPU "
                    "(torch only when the two pools sit on different GPUs), tcp,torch on CPU")
-    p.add_argument("--sizes-mib", default=None, help="comma list; default: 1,4,16,64,256,1024")
+    p.add_argument("--sizes-mib", default=None, help="comma list; default: 1,4,8,16,64,256,1024")
     p.add_argument("--latency-tokens", default=None, help="comma list; default: 1024,4096,16384")
     p.add_argument("--repeats", type=int, default=None, help="timed requests per size (default 5)")
     p.add_argument("--quick", action="store_true", help="sizes 1,4,16 MiB, 1k tokens, 2 repeats")
@@ -73,6 +72,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--raw-mib", type=int, default=1024, help="size of the raw link copy")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a transfer may take")
+    p.add_argument("--chunk-mib", type=float, default=None,
+                   help="the sender's first chunk size (default: KVSender's)")
+    p.add_argument("--max-chunk-mib", type=float, default=None,
+                   help="the sender's largest chunk size (default: KVSender's)")
+    p.add_argument("--spin-ms", type=float, default=None,
+                   help="busy-poll window of both I/O threads (default: theirs; 0: never)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", nargs="?", const="auto", default=None,
                    help="write a JSON result here (alone: bench/results/transfer-<device-kind>.json)")
@@ -152,6 +157,10 @@ def page_checksum(buffer: torch.Tensor, page_ids: list[int]) -> dict:
             "sum": int(block_sums.sum())}
 
 
+def spin_kwargs(args: argparse.Namespace) -> dict:
+    return {} if args.spin_ms is None else {"spin_s": args.spin_ms / 1e3}
+
+
 # ---- receiver child -------------------------------------------------------------------------
 
 def serve_receiver(args: argparse.Namespace) -> None:
@@ -161,7 +170,7 @@ def serve_receiver(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     pool = KVPool(KVLayout(**json.loads(args.layout)), args.num_pages, device)
     pool.buffer.fill_(POISON)
-    receiver = KVReceiver(pool, args.backends, timeout_s=args.timeout)
+    receiver = KVReceiver(pool, args.backends, timeout_s=args.timeout, **spin_kwargs(args))
     say = lambda obj: print(json.dumps(obj), flush=True)  # noqa: E731
     say({"address": receiver.address, "device_name": device_name(device)})
     for line in sys.stdin:
@@ -196,7 +205,8 @@ class ReceiverProcess:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--role", "receiver", "--backends", backend,
              "--receiver-device", str(args.receiver_device), "--layout", json.dumps(asdict(layout)),
-             "--num-pages", str(num_pages), "--timeout", str(args.timeout)],
+             "--num-pages", str(num_pages), "--timeout", str(args.timeout)]
+            + ([] if args.spin_ms is None else ["--spin-ms", str(args.spin_ms)]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = self._read(120)
         self.address, self.device_name = hello["address"], hello["device_name"]
@@ -238,7 +248,11 @@ class Pair:
         self.receiver = ReceiverProcess(backend, pool.layout, pool.num_pages, args)
         self.sender = None
         try:
-            self.sender = KVSender(pool, backend, timeout_s=args.timeout)
+            chunks = {k: int(v * MiB) for k, v in (("chunk_bytes", args.chunk_mib),
+                                                    ("max_chunk_bytes", args.max_chunk_mib))
+                      if v is not None}
+            self.sender = KVSender(pool, backend, timeout_s=args.timeout, **chunks,
+                                   **spin_kwargs(args))
             self.sender.connect(self.receiver.address)
         except BaseException:
             self.close()
@@ -269,11 +283,10 @@ class Pair:
 
     def _wait(self, request_id: str) -> TransferResult:
         deadline = time.monotonic() + self.timeout_s + 5
-        while time.monotonic() < deadline:
-            for result in self.sender.poll():
+        while (left := deadline - time.monotonic()) > 0:
+            for result in self.sender.poll(timeout_s=left):  # wakes as the result comes
                 if result.request_id == request_id:
                     return result
-            time.sleep(POLL_S)
         raise TransferError(f"no result for {request_id} within {self.timeout_s + 5} s")
 
     def timed(self, num_pages: int, repeats: int) -> list[float]:
@@ -302,6 +315,8 @@ def run_backend(backend: str, pool: KVPool, raw_gbps: float, args: argparse.Name
     pair = None
     try:
         pair = Pair(backend, pool, args)
+        out.update(chunk_bytes=pair.sender.chunk_bytes, max_chunk_bytes=pair.sender.max_chunk_bytes,
+                   spin_s=pair.sender.spin_s)
         out["receiver_device_name"] = pair.receiver.device_name
         for size_mib in args.sizes_mib:
             seconds = pair.timed(size_mib * MiB // layout.bytes_per_page, args.repeats)

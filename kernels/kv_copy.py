@@ -198,8 +198,9 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
     ids = src_ids if src_ids is not None else dst_ids
     block = min(_MAX_BLOCK, 1 << (chunk - 1).bit_length())
     grid = (num_groups * num_ids, -(-chunk // block))
-    with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
-            kernel[grid](_as_int(src), _as_int(dst), ids if src_ids is None else src_ids,
+    elsewhere = dst.is_cuda and dst.device.index != torch.cuda.current_device()
+    with torch.cuda.device(dst.device) if elsewhere else contextlib.nullcontext():
+        kernel[grid](_as_int(src), _as_int(dst), ids if src_ids is None else src_ids,
                      ids if dst_ids is None else dst_ids, src.shape[2], dst.shape[2], num_ids,
                      chunk, BLOCK=block, SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None)
     triton_launches += 1

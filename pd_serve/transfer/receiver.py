@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from kernels.kv_copy import scatter_pages
 from pd_serve import protocol
 from pd_serve.cache.pool import KVPool
 from pd_serve.protocol import KVChunk, TransferAbort, TransferAck, TransferHello, TransferWelcome
 from pd_serve.transfer.backends import make_receiver_plane
-from pd_serve.transfer.base import TransferResult, TransferStats, layout_mismatch, now, page_index
+from pd_serve.transfer.base import TransferResult, TransferStats, layout_mismatch, now, trace
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +28,7 @@ class _Incoming:
     deadline: float
     started: float = field(default_factory=now)
     num_bytes: int = 0
+    next_page: int = 0  # where in page_ids the next chunk starts
 
 
 class KVReceiver:
@@ -36,11 +36,15 @@ class KVReceiver:
 
     Every expected request ends in exactly one result: ok, refused, aborted by the sender, or
     timed out. After a failed result the caller frees the pages; nothing else touches them.
+    Between the chunks of a request the I/O thread busy-polls for up to `spin_s` (0: never).
     """
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
-                 port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None):
+                 port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None,
+                 spin_s: float = 0.002):
         self.pool = pool
+        self.spin_s = spin_s
+        self._spin_until = 0.0
         self.backend = backend
         self.timeout_s = timeout_s
         self.stats = stats or TransferStats("recv", backend)
@@ -93,22 +97,26 @@ class KVReceiver:
     def _serve(self) -> None:
         if self.pool.buffer.is_cuda:
             torch.cuda.set_device(self.pool.buffer.device)
+        next_expiry = 0.0
         try:
             while not self._stop.is_set():
-                if self._sock.poll(20, zmq.POLLIN):
+                if self._sock.poll(0 if now() < self._spin_until else 20, zmq.POLLIN):
                     identity, header, *frames = self._sock.recv_multipart(copy=False)
-                    self._handle(bytes(identity), protocol.decode(header.bytes), frames)
-                with self._lock:
-                    self._expire()
+                    arrived = now()
+                    self._handle(bytes(identity), protocol.decode(header.bytes), frames, arrived)
+                if now() >= next_expiry:
+                    next_expiry = now() + 0.005
+                    with self._lock:
+                        self._expire()
         finally:
             self._sock.close()
 
-    def _handle(self, sender: bytes, msg, frames: list) -> None:
+    def _handle(self, sender: bytes, msg, frames: list, arrived: float) -> None:
         sender_id = sender.decode()
         if isinstance(msg, TransferHello):
             self._welcome(sender, sender_id, msg)
         elif isinstance(msg, KVChunk):
-            self._on_chunk(sender, sender_id, msg, frames)
+            self._on_chunk(sender, sender_id, msg, frames, arrived)
         elif isinstance(msg, TransferAbort):
             self._fail(msg.request_id, f"sender aborted: {msg.reason}")
 
@@ -129,37 +137,49 @@ class KVReceiver:
             logger.warning("pairing with %s failed: %s", sender_id, e)
             self.plane.drop_sender(sender_id)
 
-    def _on_chunk(self, sender: bytes, sender_id: str, chunk: KVChunk, frames: list) -> None:
-        try:
-            staging = self.plane.receive(sender_id, chunk, frames)
-        except Exception as e:  # the data did not arrive: the pair is broken
-            self.plane.drop_sender(sender_id)
-            self._fail(chunk.request_id, f"receive failed: {e}")
-            self._send(sender, TransferAck(chunk.request_id, ok=False, error=str(e)))
-            return
-        # The lock spans check and write, so cancel() cannot free the pages in between.
+    def _on_chunk(self, sender: bytes, sender_id: str, chunk: KVChunk, frames: list,
+                  arrived: float) -> None:
+        # The lock spans check and write (queued, and awaited at the last chunk), so cancel()
+        # cannot free the pages in between.
         with self._lock:
+            checked = now()
             incoming = self._expected.get(chunk.request_id)
-            error = ""
-            if incoming is None:
-                error = "not expected here (never reserved, cancelled or timed out)"
-            elif chunk.dst_page_ids != incoming.page_ids:
-                error = "destination pages differ from the pages reserved for it"
-                self._finish(chunk.request_id, ok=False, error=error)
-            else:
-                if staging is not None:
-                    index = page_index(incoming.page_ids, self.pool.buffer.device)
-                    scatter_pages(self.pool.buffer, index, staging, chunk.layer_start,
-                                  chunk.layer_end)
-                if chunk.last and self.pool.buffer.is_cuda:
-                    torch.cuda.current_stream().synchronize()  # data in place before we say so
+            error = self._check(incoming, chunk)
+            try:
+                self.plane.receive(sender_id, chunk, frames, None if error else chunk.dst_page_ids)
+                queued = now()
+                if not error and chunk.last:
+                    self.plane.synchronize()  # data in place before we say so
+            except Exception as e:  # the data did not arrive: the pair is broken
+                self.plane.drop_sender(sender_id)
+                error = f"receive failed: {e}"
+                queued = now()
+            synced = now()
+            if incoming is not None and not error:
                 incoming.num_bytes += chunk.nbytes
-                if chunk.last:
-                    self._finish(chunk.request_id, ok=True)
-        if error:
-            self._send(sender, TransferAck(chunk.request_id, ok=False, error=error))
-        elif chunk.last:
-            self._send(sender, TransferAck(chunk.request_id, ok=True))
+            if incoming is not None and (chunk.last or error):
+                self._finish(chunk.request_id, ok=not error, error=error)
+        if error or chunk.last:
+            self._send(sender, TransferAck(chunk.request_id, ok=not error, error=error))
+        else:
+            self._spin_until = now() + self.spin_s  # the next chunk is on its way
+        trace("recv", chunk.request_id, arrived, checked=checked, queued=queued, synced=synced,
+              acked=now())
+
+    @staticmethod
+    def _check(incoming: _Incoming | None, chunk: KVChunk) -> str:
+        """'' when the chunk may be written: its request is expected and its destination pages
+        are the next run of the reserved pages (a request's pages may come in several chunks,
+        in order, for each layer group); else why not. Advances the position."""
+        if incoming is None:
+            return "not expected here (never reserved, cancelled or timed out)"
+        start, end = incoming.next_page, incoming.next_page + len(chunk.dst_page_ids)
+        if chunk.dst_page_ids != incoming.page_ids[start:end]:
+            return "destination pages differ from the pages reserved for it"
+        incoming.next_page = 0 if end == len(incoming.page_ids) else end
+        if chunk.last and incoming.next_page:
+            return "the last chunk leaves reserved pages unwritten"
+        return ""
 
     def _send(self, identity: bytes, msg) -> None:
         self._sock.send_multipart([identity, protocol.encode(msg)])

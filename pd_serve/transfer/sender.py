@@ -21,7 +21,8 @@ from pd_serve import protocol
 from pd_serve.cache.pool import KVPool
 from pd_serve.protocol import KVChunk, TransferAbort, TransferAck, TransferHello, TransferWelcome
 from pd_serve.transfer.backends import make_sender_plane
-from pd_serve.transfer.base import (TransferError, TransferResult, TransferStats, layout_of, now)
+from pd_serve.transfer.base import (TransferError, TransferResult, TransferStats, layout_of, now,
+                                    trace)
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +43,33 @@ class _SendJob:
     src_page_ids: list[int]
     chunk: KVChunk
     ready: torch.cuda.Event | None  # the compute that wrote the pages (GPU)
+    first: bool  # the request's first chunk
+    queued: float = field(default_factory=now)
 
 
 class KVSender:
     """connect() once per receiver; send() a request's pages (whole, or layer group by group);
     poll() for one TransferResult per request: ok once the receiver acknowledged the last chunk,
     or failed (refused, aborted, receiver gone, timed out). The source pages must stay allocated
-    until that result arrives."""
+    until that result arrives.
+
+    Each send() goes out as chunks of whole pages, in page order: the first of `chunk_bytes`,
+    each next one twice the last, up to `max_chunk_bytes`. Moving chunk i overlaps preparing
+    chunk i+1 (and, on the receiver, taking its header), small first chunks start the data
+    moving early, and large later ones keep the per-chunk host work off the critical path.
+    While a transfer awaits its ack, the I/O thread busy-polls for up to `spin_s` after its last
+    chunk went out (0: never), trading a core for the wake-up latency of a sleeping thread.
+    """
 
     def __init__(self, pool: KVPool, backend: str = "tcp", sender_id: str | None = None,
                  timeout_s: float = 30.0, max_queued: int = 4096, stats: TransferStats | None = None,
-                 chunk_bytes: int = 32 * 2**20):
+                 chunk_bytes: int = 64 * 2**20, max_chunk_bytes: int = 512 * 2**20,
+                 spin_s: float = 0.002):
         self.pool = pool
         self.chunk_bytes = chunk_bytes
+        self.max_chunk_bytes = max(chunk_bytes, max_chunk_bytes)
+        self.spin_s = spin_s
+        self._spin_until = 0.0
         self.backend = backend
         self.sender_id = sender_id or f"sender-{uuid.uuid4().hex[:12]}"
         self.timeout_s = timeout_s
@@ -63,6 +78,7 @@ class KVSender:
         self._ctx = zmq.Context.instance()
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queued)
         self._lock = threading.Lock()
+        self._has_results = threading.Condition(self._lock)
         self._results: list[TransferResult] = []
         self._outgoing: dict[str, _Outgoing] = {}
         self._socks: dict[str, zmq.Socket] = {}
@@ -97,22 +113,38 @@ class KVSender:
         if self.pool.buffer.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        # Large sends go out as several layer groups, so gathering group i+1 overlaps moving
-        # group i (and scattering it on the receiver).
-        bytes_per_layer = len(src_page_ids) * layout.bytes_per_page // layout.num_layers
-        step = max(1, self.chunk_bytes // max(1, bytes_per_layer))
-        for start in range(layer_start, layer_end, step):
-            end = min(layer_end, start + step)
-            chunk = KVChunk(request_id, list(dst_page_ids), start, end, (end - start) * bytes_per_layer,
-                            last and end == layer_end, list(src_page_ids))
-            self._put(("send", _SendJob(request_id, address, list(src_page_ids), chunk, ready)))
+        page_bytes = (layer_end - layer_start) * layout.bytes_per_page // layout.num_layers
+        num_pages = len(src_page_ids)
+        jobs = []
+        for start, end in self._chunk_bounds(num_pages, page_bytes):
+            src = list(src_page_ids[start:end])
+            chunk = KVChunk(request_id, list(dst_page_ids[start:end]), layer_start, layer_end,
+                            (end - start) * page_bytes, last and end == num_pages,
+                            src if self.plane.sends_src_page_ids else [])
+            jobs.append(_SendJob(request_id, address, src, chunk, ready,
+                                 first=layer_start == 0 and start == 0))
+        self._put(("send", jobs))
+
+    def _chunk_bounds(self, num_pages: int, page_bytes: int) -> list[tuple[int, int]]:
+        """[start, end) page ranges of the chunks; a page larger than a chunk travels alone, and
+        a request without pages still sends one (empty) chunk."""
+        bounds, start, size = [], 0, self.chunk_bytes
+        while True:
+            end = min(num_pages, start + max(1, size // max(1, page_bytes)))
+            bounds.append((start, end))
+            if end >= num_pages:
+                return bounds
+            start, size = end, min(2 * size, self.max_chunk_bytes)
 
     def abort(self, request_id: str) -> None:
         """Give up on a request; its result (failed) follows unless it already finished."""
         self._put(("abort", request_id, "aborted by the sender"))
 
-    def poll(self) -> list[TransferResult]:
-        with self._lock:
+    def poll(self, timeout_s: float = 0.0) -> list[TransferResult]:
+        """The results since the last poll; waits up to `timeout_s` for one when there are none."""
+        with self._has_results:
+            if not self._results and timeout_s > 0:
+                self._has_results.wait(timeout_s)
             results, self._results = self._results, []
         return results
 
@@ -136,7 +168,8 @@ class KVSender:
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                for sock, _ in poller.poll(50):
+                spin = bool(self._outgoing) and now() < self._spin_until
+                for sock, _ in poller.poll(0 if spin else 50):
                     if isinstance(sock, int):  # the wake-up socket's fd
                         self._drain_wakeups()
                     else:
@@ -168,7 +201,8 @@ class KVSender:
             except Exception as e:
                 future.set_exception(e if isinstance(e, TransferError) else TransferError(f"{address}: {e}"))
         elif kind == "send":
-            self._send_chunk(job[1], poller)
+            for send_job in job[1]:
+                self._send_chunk(send_job, poller)
         elif kind == "abort":
             self._abort(job[1], job[2])
 
@@ -196,16 +230,17 @@ class KVSender:
         rid = job.request_id
         out = self._outgoing.get(rid)
         if out is None:
-            if job.chunk.layer_start != 0 and not self._known(rid):
+            if not job.first:
                 return  # an earlier chunk failed or was aborted: drop the rest
             out = self._outgoing[rid] = _Outgoing(job.address, now() + self.timeout_s)
+        picked = now()
         try:
             self._connect(job.address, poller)
-            if job.ready is not None:
-                job.ready.synchronize()  # the pages are written before anyone reads them
-            frames = self.plane.prepare(job.address, job.chunk, job.src_page_ids)
+            frames = self.plane.prepare(job.address, job.chunk, job.src_page_ids, job.ready)
+            prepared = now()
             self._socks[job.address].send_multipart([protocol.encode(job.chunk), *frames], copy=False)
-            self.plane.finish(job.address, job.chunk)
+            sent = now()
+            self.plane.finish(job.address, job.chunk, job.src_page_ids, job.ready)
         except Exception as e:
             logger.warning("send of %s to %s failed: %s", rid, job.address, e)
             self._drop_peer(job.address, poller)
@@ -213,12 +248,13 @@ class KVSender:
             return
         out.num_bytes += job.chunk.nbytes
         out.last_sent = job.chunk.last
-
-    def _known(self, request_id: str) -> bool:
-        return request_id in self._outgoing
+        self._spin_until = now() + self.spin_s
+        trace("send", rid, job.queued, picked=picked, prepared=prepared, header_sent=sent,
+              finished=now())
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, TransferAck) and msg.request_id in self._outgoing:
+            trace("ack", msg.request_id, self._outgoing[msg.request_id].started, acked=now())
             self._finish(msg.request_id, ok=msg.ok, error=msg.error)
 
     def _abort(self, request_id: str, reason: str) -> None:
@@ -246,5 +282,6 @@ class KVSender:
         out = self._outgoing.pop(request_id)
         result = TransferResult(request_id, ok, error, out.num_bytes, now() - out.started)
         self.stats.record(result)
-        with self._lock:
+        with self._has_results:
             self._results.append(result)
+            self._has_results.notify_all()

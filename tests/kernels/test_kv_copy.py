@@ -143,6 +143,43 @@ def test_round_trip_moves_pages_between_pools(device, dtype, layers, ids_dtype, 
 
 
 @needs_triton
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("layers", LAYERS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_moves_pages_between_pools_in_one_launch(device, dtype, layers, ids_dtype, page_size):
+    src = random_bits((L, 2, P, page_size, H, D), dtype, device, seed=6)
+    dst = poisoned_pool(7, page_size, dtype, device)  # a smaller pool, other page ids
+    src_ids, dst_ids = PAGE_IDS["random"], [6, 0, 4, 1, 5, 2]
+    a, b = layers
+    expected = dst.clone()
+    kv_copy.copy_pages_ref(src, torch.tensor(src_ids, device=device), expected,
+                           torch.tensor(dst_ids, device=device), a, b)
+    with expect_launches(1):
+        kv_copy.copy_pages(src, torch.tensor(src_ids, dtype=ids_dtype, device=device), dst,
+                           torch.tensor(dst_ids, dtype=ids_dtype, device=device), a, b)
+    assert torch.equal(bits(dst), bits(expected))
+    assert_only_pages_written(dst, dst_ids, layers, bits(src)[a:b, :, src_ids])
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_copy_reads_a_pool_on_a_peer_gpu(monkeypatch):
+    """The kernel runs on the destination's GPU and reads the source pages over the link."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for a, b in (("cuda:0", "cuda:1"), ("cuda:1", "cuda:0")):  # a copy enables peer access
+        torch.ones(1, device=a).to(b)
+    src = random_bits((L, 2, P, 16, H, D), torch.bfloat16, "cuda:0", seed=7)
+    dst = poisoned_pool(7, 16, torch.bfloat16, "cuda:1")
+    src_ids, dst_ids = PAGE_IDS["random"], [6, 0, 4, 1, 5, 2]
+    with expect_launches(1):
+        kv_copy.copy_pages(src, torch.tensor(src_ids, device="cuda:1"), dst,
+                           torch.tensor(dst_ids, device="cuda:1"), 0, L)
+    assert_only_pages_written(dst, dst_ids, (0, L), bits(src)[:, :, src_ids].to("cuda:1"))
+
+
+@needs_triton
 def test_no_pages_launches_nothing():
     pool = random_bits((L, 2, P, 4, H, D), torch.float16, "cpu", seed=4)
     before = pool.clone()
@@ -187,6 +224,14 @@ def _bad_calls():
     yield "staging of wrong dtype", lambda: kv_copy.scatter_pages(pool, ids, staging.half(), 0, L)
     yield "repeated scatter ids", lambda: kv_copy.scatter_pages(pool, torch.tensor([1, 1]),
                                                                 staging, 0, L)
+    yield "copy: id counts differ", lambda: kv_copy.copy_pages(pool, ids, pool.clone(), ids[:1], 0, L)
+    yield "copy: dtypes differ", lambda: kv_copy.copy_pages(pool, ids, pool.half(), ids, 0, L)
+    other_pages = pool[:, :, :, :2].contiguous()
+    yield "copy: page shapes differ", lambda: kv_copy.copy_pages(pool, ids, other_pages, ids, 0, L)
+    yield "copy: repeated dst ids", lambda: kv_copy.copy_pages(pool, ids, pool.clone(),
+                                                               torch.tensor([3, 3]), 0, L)
+    yield "copy: src id too large", lambda: kv_copy.copy_pages(pool, torch.tensor([0, P]),
+                                                               pool.clone(), ids, 0, L)
 
 
 @pytest.mark.parametrize("call", [pytest.param(c, id=name) for name, c in _bad_calls()])

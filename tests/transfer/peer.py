@@ -35,11 +35,11 @@ class Peer:
     """A sender or receiver in a child process."""
 
     def __init__(self, role: str, backend: str, layout: KVLayout = LAYOUT, timeout: float = 3.0,
-                 device: str = "cpu"):
+                 device: str = "cpu", chunk_bytes: int = 32 * 2**20):
         self.proc = subprocess.Popen(
             [sys.executable, __file__, role, "--backend", backend, "--layout",
              json.dumps(asdict(layout)), "--num-pages", str(NUM_PAGES), "--seed", str(SEED),
-             "--timeout", str(timeout), "--device", device],
+             "--timeout", str(timeout), "--device", device, "--chunk-bytes", str(chunk_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if role == "receiver":
             self.address = self._read(60)["address"]
@@ -83,12 +83,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--chunk-bytes", type=int, default=32 * 2**20)
     args = ap.parse_args()
     layout = KVLayout(**json.loads(args.layout))
     say = lambda obj: print(json.dumps(obj), flush=True)  # noqa: E731
     if args.role == "sender":
         node = KVSender(seeded_pool(layout, args.num_pages, args.seed, args.device), args.backend,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, chunk_bytes=args.chunk_bytes)
     else:
         node = KVReceiver(poisoned_pool(layout, args.num_pages, args.device), args.backend,
                           timeout_s=args.timeout)

@@ -121,6 +121,11 @@ def test_unreserved_request_is_refused_and_writes_nothing(backend, peers):
                 dst_page_ids=[10, 12])
     (result,) = wait_results(receiver, 1, 10)
     assert not result.ok and "destination pages differ" in result.error
+    receiver.expect("too-few-pages", [20, 21])
+    sender.call("send", request_id="too-few-pages", address=receiver.address, src_page_ids=[1],
+                dst_page_ids=[20])
+    (result,) = wait_results(receiver, 1, 10)
+    assert not result.ok and "leaves reserved pages unwritten" in result.error
     assert (receiver.pool.buffer == POISON).all()
     receiver.close()
 
@@ -194,18 +199,51 @@ def test_stats_count_bytes_transfers_and_failures(peers):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_large_sends_split_into_layer_groups_stay_bit_exact(backend):
-    """chunk_bytes of one byte: every layer travels as its own chunk of the same request."""
+def test_large_sends_split_into_chunks_stay_bit_exact(backend):
+    """Chunks of one byte: every page travels as its own chunk, whole and by layer group."""
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)
-    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), backend, timeout_s=10, chunk_bytes=1)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), backend, timeout_s=10, chunk_bytes=1,
+                      max_chunk_bytes=1)
     sender.connect(receiver.address)
-    src, dst = [7, 1, 30, 12], [0, 63, 8, 9]
-    receiver.expect("req", dst)
-    sender.send("req", receiver.address, src, dst)
-    (sent,) = wait_results(sender, 1, 10)
-    (received,) = wait_results(receiver, 1, 10)
-    assert sent.ok and received.ok and received.num_bytes == 4 * LAYOUT.bytes_per_page
+    plan = {"whole": ([7, 1, 30, 12], [0, 63, 8, 9]), "grouped": ([2, 5, 40], [20, 11, 33])}
+    for rid, (src, dst) in plan.items():
+        receiver.expect(rid, dst)
+    sender.send("whole", receiver.address, *plan["whole"])
+    for start, end in [(0, 1), (1, 4)]:
+        sender.send("grouped", receiver.address, *plan["grouped"], layer_start=start, layer_end=end,
+                    last=end == 4)
+    sent = wait_results(sender, 2, 10)
+    received = wait_results(receiver, 2, 10)
+    assert sorted(r.request_id for r in sent if r.ok) == sorted(plan)
+    assert sorted(r.request_id for r in received if r.ok) == sorted(plan)
+    assert all(r.num_bytes == len(plan[r.request_id][0]) * LAYOUT.bytes_per_page for r in received)
     expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
-    assert torch.equal(bits(receiver.pool.buffer[:, :, dst]), bits(expected[:, :, src]))
+    for src, dst in plan.values():
+        assert torch.equal(bits(receiver.pool.buffer[:, :, dst]), bits(expected[:, :, src]))
+    sender.close()
+    receiver.close()
+
+
+def test_chunks_double_from_the_first_size_up_to_the_largest():
+    page = LAYOUT.bytes_per_page
+    sender = KVSender(seeded_pool(LAYOUT, 4, SEED), "tcp", chunk_bytes=2 * page, max_chunk_bytes=8 * page)
+    assert sender._chunk_bounds(20, page) == [(0, 2), (2, 6), (6, 14), (14, 20)]
+    assert sender._chunk_bounds(1, page) == [(0, 1)]
+    assert sender._chunk_bounds(0, page) == [(0, 0)]
+    assert sender._chunk_bounds(3, 100 * page) == [(0, 1), (1, 2), (2, 3)]  # pages never split
+    sender.close()
+
+
+def test_poll_waits_for_a_result_up_to_its_timeout():
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
+    sender.connect(receiver.address)
+    start = time.monotonic()
+    assert sender.poll(timeout_s=0.2) == []
+    assert time.monotonic() - start >= 0.19
+    receiver.expect("req", [1])
+    sender.send("req", receiver.address, [2], [1])
+    (result,) = sender.poll(timeout_s=10)
+    assert result.ok and result.request_id == "req"
     sender.close()
     receiver.close()

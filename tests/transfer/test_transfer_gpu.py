@@ -16,14 +16,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GPU_LAYOUT = replace(LAYOUT, dtype="bfloat16", num_layers=8, page_size=16, head_dim=128)
 
 
+@pytest.mark.parametrize("chunk_bytes", [32 * 2**20, 1], ids=["whole", "page-chunks"])
 @pytest.mark.parametrize("backend", ["ipc", "torch", "tcp"])
-def test_gpu_transfer_bit_exact(backend, peers):
+def test_gpu_transfer_bit_exact(backend, chunk_bytes, peers):
     two = torch.cuda.device_count() >= 2
     if backend == "torch" and not two:
         pytest.skip("NCCL pairs need two GPUs")
     receiver_device = "cuda:1" if two else "cuda:0"
     receiver = KVReceiver(poisoned_pool(GPU_LAYOUT, NUM_PAGES, receiver_device), backend, timeout_s=60)
-    sender = peers("sender", backend, layout=GPU_LAYOUT, timeout=60, device="cuda:0")
+    sender = peers("sender", backend, layout=GPU_LAYOUT, timeout=60, device="cuda:0",
+                   chunk_bytes=chunk_bytes)
     assert sender.call("connect", address=receiver.address) == {"ok": True}
     rng = random.Random(1)
     dst_free = rng.sample(range(NUM_PAGES), NUM_PAGES)

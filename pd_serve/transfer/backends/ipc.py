@@ -1,24 +1,28 @@
 """ipc: same host, CUDA IPC. The receiver maps the sender's pool and copies the pages itself.
 
 The sender exports its KV pool once per pair (a CUDA IPC description as plain msgpack fields,
-never a pickle). On each chunk header the receiver, holding the reservation for that request,
-gathers the source pages from the mapped pool over NVLink and writes them into its reserved
-pages. Pulling rather than pushing means nothing ever writes into the decode pool except the
-decode process itself, under the lock that checks the reservation.
+never a pickle). The receiver maps it into its own device's address space (the driver enables
+peer access for it), so its copy kernel reads the source pages over NVLink and writes its
+reserved pages in one pass: no gather on the sender's GPU, no staging copy. Pulling rather than
+pushing means nothing ever writes into the decode pool except the decode process itself, under
+the lock that checks the reservation.
 """
 
 from __future__ import annotations
 
-import torch
-from torch.multiprocessing.reductions import reduce_tensor
+import inspect
 
-from kernels.kv_copy import gather_pages
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from kernels.kv_copy import copy_pages
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import ReceiverPlane, SenderPlane, page_index
+from pd_serve.transfer.base import ReceiverPlane, SenderPlane, on_stream, page_index
 
 # The only classes a description may name when it is rebuilt.
 _CLASSES = {c.__module__ + "." + c.__qualname__: c for c in
             (torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.TypedStorage)}
+_REBUILD_ARGS = list(inspect.signature(rebuild_cuda_tensor).parameters)
 
 
 def export_cuda_tensor(tensor: torch.Tensor) -> list:
@@ -37,9 +41,10 @@ def export_cuda_tensor(tensor: torch.Tensor) -> list:
     return out
 
 
-def import_cuda_tensor(description: list) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
+def import_cuda_tensor(description: list, device: torch.device | None = None) -> torch.Tensor:
+    """Map an exported tensor. With `device`, the memory is mapped into that device's address
+    space (peer access enabled by the driver), so kernels there read it directly; the tensor
+    then reports `device` although its memory stays on the owner's GPU."""
     args = []
     for a in description:
         if isinstance(a, dict) and "class" in a:
@@ -52,10 +57,14 @@ def import_cuda_tensor(description: list) -> torch.Tensor:
             args.append(tuple(a["tuple"]))
         else:
             args.append(a)
+    if device is not None:
+        args[_REBUILD_ARGS.index("storage_device")] = device.index
     return rebuild_cuda_tensor(*args)
 
 
 class IpcSenderPlane(SenderPlane):
+    sends_src_page_ids = True
+
     def __init__(self, pool, timeout_s: float):
         super().__init__(pool, timeout_s)
         if not pool.buffer.is_cuda:
@@ -65,8 +74,11 @@ class IpcSenderPlane(SenderPlane):
         return {"pool": export_cuda_tensor(self.pool.buffer),
                 "device_uuid": str(torch.cuda.get_device_properties(self.pool.buffer.device).uuid)}
 
-    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int]) -> list:
-        return []  # the receiver reads the pages in place; they stay allocated until its ack
+    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
+                ready: torch.cuda.Event | None) -> list:
+        if ready is not None:
+            ready.synchronize()  # the receiver reads the pages once it has the header
+        return []  # it reads them in place; they stay allocated until its ack
 
 
 class IpcReceiverPlane(ReceiverPlane):
@@ -77,17 +89,23 @@ class IpcReceiverPlane(ReceiverPlane):
         self._remote: dict[str, torch.Tensor] = {}
 
     def after_welcome(self, sender_id: str, hello_info: dict) -> None:
-        self._remote[sender_id] = import_cuda_tensor(hello_info["pool"])
+        self._remote[sender_id] = import_cuda_tensor(hello_info["pool"], self.device)
 
-    def receive(self, sender_id: str, chunk: KVChunk, frames: list) -> torch.Tensor:
+    def receive(self, sender_id: str, chunk: KVChunk, frames: list,
+                dst_page_ids: list[int] | None) -> None:
         remote = self._remote.get(sender_id)
         if remote is None:
             raise RuntimeError(f"no mapped pool of {sender_id}")
-        # Gather on the GPU that owns the source pool, then one peer-to-peer copy to ours.
-        with torch.cuda.device(remote.device):
-            index = page_index(chunk.src_page_ids, remote.device)
-            staging = gather_pages(remote, index, chunk.layer_start, chunk.layer_end)
-        return staging.to(self.pool.buffer.device)
+        if dst_page_ids is None:
+            return  # nothing to consume: the data stays in the sender's pool
+        if len(chunk.src_page_ids) != len(dst_page_ids):
+            raise ValueError(f"chunk of {chunk.request_id} names {len(chunk.src_page_ids)} source "
+                             f"pages for {len(dst_page_ids)} destination pages")
+        n = len(dst_page_ids)
+        with on_stream(self.stream):
+            ids = page_index(chunk.src_page_ids + dst_page_ids, self.device)  # one copy
+            copy_pages(remote, ids[:n], self.pool.buffer, ids[n:], chunk.layer_start,
+                       chunk.layer_end)
 
     def drop_sender(self, sender_id: str) -> None:
         self._remote.pop(sender_id, None)

@@ -44,7 +44,7 @@ class TcpReceiverPlane(ReceiverPlane):
         shape = staging_shape(self.pool.layout, len(dst_page_ids), chunk.layer_start,
                               chunk.layer_end)
         with on_stream(self.stream):
-            # From pageable memory the copy is done when .to() returns, so the frame may go.
+            # From pageable memory .to() returns once the frame is read, so the frame may go.
             staging = flat.view(self.pool.buffer.dtype).view(shape).to(self.device)
             scatter_pages(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
                           chunk.layer_start, chunk.layer_end)

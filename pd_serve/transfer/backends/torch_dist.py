@@ -2,21 +2,32 @@
 
 Pools start independently, so there is no global world: each sender/receiver pair forms its own
 two-rank group at run time. The receiver hosts one TCPStore; each pair uses its own prefix.
+
+A chunk is gathered into a staging tensor, sent, received into another and scattered. On the
+GPU nothing here waits on the host: the sender gathers on its stream, from which the send's
+NCCL stream waits; the receiver posts receives from one stream (which only waits for staging
+memory to be free) and scatters on another (which waits for each receive), so the receive of
+chunk i+1 overlaps the scatter of chunk i, and the gather of i+1 overlaps the send of i, also
+across requests. At most NUM_STAGING staging tensors per side are in flight; reusing one waits
+on the GPU for its last use.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from kernels.kv_copy import gather_pages
+from kernels.kv_copy import gather_pages, scatter_pages
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import ReceiverPlane, SenderPlane, staging_shape, page_index
+from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, on_stream, page_index,
+                                    staging_shape)
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
+NUM_STAGING = 4  # staging tensors in flight per side
 
 
 def _pair_group(store, prefix: str, rank: int, device: torch.device, timeout_s: float):
@@ -29,14 +40,25 @@ def _pair_group(store, prefix: str, rank: int, device: torch.device, timeout_s: 
     return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
 
+def _wait(work, stream: torch.cuda.Stream | None, timeout_s: float) -> None:
+    """GPU: make `stream` wait for the work (the host does not). CPU: wait, bounded."""
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            work.wait()
+    else:
+        work.wait(timedelta(seconds=timeout_s))
+
+
 class TorchReceiverPlane(ReceiverPlane):
     def __init__(self, pool, timeout_s: float, host: str):
-        super().__init__(pool, timeout_s)
+        super().__init__(pool, timeout_s)  # self.stream: scatters
         self.host = host
         self._store: dist.TCPStore | None = None
         self._groups: dict[str, object] = {}
         self._prefixes: dict[str, str] = {}
         self._pair_ids = itertools.count()
+        self._post_stream = torch.cuda.Stream(self.device) if self.stream is not None else None
+        self._in_flight: deque = deque()  # (staging, event after its scatter)
 
     def welcome_info(self, sender_id: str, hello_info: dict) -> dict:
         if self._store is None:
@@ -48,21 +70,31 @@ class TorchReceiverPlane(ReceiverPlane):
 
     def after_welcome(self, sender_id: str, hello_info: dict) -> None:
         self._groups[sender_id] = _pair_group(self._store, self._prefixes[sender_id], RECEIVER_RANK,
-                                              self.pool.buffer.device, self.timeout_s)
+                                              self.device, self.timeout_s)
 
-    def receive(self, sender_id: str, chunk: KVChunk, frames: list) -> torch.Tensor:
+    def receive(self, sender_id: str, chunk: KVChunk, frames: list,
+                dst_page_ids: list[int] | None) -> None:
         group = self._groups.get(sender_id)
         if group is None:
             raise RuntimeError(f"no process group with {sender_id}")
         shape = staging_shape(self.pool.layout, len(chunk.dst_page_ids), chunk.layer_start,
                               chunk.layer_end)
-        staging = torch.empty(shape, dtype=self.pool.buffer.dtype, device=self.pool.buffer.device)
-        work = group.recv([staging], SENDER_RANK, 0)
-        if staging.is_cuda:
-            work.wait()  # the current stream waits; the group's timeout bounds it
-        else:
-            work.wait(timedelta(seconds=self.timeout_s))
-        return staging
+        with on_stream(self._post_stream):
+            if len(self._in_flight) >= NUM_STAGING:  # its memory may come back to this stream
+                _, scattered = self._in_flight.popleft()
+                if scattered is not None:
+                    self._post_stream.wait_event(scattered)
+            staging = torch.empty(shape, dtype=self.pool.buffer.dtype, device=self.device)
+            work = group.recv([staging], SENDER_RANK, 0)
+        _wait(work, self.stream, self.timeout_s)
+        scattered = None
+        with on_stream(self.stream):
+            if dst_page_ids is not None:
+                scatter_pages(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
+                              chunk.layer_start, chunk.layer_end)
+            if self.stream is not None:
+                scattered = self.stream.record_event()
+        self._in_flight.append((staging, scattered))
 
     def drop_sender(self, sender_id: str) -> None:
         self._groups.pop(sender_id, None)
@@ -70,40 +102,36 @@ class TorchReceiverPlane(ReceiverPlane):
 
 class TorchSenderPlane(SenderPlane):
     def __init__(self, pool, timeout_s: float):
-        super().__init__(pool, timeout_s)
+        super().__init__(pool, timeout_s)  # self.stream: gathers; sends wait for it
         self._groups: dict[str, object] = {}
-        self._staging: dict[str, torch.Tensor] = {}
-        self._in_flight: dict[str, list] = {}  # peer -> [(work, staging)] of the current request
+        self._in_flight: deque = deque()  # (staging, send work)
 
     def connect(self, peer: str, welcome_info: dict) -> None:
         store = dist.TCPStore(welcome_info["store_host"], welcome_info["store_port"],
                               is_master=False, timeout=timedelta(seconds=self.timeout_s))
         self._groups[peer] = _pair_group(store, welcome_info["prefix"], SENDER_RANK,
-                                         self.pool.buffer.device, self.timeout_s)
+                                         self.device, self.timeout_s)
 
-    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int]) -> list:
+    def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
+                ready: torch.cuda.Event | None) -> list:
+        return []  # the header goes first, so the receiver posts its receive while we gather
+
+    def finish(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
+               ready: torch.cuda.Event | None) -> None:
         buf = self.pool.buffer
-        index = page_index(src_page_ids, buf.device)
-        self._staging[peer] = gather_pages(buf, index, chunk.layer_start, chunk.layer_end)
-        return []
-
-    def finish(self, peer: str, chunk: KVChunk) -> None:
-        """Sends are waited for at the request's last chunk, so layer groups pipeline."""
-        staging = self._staging.pop(peer)
-        in_flight = self._in_flight.setdefault(peer, [])
-        in_flight.append((self._groups[peer].send([staging], RECEIVER_RANK, 0), staging))
-        if not chunk.last:
-            return
-        for work, _ in in_flight:
-            if staging.is_cuda:
-                work.wait()
-            else:
-                work.wait(timedelta(seconds=self.timeout_s))
-        if staging.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        in_flight.clear()
+        with on_stream(self.stream):
+            if ready is not None:
+                self.stream.wait_event(ready)
+            if len(self._in_flight) >= NUM_STAGING:  # its memory may come back to this stream
+                _, work = self._in_flight.popleft()
+                _wait(work, self.stream, self.timeout_s)
+            staging = gather_pages(buf, page_index(src_page_ids, buf.device), chunk.layer_start,
+                                   chunk.layer_end)
+            work = self._groups[peer].send([staging], RECEIVER_RANK, 0)
+        if self.stream is None:
+            work.wait(timedelta(seconds=self.timeout_s))  # gloo: bounded, and the tensor is free
+        else:
+            self._in_flight.append((staging, work))
 
     def drop_peer(self, peer: str) -> None:
         self._groups.pop(peer, None)
-        self._staging.pop(peer, None)
-        self._in_flight.pop(peer, None)
