@@ -14,6 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit() -> str:
+    """HEAD, or $PD_SERVE_COMMIT where the tree has no .git (the device machine gets a copy)."""
+    if os.environ.get("PD_SERVE_COMMIT"):
+        return os.environ["PD_SERVE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()

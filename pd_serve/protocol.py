@@ -180,7 +180,10 @@ MESSAGES = {cls.__name__: cls for cls in (
 
 
 def encode(msg) -> bytes:
-    return msgpack.packb([type(msg).__name__, dataclasses.asdict(msg)], use_bin_type=True)
+    # A shallow field dict: fields are plain values, and asdict's deep copy of long page-id
+    # lists costs more than the send.
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return msgpack.packb([type(msg).__name__, fields], use_bin_type=True)
 
 
 def decode(data: bytes):
