@@ -91,6 +91,13 @@ class WorkerStatus:
 
 
 @dataclass
+class Heartbeat:
+    """Worker -> gateway from the worker's own heartbeat thread: alive, even mid-step."""
+
+    worker_id: str
+
+
+@dataclass
 class Admit:
     """Gateway -> decode: reserve pages for this prompt (DESIGN step 3)."""
 
@@ -175,7 +182,7 @@ class AbortRequest:
 
 
 MESSAGES = {cls.__name__: cls for cls in (
-    TransferHello, TransferWelcome, KVChunk, TransferAbort, TransferAck, WorkerStatus, Admit,
+    TransferHello, TransferWelcome, KVChunk, TransferAbort, TransferAck, WorkerStatus, Heartbeat, Admit,
     AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest)}
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from pd_serve.config import EngineConfig
 from pd_serve.engine.core import EngineCore, token_stop_reason
 from pd_serve.engine.request import FinishReason, Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
-from pd_serve.protocol import AbortRequest, Generate, TokenBatch, WorkerStatus
+from pd_serve.protocol import AbortRequest, Generate, Heartbeat, TokenBatch, WorkerStatus
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "colocated")
@@ -89,6 +90,7 @@ class Worker:
         self._sock.connect(config.gateway)
         self._next_heartbeat = 0.0
         self._stop = False
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
     @property
     def transfer_backend(self) -> str:
@@ -125,6 +127,18 @@ class Worker:
 
     def send(self, msg) -> None:
         self._sock.send(protocol.encode(msg))
+
+    def _heartbeat(self) -> None:
+        """Liveness on a socket of its own, so a long step never looks like a dead worker.
+        (The full WorkerStatus, with load and metrics, goes out between steps.)"""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.config.gateway)
+        beat = protocol.encode(Heartbeat(self.worker_id))
+        while not self._stop:
+            sock.send(beat)
+            time.sleep(self.config.heartbeat_s)
 
     def status(self) -> WorkerStatus:
         core, alloc = self.core, self.core.allocator

@@ -22,8 +22,8 @@ from pd_serve import protocol
 from pd_serve.gateway.metrics import GatewayMetrics
 from pd_serve.gateway.router import Router, WorkerState
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
-from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, Generate, Prefill, PrefillDone,
-                               StartDecode, TokenBatch, WorkerStatus)
+from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, Generate, Heartbeat, Prefill,
+                               PrefillDone, StartDecode, TokenBatch, WorkerStatus)
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,7 @@ class GatewayConfig:
     served_model_name: str = "default"
     prefill_policy: str = "least_load"
     decode_policy: str = "least_load"
-    worker_timeout_s: float = 10.0  # no heartbeat for this long: the worker is gone (a step runs
-    # between heartbeats, so this must exceed the longest step: one --chunked-prefill-size chunk)
+    worker_timeout_s: float = 10.0  # no heartbeat for this long: the worker is gone
     admit_timeout_s: float = 60.0  # how long a request may wait for decode capacity
     step_timeout_s: float = 120.0  # longest silence from a worker on a live request
     max_outstanding_requests: int = 4096
@@ -233,7 +232,7 @@ class Cluster(TokenSource):
             except ValueError as e:
                 logger.warning("dropped a message from %r: %s", identity, e)
                 continue
-            worker_id = identity.decode()
+            worker_id = msg.worker_id if isinstance(msg, Heartbeat) else identity.decode()
             state = self.workers.get(worker_id)
             if isinstance(msg, WorkerStatus):
                 if state is None:

@@ -184,6 +184,22 @@ def test_other_splits_give_the_same_tokens(num_prefill, num_decode, model, refer
             out = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS,
                                             temperature=0, extra_body={"ignore_eos": True})
             assert out.choices[0].text == want.text
+        templated = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHAT),
+                                            add_special_tokens=False)
+        want = engine.generate([templated], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                           ignore_eos=True))[0]
+        for stream in (False, True):  # chat, streamed and not
+            chat = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX_TOKENS,
+                                                  temperature=0, stream=stream,
+                                                  extra_body={"ignore_eos": True})
+            text = ("".join(c.choices[0].delta.content or "" for c in chat if c.choices) if stream
+                    else chat.choices[0].message.content)
+            assert text == want.text
+        stream = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        want = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                            ignore_eos=True))[0]
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
         m = metrics(cluster.base_url)
         role_counts = {r: sum(1 for (n, w) in m if n == "pd_serve:kv_pages_total" and w.startswith(r))
                        for r in ("prefill", "decode")}
