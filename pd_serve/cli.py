@@ -194,9 +194,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from bench import serving
+    from bench import phase_ratio, serving
 
-    code = serving.main(args.engine_argv)
+    code = {"serving": serving, "phase-ratio": phase_ratio}[args.name].main(args.engine_argv)
     if code:
         raise SystemExit(code)
 
@@ -210,6 +210,18 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--gpu-ids", default=None,
                         help="comma-separated GPU ids handed to workers in turn (CUDA_VISIBLE_DEVICES)")
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    from pd_serve.planner import profile
+
+    profile.run(args)
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from pd_serve.planner import plan
+
+    plan.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,10 +254,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=128)
     _add_launch_args(demo)
     demo.set_defaults(func=cmd_demo)
-    bench = sub.add_parser("bench", add_help=False, help="benchmarks: serving (load generator against a gateway); "
-                           "the flags after the name go to it (pd-serve bench serving --help)")
-    bench.add_argument("name", choices=["serving"])
+    bench = sub.add_parser("bench", add_help=False, help="benchmarks: serving (load generator against a gateway), "
+                           "phase-ratio (goodput of each xPyD split and colocated serving against request "
+                           "rate); the flags after the name go to it (pd-serve bench serving --help)")
+    bench.add_argument("name", choices=["serving", "phase-ratio"])
     bench.set_defaults(func=cmd_bench)
+    from pd_serve.planner.plan import add_plan_args
+    from pd_serve.planner.profile import add_profile_args
+
+    profile = sub.add_parser("profile", help="measure prefill and decode step times in-process "
+                             "(an EngineCore) and write the profile JSON that plan reads")
+    add_engine_args(profile)
+    add_profile_args(profile)
+    profile.set_defaults(func=cmd_profile)
+    plan = sub.add_parser("plan", help="simulate every xPyD split and colocated serving of N "
+                          "devices on a profile; recommend the split and batch limits")
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

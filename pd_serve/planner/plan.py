@@ -1,0 +1,197 @@
+"""`pd-serve plan`: which split of N devices (xPyD or N colocated) and which batch limits serve
+the most goodput for a workload, predicted by simulation on a recorded profile.
+
+    pd-serve plan --profile bench/results/profile-cpu-smollm2.json --num-gpus 2 \
+        --input-len 64 --output-len 16 --request-rate 0.5,1,2 --slo ttft=1500,tpot=150
+
+The workload is bench/serving.py's: the same dataset flags and defaults, and with the same
+--seed the same request lengths and arrival times, so a prediction lines up with a measured run
+(bench/phase_ratio.py). For every split, every combination of the limits grids is simulated
+(prefill: --chunk-sizes; decode: --max-running; colocated: both) and the best is kept: most
+goodput, then most SLO attainment, then lowest p90 latencies relative to their SLOs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from pd_serve.planner.costs import CostModel, load_profile
+from pd_serve.planner.simulator import ClusterSpec, PoolLimits, metrics, simulate
+
+DATASET_FLAGS = ("dataset", "input_len", "output_len", "range_ratio", "num_prompts", "seed",
+                 "burstiness", "sharegpt_lengths", "max_model_len", "num_prefixes", "prefix_len",
+                 "suffix_len")
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers > 0")
+    return values
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    from pd_serve.planner.profile import int_list
+
+    parser.add_argument("--profile", required=True, help="a profile JSON from pd-serve profile")
+    parser.add_argument("--num-gpus", type=int, default=2, help="devices to split (default: %(default)s)")
+    parser.add_argument("--request-rate", type=float_list, required=True,
+                        help="mean requests/s; a comma-separated list sweeps (inf: all at once)")
+    parser.add_argument("--slo", required=True, help="SLOs in ms, e.g. ttft=500,tpot=50[,e2e=10000]")
+    parser.add_argument("--chunk-sizes", type=int_list, default=[256, 512, 1024, 2048],
+                        help="--chunked-prefill-size values to try (default: 256,512,1024,2048)")
+    parser.add_argument("--max-running", type=int_list, default=[16, 32, 64, 128, 256],
+                        help="decode/colocated --max-running-requests values to try "
+                             "(default: 16,32,64,128,256)")
+    parser.add_argument("--transfer-gbps", type=float, default=None, help="override the profile's")
+    parser.add_argument("--transfer-latency-ms", type=float, default=None, help="override the profile's")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON, not a table")
+    g = parser.add_argument_group("workload (bench/serving.py's flags; default: its defaults)")
+    g.add_argument("--dataset", choices=("random", "sharegpt", "shared-prefix"), default=None)
+    for flag in ("input-len", "output-len", "num-prompts", "seed", "max-model-len", "num-prefixes",
+                 "prefix-len", "suffix-len"):
+        g.add_argument(f"--{flag}", type=int, default=None)
+    for flag in ("range-ratio", "burstiness"):
+        g.add_argument(f"--{flag}", type=float, default=None)
+    g.add_argument("--sharegpt-lengths", default=None)
+
+
+def run(args: argparse.Namespace) -> None:
+    from bench.serving import parse_slo
+
+    try:
+        slo = parse_slo(args.slo)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--slo: {e}") from None
+    if args.num_gpus < 2:
+        raise ValueError("--num-gpus must be >= 2 (one prefill and one decode worker at least)")
+    overrides = {}
+    if args.transfer_gbps is not None:
+        overrides["transfer_gbps"] = args.transfer_gbps
+    if args.transfer_latency_ms is not None:
+        overrides["transfer_latency_s"] = args.transfer_latency_ms / 1000
+    profile = load_profile(args.profile)
+    costs = CostModel.from_profile(profile, **overrides)
+    wl_args = workload_args(args, profile.get("max_model_len"))
+    results = [plan_rate(costs, args.num_gpus, workload(wl_args, rate), rate, slo,
+                         args.chunk_sizes, args.max_running) for rate in args.request_rate]
+    if args.json:
+        print(json.dumps({"profile": args.profile, "device": profile.get("device"),
+                          "model": profile.get("model"), "num_gpus": args.num_gpus, "slo_ms": slo,
+                          "workload": {k: getattr(wl_args, k) for k in DATASET_FLAGS},
+                          "rates": results}, indent=2, default=str))
+        return
+    for result in results:
+        print(format_table(result))
+
+
+def workload_args(args: argparse.Namespace, max_model_len: int | None) -> argparse.Namespace:
+    """bench/serving.py's arguments with this command's dataset flags laid over its defaults."""
+    from bench.serving import build_parser
+
+    merged = vars(build_parser().parse_args([]))
+    merged.update({k: getattr(args, k) for k in DATASET_FLAGS if getattr(args, k) is not None})
+    merged["max_model_len"] = merged["max_model_len"] or max_model_len
+    merged["sharegpt_lengths"] = Path(merged["sharegpt_lengths"])
+    if min(merged[k] for k in ("num_prompts", "input_len", "output_len")) < 1 \
+            or not 0 <= merged["range_ratio"] < 1 or merged["burstiness"] <= 0:
+        raise ValueError("--num-prompts, --input-len, --output-len must be >= 1, --range-ratio "
+                         "in [0, 1), --burstiness > 0")
+    return argparse.Namespace(**merged)
+
+
+def workload(args: argparse.Namespace, rate: float) -> list[tuple[float, int, int]]:
+    """(arrival s, input tokens, output tokens) per request, drawn exactly as bench/serving.py
+    draws them for this seed and rate."""
+    from bench.serving import arrival_offsets, make_prompts
+
+    rng = np.random.default_rng(args.seed)
+    prompts = make_prompts(args, rng, args.max_model_len)
+    offsets = arrival_offsets(rng, len(prompts), rate, args.burstiness)
+    return [(float(t), len(p.token_ids), p.output_len) for t, p in zip(offsets, prompts)]
+
+
+def candidates(num_gpus: int, chunk_sizes, max_running) -> dict[str, list[ClusterSpec]]:
+    """Every split of num_gpus with every combination of the limit grids, by split name.
+    Larger limits come first, so among equal predictions the roomier limits are kept."""
+    chunks, running = sorted(chunk_sizes, reverse=True), sorted(max_running, reverse=True)
+    out: dict[str, list[ClusterSpec]] = {}
+    for x in range(1, num_gpus):
+        specs = [ClusterSpec(x, num_gpus - x, prefill=PoolLimits(chunked_prefill_size=c),
+                             decode=PoolLimits(max_running_requests=m))
+                 for c, m in itertools.product(chunks, running)]
+        out[specs[0].name] = specs
+    out[f"colocated{num_gpus}"] = [ClusterSpec(num_colocated=num_gpus, colocated=PoolLimits(m, c))
+                           for c, m in itertools.product(chunks, running)]
+    return out
+
+
+def evaluate(spec: ClusterSpec, costs: CostModel, requests, slo: dict[str, float]) -> dict:
+    m = metrics(simulate(spec, costs, requests), slo)
+    limits = ({"colocated": _limits(spec.colocated)} if spec.num_colocated else
+              {"prefill": _limits(spec.prefill), "decode": _limits(spec.decode)})
+    return {"config": spec.name, "num_prefill": spec.num_prefill, "num_decode": spec.num_decode,
+            "num_colocated": spec.num_colocated, "limits": limits, "goodput": m["goodput"],
+            "slo_attainment": m["num_good"] / m["num_requests"],
+            "request_throughput": m["request_throughput"], "duration_s": m["duration_s"],
+            **{f"{k}_{s}_ms": m[f"{k}_ms"][s] for k in ("ttft", "tpot", "e2e") for s in ("median", "p90")}}
+
+
+def plan_rate(costs: CostModel, num_gpus: int, requests, rate: float, slo: dict[str, float],
+              chunk_sizes, max_running) -> dict:
+    """The best limits of every split at one rate, and the best split."""
+    rows = []
+    for specs in candidates(num_gpus, chunk_sizes, max_running).values():
+        rows.append(max((evaluate(s, costs, requests, slo) for s in specs), key=lambda r: _rank(r, slo)))
+    best = max(rows, key=lambda r: _rank(r, slo))
+    return {"request_rate": "inf" if math.isinf(rate) else rate, "configs": rows, "best": best}
+
+
+def _rank(row: dict, slo: dict[str, float]):
+    """Most goodput, then attainment, then the lowest sum of p90 latency / SLO (strict ties keep
+    the earlier row)."""
+    pressure = sum((row.get(f"{k}_p90_ms") or 0.0) / limit for k, limit in slo.items())
+    return (round(row["goodput"], 6), row["slo_attainment"], -round(pressure, 6))
+
+
+def _limits(limits: PoolLimits) -> dict:
+    return {"chunked_prefill_size": limits.chunked_prefill_size,
+            "max_running_requests": limits.max_running_requests}
+
+
+SEARCHED = {"prefill": ("chunked_prefill_size",), "decode": ("max_running_requests",),
+            "colocated": ("chunked_prefill_size", "max_running_requests")}
+
+
+def limit_flags(row: dict) -> str:
+    """The searched limits of each pool as worker flags, e.g. `decode --max-running-requests 64`."""
+    return "; ".join(pool + "".join(f" --{k.replace('_', '-')} {lim[k]}" for k in SEARCHED[pool])
+                     for pool, lim in row["limits"].items())
+
+
+def describe_limits(row: dict) -> str:
+    short = {"chunked_prefill_size": "chunk", "max_running_requests": "mr"}
+    return ", ".join(f"{pool[0].upper()} " + " ".join(f"{short[k]}={lim[k]}" for k in SEARCHED[pool])
+                     for pool, lim in row["limits"].items())
+
+
+def format_table(result: dict) -> str:
+    lines = [f"request rate {result['request_rate']} req/s (goodput in req/s, latencies in ms)",
+             f"{'config':<12}{'best limits':<24}{'goodput':>9}{'attain':>8}{'TTFT p90':>10}{'TPOT p90':>10}"]
+    for row in result["configs"]:
+        lines.append(f"{row['config']:<12}{describe_limits(row):<24}{row['goodput']:>9.3f}"
+                     f"{row['slo_attainment']:>8.0%}{row['ttft_p90_ms']:>10.1f}"
+                     f"{row['tpot_p90_ms'] or 0:>10.1f}{' *' if row is result['best'] else ''}")
+    best = result["best"]
+    lines.append(f"recommended: {best['config']} ({limit_flags(best)}), predicted goodput "
+                 f"{best['goodput']:.3f} req/s, {best['slo_attainment']:.0%} within the SLOs\n")
+    return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""`pd-serve profile`: measure one worker's step times in-process (an EngineCore, no HTTP).
+
+    pd-serve profile --output bench/results/profile-cpu-smollm2.json --quick --device cpu
+
+Three grids, each point the least of --repeats timed `core.step()` calls (other load on the
+machine only ever adds time):
+  prefill  one step over batched prompts: total tokens 16, 32, ... up to --chunked-prefill-size
+           (512 with --quick), each as several prompt mixes (1 prompt of T tokens, 4 of T/4, ...);
+  decode   one step of `batch` requests with `context` tokens cached, KV pages allocated but not
+           computed (the step's time does not depend on their values);
+  mixed    one step with a prompt chunk and a decode batch together (what a colocated worker
+           runs), so the planner can check how the two parts add up.
+The KV transfer is not measured: bytes per token come from the KV layout, the rate and the
+per-transfer latency from --transfer-gbps / --transfer-latency-ms. costs.py fits the models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import logging
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+QUICK_DECODE_BATCHES = (1, 4, 16, 64)
+DECODE_CONTEXTS = (64, 256, 1024)
+MIXED_POINTS = ((64, 4, 256), (256, 4, 256), (64, 32, 256), (256, 32, 256))  # prompt, batch, context
+QUICK_MIXED_POINTS = ((256, 16, 256),)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1")
+    return values
+
+
+def add_profile_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("profile")
+    g.add_argument("--output", required=True, help="where to write the profile JSON")
+    g.add_argument("--quick", action="store_true",
+                   help="small grids (prefill up to 512 tokens, 4 batch sizes, 2 repeats)")
+    g.add_argument("--repeats", type=int, default=None, help="timed steps per point (default 3, quick 2)")
+    g.add_argument("--prefill-tokens", type=int_list, default=None,
+                   help="batched prompt tokens, e.g. 16,64,256 (default: 16, 32, ... up to the chunk size)")
+    g.add_argument("--prefill-mixes", type=int_list, default=[1, 4],
+                   help="prompts each token count is split into (default: 1,4)")
+    g.add_argument("--decode-batches", type=int_list, default=None,
+                   help=f"default: {','.join(map(str, DECODE_BATCHES))} (quick: "
+                        f"{','.join(map(str, QUICK_DECODE_BATCHES))})")
+    g.add_argument("--decode-contexts", type=int_list, default=list(DECODE_CONTEXTS),
+                   help="cached tokens per decoding request (default: 64,256,1024)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch threads (default: torch's); bench/phase_ratio.py gives each "
+                        "of N CPU workers cores // N")
+    g.add_argument("--transfer-gbps", type=float, default=10.0,
+                   help="KV transfer rate the planner assumes, GB/s (not measured; default: %(default)s)")
+    g.add_argument("--transfer-latency-ms", type=float, default=1.0,
+                   help="fixed cost per KV transfer, ms (not measured; default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> None:
+    from bench._common import write_json
+    write_json(args.output, measure(args))
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from pd_serve.cli import engine_config_from_args
+
+    started, load_at_start = time.perf_counter(), os.getloadavg()[0]
+    config = engine_config_from_args(args)
+    chunk = config.scheduler.chunked_prefill_size
+    chunk = 2048 if chunk < 0 else chunk
+    repeats = args.repeats or (2 if args.quick else 3)
+    tokens = args.prefill_tokens or _powers(16, min(chunk, 512) if args.quick else chunk)
+    batches = args.decode_batches or list(QUICK_DECODE_BATCHES if args.quick else DECODE_BATCHES)
+    contexts = args.decode_contexts
+    mixed = [(p, b, c) for p, b, c in (QUICK_MIXED_POINTS if args.quick else MIXED_POINTS)
+             if p <= max(tokens) and b <= max(batches) and c <= max(contexts)]  # inside the grids
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    if repeats < 1 or args.transfer_gbps <= 0 or args.transfer_latency_ms < 0:
+        raise ValueError("--repeats must be >= 1, --transfer-gbps > 0, --transfer-latency-ms >= 0")
+    # Room for the largest grid point; the limits the profile is for are recorded as given.
+    page = config.cache.page_size
+    decoding = lambda b, c: b * _pages(c + repeats + 2, page) * page  # noqa: E731
+    need = max([decoding(max(batches), max(contexts)), max(tokens) + max(args.prefill_mixes) * page]
+               + [decoding(b, c) + p + page for p, b, c in mixed])
+    cache = config.cache if config.cache.max_total_tokens else \
+        dataclasses.replace(config.cache, max_total_tokens=need)
+    sched = dataclasses.replace(config.scheduler,
+                                chunked_prefill_size=max(tokens + [chunk]) + max(batches),
+                                max_running_requests=max(batches + args.prefill_mixes + [256]))
+    core = _build_core(dataclasses.replace(config, cache=cache, scheduler=sched))
+    t = _Timer(core, repeats)
+
+    prefill = [t.prefill([n // k] * k) for n in tokens for k in args.prefill_mixes if n >= k]
+    decode = [[t.decode(b, c) for c in contexts] for b in batches]
+    mixed = [t.mixed(p, b, c) for p, b, c in mixed]
+    warn_if_noisy(prefill, decode)
+    layout = core.kv_pool.layout
+    from bench._common import device_name, git_commit
+    return {
+        "kind": "pd-serve-profile", "version": 1,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
+        "device": device_name(core.device), "device_type": core.device.type,
+        "model": core.model_dir.name, "model_dir": str(core.model_dir),
+        "dtype": str(core.dtype).removeprefix("torch."), "max_model_len": core.max_model_len,
+        "engine": {"chunked_prefill_size": config.scheduler.chunked_prefill_size,
+                   "max_running_requests": config.scheduler.max_running_requests},
+        "kv": {**dataclasses.asdict(layout), "bytes_per_token": layout.bytes_per_token},
+        "transfer": {"gbps": args.transfer_gbps, "latency_s": args.transfer_latency_ms / 1000,
+                     "measured": False},
+        "threads": _threads(core.device), "quick": args.quick, "repeats": repeats,
+        "prefill": {"points": prefill},
+        "decode": {"batch_sizes": batches, "context_lens": contexts, "time_s": decode},
+        "mixed": {"points": mixed},
+        "wall_s": round(time.perf_counter() - started, 1),
+        "load_average": [load_at_start, os.getloadavg()[0]],  # 1-minute, at start and end
+    }
+
+
+def warn_if_noisy(prefill: list[dict], decode: list[list[float]]) -> None:
+    """More tokens or a larger batch should never take less time; when they do, other load
+    on the machine got into the timings."""
+    fastest: dict[int, float] = {}
+    for p in prefill:
+        fastest[p["num_tokens"]] = min(p["time_s"], fastest.get(p["num_tokens"], float("inf")))
+    times = [fastest[n] for n in sorted(fastest)]
+    columns = [list(col) for col in zip(*decode)]
+    if any(b < 0.8 * a for series in [times, *columns, *decode] for a, b in zip(series, series[1:])):
+        logger.warning("step times fall where they should rise (prefill %s, decode %s): other "
+                       "load on this machine got into them; re-run when it is idle",
+                       [round(t, 3) for t in times], [[round(t, 3) for t in row] for row in decode])
+
+
+class _Timer:
+    """Timed steps on a live EngineCore; every request it adds is finished (pages freed)."""
+
+    def __init__(self, core, repeats: int):
+        self.core, self.repeats = core, repeats
+
+    def prefill(self, prompt_lens: list[int]) -> dict:
+        times = []
+        for _ in range(self.repeats):
+            requests = [self._waiting(n) for n in prompt_lens]
+            times.append(self._step(sum(prompt_lens)))
+            self._finish(requests)
+        return {"num_tokens": sum(prompt_lens), "prompt_lens": prompt_lens,
+                "attn_pairs": sum(n * n for n in prompt_lens), "time_s": min(times)}
+
+    def decode(self, batch: int, context: int) -> float:
+        requests = [self._decoding(context) for _ in range(batch)]
+        self._step(batch)  # untimed: the first step after a shape change
+        times = [self._step(batch) for _ in range(self.repeats)]
+        self._finish(requests)
+        return min(times)
+
+    def mixed(self, prompt_len: int, batch: int, context: int) -> dict:
+        times = []
+        for _ in range(self.repeats):
+            requests = [self._decoding(context) for _ in range(batch)] + [self._waiting(prompt_len)]
+            times.append(self._step(prompt_len + batch))
+            self._finish(requests)
+        return {"prefill_tokens": prompt_len, "attn_pairs": prompt_len * prompt_len,
+                "batch_size": batch, "context_len": context, "time_s": min(times)}
+
+    def _waiting(self, num_tokens: int):
+        request = _request(num_tokens)
+        self.core.scheduler.add(request)
+        return request
+
+    def _decoding(self, context: int):
+        """A request as the decode worker holds it after the KV arrived: `context` tokens cached,
+        token 1 out, pages for the steps to come reserved."""
+        request = _request(context)
+        page = self.core.kv_pool.layout.page_size
+        page_ids = self.core.allocator.allocate(_pages(context + self.repeats + 2, page))
+        if page_ids is None:
+            raise ValueError("the KV cache is too small for the decode grid; raise --max-total-tokens")
+        request.page_ids = page_ids
+        request.num_computed_tokens = context
+        request.output_token_ids.append(100)
+        self.core.scheduler.add_running(request)
+        return request
+
+    def _step(self, expected_tokens: int) -> float:
+        import torch
+
+        sync = torch.cuda.synchronize if self.core.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        plan, _ = self.core.step()
+        sync()
+        elapsed = time.perf_counter() - start
+        assert plan.num_tokens == expected_tokens, (plan.num_tokens, expected_tokens)
+        return elapsed
+
+    def _finish(self, requests) -> None:
+        from pd_serve.engine.request import FinishReason
+        for request in requests:
+            self.core.scheduler.finish(request, FinishReason.ABORT)
+
+
+def _request(num_tokens: int):
+    from pd_serve.engine.request import Request
+    from pd_serve.engine.sampling_params import SamplingParams
+
+    ids = [100 + i % 1000 for i in range(num_tokens)]
+    return Request(ids, SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True))
+
+
+def _threads(device) -> int | None:
+    import torch
+    return torch.get_num_threads() if device.type == "cpu" else None
+
+
+def _build_core(config):
+    from pd_serve.engine.core import EngineCore
+    core = EngineCore(config)
+    core.warmup()
+    return core
+
+
+def _powers(start: int, limit: int) -> list[int]:
+    """start, 2 * start, ... up to limit, and limit itself."""
+    values = [start]
+    while values[-1] * 2 <= limit:
+        values.append(values[-1] * 2)
+    return values + ([limit] if values[-1] != limit and limit > start else [])
+
+
+def _pages(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)

@@ -1,0 +1,95 @@
+"""bench/phase_ratio.py: configuration names and defaults, rates, the best-configuration pick, and
+a small sweep of two real CPU clusters (1P1D and one colocated worker) with every output file."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
+
+from bench.phase_ratio import (Deployment, auto_rates, best_rows, default_deployments,  # noqa: E402
+                               format_best, main, parse_deployments, parse_rates)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_configuration_names():
+    assert parse_deployments("1p1d, 2P1D,colocated2,colocated1,1p1d") == [
+        Deployment(1, 1), Deployment(2, 1), Deployment(num_colocated=2), Deployment(num_colocated=1)]
+    assert [d.name for d in default_deployments(3)] == ["1p2d", "2p1d", "colocated3"]
+    assert [d.name for d in default_deployments(1)] == ["colocated1"]
+    assert Deployment(2, 1).num_slots == 3 and Deployment(num_colocated=4).num_slots == 4
+    for bad in ("1p0d", "0p1d", "colocated0", "2p", "colocated", "", "1p1d,xyz"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_deployments(bad)
+
+
+def test_rates():
+    assert parse_rates("4,1, 2,1") == [1.0, 2.0, 4.0]
+    for bad in ("", "0", "-1", "inf", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_rates(bad)
+    assert auto_rates(3.3) == [0.82, 1.6, 2.5, 3.3, 4.1]
+
+
+def row(config: str, rate: float, goodput: float, attainment: float, num_slots: int = 2) -> dict:
+    return {"config": config, "request_rate": rate, "goodput": goodput,
+            "slo_attainment": attainment, "num_slots": num_slots}
+
+
+def test_best_configuration():
+    rows = [row("1p1d", 1, 0.90, 1.0), row("colocated2", 1, 0.95, 1.0),
+            row("colocated1", 1, 0.95, 1.0, num_slots=1), row("1p1d", 4, 3.20, 0.8),
+            row("colocated2", 4, 2.00, 0.5), row("colocated1", 4, 1.00, 0.25, num_slots=1)]
+    per_rate, overall = best_rows(rows)
+    # at rate 1 colocated2 and colocated1 tie on goodput and attainment: the one with fewer slots wins
+    assert {rate: r["config"] for rate, r in per_rate.items()} == {1: "colocated1", 4: "1p1d"}
+    assert overall["config"] == "1p1d" and overall["request_rate"] == 4
+    text = format_best(rows)
+    assert "1 req/s: colocated1" in text and "within 2%: colocated2" in text  # 1p1d is 5% behind
+    assert "best overall: 1p1d at 4 req/s" in text
+    assert best_rows([]) == ({}, None) and format_best([]) == "no results"
+
+
+def test_sweep_two_cpu_configurations(tmp_path, capsys):
+    out_dir = tmp_path / "sweep"
+    num_prompts, rates = 6, [2.0, 4.0]
+    rc = main(["--device", "cpu", "--configs", "1p1d,colocated1", "--request-rates", "2,4",
+               "--slo", "ttft=60000,tpot=60000", "--worker-args", "--max-total-tokens 8192",
+               "--dataset", "random", "--num-prompts", str(num_prompts), "--input-len", "16",
+               "--output-len", "4", "--no-progress", "--output-dir", str(out_dir)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "TTFT p50/p90/p99" in captured.out and "best overall:" in captured.out
+    assert "1p1d: rate 2 req/s" in captured.err and "colocated1: ready" in captured.err  # progress
+
+    result = json.loads((out_dir / "results.json").read_text())
+    assert result["benchmark"] == "phase_ratio" and result["commit"]
+    assert result["device"]["type"] == "cpu" and result["device"]["num_slots"] == 2
+    assert result["config"]["configs"] == ["1p1d", "colocated1"] and result["failures"] == []
+    assert result["config"]["serving"]["input_len"] == 16
+    rows = result["rows"]
+    assert sorted((r["config"], r["request_rate"]) for r in rows) == \
+        sorted((c, rate) for c in ("1p1d", "colocated1") for rate in rates)
+    for r in rows:
+        assert r["num_requests"] == num_prompts and r["completed"] + r["failed"] == num_prompts
+        assert r["completed"] == num_prompts and r["num_good"] == num_prompts and r["slo_attainment"] == 1.0
+        assert r["goodput"] == pytest.approx(r["request_throughput"]) and r["output_throughput"] > 0
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] <= r["ttft_p99_ms"]
+        assert 0 < r["tpot_p50_ms"] <= r["tpot_p90_ms"] <= r["tpot_p99_ms"]
+    assert [(r["num_prefill"], r["num_decode"], r["num_colocated"]) for r in rows if r["config"] == "1p1d"] \
+        == [(1, 1, 0)] * 2
+
+    with open(out_dir / "results.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows) and {"goodput", "slo_attainment", "tpot_p99_ms"} <= set(csv_rows[0])
+    assert all(int(r["completed"]) + int(r["failed"]) == num_prompts for r in csv_rows)
+    png = (out_dir / "results.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000

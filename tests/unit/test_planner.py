@@ -1,0 +1,202 @@
+"""The planner: cost-model fits, the cluster simulator on hand-checkable cases, and `pd-serve plan`
+/ `pd-serve profile` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import serving
+from pd_serve.cli import main
+from pd_serve.planner import plan
+from pd_serve.planner.costs import CostModel, fit_prefill, interp
+from pd_serve.planner.simulator import ClusterSpec, PoolLimits, metrics, simulate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECORDED = REPO_ROOT / "bench" / "results" / "profile-cpu-smollm2.json"
+P, D1, D2, T = 0.5, 0.1, 0.15, 0.2  # prefill, decode step at batch 1 and 2, transfer (s)
+
+
+def const_costs(prefill=P, decode=(D1, D2), transfer=T, overlap=0.0) -> CostModel:
+    """Prefill takes `prefill` whatever the tokens; a decode step depends on the batch only."""
+    return CostModel((1.0,), (prefill,), 0.0, (1.0, 2.0), (1.0,), tuple((d,) for d in decode),
+                     overlap_s=overlap, bytes_per_token=0, transfer_latency_s=transfer)
+
+
+def one_p_one_d(**limits) -> ClusterSpec:
+    return ClusterSpec(1, 1, prefill=limits.get("prefill", PoolLimits()),
+                       decode=limits.get("decode", PoolLimits()))
+
+
+def ttft(r):
+    return r.token_times[0] - r.arrival
+
+
+def tpot(r):
+    return (r.token_times[-1] - r.token_times[0]) / (r.output_len - 1)
+
+
+# ---- cost models ----------------------------------------------------------------------------
+def test_interp_is_piecewise_linear_clamped_below_and_extrapolated_above():
+    xs, ys = [16, 32, 64], [1.0, 2.0, 3.0]
+    assert interp(24, xs, ys) == pytest.approx(1.5)
+    assert interp(48, xs, ys) == pytest.approx(2.5)
+    assert interp(4, xs, ys) == 1.0
+    assert interp(128, xs, ys) == pytest.approx(5.0)  # last slope: 1 per 32 tokens
+
+
+def test_fit_prefill_recovers_base_and_attention_cost():
+    base = {16: 0.1, 64: 0.2, 256: 0.6}
+    c = 1e-6
+    points = [{"num_tokens": n, "attn_pairs": n * n // k, "time_s": base[n] + c * n * n / k}
+              for n in base for k in (1, 4)]
+    tokens, fitted, per_pair = fit_prefill(points)
+    assert tokens == (16.0, 64.0, 256.0)
+    assert per_pair == pytest.approx(c)
+    assert fitted == pytest.approx(tuple(base.values()))
+    one_mix = fit_prefill([p for p in points if p["attn_pairs"] == p["num_tokens"] ** 2])
+    assert one_mix[2] == 0.0  # one mix per token count: no attention term
+
+
+def test_decode_step_is_bilinear():
+    costs = CostModel((1.0,), (0.0,), 0.0, (1.0, 3.0), (100.0, 300.0), ((1.0, 2.0), (3.0, 6.0)))
+    assert costs.decode_step(1, 100) == 1.0 and costs.decode_step(3, 300) == 6.0
+    assert costs.decode_step(2, 200) == pytest.approx((1.0 + 2.0 + 3.0 + 6.0) / 4)
+    assert costs.decode_step(2, 100) == pytest.approx(2.0)
+    assert costs.decode_step(5, 300) == pytest.approx(10.0)  # extrapolated in batch
+
+
+def test_mixed_step_pays_the_fixed_cost_once():
+    costs = const_costs(overlap=0.05)
+    assert costs.step_time(64, 0, 0, 0) == P
+    assert costs.step_time(0, 0, 2, 10) == D2
+    assert costs.step_time(64, 0, 1, 10) == pytest.approx(P + D1 - 0.05)
+
+
+# ---- the simulator --------------------------------------------------------------------------
+def test_one_request_ttft_is_prefill_plus_transfer_and_tpot_is_the_step():
+    [r] = simulate(one_p_one_d(), const_costs(), [(1.0, 100, 5)])
+    assert ttft(r) == pytest.approx(P + T)
+    assert tpot(r) == pytest.approx(D1)
+    assert len(r.token_times) == 5
+    m = metrics([r], {"ttft": 1000 * (P + T) + 1, "tpot": 1000 * D1 + 1})
+    assert m["ttft_ms"]["mean"] == pytest.approx(1000 * (P + T))
+    assert m["tpot_ms"]["mean"] == pytest.approx(1000 * D1)
+    assert m["num_good"] == 1
+
+
+def test_two_requests_queue_at_one_prefill_worker():
+    # A 100-token budget holds one 100-token prompt per step; B arrives while A computes.
+    spec = one_p_one_d(prefill=PoolLimits(chunked_prefill_size=100))
+    a, b = simulate(spec, const_costs(transfer=0.0), [(0.0, 100, 2), (0.1, 100, 2)])
+    assert ttft(a) == pytest.approx(P)
+    assert ttft(b) == pytest.approx(2 * P - 0.1)  # waits for A's step, then its own
+    # With room for both in one step they are batched: the same prefill step for both.
+    a, b = simulate(one_p_one_d(), const_costs(transfer=0.0), [(0.0, 100, 2), (0.0, 100, 2)])
+    assert ttft(a) == ttft(b) == pytest.approx(P)
+
+
+def test_transfers_of_one_prefill_worker_go_one_at_a_time():
+    a, b = simulate(one_p_one_d(), const_costs(), [(0.0, 100, 2), (0.0, 100, 2)])
+    assert (ttft(a), ttft(b)) == pytest.approx((P + T, P + 2 * T))
+
+
+def test_decode_batching_changes_step_time():
+    [alone] = simulate(one_p_one_d(), const_costs(transfer=0.0), [(0.0, 100, 6)])
+    a, b = simulate(one_p_one_d(), const_costs(transfer=0.0), [(0.0, 100, 6), (0.0, 100, 6)])
+    assert tpot(alone) == pytest.approx(D1)
+    assert tpot(a) == tpot(b) == pytest.approx(D2)
+
+
+def test_decode_slots_hold_requests_at_the_gateway():
+    spec = one_p_one_d(decode=PoolLimits(max_running_requests=1))
+    a, b = simulate(spec, const_costs(), [(0.0, 100, 3), (0.0, 100, 3)])
+    e2e_a = P + T + 2 * D1
+    assert a.token_times[-1] == pytest.approx(e2e_a)
+    assert ttft(b) == pytest.approx(e2e_a + P + T)  # admitted when A frees its slot
+
+
+def test_colocated_mixes_prefill_chunks_into_decode_steps():
+    spec = ClusterSpec(num_colocated=1)
+    [alone] = simulate(spec, const_costs(), [(0.0, 100, 3)])
+    assert ttft(alone) == pytest.approx(P)  # no transfer
+    assert tpot(alone) == pytest.approx(D1)
+    # B arrives during A's first decode step; its prompt runs in A's next step, which then
+    # costs prefill + decode - overlap.
+    a, b = simulate(spec, const_costs(overlap=0.05), [(0.0, 100, 3), (P + 0.01, 100, 2)])
+    mixed = P + D1 - 0.05
+    assert a.token_times == pytest.approx([P, P + D1, P + D1 + mixed])
+    assert b.token_times[0] == pytest.approx(P + D1 + mixed)
+
+
+def test_metrics_match_bench_serving_definitions():
+    reqs = simulate(one_p_one_d(), const_costs(), [(0.0, 100, 5), (3.0, 100, 1)])
+    records = [serving.RequestRecord(r.input_len, r.output_len, r.arrival, r.token_times,
+                                     r.output_len) for r in reqs]
+    slo = {"ttft": 800, "tpot": 50}  # A misses TPOT; B (one token, no TPOT) meets both
+    m = metrics(reqs, slo)
+    duration = reqs[1].token_times[-1]
+    assert m == serving.compute_metrics(records, duration, slo)
+    assert m["num_good"] == 1 and m["goodput"] == pytest.approx(1 / duration)
+
+
+# ---- the planner ----------------------------------------------------------------------------
+def test_workload_draws_what_bench_serving_draws():
+    args = plan.workload_args(serving.build_parser().parse_args(
+        ["--input-len", "64", "--output-len", "16", "--range-ratio", "0.5", "--num-prompts", "20"]),
+        max_model_len=2048)
+    requests = plan.workload(args, rate=2.0)
+    rng = np.random.default_rng(0)
+    prompts = serving.random_dataset(rng, 20, 64, 16, 0.5, 49152)
+    offsets = serving.arrival_offsets(rng, 20, 2.0, 1.0)
+    assert requests == [(float(t), len(p.token_ids), p.output_len) for t, p in zip(offsets, prompts)]
+
+
+def test_candidates_cover_every_split_and_colocated():
+    specs = plan.candidates(3, [256, 512], [16, 64])
+    assert list(specs) == ["1p2d", "2p1d", "colocated3"]
+    assert all(len(v) == 4 for v in specs.values())
+
+
+def test_plan_end_to_end_on_the_recorded_profile(capsys):
+    flags = ["plan", "--profile", str(RECORDED), "--num-gpus", "2", "--input-len", "64",
+             "--output-len", "16", "--num-prompts", "20", "--request-rate", "0.5,2",
+             "--slo", "ttft=1500,tpot=150"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert out.count("recommended:") == 2 and "1p1d" in out and "colocated2" in out
+    assert main(flags + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["request_rate"] for r in result["rates"]] == [0.5, 2.0]
+    for rate in result["rates"]:
+        assert [c["config"] for c in rate["configs"]] == ["1p1d", "colocated2"]
+        assert rate["best"]["goodput"] == max(c["goodput"] for c in rate["configs"])
+        assert all(0 <= c["slo_attainment"] <= 1 for c in rate["configs"])
+    assert main(["plan", "--profile", "/nonexistent.json", "--request-rate", "1",
+                 "--slo", "ttft=1"]) == 2
+
+
+def test_recorded_profile_fits_its_measurements():
+    profile = json.loads(RECORDED.read_text())
+    costs = CostModel.from_profile(profile)
+    d = profile["decode"]
+    for batch, row in zip(d["batch_sizes"], d["time_s"]):
+        for context, t in zip(d["context_lens"], row):
+            assert costs.decode_step(batch, context) == pytest.approx(t)
+    for p in profile["prefill"]["points"]:  # a least-squares fit: close, not exact
+        assert costs.prefill_time(p["num_tokens"], p["attn_pairs"]) == pytest.approx(p["time_s"], rel=0.2)
+
+
+def test_profile_command_writes_the_layout(tmp_path, default_model_dir):
+    out = tmp_path / "p.json"
+    assert main(["profile", "--output", str(out), "--device", "cpu", "--prefill-tokens", "8,16",
+                 "--decode-batches", "1,2", "--decode-contexts", "8", "--repeats", "1"]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["kind"] == "pd-serve-profile" and profile["device_type"] == "cpu"
+    assert [p["prompt_lens"] for p in profile["prefill"]["points"]] == [[8], [2, 2, 2, 2], [16], [4, 4, 4, 4]]
+    assert len(profile["decode"]["time_s"]) == 2 and len(profile["decode"]["time_s"][0]) == 1
+    assert profile["kv"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # SmolLM2, float32
+    CostModel.from_profile(profile)
