@@ -1,0 +1,57 @@
+"""`pd-serve launch` as a user runs it: one command, an OpenAI endpoint, Ctrl-C ends everything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+
+from cluster_helpers import health
+from pd_serve.launch import free_port
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_launch_serves_openai_and_ctrl_c_stops_every_child():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pd_serve.cli", "--log-level", "warning", "launch",
+                             "--prefill", "1", "--decode", "1", "--port", str(port),
+                             "--device", "cpu", "--max-total-tokens", "4096"])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while len(health(base).get("workers", {})) < 2:
+            assert proc.poll() is None, "launch exited during start-up"
+            assert time.monotonic() < deadline, "cluster not ready"
+            time.sleep(0.5)
+        children = _children(proc.pid)
+        assert len(children) == 3  # gateway, prefill, decode
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0)
+        assert "Paris" in reply.choices[0].message.content
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 15
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(c) for c in children), "a child outlived launch"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
