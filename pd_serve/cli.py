@@ -149,7 +149,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     asyncio.run(serve(config, model_dir, args.host, args.port))
 
 
-def _cluster_from_args(args: argparse.Namespace):
+def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
     from pd_serve.launch import LocalCluster
 
     passthrough = list(args.engine_argv) + (["--model", args.model] if args.model else [])
@@ -157,28 +157,37 @@ def _cluster_from_args(args: argparse.Namespace):
     return LocalCluster(port=args.port, num_prefill=args.prefill, num_decode=args.decode,
                         num_colocated=args.colocated, engine_args=passthrough,
                         gateway_args=gateway_args, control_port=args.control_port,
-                        log_level=args.log_level,
+                        log_level=log_level or args.log_level,
                         gpu_ids=args.gpu_ids.split(",") if args.gpu_ids else None)
 
 
 def cmd_launch(args: argparse.Namespace) -> None:
+    import signal
+    import threading
+
     from pd_serve.launch import LaunchError
 
+    # Ctrl-C and SIGTERM set a flag instead of raising KeyboardInterrupt: an exception landing
+    # inside subprocess's own bookkeeping can leave its wait lock held and hang the shutdown.
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
     with _cluster_from_args(args) as cluster:
-        cluster.wait_ready()
+        cluster.wait_ready(stopping=stopping.is_set)
+        if stopping.is_set():
+            return
         logging.getLogger("pd_serve").info("cluster ready: %s/v1 (Ctrl-C stops it)", cluster.base_url)
-        try:
-            while all(p.poll() is None for _, p in cluster.procs):
-                time.sleep(0.5)
-            raise LaunchError("a cluster process exited; stopping the rest")
-        except KeyboardInterrupt:
-            pass
+        while not stopping.wait(0.5):
+            if any(p.poll() is not None for _, p in cluster.procs):
+                raise LaunchError("a cluster process exited; stopping the rest")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
     import openai
 
-    with _cluster_from_args(args) as cluster:
+    for name in ("httpx", "httpx2"):  # the client's per-request log lines
+        logging.getLogger(name).setLevel(logging.WARNING)
+    with _cluster_from_args(args, log_level="warning") as cluster:
         cluster.wait_ready()
         client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="pd-serve")
         model = client.models.list().data[0].id

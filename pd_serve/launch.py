@@ -62,11 +62,13 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "pd_serve.cli", "--log-level", log_level, *args]
         self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
 
-    def wait_ready(self, timeout_s: float = 300.0, num_workers: int | None = None) -> dict:
-        """Until /health is 200 with every worker registered; a child that exits is an error."""
+    def wait_ready(self, timeout_s: float = 300.0, num_workers: int | None = None,
+                   stopping=lambda: False) -> dict:
+        """Until /health is 200 with every worker registered (or `stopping()`); a child that
+        exits is an error."""
         deadline = time.monotonic() + timeout_s
         want = num_workers if num_workers is not None else len(self.procs) - 1
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stopping():
             for name, proc in self.procs:
                 if proc.poll() is not None:
                     raise LaunchError(f"{name} exited with code {proc.returncode} during start-up")
@@ -78,6 +80,8 @@ class LocalCluster:
             except OSError:
                 pass
             time.sleep(0.2)
+        if stopping():
+            return {}
         raise LaunchError(f"cluster not ready within {timeout_s} s")
 
     def stop(self) -> None:
