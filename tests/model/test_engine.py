@@ -6,7 +6,6 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 from pd_serve import AsyncEngine, Engine, SamplingParams
 

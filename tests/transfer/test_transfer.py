@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import random
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from pd_serve.transfer.base import TransferError
 from pd_serve.transfer.receiver import KVReceiver
 from pd_serve.transfer.sender import KVSender
 
-from peer import POISON, Peer, poisoned_pool, seeded_pool  # noqa: E402
+from peer import POISON, poisoned_pool, seeded_pool  # noqa: E402
 
 from peer import LAYOUT, NUM_PAGES, SEED  # noqa: E402
 BACKENDS = ["tcp", "torch"]
