@@ -15,7 +15,8 @@ import logging
 import sys
 import time
 
-from pd_serve.config import SCHEDULE_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from pd_serve.config import (ATTENTION_BACKENDS, LOAD_FORMATS, SCHEDULE_POLICIES, CacheConfig,
+                             EngineConfig, SchedulerConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=int, default=None,
                    help="max prompt + output tokens (default: the model's max_position_embeddings)")
     g.add_argument("--seed", type=int, default=d_engine.seed)
+    g.add_argument("--load-format", default=d_engine.load_format, choices=LOAD_FORMATS,
+                   help="dummy: random weights of config.json's shape (for benchmarks)")
+    g.add_argument("--attention-backend", default=d_engine.attention_backend,
+                   choices=ATTENTION_BACKENDS,
+                   help="auto: flashinfer on GPU when installed, else triton; torch on CPU")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d_engine.cuda_graph_max_bs,
+                   help="largest decode batch replayed through a CUDA graph")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
     g.add_argument("--page-size", type=int, default=d_cache.page_size, help="tokens per KV page")
     g.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache capacity in tokens (default: from memory)")
@@ -44,16 +53,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default=d_sched.schedule_policy, choices=SCHEDULE_POLICIES)
 
 
+ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
+                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph", "page_size",
+                "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb", "kv_cache_dtype",
+                "max_running_requests", "chunked_prefill_size", "schedule_policy")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype,
-        context_length=args.context_length, seed=args.seed,
-        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                          mem_fraction_static=args.mem_fraction_static,
-                          cpu_kv_cache_gb=args.cpu_kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_running_requests=args.max_running_requests,
-                                  chunked_prefill_size=args.chunked_prefill_size,
-                                  schedule_policy=args.schedule_policy))
+    return EngineConfig.from_flat(**{name: getattr(args, name) for name in ENGINE_FLAGS})
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

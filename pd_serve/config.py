@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 SCHEDULE_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     context_length: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
+    load_format: str = "auto"  # dummy: random weights of config.json's shape (benchmarks)
+    attention_backend: str = "auto"  # auto: flashinfer on GPU if installed, else triton; torch on CPU
+    cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs
+    disable_cuda_graph: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -57,6 +63,24 @@ class EngineConfig:
                f"must be one of {', '.join(DEVICES)} or cuda:N")
         _check(self.context_length is None or self.context_length >= 2, "--context-length",
                self.context_length, "must be >= 2")
+        _check(self.load_format in LOAD_FORMATS, "--load-format", self.load_format,
+               f"must be one of {', '.join(LOAD_FORMATS)}")
+        _check(self.attention_backend in ATTENTION_BACKENDS, "--attention-backend",
+               self.attention_backend, f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        _check(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs", self.cuda_graph_max_bs,
+               "must be >= 1 (use --disable-cuda-graph to turn graphs off)")
+
+    @classmethod
+    def from_flat(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments named as the CLI flags (page_size=..., seed=...)."""
+        parts = {}
+        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            keys = [k for k in kwargs if k in sub.__dataclass_fields__]
+            parts[name] = sub(**{k: kwargs.pop(k) for k in keys})
+        unknown = [k for k in kwargs if k not in cls.__dataclass_fields__]
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs, **parts)
 
 
 def _check(ok: bool, flag: str, value, rule: str) -> None:

@@ -166,7 +166,7 @@ class Worker:
         self.metrics.generation_tokens.inc(len(sampled))
         items = []
         for request in sampled:
-            reason = token_stop_reason(request, self.core.tokenizer.eos_token_ids, self.core.max_model_len)
+            reason = token_stop_reason(request, self.core.eos_token_ids, self.core.max_model_len)
             if reason is not None:
                 self.core.scheduler.finish(request, reason)
             lp = request.output_logprobs[-1] if request.sampling_params.logprobs is not None else None

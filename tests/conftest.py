@@ -19,6 +19,10 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
+    """The embedded SmolLM2; PD_SERVE_TEST_MODEL names another folder where it cannot be had
+    (the GPU machine cannot carry the GGUF file)."""
+    if os.environ.get("PD_SERVE_TEST_MODEL"):
+        return Path(os.environ["PD_SERVE_TEST_MODEL"])
     from pd_serve.model.gguf_default import default_model_dir
     return default_model_dir()
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 NEAR_TIE = 1e-3
+# The device the end-to-end tests serve on: cpu in CI; the GPU machine sets cuda.
+TEST_DEVICE = os.environ.get("PD_SERVE_TEST_DEVICE", "cpu")
 
 
 @torch.no_grad()

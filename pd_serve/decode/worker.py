@@ -109,7 +109,7 @@ class DecodeWorker(Worker):
                 lp = first.logprob
                 request.output_logprobs.append(TokenLogprob(lp["token_id"], lp["logprob"],
                                                             [tuple(t) for t in lp["top"]]))
-            reason = token_stop_reason(request, self.core.tokenizer.eos_token_ids,
+            reason = token_stop_reason(request, self.core.eos_token_ids,
                                        self.core.max_model_len)
             self.core.scheduler.add_running(request)
             if reason is not None:  # token 1 already ends it (EOS, max_tokens=1)

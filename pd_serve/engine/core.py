@@ -14,7 +14,7 @@ import torch
 from pd_serve.cache.allocator import PageAllocator
 from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.config import CacheConfig, EngineConfig
-from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
+from pd_serve.engine.attention import create_backend, resolve_backend_name
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.runner import ModelRunner
 from pd_serve.engine.sampler import Sampler, SamplerOutput
@@ -43,13 +43,16 @@ class EngineCore:
         self.dtype = resolve_dtype(cfg.dtype, self.device.type)
         self.model_dir = model_dir
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        # A dummy-weight model (benchmarks) may come as a bare config.json: token ids only then.
+        has_tokenizer = (model_dir / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer or cfg.load_format != "dummy" else None
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else ()
         limit = self.model_config.max_position_embeddings
         if cfg.context_length and cfg.context_length > limit:
             raise ValueError(f"--context-length {cfg.context_length} exceeds the model's "
                              f"max_position_embeddings ({limit}) in {model_dir}/config.json")
         self.max_model_len = cfg.context_length or limit
-        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model = load_model(model_dir, self.dtype, self.device, cfg.load_format, cfg.seed)
         mc = self.model_config
         layout = KVLayout(mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
                           str(self.dtype).removeprefix("torch."))
@@ -59,8 +62,15 @@ class EngineCore:
         logger.info("KV cache: %d pages x %d tokens = %d tokens, %d bytes per token, %.2f GiB",
                     num_pages, layout.page_size, self.kv_pool.num_tokens, layout.bytes_per_token,
                     self.kv_pool.num_bytes / 2**30)
-        attn = TorchAttentionBackend(self.kv_pool, mc.num_heads, mc.head_dim, mc.head_dim ** -0.5)
+        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype)
+        attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
+                              mc.head_dim ** -0.5)
         self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph:
+            max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+            self.runner.capture_cuda_graphs(max_bs, -(-self.max_model_len // layout.page_size))
+        logger.info("attention backend %s, CUDA graphs %s", self.attention_backend,
+                    "on" if self.runner.graphs else "off")
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)
 
     def warmup(self, num_tokens: int = 16) -> None:

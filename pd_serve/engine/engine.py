@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from pd_serve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pd_serve.config import EngineConfig
 from pd_serve.engine.core import EngineCore
 from pd_serve.engine.output import OutputTracker, RequestOutput
 from pd_serve.engine.request import FinishReason, Request
@@ -23,21 +23,11 @@ class Engine(EngineCore):
     """Continuous-batching engine over a paged KV cache, with text in and out. Not thread-safe:
     see AsyncEngine."""
 
-    def __init__(self, model: str | Path | None = None, *, device: str = "auto",
-                 dtype: str = "auto", context_length: int | None = None, seed: int = 0,
-                 page_size: int = 16, max_total_tokens: int | None = None,
-                 mem_fraction_static: float = 0.88, cpu_kv_cache_gb: float = 1.0,
-                 kv_cache_dtype: str = "auto", max_running_requests: int = 256,
-                 chunked_prefill_size: int = 2048, schedule_policy: str = "fcfs"):
-        self.config = EngineConfig(
-            model=None if model is None else str(model), device=device, dtype=dtype,
-            context_length=context_length, seed=seed,
-            cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens,
-                              mem_fraction_static=mem_fraction_static,
-                              cpu_kv_cache_gb=cpu_kv_cache_gb, kv_cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(max_running_requests=max_running_requests,
-                                      chunked_prefill_size=chunked_prefill_size,
-                                      schedule_policy=schedule_policy))
+    def __init__(self, model: str | Path | None = None, **options):
+        """model: a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct). options:
+        any engine flag by its CLI name with underscores (device="cpu", max_total_tokens=4096,
+        attention_backend="triton", ...); see EngineConfig, CacheConfig, SchedulerConfig."""
+        self.config = EngineConfig.from_flat(model=None if model is None else str(model), **options)
         self._build()
         self._trackers: dict[str, OutputTracker] = {}
 

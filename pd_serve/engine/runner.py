@@ -1,6 +1,15 @@
-"""Executes a scheduler plan: builds the flat batch, runs the model, samples. Never mutates requests."""
+"""Executes a scheduler plan: builds the flat batch, runs the model, samples. Never mutates requests.
+
+On GPU, batches of one new token per row (decode) replay CUDA graphs captured at bucketed batch
+sizes: the batch is padded to the next bucket (padded rows store no KV: slot -1), the inputs
+are copied into fixed buffers, the attention backend refills its fixed page-table buffers, and
+the graph runs the whole forward and the LM head. All buckets share one memory pool.
+"""
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 
@@ -8,6 +17,14 @@ from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
 from pd_serve.engine.sampler import Sampler, SamplerOutput
 from pd_serve.engine.scheduler import SchedulerOutput
 from pd_serve.model.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """Captured decode batch sizes: 1, 2, 4, 8, then every multiple of 8, and max_bs itself."""
+    sizes = [bs for bs in (1, 2, 4, 8) if bs < max_bs] + list(range(16, max_bs, 8))
+    return sorted(set(sizes + [max_bs]))
 
 
 class ModelRunner:
@@ -17,31 +34,109 @@ class ModelRunner:
         self.sampler = sampler
         self.page_size = page_size
         self.device = next(model.parameters()).device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[int, torch.Tensor] = {}  # bs -> the graph's output [bs, V]
 
-    @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> SamplerOutput:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
+    def _flat_batch(self, plan: SchedulerOutput):
+        """Token ids, positions and cache slots of every new token (int64 CPU tensors [T]),
+        and the rows to sample."""
+        ids, positions, slots, sample_rows = [], [], [], []
+        num_tokens = 0
         for chunk in plan.chunks:
             request, end = chunk.request, chunk.start + chunk.num_tokens
-            input_ids += request.all_token_ids[chunk.start:end]
-            for pos in range(chunk.start, end):
-                positions.append(pos)
-                slots.append(request.page_ids[pos // self.page_size] * self.page_size
-                             + pos % self.page_size)
+            pos = torch.arange(chunk.start, end)
+            pages = torch.tensor(request.page_ids[chunk.start // self.page_size:
+                                                  (end - 1) // self.page_size + 1])
+            ids.append(torch.tensor(request.all_token_ids[chunk.start:end]))
+            positions.append(pos)
+            slots.append(pages[pos // self.page_size - chunk.start // self.page_size] * self.page_size
+                         + pos % self.page_size)
+            num_tokens += chunk.num_tokens
             if chunk.sample:
-                sample_rows.append(len(input_ids) - 1)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
-        self.attn.plan(AttentionMetadata(
+                sample_rows.append(num_tokens - 1)
+        return torch.cat(ids), torch.cat(positions), torch.cat(slots), sample_rows
+
+    @staticmethod
+    def _metadata(plan: SchedulerOutput, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(
             query_lens=[c.num_tokens for c in plan.chunks],
             seq_lens=[c.start + c.num_tokens for c in plan.chunks],
             page_tables=[c.request.page_ids for c in plan.chunks],
-            slot_mapping=as_tensor(slots),
-        ))
-        hidden = self.model(as_tensor(input_ids), as_tensor(positions), self.attn)  # [T, hidden]
+            slot_mapping=slot_mapping,
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> SamplerOutput:
+        if self.graphs and all(c.num_tokens == 1 for c in plan.chunks) and len(plan.chunks) <= max(self.graphs):
+            return self._execute_graph(plan)
+        ids, positions, slots, sample_rows = self._flat_batch(plan)
+        # One host->device copy for the three index tensors.
+        ids, positions, slots = torch.stack([ids, positions, slots]).to(self.device, non_blocking=True)
+        self.attn.plan(self._metadata(plan, slots))
+        hidden = self.model(ids, positions, self.attn)  # [T, hidden]
         if not sample_rows:
             return SamplerOutput(token_ids=[], logprobs=[])
-        logits = self.model.compute_logits(hidden[as_tensor(sample_rows)])  # [N, vocab]
+        rows = torch.tensor(sample_rows).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
+        return self.sampler(logits, [c.request for c in plan.chunks if c.sample])
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_bs: int, max_pages_per_seq: int) -> None:
+        """Capture the decode forward at every graph_batch_sizes(max_bs) size, largest first."""
+        start = time.perf_counter()
+        sizes = graph_batch_sizes(max_bs)
+        self.attn.init_cuda_graph(max_bs, max_pages_per_seq)
+        # Rows: token ids, positions, cache slots.
+        self.graph_inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(sizes):
+            self._plan_graph(bs, [], [], [])  # every row is padding
+            for _ in range(2):  # compile / autotune outside the capture
+                self._graph_forward(bs)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_logits[bs] = self._graph_forward(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", sizes,
+                    time.perf_counter() - start)
+
+    def _graph_forward(self, bs: int) -> torch.Tensor:
+        ids, positions = self.graph_inputs[0, :bs], self.graph_inputs[1, :bs]
+        return self.model.compute_logits(self.model(ids, positions, self.attn))  # [bs, V] float32
+
+    def _plan_graph(self, bs: int, ids: list[int], positions: list[int], slots: list[int],
+                    seq_lens: list[int] | None = None, page_tables: list[list[int]] | None = None):
+        """Fill the fixed inputs for bucket bs; rows past len(ids) are padding (slot -1, a
+        one-token context in page 0)."""
+        pad = bs - len(ids)
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
+        self.graph_inputs[:, :bs].copy_(host, non_blocking=True)
+        self.attn.plan_cuda_graph(bs, AttentionMetadata(
+            query_lens=[1] * bs,
+            seq_lens=(seq_lens or []) + [1] * pad,
+            page_tables=(page_tables or []) + [[0]] * pad,
+            slot_mapping=self.graph_inputs[2, :bs],
+        ))
+
+    def _execute_graph(self, plan: SchedulerOutput) -> SamplerOutput:
+        n = len(plan.chunks)
+        bs = min(size for size in self.graphs if size >= n)
+        ids, positions, slots, seq_lens = [], [], [], []
+        for c in plan.chunks:
+            pos = c.start
+            ids.append(c.request.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(c.request.page_ids[pos // self.page_size] * self.page_size + pos % self.page_size)
+            seq_lens.append(pos + 1)
+        self._plan_graph(bs, ids, positions, slots, seq_lens, [c.request.page_ids for c in plan.chunks])
+        self.graphs[bs].replay()
+        sample_rows = [i for i, c in enumerate(plan.chunks) if c.sample]
+        if not sample_rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        logits = self.graph_logits[bs]
+        if len(sample_rows) < bs:
+            logits = logits[:n] if len(sample_rows) == n else logits[torch.tensor(sample_rows, device=self.device)]
         return self.sampler(logits, [c.request for c in plan.chunks if c.sample])

@@ -3,6 +3,10 @@
 The forward pass takes flat tokens of a whole batch (input_ids [T], positions [T]) and an
 attention backend already planned for that batch; it knows nothing of requests or pages.
 Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (see loader.py).
+Norms, RoPE and SiLU-and-mul call kernels/: Triton on GPU, their torch references on CPU (which
+reproduce Hugging Face's arithmetic). The residual stream is carried beside the hidden states so
+the residual add fuses into the next norm. Nothing here syncs with the host: CUDA graphs
+capture the whole forward.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import silu_and_mul
+from kernels.norm import rms_norm
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.rope import RotaryEmbedding
@@ -22,11 +28,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the model dtype (as Hugging Face does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -61,8 +65,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -73,9 +76,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, attn):
+        """(x, residual) -> (mlp output, residual stream); residual None at the first layer."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -99,10 +108,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, attn)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

@@ -50,14 +50,20 @@ def _split_sizes(cfg: ModelConfig, fused: str) -> list[int]:
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
-    """Read config.json and the weights; every parameter must come from the checkpoint."""
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
+               load_format: str = "auto", seed: int = 0) -> CausalLM:
+    """Read config.json and the weights; every parameter must come from the checkpoint.
+
+    load_format "dummy" reads config.json only and fills the weights with random values
+    (see dummy_model): for speed benchmarks of a model's shape without its checkpoint.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ValueError(f"--model {model_dir}: no such directory")
     cfg = ModelConfig.from_dir(model_dir)
-    with torch.device(device):
-        model = CausalLM(cfg).to(dtype)
+    if load_format == "dummy":
+        return dummy_model(cfg, dtype, device, seed)
+    model = _empty_model(cfg, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
@@ -68,6 +74,36 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, "
                          f"e.g. {', '.join(missing[:3])}")
     return model.eval()
+
+
+def dummy_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                seed: int = 0) -> CausalLM:
+    """A model of cfg's shape with random weights: N(0, 0.02) matrices and embeddings (as
+    Hugging Face initialises them), norm weights 1, biases 0. Deterministic for a seed."""
+    model = _empty_model(cfg, dtype, device)
+    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """Parameters allocated in `dtype` on `device` (values unset). The RoPE tables are built
+    in float32 explicitly, so they stay float32."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model
 
 
 def _read_tensors(path: Path):

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from kernels.rope import apply_rope_
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, after the checkpoint's rope scaling."""
@@ -39,12 +41,6 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated (q, k) in their own dtype."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] (views allowed) -> (q, k) rotated in place."""
+        apply_rope_(positions, q, k, self.cos, self.sin)
+        return q, k

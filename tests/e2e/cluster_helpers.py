@@ -7,9 +7,10 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import TEST_DEVICE
 from pd_serve.launch import LocalCluster, free_port
 
-WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--transfer-timeout", "10"]
+WORKER_ARGS = ["--device", TEST_DEVICE, "--max-total-tokens", "8192", "--transfer-timeout", "10"]
 
 
 def start_cluster(num_prefill=1, num_decode=1, num_colocated=0, model=None, extra=(),

@@ -22,6 +22,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
+from helpers import TEST_DEVICE
 from pd_serve import AsyncEngine, Engine, SamplingParams
 from pd_serve.gateway.app import build_app, start_server
 from pd_serve.gateway.openai_protocol import ModelInfo, parse_chat
@@ -118,8 +119,8 @@ class ServerThread:
 @pytest.fixture(scope="module")
 def engines(default_model_dir):
     """(served engine, reference engine): the reference runs beside the server, never inside it."""
-    served = Engine(default_model_dir, device="cpu", max_total_tokens=4096)
-    reference = Engine(default_model_dir, device="cpu", max_total_tokens=4096)
+    served = Engine(default_model_dir, device=TEST_DEVICE, max_total_tokens=4096)
+    reference = Engine(default_model_dir, device=TEST_DEVICE, max_total_tokens=4096)
     return served, reference
 
 

@@ -1,0 +1,54 @@
+"""Attention backends behind one plan()/run() interface, and the --attention-backend choice."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from pd_serve.cache.pool import KVPool
+from pd_serve.engine.attention.base import AttentionBackend
+
+
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend `--attention-backend name` means on this device; a clear ValueError if it
+    cannot run here. auto: flashinfer on CUDA (bf16/fp16) when installed, else triton; torch on CPU."""
+    on_cuda = device.type == "cuda"
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        if not on_cuda:
+            return "torch"
+        if has_flashinfer and dtype in (torch.bfloat16, torch.float16):
+            return "flashinfer"
+        return "triton" if has_triton else "torch"
+    if name == "flashinfer":
+        if not on_cuda:
+            raise ValueError("--attention-backend flashinfer needs a CUDA device; use torch on CPU")
+        if not has_flashinfer:
+            raise ValueError("--attention-backend flashinfer: the flashinfer package is not "
+                             "installed (pip install flashinfer-python); or use triton or torch")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"--attention-backend flashinfer runs bfloat16/float16, not {dtype}; "
+                             "use --dtype bfloat16, or --attention-backend triton or torch")
+    if name == "triton":
+        if not has_triton:
+            raise ValueError("--attention-backend triton: the triton package is not installed")
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1 "
+                             "to run it in Triton's interpreter); use torch on CPU")
+    return name
+
+
+def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int,
+                   scale: float) -> AttentionBackend:
+    """Instantiate a resolved backend name (see resolve_backend_name)."""
+    if name == "flashinfer":
+        from pd_serve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+        return FlashInferAttentionBackend(pool, num_heads, head_dim, scale)
+    if name == "triton":
+        from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(pool, num_heads, head_dim, scale)
+    from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
+    return TorchAttentionBackend(pool, num_heads, head_dim, scale)

@@ -49,3 +49,21 @@ class AttentionBackend(ABC):
     @abstractmethod
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> attention output [T, Hq, D]."""
+
+    # CUDA graphs (decode batches only). A backend that supports them keeps every tensor run()
+    # reads in buffers allocated once by init_cuda_graph(); plan_cuda_graph() refills them, so a
+    # graph captured after one plan_cuda_graph(bs, ...) replays correctly after another.
+    supports_cuda_graph = False
+
+    def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int) -> None:
+        """Allocate the fixed buffers for decode batches of up to max_bs sequences."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
+        """Plan a decode batch of exactly bs rows (query_lens all 1) into the fixed buffers.
+
+        meta.slot_mapping is a view of the runner's fixed slot buffer; padded rows have slot -1
+        (their K/V must not be stored) and a one-token context in page 0 (read, never written).
+        After this call run() executes the bucket-bs graph path until the next plan*() call.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -1,0 +1,109 @@
+"""Paged attention through flashinfer (GPU, bf16/fp16): its prefill and decode wrappers over our pool.
+
+flashinfer reads the pool in place: one layer's K and V are [P, S, Hkv, D] tensors, its "NHD"
+paged layout, addressed through a CSR page table (indptr over rows, page indices, the number
+of tokens used in each row's last page). New tokens' K/V are stored first by kernels/kv_store.
+
+Batches where every row has one new token run the decode wrapper; any other batch runs the
+prefill wrapper (causal, with the cached prefix: chunked prefill, and decode rows mixed in).
+CUDA graphs use one decode wrapper per captured batch size, each in flashinfer's CUDA-graph
+mode over fixed page-table buffers shared by all sizes; plan_cuda_graph() refills them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_store import store_kv
+from pd_serve.cache.pool import KVPool
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
+
+WORKSPACE_BYTES = 256 * 2**20  # split-k partial results; flashinfer recommends 128 MiB or more
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float):
+        super().__init__(pool, num_heads, head_dim, scale)
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        device = pool.buffer.device
+        self.num_kv_heads = pool.layout.num_kv_heads
+        self.page_size = pool.layout.page_size
+        self.dtype = pool.buffer.dtype
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # Tensor-core decode pays off once several query heads share a KV head.
+        self.use_tensor_cores = num_heads // self.num_kv_heads >= 4
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self.graph_wrappers: dict[int, object] = {}
+        self.wrapper = None  # the one run() uses, chosen by the last plan*()
+        self.is_prefill = False
+
+    # ---- planning ---------------------------------------------------------------------------
+    def _page_table(self, meta: AttentionMetadata):
+        """CPU int32 CSR page table: indptr [B+1], indices [sum pages], last_page_len [B]."""
+        page_size = self.page_size
+        num_pages = [-(-n // page_size) for n in meta.seq_lens]
+        indices: list[int] = []
+        for pages, n in zip(meta.page_tables, num_pages):
+            indices += pages[:n]
+        indptr = [0]
+        for n in num_pages:
+            indptr.append(indptr[-1] + n)
+        last = [n - (p - 1) * page_size for n, p in zip(meta.seq_lens, num_pages)]
+        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        return as_i32(indptr), as_i32(indices), as_i32(last)
+
+    def _plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
+        indptr, indices, last = self._page_table(meta)
+        wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
+                     self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
+                     sm_scale=self.scale)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self.slot_mapping = meta.slot_mapping
+        self.is_prefill = any(n != 1 for n in meta.query_lens)
+        if not self.is_prefill:
+            self._plan_decode(self.decode_wrapper, meta)
+            self.wrapper = self.decode_wrapper
+            return
+        indptr, indices, last = self._page_table(meta)
+        qo_indptr = [0]
+        for n in meta.query_lens:
+            qo_indptr.append(qo_indptr[-1] + n)
+        self.prefill_wrapper.plan(
+            torch.tensor(qo_indptr, dtype=torch.int32), indptr, indices, last, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.page_size, causal=True, sm_scale=self.scale,
+            q_data_type=self.dtype, kv_data_type=self.dtype)
+        self.wrapper = self.prefill_wrapper
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int) -> None:
+        device = self.pool.buffer.device
+        self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self.graph_indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=device)
+        self.graph_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
+
+    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
+        wrapper = self.graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self.graph_indptr[:bs + 1],
+                paged_kv_indices_buffer=self.graph_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs])
+            self.graph_wrappers[bs] = wrapper
+        self._plan_decode(wrapper, meta)
+        self.slot_mapping = meta.slot_mapping
+        self.is_prefill = False
+        self.wrapper = wrapper
+
+    # ---- per layer --------------------------------------------------------------------------
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)  # [P, S, Hkv, D]
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        return self.wrapper.run(q.contiguous(), (k_cache, v_cache))  # [T, Hq, D]
