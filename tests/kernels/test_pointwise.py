@@ -1,0 +1,400 @@
+"""RMSNorm, RoPE, SiLU-and-mul and KV-store kernels against their torch references.
+
+On CPU the kernels run in Triton's interpreter: an autouse fixture sets TRITON_INTERPRET=1 for
+each CPU test (the modules import Triton lazily and jit their kernel on first use, which is
+when Triton reads the variable), so the setting never leaks into other test modules. On a CUDA
+machine the same tests also run compiled on the GPU, bfloat16 included.
+
+Where kernel and reference do the same float ops in the same order the check is exact; where
+they cannot (a reduction order, exp's implementation, FMA contraction on the GPU) it allows a
+couple of units in the last place of the dtype, and the test says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+
+import pytest
+import torch
+
+from kernels import activation, kv_store, norm, rope
+from pd_serve.model.rope import RotaryEmbedding
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# (device, dtype): the interpreter has no bfloat16 arithmetic worth testing, the GPU does.
+CASES = [
+    pytest.param("cpu", torch.float32, id="cpu-float32"),
+    pytest.param("cpu", torch.float16, id="cpu-float16"),
+    *[pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}", marks=needs_cuda)
+      for dtype in (torch.float32, torch.float16, torch.bfloat16)],
+]
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MAX_POSITIONS = 4096
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+POISON = {1: 0x7F, 2: 0x7E5A, 4: 0x7FC0DEAD}  # NaN patterns for fp8 e4m3 / fp16 / fp32
+
+
+@pytest.fixture(autouse=True)
+def triton_mode(request, monkeypatch):
+    """CPU tests run the kernels in Triton's interpreter; CUDA tests compile them."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("device") == "cuda":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@contextlib.contextmanager
+def expect_launches(module, n: int):
+    """Fails unless the block launched `module`'s Triton kernel exactly n times."""
+    before = module.triton_launches
+    yield
+    assert module.triton_launches - before == n, "the Triton path did not run"
+
+
+def randn(*shape, dtype, device, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+
+def assert_within_ulps(got: torch.Tensor, expected: torch.Tensor, ulps: float) -> None:
+    """Equal to within `ulps` units of the dtype's epsilon (relative, and absolute near 0)."""
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.float(), expected.float(), rtol=ulps * eps, atol=ulps * eps)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT_VIEW[t.element_size()])
+
+
+# ----------------------------------------------------------------------------- rms_norm
+
+NORM_SHAPES = {
+    "one-token": (1, 72),
+    "odd-rows": (37, 72),
+    "llama-hidden": (3, 4096),
+    "per-head": (37, 3, 64),
+}
+
+
+def qk_norm_view(num_tokens: int, dtype, device) -> torch.Tensor:
+    """q of a fused [T, q + 2 kv] output as [T, heads, head_dim]: strided rows, Qwen3's q-norm."""
+    qkv = randn(num_tokens, (4 + 2 * 2) * 64, dtype=dtype, device=device, seed=7)
+    return qkv[:, : 4 * 64].view(num_tokens, 4, 64)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", list(NORM_SHAPES))
+@pytest.mark.parametrize("device, dtype", CASES)
+def test_rms_norm_matches_reference(device, dtype, shape):
+    x = randn(*NORM_SHAPES[shape], dtype=dtype, device=device, seed=1, scale=3.0)
+    residual = randn(*NORM_SHAPES[shape], dtype=dtype, device=device, seed=2)
+    weight = randn(x.shape[-1], dtype=dtype, device=device, seed=3)
+    with expect_launches(norm, 2):
+        out = norm.rms_norm(x, weight, 1e-6)
+        out_fused, s = norm.rms_norm(x, weight, 1e-6, residual)
+    expected_fused, expected_s = norm.rms_norm_ref(x, weight, 1e-6, residual)
+    assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(s, expected_s)  # one add rounded once, both sides
+    # The mean square is a sum in another order (and rsqrt is approximate on the GPU), so a
+    # rounding to the dtype may land one unit apart, which the weight multiply can carry on.
+    assert_within_ulps(out, norm.rms_norm_ref(x, weight, 1e-6), 2)
+    assert_within_ulps(out_fused, expected_fused, 2)
+
+
+@needs_triton
+@pytest.mark.parametrize("device, dtype", CASES)
+def test_rms_norm_on_strided_views(device, dtype):
+    q = qk_norm_view(37, dtype, device)  # [T, 4, 64], token stride 512: read where it lies
+    residual = randn(37, 4, 64, dtype=dtype, device=device, seed=4)  # contiguous: another layout
+    weight = randn(64, dtype=dtype, device=device, seed=5)
+    with expect_launches(norm, 2):
+        out = norm.rms_norm(q, weight, 1e-6)
+        out_fused, s = norm.rms_norm(q, weight, 1e-6, residual)
+    # As above: a reduction in another order, so within a couple of units.
+    assert_within_ulps(out, norm.rms_norm_ref(q, weight, 1e-6), 2)
+    expected_fused, expected_s = norm.rms_norm_ref(q, weight, 1e-6, residual)
+    assert torch.equal(s, expected_s)
+    assert_within_ulps(out_fused, expected_fused, 2)
+    # Leading dims that fold into no two strides are copied first: same answer.
+    scattered = randn(6, 5, 4, 64, dtype=dtype, device=device, seed=6)[::2, :, 1:3]
+    with expect_launches(norm, 1):
+        out = norm.rms_norm(scattered, weight, 1e-6)
+    assert_within_ulps(out, norm.rms_norm_ref(scattered, weight, 1e-6), 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_rms_norm_reference_is_hugging_face_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(72, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(randn(72, dtype=dtype, device="cpu", seed=8))
+        x = randn(37, 72, dtype=dtype, device="cpu", seed=9, scale=3.0)
+        residual = randn(37, 72, dtype=dtype, device="cpu", seed=10)
+        assert torch.equal(norm.rms_norm_ref(x, hf.weight, 1e-5), hf(x))
+        hidden = residual + x  # the decoder layer's order
+        out, s = norm.rms_norm_ref(x, hf.weight, 1e-5, residual)
+        assert torch.equal(s, hidden) and torch.equal(out, hf(hidden))
+
+
+# ----------------------------------------------------------------------------- rope
+
+ROPE_SHAPES = {  # T, Hq, Hk, D
+    "one-token": (1, 4, 2, 64),
+    "odd-tokens": (37, 4, 2, 128),
+    "odd-heads": (5, 3, 1, 64),
+    "llama-heads": (3, 32, 8, 128),  # several head blocks of q, one of k
+}
+
+
+@functools.cache
+def llama3_tables(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    emb = RotaryEmbedding(head_dim, MAX_POSITIONS, 500000.0, LLAMA3_SCALING)
+    return emb.cos, emb.sin  # [max_pos, D] float32 each
+
+
+def fused_qkv(num_tokens, num_q_heads, num_k_heads, head_dim, dtype, device, seed: int):
+    """A fused [T, (Hq + 2 Hk) D + 3] projection output (+ 3: an odd token stride)."""
+    width = (num_q_heads + 2 * num_k_heads) * head_dim + 3
+    return randn(num_tokens, width, dtype=dtype, device=device, seed=seed)
+
+
+def qk_views(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, head_dim: int):
+    """q [T, Hq, D] and k [T, Hk, D] as views into the fused tensor."""
+    q_end = num_q_heads * head_dim
+    q = qkv[:, :q_end].view(-1, num_q_heads, head_dim)
+    k = qkv[:, q_end:q_end + num_k_heads * head_dim].view(-1, num_k_heads, head_dim)
+    return q, k
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+@pytest.mark.parametrize("device, dtype", CASES)
+def test_rope_matches_reference_on_fused_views(device, dtype, shape):
+    num_tokens, num_q_heads, num_k_heads, head_dim = ROPE_SHAPES[shape]
+    cos, sin = (t.to(device) for t in llama3_tables(head_dim))
+    g = torch.Generator().manual_seed(9)
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=g).to(device)
+    qkv = fused_qkv(num_tokens, num_q_heads, num_k_heads, head_dim, dtype, device, seed=10)
+    expected = qkv.clone()
+    rope.apply_rope_ref_(positions, *qk_views(expected, num_q_heads, num_k_heads, head_dim),
+                         cos, sin)
+    with expect_launches(rope, 1):
+        q, k = qk_views(qkv, num_q_heads, num_k_heads, head_dim)
+        assert rope.apply_rope_(positions, q, k, cos, sin) is None
+    if device == "cpu":
+        assert torch.equal(qkv, expected)  # same float32 ops in the same order; v untouched
+    else:
+        # The GPU contracts x1 * c - x2 * s into an FMA: one rounding fewer, so the float32
+        # result may differ by a unit, and a dtype rounding by one.
+        assert_within_ulps(qkv, expected, 2)
+
+
+def test_rope_reference_rotates_like_the_model_formula():
+    """The reference is HF's x * cos + rotate_half(x) * sin, here in float32."""
+    cos, sin = llama3_tables(64)
+    positions = torch.tensor([0, 5, 4095])
+    q, k = qk_views(fused_qkv(3, 2, 1, 64, torch.float32, "cpu", seed=12), 2, 1, 64)
+    q0, k0 = q.clone(), k.clone()
+    rope.apply_rope_ref_(positions, q, k, cos, sin)
+    c, s = cos[positions, None], sin[positions, None]
+    for got, x in ((q, q0), (k, k0)):
+        rotated = torch.cat([-x[..., 32:], x[..., :32]], dim=-1)
+        assert torch.equal(got, x * c + rotated * s)
+    assert torch.equal(q[0], q0[0])  # position 0 is the identity
+
+
+# ----------------------------------------------------------------------------- silu_and_mul
+
+SILU_SHAPES = {"one-token": (1, 72), "odd-tokens": (37, 72), "wide": (3, 2500)}  # T, I
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's exp(100)
+@pytest.mark.parametrize("shape", list(SILU_SHAPES))
+@pytest.mark.parametrize("device, dtype", CASES)
+def test_silu_and_mul_matches_reference(device, dtype, shape):
+    num_tokens, inner = SILU_SHAPES[shape]
+    fused = randn(num_tokens, 2 * inner + 5, dtype=dtype, device=device, seed=13, scale=4.0)
+    fused[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp overflow, saturation, zero
+    x = fused[:, : 2 * inner]  # [T, 2I], row stride 2I + 5
+    with expect_launches(activation, 1):
+        out = activation.silu_and_mul(x)
+    assert out.shape == (num_tokens, inner) and out.dtype == dtype and out.is_contiguous()
+    # exp differs by an ulp between implementations (numpy or libdevice vs torch's own), and
+    # the dtype rounding of silu can carry one unit into the product.
+    assert_within_ulps(out, activation.silu_and_mul_ref(x), 2)
+
+
+def test_silu_and_mul_reference_is_hugging_face_order():
+    x = randn(5, 2 * 72, dtype=torch.bfloat16, device="cpu", seed=14, scale=4.0)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(activation.silu_and_mul_ref(x), torch.nn.functional.silu(gate) * up)
+
+
+# ----------------------------------------------------------------------------- store_kv
+
+KV_SHAPES = {  # T, H, D, P, S
+    "one-token": (1, 2, 64, 4, 16),
+    "odd-tokens": (37, 2, 128, 6, 8),
+    "odd-head-dim": (5, 3, 72, 2, 4),
+}
+# (new dtype, cache dtype). The interpreter's downcasts to bfloat16 / fp8 do not round to
+# nearest even, so those casts are checked on the GPU only.
+KV_CASTS = [
+    pytest.param("cpu", torch.float32, torch.float32, id="cpu-float32"),
+    pytest.param("cpu", torch.float16, torch.float16, id="cpu-float16"),
+    pytest.param("cpu", torch.float16, torch.float32, id="cpu-float16-to-float32"),
+    *[pytest.param("cuda", new, cache, marks=needs_cuda,
+                   id=f"cuda-{str(new)[6:]}-to-{str(cache)[6:]}")
+      for new, cache in [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                         (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                         (torch.bfloat16, torch.float8_e4m3fn)]],
+]
+
+
+def poisoned_cache(shape, dtype, device) -> torch.Tensor:
+    cache = torch.empty(shape, dtype=dtype, device=device)
+    bits(cache).fill_(POISON[cache.element_size()])
+    return cache  # [P, S, H, D]
+
+
+def slots_with_padding(num_tokens: int, num_slots: int, device) -> torch.Tensor:
+    """Distinct random slots, every fourth token (the first included) a -1 padding row."""
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(15))[:num_tokens]
+    slots[::4] = -1
+    return slots.to(device)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", list(KV_SHAPES))
+@pytest.mark.parametrize("device, new_dtype, cache_dtype", KV_CASTS)
+def test_store_kv_writes_only_valid_slots(device, new_dtype, cache_dtype, shape):
+    num_tokens, num_heads, head_dim, num_pages, page_size = KV_SHAPES[shape]
+    # k, v as views of a fused [T, q + 2 kv] output (q: 2 heads), as the model has them.
+    qkv = randn(num_tokens, (2 + 2 * num_heads) * head_dim, dtype=new_dtype, device=device,
+                seed=16, scale=2.0)
+    k = qkv[:, 2 * head_dim:(2 + num_heads) * head_dim].view(num_tokens, num_heads, head_dim)
+    v = qkv[:, (2 + num_heads) * head_dim:].view(num_tokens, num_heads, head_dim)
+    cache_shape = (num_pages, page_size, num_heads, head_dim)
+    k_cache, v_cache = (poisoned_cache(cache_shape, cache_dtype, device) for _ in range(2))
+    slots = slots_with_padding(num_tokens, num_pages * page_size, device)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    kv_store.store_kv_ref(k, v, k_expected, v_expected, slots)
+    with expect_launches(kv_store, 1):
+        kv_store.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(bits(k_cache), bits(k_expected))  # a copy or one cast: exact
+    assert torch.equal(bits(v_cache), bits(v_expected))
+    valid = (slots >= 0).cpu()
+    untouched = torch.ones(num_pages * page_size, dtype=torch.bool)
+    untouched[slots.cpu()[valid]] = False
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        rows = bits(cache).view(-1, num_heads, head_dim)
+        assert bool((rows[untouched.to(device)] == POISON[cache.element_size()]).all())
+        assert torch.equal(bits(rows[slots[valid.to(device)]]),
+                           bits(new[valid.to(device)].to(cache_dtype)))
+
+
+@needs_triton
+def test_store_kv_all_padding_writes_nothing():
+    k = randn(4, 2, 64, dtype=torch.float16, device="cpu", seed=17)
+    cache = poisoned_cache((2, 4, 2, 64), torch.float16, "cpu")
+    before = cache.clone()
+    with expect_launches(kv_store, 1):
+        kv_store.store_kv(k, k, cache, cache.clone(), torch.full((4,), -1))
+    assert torch.equal(bits(cache), bits(before))
+
+
+@needs_cuda
+@needs_triton
+def test_store_kv_past_int32_offsets(monkeypatch):
+    """Slots whose elements lie beyond 2**31 in a > 2 GiB fp8 cache."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    num_pages, page_size, num_heads, head_dim = 16_400, 128, 8, 128  # 2.15e9 elements
+    shape = (num_pages, page_size, num_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=torch.float8_e4m3fn, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    last = num_pages * page_size - 1
+    slots = torch.tensor([last, 0, -1, last - 7], device="cuda")
+    k = randn(4, num_heads, head_dim, dtype=torch.bfloat16, device="cuda", seed=18)
+    v = randn(4, num_heads, head_dim, dtype=torch.bfloat16, device="cuda", seed=19)
+    with expect_launches(kv_store, 1):
+        kv_store.store_kv(k, v, k_cache, v_cache, slots)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        rows = cache.view(-1, num_heads, head_dim)
+        for i in (0, 1, 3):
+            assert torch.equal(bits(rows[slots[i]]), bits(new[i].to(torch.float8_e4m3fn)))
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def test_without_interpreter_cpu_uses_the_references(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    x = randn(5, 2 * 72, dtype=torch.float16, device="cpu", seed=20)
+    weight = randn(144, dtype=torch.float16, device="cpu", seed=21)
+    cos, sin = llama3_tables(64)
+    qkv = fused_qkv(5, 2, 1, 64, torch.float16, "cpu", seed=22)
+    q, k = qk_views(qkv, 2, 1, 64)
+    q_ref, k_ref = qk_views(qkv.clone(), 2, 1, 64)
+    cache = torch.zeros(2, 4, 1, 64, dtype=torch.float16)
+    expected_cache = cache.clone()
+    slots = torch.tensor([3, -1, 0, 7, 5])
+    modules = (norm, rope, activation, kv_store)
+    before = [m.triton_launches for m in modules]
+    assert torch.equal(norm.rms_norm(x, weight, 1e-6), norm.rms_norm_ref(x, weight, 1e-6))
+    assert torch.equal(activation.silu_and_mul(x), activation.silu_and_mul_ref(x))
+    rope.apply_rope_(torch.arange(5), q, k, cos, sin)
+    rope.apply_rope_ref_(torch.arange(5), q_ref, k_ref, cos, sin)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    kv_store.store_kv(k, k, cache, cache.clone(), slots)
+    kv_store.store_kv_ref(k, k, expected_cache, expected_cache.clone(), slots)
+    assert torch.equal(cache, expected_cache)
+    assert [m.triton_launches for m in modules] == before
+
+
+def _bad_calls():
+    x = torch.zeros(4, 72)
+    yield "norm: weight size", lambda: norm.rms_norm(x, torch.ones(71), 1e-6)
+    yield "norm: residual shape", lambda: norm.rms_norm(x, torch.ones(72), 1e-6, x[:2])
+    yield "norm: residual dtype", lambda: norm.rms_norm(x, torch.ones(72), 1e-6, x.half())
+    yield "norm: int input", lambda: norm.rms_norm(x.int(), torch.ones(72), 1e-6)
+    yield "norm: row too wide", lambda: norm.rms_norm(torch.zeros(1, 32768), torch.ones(32768),
+                                                      1e-6)
+    yield "silu: odd width", lambda: activation.silu_and_mul(torch.zeros(4, 73))
+    yield "silu: 3-D", lambda: activation.silu_and_mul(torch.zeros(2, 4, 72))
+    yield "silu: strided columns", lambda: activation.silu_and_mul(torch.zeros(4, 144)[:, ::2])
+    cos, sin = llama3_tables(64)
+    q, k = torch.zeros(3, 4, 64), torch.zeros(3, 2, 64)
+    pos = torch.arange(3)
+    yield "rope: position too large", lambda: rope.apply_rope_(pos + MAX_POSITIONS - 1, q, k, cos,
+                                                               sin)
+    yield "rope: token counts", lambda: rope.apply_rope_(pos, q, k[:2], cos, sin)
+    yield "rope: float positions", lambda: rope.apply_rope_(pos.float(), q, k, cos, sin)
+    yield "rope: half tables", lambda: rope.apply_rope_(pos, q, k, cos.half(), sin.half())
+    yield "rope: table width", lambda: rope.apply_rope_(pos, q[..., :32], k[..., :32], cos, sin)
+    yield "rope: dtypes differ", lambda: rope.apply_rope_(pos, q, k.half(), cos, sin)
+    cache = torch.zeros(2, 4, 2, 64)
+    yield "kv: slot too large", lambda: kv_store.store_kv(k, k, cache, cache.clone(),
+                                                          torch.tensor([0, 1, 8]))
+    yield "kv: repeated slot", lambda: kv_store.store_kv(k, k, cache, cache.clone(),
+                                                         torch.tensor([1, -1, 1]))
+    yield "kv: head count", lambda: kv_store.store_kv(q, q, cache, cache.clone(), pos)
+    yield "kv: caches differ", lambda: kv_store.store_kv(k, k, cache, cache.half(), pos)
+    yield "kv: strided cache", lambda: kv_store.store_kv(k, k, cache.transpose(0, 1),
+                                                         cache.transpose(0, 1), pos)
+    yield "kv: float slots", lambda: kv_store.store_kv(k, k, cache, cache.clone(), pos.float())
+
+
+@pytest.mark.parametrize("call", [pytest.param(c, id=name) for name, c in _bad_calls()])
+def test_rejects_bad_inputs(call):
+    modules = (norm, rope, activation, kv_store)
+    before = [m.triton_launches for m in modules]
+    with pytest.raises(ValueError):
+        call()
+    assert [m.triton_launches for m in modules] == before
