@@ -1,0 +1,411 @@
+"""Paged attention over one layer's KV cache: decode (split-K) and prefill (causal, chunked).
+
+A layer's cache is [P, S, Hkv, D]: the key at context position p of row b sits in page
+`page_table[b, p // S]`, offset `p % S`. Row b's new tokens are the last q_len of its
+seq_lens[b] context positions and are already stored in the cache; the query at position p
+attends keys 0..p (causal), with query head h reading KV head h // (Hq // Hkv) (GQA).
+
+One Triton kernel serves both entry points. A program takes one KV head of one row and
+BLOCK_Q of that row's queries times all GROUP = Hq // Hkv query heads of the KV head: the
+[BLOCK_Q * GROUP, D] query tile rides through the keys page by page (BLOCK_N keys a tile,
+gathered through the page table) with a flash-attention online softmax in base 2, so each K/V
+tile is read once for all the heads that share it. Decode is the case BLOCK_Q = 1.
+
+Decode is split-K (flash-decoding): NUM_SPLITS programs share a (row, KV head), each taking an
+equal run of whole key tiles of that row's context (sized in the kernel from the row's own
+seq_len), and write a partial output and its log-sum-exp; a second small kernel merges them.
+NUM_SPLITS comes from shapes only (rows, KV heads, the page table's width, the SM count), never
+from tensor values: no host sync, and a CUDA graph captured for one batch replays for another
+of the same shape. With one split the kernel writes the output directly (one launch); with
+more, the partial results go to float32 buffers allocated per call (inside a graph capture they
+come from the graph's memory pool, at fixed addresses).
+
+Measured on an H200 (Llama-3-8B heads: Hq 32, Hkv 8, D 128, page 16, bf16; one CUDA graph over
+many layers' caches, per-layer times): decode reads K/V at 4.2-4.4 TB/s from batch 32 up (the
+copy ceiling there is about 4.3 TB/s read + write), 3.4-4.0 TB/s at batch 4-16 and 2.2 TB/s at
+batch 1 with 8k contexts; 1k contexts at batch <= 8 are launch-bound (8-15 us for two kernels).
+Prefill runs at about 270-310 TFLOP/s (torch's dense flash SDPA: 400-550 on the same shapes).
+
+The functions run the kernels on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1
+(Triton's interpreter; how the tests exercise them); otherwise the torch references (`*_ref`,
+float32 math). Triton is imported lazily, so importing this module never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from kernels.kv_copy import _interpret_requested
+
+# Kernel launches so far; the tests read it to confirm the Triton path really ran.
+triton_launches = 0
+
+_LOG2E = 1.4426950408889634
+_DECODE_BLOCK_N = 64  # keys per tile in decode (4 pages of 16)
+_DECODE_WARPS = 4
+_DECODE_STAGES = 2
+_PREFILL_BLOCK_M = 64  # query rows (tokens x heads of a group) per prefill program
+_PREFILL_BLOCK_N = 64  # keys per tile in prefill
+_PREFILL_WARPS = 4
+_PREFILL_STAGES = 3
+_PROGRAMS_PER_SM = 4  # decode splits fill one wave of this many programs per SM (H200-tuned)
+_MAX_SPLITS = 64
+_MIN_TILES_PER_SPLIT = 2  # a split reads at least this many key tiles of the widest row
+_CPU_SMS = 132  # split rule's SM count when there is no GPU (the interpreter): an H200's
+tl = None  # triton.language, bound by _kernels() on first use
+
+
+# ----------------------------------------------------------------------------- references
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                qo_indptr: torch.Tensor, page_table: torch.Tensor,
+                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference of `paged_prefill_attention`: gathers each row's context and runs a
+    masked softmax in float32, row by row (host syncs). Returns [T, Hq, D] in q's dtype."""
+    _check(q, k_cache, v_cache, page_table, seq_lens, qo_indptr)
+    num_heads, (_, page_size, num_kv_heads, head_dim) = q.shape[1], k_cache.shape
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim)  # [P * S, Hkv, D]
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim)
+    out = torch.zeros_like(q)
+    indptr, lens = qo_indptr.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = indptr[b], indptr[b + 1]
+        if end == start:
+            continue
+        pages = page_table[b, :_cdiv(seq_len, page_size)].long()
+        slots = (pages[:, None] * page_size + torch.arange(page_size, device=q.device))
+        slots = slots.flatten()[:seq_len]  # [L]
+        group = num_heads // num_kv_heads
+        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = flat_v[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [Hq, n, L]
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               page_table: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Torch reference of `paged_decode_attention`: prefill with one query per row."""
+    qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, page_table, seq_lens,
+                                       scale)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one new token per row over its whole paged context.
+
+    Parameters
+    ----------
+    q : [B, Hq, D]; last dim contiguous, other strides arbitrary. Hq a multiple of Hkv.
+    k_cache, v_cache : [P, S, Hkv, D], one shape and dtype (may differ from q's: tiles are
+        cast to q's dtype); strides arbitrary.
+    page_table : [B, max_pages] int32 (or int64); row b's first ceil(seq_lens[b] / S) entries
+        are its pages, the rest are never read.
+    seq_lens : [B] int32 (or int64), each >= 1: context length including the new token.
+    scale : softmax scale (usually D ** -0.5).
+    out : optional [B, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
+    num_splits : key splits per (row, KV head); default `decode_num_splits(...)`, which reads
+        shapes only, so the launch is CUDA-graph capturable.
+
+    Returns
+    -------
+    out, [B, Hq, D].
+    """
+    _check(q, k_cache, v_cache, page_table, seq_lens, None, out)
+    out = q.new_empty(q.shape) if out is None else out
+    if not _use_triton(q):
+        out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale))
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(q.shape[0], k_cache.shape[2],
+                                       page_table.shape[1] * k_cache.shape[1], q.device)
+    _launch(q, k_cache, v_cache, None, page_table, seq_lens, scale, out, max_q_len=1,
+            num_splits=num_splits)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            qo_indptr: torch.Tensor, page_table: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                            max_q_len: int | None = None) -> torch.Tensor:
+    """Causal attention of each row's new tokens over its paged context (cached prefix + new).
+
+    Parameters
+    ----------
+    q : [T, Hq, D], the B rows' new tokens concatenated; row b owns
+        q[qo_indptr[b]:qo_indptr[b + 1]], the last q_len of its seq_lens[b] positions.
+        Last dim contiguous, other strides arbitrary.
+    k_cache, v_cache, page_table, seq_lens, scale : as in `paged_decode_attention`
+        (q_len <= seq_len; rows of one token mix freely with long ones).
+    qo_indptr : [B + 1] int32 (or int64), qo_indptr[0] = 0 and qo_indptr[B] = T.
+    out : optional [T, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
+    max_q_len : the largest q_len (host int, sizes the grid); computed from qo_indptr when
+        omitted, at the cost of a host sync.
+
+    Returns
+    -------
+    out, [T, Hq, D].
+    """
+    _check(q, k_cache, v_cache, page_table, seq_lens, qo_indptr, out)
+    out = q.new_empty(q.shape) if out is None else out
+    if not _use_triton(q):
+        out.copy_(paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, page_table,
+                                              seq_lens, scale))
+        return out
+    if max_q_len is None:
+        max_q_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
+    _launch(q, k_cache, v_cache, qo_indptr, page_table, seq_lens, scale, out, max_q_len,
+            num_splits=1)
+    return out
+
+
+def decode_num_splits(num_rows: int, num_kv_heads: int, max_context: int,
+                      device: torch.device) -> int:
+    """Key splits per (row, KV head) for decode, from shapes only.
+
+    As many as fit the (row, KV head) programs into one wave of _PROGRAMS_PER_SM programs per
+    SM (rounded down: a sliver of a second wave costs more than it gives), no more than leave
+    each split _MIN_TILES_PER_SPLIT key tiles of a max_context-long row, at most _MAX_SPLITS.
+    """
+    wave = _PROGRAMS_PER_SM * _num_sms(device)
+    wanted = wave // max(num_rows * num_kv_heads, 1)
+    tiles = _cdiv(max_context, _DECODE_BLOCK_N)
+    return max(1, min(wanted, _cdiv(tiles, _MIN_TILES_PER_SPLIT), _MAX_SPLITS))
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if x.is_cuda:
+        return True
+    return _interpret_requested() and _kernels(True) is not None
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+@functools.cache
+def _kernels(interpret: bool):
+    """(attention kernel, split-merge kernel), or None when Triton does not import (built per
+    mode, as Triton decides at @triton.jit time whether a function is interpreted)."""
+    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def attention_kernel(
+            q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qo_indptr_ptr, page_table_ptr,
+            seq_lens_ptr, qk_scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h, k_stride_p,
+            k_stride_s, k_stride_h, v_stride_p, v_stride_s, v_stride_h, table_stride,
+            HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+            GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            DECODE: tl.constexpr, PRECISION: tl.constexpr):
+        # Grid: (query blocks, rows, KV heads x splits). The last query blocks see the most
+        # keys, so they go first.
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        row = tl.program_id(1)
+        kv_head = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+        num_q_heads = tl.num_programs(2) // NUM_SPLITS * GROUP
+        if DECODE:
+            q_start = row
+            q_len = 1
+        else:
+            q_start = tl.load(qo_indptr_ptr + row)
+            q_len = tl.load(qo_indptr_ptr + row + 1) - q_start
+        if q_block * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + row)
+
+        # Query rows r = token * GROUP_PAD + head; rows past BLOCK_Q * GROUP_PAD pad tl.dot to 16.
+        r = tl.arange(0, BLOCK_M)
+        tok = q_block * BLOCK_Q + r // GROUP_PAD  # [M] query index within the row
+        head = kv_head * GROUP + r % GROUP_PAD  # [M] query head
+        row_ok = (tok < q_len) & (r % GROUP_PAD < GROUP) & (r < BLOCK_Q * GROUP_PAD)
+        pos = seq_len - q_len + tok  # [M] context position of each query
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        t_idx = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + (t_idx * q_stride_t + head * q_stride_h)[:, None] + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
+
+        # This block needs keys [0, kv_end); split `split` takes its share of whole tiles.
+        kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_Q)
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+        lo = split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
+        l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = page_table_ptr + row.to(tl.int64) * table_stride
+        for start in range(lo, hi, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)  # [N] key positions
+            t_ok = t < hi
+            page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k_off = page * k_stride_p + (t % PAGE_SIZE) * k_stride_s + kv_head * k_stride_h
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+            s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+            alpha = tl.exp2(m - m_ref)
+            p = tl.exp2(s - m_ref[:, None])  # [M, N]
+            l = l * alpha + tl.sum(p, 1)
+            v_off = page * v_stride_p + (t % PAGE_SIZE) * v_stride_s + kv_head * v_stride_h
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                input_precision=PRECISION)
+            m = m_new
+
+        out_mask = row_ok[:, None] & d_ok[None, :]
+        if NUM_SPLITS == 1:
+            o = acc / l[:, None]
+            o_off = t_idx * o_stride_t + head * o_stride_h
+            tl.store(out_ptr + o_off[:, None] + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:  # partial output and log2-sum-exp2 of split `split`; empty splits give -inf
+            o = acc / tl.where(l > 0, l, 1.0)[:, None]
+            lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+            mid = (t_idx * num_q_heads + head) * NUM_SPLITS + split  # [M]
+            tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+            tl.store(mid_lse_ptr + mid, lse, mask=row_ok)
+
+    @triton.jit
+    def merge_splits_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_stride_t, o_stride_h,
+                            HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                            SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+        # Grid: (tokens, query heads). out = sum_i w_i o_i / sum_i w_i, w_i = exp2(lse_i - max).
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        base = (token * tl.num_programs(1) + head) * NUM_SPLITS
+        s = tl.arange(0, SPLITS_PAD)
+        s_ok = s < NUM_SPLITS
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        lse = tl.load(mid_lse_ptr + base + s, mask=s_ok, other=float("-inf"))  # [SPLITS_PAD]
+        w = tl.exp2(lse - tl.max(lse, 0))
+        o = tl.load(mid_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [SPLITS_PAD, BLOCK_D]
+        o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d,
+                 o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+    return attention_kernel, merge_splits_kernel
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            qo_indptr: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor,
+            scale: float, out: torch.Tensor, max_q_len: int, num_splits: int) -> None:
+    """Decode when qo_indptr is None (one query per row), else prefill; on q's device."""
+    global triton_launches
+    num_tokens, num_heads, head_dim = q.shape
+    num_rows = seq_lens.shape[0]
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    if num_tokens == 0 or num_rows == 0 or max_q_len == 0:
+        return
+    kernels = _kernels(_interpret_requested())
+    if kernels is None:
+        raise RuntimeError("Triton is needed for CUDA paged attention but does not import")
+    attention_kernel, merge_splits_kernel = kernels
+    decode = qo_indptr is None
+    group = num_heads // num_kv_heads
+    group_pad = _pow2(group)
+    if decode:
+        block_q, block_n = 1, _DECODE_BLOCK_N
+        num_warps, num_stages = _DECODE_WARPS, _DECODE_STAGES
+    else:
+        block_q = max(1, _PREFILL_BLOCK_M // group_pad)
+        block_n, num_warps, num_stages = _PREFILL_BLOCK_N, _PREFILL_WARPS, _PREFILL_STAGES
+    block_m = max(16, block_q * group_pad)  # tl.dot wants 16 rows or more
+    block_d = max(16, _pow2(head_dim))
+    if num_splits > 1:
+        mid_o = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+                            device=q.device)  # [T, Hq, splits, D] partial outputs
+        mid_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
+                              device=q.device)  # [T, Hq, splits] their log2-sum-exp2
+    else:
+        mid_o = mid_lse = out  # unused
+    grid = (_cdiv(max_q_len, block_q), num_rows, num_kv_heads * num_splits)
+    elsewhere = q.is_cuda and q.device.index != torch.cuda.current_device()
+    with torch.cuda.device(q.device) if elsewhere else contextlib.nullcontext():
+        attention_kernel[grid](
+            q, k_cache, v_cache, out, mid_o, mid_lse,
+            qo_indptr if qo_indptr is not None else seq_lens, page_table, seq_lens,
+            scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0),
+            HEAD_DIM=head_dim, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad,
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, DECODE=decode,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+            num_stages=num_stages)
+        triton_launches += 1
+        if num_splits > 1:
+            merge_splits_kernel[(num_tokens, num_heads)](
+                mid_o, mid_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+                NUM_SPLITS=num_splits, SPLITS_PAD=_pow2(num_splits), BLOCK_D=block_d)
+            triton_launches += 1
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           page_table: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor | None,
+           out: torch.Tensor | None = None) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"caches must be [P, S, Hkv, D] of one shape and dtype, got "
+                         f"{k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} "
+                         f"{tuple(v_cache.shape)}")
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"q must be [T, Hq, {head_dim}] with Hq a multiple of {num_kv_heads}, "
+                         f"got {tuple(q.shape)}")
+    if not q.is_floating_point() or q.stride(2) != 1:
+        raise ValueError(f"q must be floating point with a contiguous last dim, got {q.dtype} "
+                         f"strides {q.stride()}")
+    if out is not None and (out.shape != q.shape or out.stride(2) != 1
+                            or not out.is_floating_point()):
+        raise ValueError(f"out must be a float {tuple(q.shape)} tensor with a contiguous last "
+                         f"dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    num_rows = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    expected_rows = q.shape[0] if qo_indptr is None else qo_indptr.shape[0] - 1
+    if num_rows != expected_rows or page_table.dim() != 2 or page_table.shape[0] != num_rows:
+        raise ValueError(f"seq_lens must be [B] and page_table [B, max_pages] with B = "
+                         f"{expected_rows}, got {tuple(seq_lens.shape)} and "
+                         f"{tuple(page_table.shape)}")
+    ints = [page_table, seq_lens] + ([qo_indptr] if qo_indptr is not None else [])
+    if any(t.dtype not in (torch.int32, torch.int64) or t.stride(-1) != 1 for t in ints):
+        raise ValueError("page_table, seq_lens and qo_indptr must be int32 or int64 with a "
+                         "contiguous last dim")
+    tensors = [q, k_cache, v_cache] + ints + ([out] if out is not None else [])
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all tensors must share a device, got {[t.device for t in tensors]}")

@@ -1,0 +1,103 @@
+"""Paged attention through this repo's Triton kernels (kernels/paged_attention.py).
+
+plan() turns the batch into three small index tensors on the pool's device (a dense int32 page
+table [B, max_pages], seq_lens [B], qo_indptr [B + 1]); run() stores the layer's new K/V with
+kernels/kv_store and runs the decode kernel when every row has one new token, else the prefill
+kernel for the whole batch (chunked prefill and decode rows mixed in).
+
+CUDA graphs: init_cuda_graph() allocates a fixed page table [max_bs, max_pages_per_seq], seq_lens
+[max_bs] and an output buffer; plan_cuda_graph(bs, ...) copies into their first bs rows, and
+run() reads views [:bs]. The decode launch depends on (bs, max_pages_per_seq) alone, so one
+graph per bucket replays for any lengths and pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_store import store_kv
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from pd_serve.cache.pool import KVPool
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float):
+        super().__init__(pool, num_heads, head_dim, scale)
+        self.device = pool.buffer.device
+        self.page_size = pool.layout.page_size
+        self.graph_out: torch.Tensor | None = None  # [max_bs, Hq, D], set by init_cuda_graph()
+
+    # ---- planning -------------------------------------------------------------------------------
+    def _page_rows(self, meta: AttentionMetadata, width: int | None = None) -> list[int]:
+        """Each row's pages (the first ceil(seq_len / S) of its table), zero-padded to `width`
+        (default: the widest row), flattened row-major."""
+        rows = [pages[:-(-n // self.page_size)]
+                for pages, n in zip(meta.page_tables, meta.seq_lens)]
+        width = max(map(len, rows), default=0) if width is None else width
+        flat: list[int] = []
+        for row in rows:
+            if len(row) > width:
+                raise ValueError(f"a row needs {len(row)} pages; the page table holds {width}")
+            flat += row + [0] * (width - len(row))
+        return flat
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=self.device)  # one H2D copy
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        num_rows = len(meta.query_lens)
+        flat = self._page_rows(meta)
+        self.page_table = self._to_device(flat).view(num_rows, -1 if num_rows else 0)  # [B, W]
+        self.seq_lens = self._to_device(meta.seq_lens)  # [B]
+        self.decode = all(n == 1 for n in meta.query_lens)
+        if not self.decode:
+            indptr = [0]
+            for n in meta.query_lens:
+                indptr.append(indptr[-1] + n)
+            self.qo_indptr = self._to_device(indptr)  # [B + 1]
+            self.max_q_len = max(meta.query_lens)
+        self.slot_mapping = meta.slot_mapping
+        self.out = None  # run() allocates its output
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+    def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int) -> None:
+        self.graph_page_table = torch.zeros(max_bs, max_pages_per_seq, dtype=torch.int32,
+                                            device=self.device)  # [max_bs, max_pages]
+        self.graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)  # [max_bs]
+        # The graph path's output, overwritten by each run(): the model consumes it (o_proj)
+        # before the next layer's attention. Activations are assumed in the pool's dtype.
+        self.graph_out = torch.empty(max_bs, self.num_heads, self.head_dim,
+                                     dtype=self.pool.buffer.dtype, device=self.device)
+
+    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
+        if self.graph_out is None:
+            raise RuntimeError("plan_cuda_graph() before init_cuda_graph()")
+        max_bs, width = self.graph_page_table.shape
+        if (not 0 < bs <= max_bs or len(meta.query_lens) != bs
+                or any(n != 1 for n in meta.query_lens)):
+            raise ValueError(f"a graph batch is {bs} <= {max_bs} rows of one new token each, got "
+                             f"query_lens {meta.query_lens}")
+        host_table = torch.tensor(self._page_rows(meta, width), dtype=torch.int32)
+        self.graph_page_table[:bs].copy_(host_table.view(bs, width))  # in place: graphs hold it
+        self.graph_seq_lens[:bs].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32))
+        self.page_table = self.graph_page_table[:bs]
+        self.seq_lens = self.graph_seq_lens[:bs]
+        self.decode = True
+        self.slot_mapping = meta.slot_mapping
+        self.out = self.graph_out[:bs]
+
+    # ---- per layer ------------------------------------------------------------------------------
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache = self.pool.k_cache(layer_id)  # [P, S, Hkv, D]
+        v_cache = self.pool.v_cache(layer_id)
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        out = self.out if self.out is not None and self.out.dtype == q.dtype else None
+        if self.decode:
+            return paged_decode_attention(q, k_cache, v_cache, self.page_table, self.seq_lens,
+                                          self.scale, out=out)  # [B, Hq, D]
+        return paged_prefill_attention(q, k_cache, v_cache, self.qo_indptr, self.page_table,
+                                       self.seq_lens, self.scale, out=out,
+                                       max_q_len=self.max_q_len)  # [T, Hq, D]

@@ -1,0 +1,199 @@
+"""TritonAttentionBackend against TorchAttentionBackend on the same pool and batch.
+
+Without a GPU the Triton kernels (the backend's and kernels/kv_store's) run in Triton's
+interpreter on CPU tensors: an autouse fixture sets TRITON_INTERPRET=1. On a CUDA machine the
+same tests run compiled on the GPU instead (one Triton mode per process: the interpreter patches
+triton.language for good). The graph-mode tests plan into the fixed buffers and run eagerly;
+one CUDA test captures a graph and replays it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kernels import paged_attention
+from pd_serve.cache.pool import KVLayout, KVPool
+from pd_serve.engine.attention.base import AttentionMetadata
+from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+NUM_LAYERS, PAGE_SIZE, NUM_PAGES = 2, 4, 40
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def make_pools(dtype, device=DEVICE, num_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
+    """Two pools with the same random contents (the cached prefixes live there already)."""
+    layout = KVLayout(NUM_LAYERS, PAGE_SIZE, num_heads, head_dim, str(dtype).removeprefix("torch."))
+    pools = [KVPool(layout, NUM_PAGES, device) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(pools[0].buffer.shape, generator=g).to(dtype)
+    for pool in pools:
+        pool.buffer.copy_(init)
+    return pools
+
+
+def make_batch(rows: list[tuple[int, int]], device=DEVICE, seed: int = 0) -> AttentionMetadata:
+    """rows: (query_len, seq_len) per sequence; scattered pages, and page tables holding more
+    pages than the context needs (allocated ahead), as the scheduler's are."""
+    order = torch.randperm(NUM_PAGES - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    free = order.tolist()  # page 0 stays out: graph padding reads it
+    tables, slots = [], []
+    for num_new, seq_len in rows:
+        num_pages = -(-seq_len // PAGE_SIZE) + 1
+        pages, free = free[:num_pages], free[num_pages:]
+        tables.append(pages)
+        slots += [pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
+                  for p in range(seq_len - num_new, seq_len)]
+    return AttentionMetadata([n for n, _ in rows], [L for _, L in rows], tables,
+                             torch.tensor(slots, device=device))
+
+
+def run_layers(backend, meta, dtype, seed: int = 1, drawn: int | None = None,
+               planned: bool = False) -> list[torch.Tensor]:
+    """plan() once (unless planned), then run() on each layer with fresh random q, k, v (the
+    first meta.num_tokens of `drawn` rows, so a padded and an unpadded batch see the same
+    values) -> the outputs."""
+    if not planned:
+        backend.plan(meta)
+    g = torch.Generator().manual_seed(seed)
+    n = meta.num_tokens
+    outs = []
+    for layer in range(NUM_LAYERS):
+        q = torch.randn(drawn or n, backend.num_heads, backend.head_dim, generator=g)
+        k, v = (torch.randn(drawn or n, backend.pool.layout.num_kv_heads, backend.head_dim,
+                            generator=g) for _ in range(2))
+        inputs = (x[:n].to(dtype).to(backend.pool.buffer.device) for x in (q, k, v))
+        outs.append(backend.run(layer, *inputs).clone())
+    return outs
+
+
+def backends(pools, num_heads=NUM_HEADS, head_dim=HEAD_DIM):
+    from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
+
+    scale = head_dim ** -0.5
+    return (TritonAttentionBackend(pools[0], num_heads, head_dim, scale),
+            TorchAttentionBackend(pools[1], num_heads, head_dim, scale))
+
+
+def assert_same(triton_outs, torch_outs, pools, dtype):
+    for ours, ref in zip(triton_outs, torch_outs):
+        assert ours.dtype == ref.dtype and ours.shape == ref.shape
+        err = (ours.float() - ref.float()).abs().max().item()
+        assert err <= TOLERANCE[dtype], f"max abs error {err:.3e}"
+    assert torch.equal(pools[0].buffer, pools[1].buffer), "the pools differ after run()"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [
+    pytest.param([(5, 5), (1, 9), (6, 14), (1, 1), (3, 3)], id="mixed"),
+    pytest.param([(1, 9), (1, 1), (1, 23), (1, 4)], id="decode"),
+])
+def test_matches_torch_backend(rows, dtype):
+    pools = make_pools(dtype)
+    triton_backend, torch_backend = backends(pools)
+    meta = make_batch(rows)
+    before = paged_attention.triton_launches
+    ours = run_layers(triton_backend, meta, dtype)
+    assert paged_attention.triton_launches > before, "the Triton path did not run"
+    assert triton_backend.decode == all(n == 1 for n, _ in rows)
+    assert_same(ours, run_layers(torch_backend, meta, dtype), pools, dtype)
+
+
+def graph_batch(rows: list[tuple[int, int]], bs: int, slot_buffer: torch.Tensor, seed: int):
+    """A decode batch padded to bs rows as the runner pads it (slot -1, one token in page 0);
+    slot_mapping a view of the fixed slot buffer. Returns (padded meta, meta of the real rows)."""
+    real = make_batch(rows, slot_buffer.device, seed)
+    pad = bs - len(rows)
+    slot_buffer[:bs].copy_(torch.tensor(real.slot_mapping.tolist() + [-1] * pad))
+    padded = AttentionMetadata([1] * bs, real.seq_lens + [1] * pad, real.page_tables + [[0]] * pad,
+                               slot_buffer[:bs])
+    return padded, real
+
+
+def test_graph_mode_fills_fixed_buffers():
+    dtype = torch.float32
+    pools = make_pools(dtype)
+    triton_backend, torch_backend = backends(pools)
+    triton_backend.init_cuda_graph(8, 6)
+    buffers = (triton_backend.graph_page_table, triton_backend.graph_seq_lens,
+               triton_backend.graph_out)
+    ptrs = [b.data_ptr() for b in buffers]
+    slot_buffer = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    page0 = [pool.buffer[:, :, 0].clone() for pool in pools]
+    for seed, rows in enumerate(([(1, 9), (1, 1), (1, 20)], [(1, 21), (1, 4), (1, 2)])):
+        padded, real = graph_batch(rows, 4, slot_buffer, seed)
+        triton_backend.plan_cuda_graph(4, padded)
+        assert triton_backend.slot_mapping.data_ptr() == slot_buffer.data_ptr()
+        assert triton_backend.page_table.shape == (4, 6)
+        assert [b.data_ptr() for b in buffers] == ptrs, "plan_cuda_graph rebound a buffer"
+        assert triton_backend.page_table.data_ptr() == ptrs[0]
+        assert triton_backend.seq_lens.tolist() == real.seq_lens + [1]
+        ours = run_layers(triton_backend, padded, dtype, seed=seed, planned=True)
+        assert all(out.shape == (4, NUM_HEADS, HEAD_DIM) for out in ours)
+        refs = run_layers(torch_backend, real, dtype, seed=seed, drawn=4)
+        assert_same([out[:3] for out in ours], refs, pools, dtype)  # ran the rows it was given
+        for pool, page in zip(pools, page0):
+            assert torch.equal(pool.buffer[:, :, 0], page), "the padded row stored its K/V"
+    # run() reads the fixed buffers themselves: the output is a view of graph_out.
+    q = torch.randn(4, NUM_HEADS, HEAD_DIM, device=DEVICE)
+    k = v = torch.randn(4, NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
+    assert triton_backend.run(0, q, k, v).data_ptr() == ptrs[2]
+
+
+def test_graph_mode_rejects_batches_it_cannot_hold():
+    triton_backend, _ = backends(make_pools(torch.float32))
+    triton_backend.init_cuda_graph(4, 2)
+    slots = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError):  # a prefill row
+        triton_backend.plan_cuda_graph(2, AttentionMetadata([2, 1], [2, 1], [[1], [2]], slots[:3]))
+    with pytest.raises(ValueError):  # more pages than the table is wide
+        triton_backend.plan_cuda_graph(1, AttentionMetadata([1], [9], [[1, 2, 3]], slots[:1]))
+    with pytest.raises(ValueError):  # more rows than max_bs
+        triton_backend.plan_cuda_graph(5, AttentionMetadata([1] * 5, [1] * 5, [[0]] * 5,
+                                                            slots[:5]))
+
+
+@needs_cuda
+def test_cuda_graph_replays_after_new_plan(monkeypatch):
+    """Captured after one plan_cuda_graph(4, ...), replayed after another with other lengths."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dtype, num_heads, num_kv_heads, head_dim = torch.bfloat16, 32, 8, 128
+    pools = make_pools(dtype, "cuda", num_kv_heads, head_dim)
+    triton_backend, torch_backend = backends(pools, num_heads, head_dim)
+    triton_backend.init_cuda_graph(8, 10)
+    slot_buffer = torch.zeros(8, dtype=torch.int64, device="cuda")
+    q = torch.randn(4, num_heads, head_dim, dtype=dtype, device="cuda")
+    k, v = (torch.randn(4, num_kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+    padded, real = graph_batch([(1, 3), (1, 30)], 4, slot_buffer, seed=0)
+    triton_backend.plan_cuda_graph(4, padded)
+    triton_backend.run(0, q, k, v)  # compile outside the capture
+    torch_backend.plan(real)
+    torch_backend.run(0, q[:2], k[:2], v[:2])  # the same stores into the other pool
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_backend.run(0, q, k, v)
+    padded, real = graph_batch([(1, 37), (1, 1), (1, 12)], 4, slot_buffer, seed=1)
+    triton_backend.plan_cuda_graph(4, padded)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch_backend.plan(real)
+    ref = torch_backend.run(0, q[:3], k[:3], v[:3])
+    assert (out[:3].float() - ref.float()).abs().max().item() <= TOLERANCE[dtype]
+    assert torch.equal(pools[0].buffer[0], pools[1].buffer[0])
