@@ -7,7 +7,7 @@ from the dtype gate and rounded to the dtype, then the product is a multiply in 
 Program (t, j) handles columns [j * BLOCK, (j + 1) * BLOCK) of row t, so a 14336-wide row
 is 14 programs of 1024 columns and even one token fills several SMs.
 
-`silu_and_mul` runs the kernel on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1
+`silu_and_mul` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise the kernel); otherwise `silu_and_mul_ref`.
 Triton is imported lazily, so importing this module never imports it.
 """

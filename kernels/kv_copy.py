@@ -17,7 +17,7 @@ Offsets are 64-bit (a pool can pass 2**31 elements), and all tensors are viewed 
 integer dtype, so the copy is bit-exact for any dtype (fp8 included).
 
 The functions run the kernel when the destination is on CUDA, or on CPU tensors when
-TRITON_INTERPRET=1 (Triton's interpreter; how the tests exercise the kernel); otherwise they
+PD_SERVE_TRITON_CPU=1 (Triton's interpreter; how the tests exercise the kernel); otherwise they
 run the torch references (`*_ref`). Triton is imported lazily, so importing this module never
 imports it.
 """
@@ -133,7 +133,12 @@ def copy_pages(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
 
 
 def _interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """PD_SERVE_TRITON_CPU=1: run the kernels on CPU tensors in Triton's interpreter (tests).
+
+    Triton's interpreter itself needs TRITON_INTERPRET=1 set before triton is first imported
+    (its tl.sum, tl.cdiv, ... are built for one mode at import); tests/conftest.py sets it for
+    the whole test process on machines without a GPU."""
+    return os.environ.get("PD_SERVE_TRITON_CPU", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _use_triton(buffer: torch.Tensor) -> bool:

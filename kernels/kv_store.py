@@ -10,7 +10,7 @@ the cache's dtype. One program per token writes its K and V rows ([H, D] tiles, 
 arbitrary, so k and v may be views into the fused qkv output). Offsets are 64-bit: a pool may
 pass 2**31 elements.
 
-`store_kv` runs the kernel on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 (Triton's
+`store_kv` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1 (Triton's
 interpreter; how the tests exercise the kernel); otherwise `store_kv_ref`. Triton is imported
 lazily, so importing this module never imports it.
 """

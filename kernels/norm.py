@@ -10,7 +10,7 @@ per-head q/k norm on [T, heads, head_dim] views of the fused qkv output: a progr
 whole rows held in registers (one 4096-wide row, or sixteen 128-wide ones), so x (and the
 residual) are read once.
 
-`rms_norm` runs the kernel on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 (Triton's
+`rms_norm` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1 (Triton's
 interpreter; how the tests exercise the kernel); otherwise `rms_norm_ref`. Triton is imported
 lazily, so importing this module never imports it.
 """

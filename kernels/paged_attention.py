@@ -26,7 +26,7 @@ copy ceiling there is about 4.3 TB/s read + write), 3.4-4.0 TB/s at batch 4-16 a
 batch 1 with 8k contexts; 1k contexts at batch <= 8 are launch-bound (8-15 us for two kernels).
 Prefill runs at about 270-310 TFLOP/s (torch's dense flash SDPA: 400-550 on the same shapes).
 
-The functions run the kernels on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1
+The functions run the kernels on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise them); otherwise the torch references (`*_ref`,
 float32 math). Triton is imported lazily, so importing this module never imports it.
 """

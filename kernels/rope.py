@@ -11,7 +11,7 @@ qkv projection output, so token and head strides are arbitrary. The grid is toke
 blocks: blocks [0, q_blocks) take q's heads, the rest k's, each BLOCK_H heads at a time, so
 a block loads its token's cos/sin row once for several heads.
 
-`apply_rope_` runs the kernel on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1
+`apply_rope_` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise the kernel); otherwise `apply_rope_ref_`. Triton
 is imported lazily, so importing this module never imports it.
 """

@@ -29,7 +29,7 @@ Measured on an H200 under CUDA graphs, bf16: a 4096 x 14336 layer takes about 40
 instructions rather than memory; converting nibbles to halves with bit tricks (two a word
 op, as Marlin and exllama do) is the next step.
 
-`w4a16_matmul` runs the kernel on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1
+`w4a16_matmul` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise the kernel); otherwise `w4a16_matmul_ref`.
 Triton is imported lazily, so importing this module never imports it.
 """

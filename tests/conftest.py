@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in its interpreter (where a test asks, PD_SERVE_TRITON_CPU=1);
+# the interpreter works only if TRITON_INTERPRET=1 is set before triton is first imported,
+# and transformers imports it, so set it for the whole process here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

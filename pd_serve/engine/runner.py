@@ -89,19 +89,25 @@ class ModelRunner:
         self.attn.init_cuda_graph(max_bs, max_pages_per_seq)
         # Rows: token ids, positions, cache slots.
         self.graph_inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device)
-        pool = torch.cuda.graph_pool_handle()
+        on_cuda = self.device.type == "cuda"  # (CPU: only where a test stands in for _capture)
+        pool = torch.cuda.graph_pool_handle() if on_cuda else None
         for bs in reversed(sizes):
             self._plan_graph(bs, [], [], [])  # every row is padding
-            for _ in range(2):  # compile / autotune outside the capture
-                self._graph_forward(bs)
+            self.graphs[bs] = self._capture(bs, pool)
+        if on_cuda:
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.graph_logits[bs] = self._graph_forward(bs)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", sizes,
                     time.perf_counter() - start)
+
+    def _capture(self, bs: int, pool) -> torch.cuda.CUDAGraph:
+        """Capture the bucket-bs forward into a graph; its output lands in graph_logits[bs]."""
+        for _ in range(2):  # compile / autotune outside the capture
+            self._graph_forward(bs)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.graph_logits[bs] = self._graph_forward(bs)
+        return graph
 
     def _graph_forward(self, bs: int) -> torch.Tensor:
         ids, positions = self.graph_inputs[0, :bs], self.graph_inputs[1, :bs]

@@ -1,6 +1,6 @@
 """KV page gather/scatter: the Triton kernel against the torch reference, bit for bit.
 
-On CPU the kernel runs in Triton's interpreter: an autouse fixture sets TRITON_INTERPRET=1 for
+On CPU the kernel runs in Triton's interpreter: an autouse fixture sets PD_SERVE_TRITON_CPU=1 for
 each CPU test (kernels/kv_copy.py imports Triton lazily and jits the kernel on first use, which
 is when Triton reads the variable), so the setting never leaks into other test modules. On a
 CUDA machine the same tests also run compiled on the GPU.
@@ -41,9 +41,9 @@ def triton_mode(request, monkeypatch):
     """CPU tests run the kernel in Triton's interpreter; CUDA tests compile it."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("device") == "cuda":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
 
 
 @contextlib.contextmanager
@@ -167,7 +167,7 @@ def test_copy_moves_pages_between_pools_in_one_launch(device, dtype, layers, ids
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_copy_reads_a_pool_on_a_peer_gpu(monkeypatch):
     """The kernel runs on the destination's GPU and reads the source pages over the link."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     for a, b in (("cuda:0", "cuda:1"), ("cuda:1", "cuda:0")):  # a copy enables peer access
         torch.ones(1, device=a).to(b)
     src = random_bits((L, 2, P, 16, H, D), torch.bfloat16, "cuda:0", seed=7)
@@ -193,7 +193,7 @@ def test_no_pages_launches_nothing():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_without_interpreter_cpu_uses_the_reference(monkeypatch, dtype):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     pool = random_bits((L, 2, P, 4, H, D), dtype, "cpu", seed=5)
     ids = torch.tensor([8, 1, 4])
     with expect_launches(0):
@@ -244,7 +244,7 @@ def test_rejects_bad_inputs(call):
 @needs_triton
 def test_pool_past_int32_offsets(monkeypatch):
     """Pages whose elements lie beyond 2**31 in a >2 GiB fp8 pool (viewed as uint8)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     num_pages = 33_000  # 2 * 2 * 33000 * 16 * 8 * 128 bytes > 2**31
     pool = torch.empty(2, 2, num_pages, 16, 8, 128, dtype=torch.uint8, device="cuda")
     pool.random_(0, 256)

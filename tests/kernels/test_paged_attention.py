@@ -1,6 +1,6 @@
 """Paged attention kernels against their float32 torch references.
 
-On CPU the kernels run in Triton's interpreter (an autouse fixture sets TRITON_INTERPRET=1 for
+On CPU the kernels run in Triton's interpreter (an autouse fixture sets PD_SERVE_TRITON_CPU=1 for
 each CPU test; the kernels are jitted on first use, which is when Triton reads it), on small
 shapes; on a CUDA machine the same cases also run compiled, plus bf16 and Llama-3-8B-like
 shapes. Every cache slot outside the rows' contexts holds NaN, as do the page-table entries past
@@ -40,9 +40,9 @@ def triton_mode(request, monkeypatch):
     """CPU tests run the kernels in Triton's interpreter; CUDA tests compile them."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("device") == "cuda":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
 
 
 @contextlib.contextmanager
@@ -193,7 +193,7 @@ def test_split_rule_reads_shapes_only():
 
 
 def test_without_interpreter_cpu_uses_the_reference(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     k_cache, v_cache, table, seq_lens = make_paged_context([3, 12], 4, 2, 16, torch.float32,
                                                            "cpu", seed=9)
     q = random_q(2, 4, 16, torch.float32, "cpu", seed=10)

@@ -1,6 +1,6 @@
 """RMSNorm, RoPE, SiLU-and-mul and KV-store kernels against their torch references.
 
-On CPU the kernels run in Triton's interpreter: an autouse fixture sets TRITON_INTERPRET=1 for
+On CPU the kernels run in Triton's interpreter: an autouse fixture sets PD_SERVE_TRITON_CPU=1 for
 each CPU test (the modules import Triton lazily and jit their kernel on first use, which is
 when Triton reads the variable), so the setting never leaks into other test modules. On a CUDA
 machine the same tests also run compiled on the GPU, bfloat16 included.
@@ -44,9 +44,9 @@ def triton_mode(request, monkeypatch):
     """CPU tests run the kernels in Triton's interpreter; CUDA tests compile them."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("device") == "cuda":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
 
 
 @contextlib.contextmanager
@@ -315,7 +315,7 @@ def test_store_kv_all_padding_writes_nothing():
 @needs_triton
 def test_store_kv_past_int32_offsets(monkeypatch):
     """Slots whose elements lie beyond 2**31 in a > 2 GiB fp8 cache."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     num_pages, page_size, num_heads, head_dim = 16_400, 128, 8, 128  # 2.15e9 elements
     shape = (num_pages, page_size, num_heads, head_dim)
     k_cache = torch.zeros(shape, dtype=torch.float8_e4m3fn, device="cuda")
@@ -335,7 +335,7 @@ def test_store_kv_past_int32_offsets(monkeypatch):
 # ----------------------------------------------------------------------------- dispatch
 
 def test_without_interpreter_cpu_uses_the_references(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     x = randn(5, 2 * 72, dtype=torch.float16, device="cpu", seed=20)
     weight = randn(144, dtype=torch.float16, device="cpu", seed=21)
     cos, sin = llama3_tables(64)

@@ -1,7 +1,7 @@
 """W4A16 GEMM on GPTQ INT4 weights: the Triton kernel against the torch reference.
 
 Layers are made with `quantize_rtn` (round-to-nearest packing in the GPTQ layout). On CPU the
-kernel runs in Triton's interpreter (an autouse fixture sets TRITON_INTERPRET=1 for each CPU
+kernel runs in Triton's interpreter (an autouse fixture sets PD_SERVE_TRITON_CPU=1 for each CPU
 test; its bf16 arithmetic is wrong, so CPU tests use fp16 and fp32 activations); on a CUDA
 machine the cuda-marked tests compile it, at the shapes of a Llama-8B layer.
 """
@@ -42,9 +42,9 @@ def triton_mode(request, monkeypatch):
     """CPU tests run the kernel in Triton's interpreter; CUDA tests compile it."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("device") == "cuda":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
 
 
 @contextlib.contextmanager
@@ -174,7 +174,7 @@ def test_no_rows_launches_nothing():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_without_interpreter_cpu_uses_the_reference(monkeypatch, dtype):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     layer, fmt = make_layer(LAYERS["asym-act-order"])
     x = random_x((3, 256), dtype, "cpu")
     with expect_launches(0):

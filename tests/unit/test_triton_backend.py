@@ -1,7 +1,7 @@
 """TritonAttentionBackend against TorchAttentionBackend on the same pool and batch.
 
 Without a GPU the Triton kernels (the backend's and kernels/kv_store's) run in Triton's
-interpreter on CPU tensors: an autouse fixture sets TRITON_INTERPRET=1. On a CUDA machine the
+interpreter on CPU tensors: an autouse fixture sets PD_SERVE_TRITON_CPU=1. On a CUDA machine the
 same tests run compiled on the GPU instead (one Triton mode per process: the interpreter patches
 triton.language for good). The graph-mode tests plan into the fixed buffers and run eagerly;
 one CUDA test captures a graph and replays it.
@@ -23,7 +23,7 @@ from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 NUM_LAYERS, PAGE_SIZE, NUM_PAGES = 2, 4, 40
@@ -34,7 +34,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
 
 
 def make_pools(dtype, device=DEVICE, num_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
@@ -172,7 +172,7 @@ def test_graph_mode_rejects_batches_it_cannot_hold():
 @needs_cuda
 def test_cuda_graph_replays_after_new_plan(monkeypatch):
     """Captured after one plan_cuda_graph(4, ...), replayed after another with other lengths."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     dtype, num_heads, num_kv_heads, head_dim = torch.bfloat16, 32, 8, 128
     pools = make_pools(dtype, "cuda", num_kv_heads, head_dim)
     triton_backend, torch_backend = backends(pools, num_heads, head_dim)

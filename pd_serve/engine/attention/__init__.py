@@ -35,9 +35,10 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) ->
     if name == "triton":
         if not has_triton:
             raise ValueError("--attention-backend triton: the triton package is not installed")
-        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1 "
-                             "to run it in Triton's interpreter); use torch on CPU")
+        if not on_cuda and os.environ.get("PD_SERVE_TRITON_CPU") != "1":
+            raise ValueError("--attention-backend triton needs a CUDA device (or "
+                             "PD_SERVE_TRITON_CPU=1 with TRITON_INTERPRET=1 to run it in Triton's "
+                             "interpreter); use torch on CPU")
     return name
 
 

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU machine's whole check in one command: install the carried wheels, run the GPU tests,
+# the one-batch benchmark and the end-to-end tests on --device cuda; logs and JSON go to $OUT.
+#
+# Here (once):   bash ../shared/device/fetch-gpu-wheels.sh pyzmq msgpack prometheus-client gguf
+#                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
+# There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
+# Steps: tests onebatch e2e (default: all three, in that order). Carry .whl and .gpu-model.
+# The GPU machine cannot carry the 94 MB default GGUF, so the end-to-end tests serve a tiny
+# random Llama written there with SmolLM2's tokenizer, under the default model's name.
+set -uo pipefail
+OUT=${OUT:-/tmp/pd-serve-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 PD_SERVE_COMMIT=${PD_SERVE_COMMIT:-unknown}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+model=/tmp/gpu-model/SmolLM2-135M-Instruct
+python3 - "$model" <<'EOF' || exit 1
+import sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from conftest import write_tiny_checkpoint
+write_tiny_checkpoint("llama3", Path(sys.argv[1]), Path(".gpu-model/tok"), seed=1)
+EOF
+
+step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tail
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name rc=$? in $((SECONDS - start)) s"
+  tail -n 15 "$OUT/$name.log"
+}
+
+steps=${*:-tests onebatch e2e}
+for s in $steps; do
+  case $s in
+    tests) step kernels 240 python3 -m pytest -q -p no:cacheprovider tests/kernels
+           step gputests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    onebatch) step onebatch 420 python3 -m bench.one_batch --preset llama3-8b \
+             --output "$OUT/one-batch-h200-llama3-8b.json" ;;
+    e2e) PD_SERVE_TEST_DEVICE=cuda PD_SERVE_TEST_MODEL=$model \
+           step e2e 420 python3 -m pytest -q -p no:cacheprovider tests/e2e ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,21 @@
+"""One Triton mode per process: on a CUDA machine the kernels compile, and every kernel test not
+parametrised with device "cuda" is skipped there (CPU CI runs them, many in the interpreter).
+Triton builds its standard library (tl.sum, tl.cdiv, ...) for one mode, so mixing interpreted
+and compiled kernels in one process breaks one or the other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="CPU variant: runs in CPU CI (one Triton mode per process)")
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("device") != "cuda":
+            item.add_marker(skip)
