@@ -17,8 +17,9 @@ tokens"); attention = 4 x layers x heads x head_dim x the causal (query, key) pa
 apart. floor_s = linear FLOPs / matmul rate; ratio_to_floor = measured / floor (>= 1).
 
 Decode: for each batch size x context, `batch` requests of `context` random ids are prefilled
-by ordinary (chunked) engine steps, then --decode-warmup steps, then --decode-steps timed steps;
-each a whole EngineCore.step() (scheduling, the runner, sampling: the honest per-step cost).
+by ordinary (chunked) engine steps (or, --decode-fill direct, admitted with their pages as a
+decode worker admits transferred KV), then --decode-warmup steps, then --decode-steps timed
+steps; each a whole EngineCore.step() (scheduling, the runner, sampling: the honest cost).
 floor = (weight bytes + KV bytes read by the step) / copy rate, where weight bytes = every
 parameter (DESIGN.md's bs1 floor: 16.1 GB / 4.17 TB/s = 3.85 ms for Llama-3-8B) and KV bytes =
 the batch's mean context during the timed steps x bytes per token. Cases whose KV does not fit
@@ -28,6 +29,8 @@ The grids default to the GPU sizes named in the flags' help, or to small ones on
 pool serves every case: the largest need that fits the budget (free GPU memory less weights
 and activations, or --kv-budget-gb); the engine and its pool are freed before transformers
 loads. A failing case is recorded (`error`) and the others still run; the exit status is then 1.
+--output is rewritten after every case ("complete": false until the end), so a run cut short
+keeps what it measured.
 
 Transformers (--hf, on by default on GPU): LlamaForCausalLM of the preset config, same dtype
 and device, loaded with to_hf_state_dict(our model); decode steps (a forward of one token per
@@ -98,6 +101,7 @@ DEFAULT_GRIDS = {  # on GPU (True) and on CPU (False)
     False: dict(batch_sizes=[1, 8, 32], contexts=[256, 1024],
                 prefill_grid=[(1, 128), (1, 512), (4, 512)]),
 }
+GREEDY = dict(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)  # requests run until ended
 KV_BUDGET_FRACTION = 0.92  # of free GPU memory, for weights + KV + activations
 FIXED_RESERVE = 4 * GiB  # CUDA graphs, workspaces, allocator slack
 
@@ -120,6 +124,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per case")
     p.add_argument("--decode-warmup", type=int, default=3)
+    p.add_argument("--decode-fill", default="prefill", choices=["prefill", "direct"],
+                   help="how decode cases reach their context: prefill steps, or direct (pages "
+                   "allocated and the prompt counted as computed, as a decode worker admits "
+                   "transferred KV; the step's work is the same, the fill takes no time)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None,
                    help="compare with transformers (default: on GPU only)")
     p.add_argument("--hf-batch-sizes", type=_ints, default=[1, 64])
@@ -263,8 +271,7 @@ def random_ids(gen: torch.Generator, vocab: int, num: int, length: int) -> list[
 
 
 def add_requests(core: EngineCore, prompts: list[list[int]]) -> list[Request]:
-    requests = [Request(p, SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True))
-                for p in prompts]
+    requests = [Request(p, SamplingParams(**GREEDY)) for p in prompts]
     for r in requests:
         core.scheduler.add(r)
     return requests
@@ -297,15 +304,20 @@ def run_prefill(core: EngineCore, gen: torch.Generator, batch: int, length: int,
 
 
 def run_decode(core: EngineCore, gen: torch.Generator, batch: int, context: int, warmup: int,
-               steps: int) -> dict:
-    """Prefill `batch` prompts of `context` ids, then time `steps` whole decode steps."""
-    requests = add_requests(core, random_ids(gen, core.model_config.vocab_size, batch, context))
+               steps: int, fill: str = "prefill") -> dict:
+    """Bring `batch` prompts of `context` ids to decoding (see --decode-fill), then time
+    `steps` whole decode steps."""
+    prompts = random_ids(gen, core.model_config.vocab_size, batch, context)
     fill_steps = 0
-    while any(not r.output_token_ids for r in requests):
-        plan, _ = core.step()
-        fill_steps += 1
-        if plan.preempted or plan.finished:
-            raise RuntimeError("the KV pool ran out while prefilling (preemption)")
+    if fill == "direct":
+        requests = [fill_direct(core, p) for p in prompts]
+    else:
+        requests = add_requests(core, prompts)
+        while any(not r.output_token_ids for r in requests):
+            plan, _ = core.step()
+            fill_steps += 1
+            if plan.preempted or plan.finished:
+                raise RuntimeError("the KV pool ran out while prefilling (preemption)")
     for _ in range(warmup):
         core.step()
     first_seq_lens = sum(r.num_tokens for r in requests)  # KV read per row by the first timed step
@@ -320,6 +332,20 @@ def run_decode(core: EngineCore, gen: torch.Generator, batch: int, context: int,
     clear(core)
     return {"seconds": seconds, "fill_steps": fill_steps,
             "mean_context": first_seq_lens / batch + (steps - 1) / 2}
+
+
+def fill_direct(core: EngineCore, prompt: list[int]) -> Request:
+    """Admit a request as a decode worker admits one whose KV arrived (decode/worker.py): the
+    prompt's pages allocated and counted as computed, token 1 given. The pages keep whatever
+    the pool holds; attention costs the same whatever the values."""
+    page_ids = core.allocator.allocate(-(-len(prompt) // core.kv_pool.layout.page_size))
+    if page_ids is None:
+        raise RuntimeError("the KV pool ran out (direct fill)")
+    request = Request(prompt, SamplingParams(**GREEDY), page_ids=page_ids,
+                      num_computed_tokens=len(prompt))
+    request.output_token_ids.append(prompt[-1])
+    core.scheduler.add_running(request)
+    return request
 
 
 def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
@@ -481,6 +507,8 @@ class Bench:
     counts: dict = field(default_factory=dict)
     kv_bytes_per_token: int = 0
     errors: list[str] = field(default_factory=list)
+    record: dict = field(default_factory=dict)  # the JSON result, rewritten after every case
+    started: float = field(default_factory=time.perf_counter)
 
     @property
     def weight_bytes(self) -> int:
@@ -506,7 +534,17 @@ class Bench:
                     clear(core)
         _free_memory(self.device)
         self.progress.case(what, _summary(row))
+        self.save()
         return row
+
+    def save(self, final: bool = False) -> None:
+        """Write the record so far to --output (a run cut short keeps its finished cases)."""
+        self.record.update(complete=final, wall_s=time.perf_counter() - self.started)
+        if self.args.output and final:
+            write_json(self.args.output, self.record)
+        elif self.args.output:
+            Path(self.args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.args.output).write_text(json.dumps(self.record, indent=2) + "\n")
 
     def failed(self, what: str, e: Exception) -> str:
         traceback.print_exc(file=sys.stderr)
@@ -515,8 +553,10 @@ class Bench:
         return message
 
 
-def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> tuple[list[dict], list[dict]]:
+def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> None:
+    """Every prefill and decode case of the engine, into bench.record."""
     args, gen = bench.args, bench.gen
+    prefill, decode = bench.record["prefill"], bench.record["decode"]
 
     def row(kind: str, b: int, n: int, **keys) -> dict:
         tokens = kv["need"][kind, b, n]
@@ -526,7 +566,6 @@ def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> tuple[list[dict], 
                                f"the budget holds {kv['budget_bytes'] // per_token}")
         return keys
 
-    prefill, decode = [], []
     for b, n in args.prefill_grid:
         measure = lambda b=b, n=n: bench.prefill_row(  # noqa: E731
             b, n, run_prefill(core, gen, b, n, args.prefill_repeats))
@@ -535,23 +574,24 @@ def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> tuple[list[dict], 
     for c in args.contexts:
         for b in args.batch_sizes:
             measure = lambda b=b, c=c: bench.decode_row(  # noqa: E731
-                b, run_decode(core, gen, b, c, args.decode_warmup, args.decode_steps))
+                b, run_decode(core, gen, b, c, args.decode_warmup, args.decode_steps,
+                              args.decode_fill))
             decode.append(bench.case(f"decode bs={b} ctx={c}",
                                      row("decode", b, c, batch=b, context=c), measure, core))
-    return prefill, decode
 
 
-def transformers_cases(bench: Bench, model: CausalLM, prefill: list[dict],
-                       decode: list[dict]) -> dict:
-    """transformers on our weights; ours_over_hf goes into its rows and our matching ones."""
+def transformers_cases(bench: Bench, model: CausalLM) -> None:
+    """transformers on our weights, into bench.record; ours_over_hf goes into its rows and
+    our matching ones."""
     import transformers
 
     args, gen, vocab, ctx = bench.args, bench.gen, bench.cfg.vocab_size, bench.args.hf_context
     start = time.perf_counter()
     hf = to_hf_model(model, PRESETS[args.preset])
-    out = {"version": transformers.__version__, "build_s": time.perf_counter() - start,
-           "attn_implementation": getattr(hf.config, "_attn_implementation", None),
-           "decode": [], "prefill": []}
+    out = bench.record["transformers"] = {
+        "version": transformers.__version__, "build_s": time.perf_counter() - start,
+        "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+        "decode": [], "prefill": []}
     for b in args.hf_batch_sizes:
         measure = lambda b=b: bench.decode_row(  # noqa: E731
             b, run_hf_decode(hf, gen, vocab, b, ctx, args.decode_warmup, args.decode_steps))
@@ -562,20 +602,19 @@ def transformers_cases(bench: Bench, model: CausalLM, prefill: list[dict],
             b, n, run_hf_prefill(hf, gen, vocab, b, n, args.prefill_repeats))
         out["prefill"].append(bench.case(f"transformers prefill {b}x{n}",
                                          {"batch": b, "length": n, "tokens": b * n}, measure))
+    rows = bench.record["decode"] + bench.record["prefill"]
     for theirs in out["decode"] + out["prefill"]:
         keys = ("batch", "context") if "context" in theirs else ("batch", "length")
-        ours = next((r for r in decode + prefill if all(r.get(k) == theirs[k] for k in keys)), None)
+        ours = next((r for r in rows if all(r.get(k) == theirs[k] for k in keys)), None)
         if ours and "tokens_per_s" in ours and "tokens_per_s" in theirs:
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
             theirs["ours_over_hf"] = ours["ours_over_hf"] = ratio
-    return out
 
 
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    started = time.perf_counter()
     device = torch.device(args.device if args.device != "auto"
                           else "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and device.index is None:
@@ -586,50 +625,50 @@ def main(argv=None) -> int:
     preset = PRESETS[args.preset]
     num_cases = (2 + len(args.prefill_grid) + len(args.batch_sizes) * len(args.contexts)
                  + (len(args.hf_batch_sizes) + len(args.hf_prefill) if run_hf else 0))
-    progress = Progress(num_cases)
-    ceilings = measure_ceilings(device, dtype)
-    progress.case("copy rate", f"{ceilings['copy']['median_gbps']:,.4g} GB/s (read + write)")
-    progress.case(f"matmul {ceilings['matmul']['n']}^3",
-                  f"{ceilings['matmul']['median_tflops']:,.4g} TFLOP/s")
     bench = Bench(args, device, dtype, ModelConfig.from_dict(preset, source=f"preset {args.preset}"),
-                  progress, ceilings, gen=torch.Generator().manual_seed(args.seed))
-
-    with tempfile.TemporaryDirectory(prefix="one-batch-") as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(preset, indent=2))
-        start = time.perf_counter()
-        core, kv = build_core(args, Path(tmp), bench.cfg, device, dtype)
-        bench.counts, bench.kv_bytes_per_token = param_counts(core.model), kv["kv_bytes_per_token"]
-        engine = {"attention_backend": core.attention_backend,
-                  "cuda_graphs": bool(getattr(core.runner, "graphs", None)),
-                  "build_s": time.perf_counter() - start, "kv_pool_tokens": kv["pool_tokens"],
-                  "kv_budget_bytes": kv["budget_bytes"], "context_length": kv["context_length"],
-                  "chunked_prefill_size": kv["chunked_prefill_size"]}
-        prefill, decode = engine_cases(bench, core, kv)
-    model = core.model
-    del core  # the KV pool and CUDA graphs go before transformers loads
-    _free_memory(device)
-    hf = {"skipped": "--no-hf"}
-    if run_hf:
-        try:
-            hf = transformers_cases(bench, model, prefill, decode)
-        except Exception as e:  # noqa: BLE001 -- keep the engine's numbers
-            hf = {"error": bench.failed("transformers", e)}
-    del model
-    _free_memory(device)
-
-    record = {
+                  Progress(num_cases), {}, gen=torch.Generator().manual_seed(args.seed))
+    ceilings = bench.ceilings = measure_ceilings(device, dtype)
+    bench.progress.case("copy rate", f"{ceilings['copy']['median_gbps']:,.4g} GB/s (read + write)")
+    bench.progress.case(f"matmul {ceilings['matmul']['n']}^3",
+                        f"{ceilings['matmul']['median_tflops']:,.4g} TFLOP/s")
+    record = bench.record = {
         "bench": "one_batch", "preset": args.preset, "model_config": preset,
         "device": str(device), "device_name": device_name(device),
         "dtype": str(dtype).removeprefix("torch."), "versions": versions(),
         "git_commit": git_commit(), "flags": vars(args), "torch_threads": torch.get_num_threads(),
-        "engine": engine, "params": bench.counts, "weight_bytes": bench.weight_bytes,
-        "kv_bytes_per_token": bench.kv_bytes_per_token, "ceilings": ceilings,
-        "definitions": DEFINITIONS, "prefill": prefill, "decode": decode, "transformers": hf,
-        "errors": bench.errors, "wall_s": time.perf_counter() - started,
+        "ceilings": ceilings, "definitions": DEFINITIONS, "errors": bench.errors,
+        "prefill": [], "decode": [], "transformers": {"skipped": "--no-hf"},
     }
+    bench.save()
+    with tempfile.TemporaryDirectory(prefix="one-batch-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(preset, indent=2))
+        print(f"building the engine ({args.preset}, {bench.record['dtype']}, attention "
+              f"{args.attention_backend}, CUDA graphs {'off' if args.disable_cuda_graph else 'auto'})",
+              file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        core, kv = build_core(args, Path(tmp), bench.cfg, device, dtype)
+        bench.counts, bench.kv_bytes_per_token = param_counts(core.model), kv["kv_bytes_per_token"]
+        record.update(params=bench.counts, weight_bytes=bench.weight_bytes,
+                      kv_bytes_per_token=bench.kv_bytes_per_token)
+        record["engine"] = {
+            "attention_backend": core.attention_backend,
+            "cuda_graphs": bool(getattr(core.runner, "graphs", None)),
+            "build_s": time.perf_counter() - start, "kv_pool_tokens": kv["pool_tokens"],
+            "kv_budget_bytes": kv["budget_bytes"], "context_length": kv["context_length"],
+            "chunked_prefill_size": kv["chunked_prefill_size"]}
+        engine_cases(bench, core, kv)
+    model = core.model
+    del core  # the KV pool and CUDA graphs go before transformers loads
+    _free_memory(device)
+    if run_hf:
+        try:
+            transformers_cases(bench, model)
+        except Exception as e:  # noqa: BLE001 -- keep the engine's numbers
+            record["transformers"] = {"error": bench.failed("transformers", e)}
+    del model
+    _free_memory(device)
     print_table(record)
-    if args.output:
-        write_json(args.output, record)
+    bench.save(final=True)
     return 1 if bench.errors else 0
 
 

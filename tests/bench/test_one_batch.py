@@ -72,7 +72,7 @@ def test_tiny_run_on_cpu(tmp_path, capsys):
                "--kv-budget-gb", "0.001", "--output", str(out)])
     assert rc == 0
     record = json.loads(out.read_text())
-    assert record["errors"] == []
+    assert record["errors"] == [] and record["complete"]
     assert record["preset"] == "tiny" and record["dtype"] == "float32"
     assert record["versions"]["torch"] == torch.__version__ and "flashinfer" in record["versions"]
     assert isinstance(record["git_commit"], str) and record["git_commit"]
@@ -109,3 +109,16 @@ def test_tiny_run_on_cpu(tmp_path, capsys):
 
     table = capsys.readouterr().out
     assert "decode" in table and "bs4 ctx512" in table and "ours/HF" in table
+
+
+def test_direct_fill_decodes_at_the_exact_context(tmp_path):
+    """--decode-fill direct admits rows as a decode worker does: no prefill steps, and the timed
+    steps read exactly context + 1 + warm-up + (step - 1) tokens per row."""
+    out = tmp_path / "direct.json"
+    assert main(["--preset", "tiny", "--device", "cpu", "--no-hf", "--batch-sizes", "1,3",
+                 "--contexts", "40", "--prefill-grid", "1x16", "--decode-steps", "4",
+                 "--decode-warmup", "2", "--decode-fill", "direct", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    for row in record["decode"]:
+        assert row["fill_steps"] == 0 and row["ms_per_step"] > 0
+        assert row["mean_context"] == 40 + 1 + 2 + (4 - 1) / 2
