@@ -5,17 +5,23 @@ and compiled kernels in one process breaks one or the other."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
+HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config, items):
+    """(The hook sees every collected item of the session: only this folder's are touched.)"""
     if not ON_GPU:
         return
     skip = pytest.mark.skip(reason="CPU variant: runs in CPU CI (one Triton mode per process)")
     for item in items:
+        if HERE not in Path(item.path).parents:
+            continue
         callspec = getattr(item, "callspec", None)
         if callspec is None or callspec.params.get("device") != "cuda":
             item.add_marker(skip)

@@ -10,7 +10,6 @@ one CUDA test captures a graph and replays it.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
