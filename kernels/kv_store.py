@@ -6,7 +6,10 @@ at flat row `slot`. For token t with slot_mapping[t] >= 0:
     k_cache.view(P * S, H, D)[slot_mapping[t]] = k[t]      (and the same for v)
 
 Rows with a negative slot are skipped: CUDA-graph padding tokens carry -1. Values are cast to
-the cache's dtype. One program per token writes its K and V rows ([H, D] tiles, head stride
+the cache's dtype; an FP8 cache stores k / k_scale and v / v_scale (default 1.0), clamped to the
+format's largest finite value first, so out-of-range values saturate instead of turning into
+inf or NaN (`quantize_ref` is the rule; the kernel multiplies by the float32 reciprocal, as
+the reference does). One program per token writes its K and V rows ([H, D] tiles, head stride
 arbitrary, so k and v may be views into the fused qkv output). Offsets are 64-bit: a pool may
 pass 2**31 elements.
 
@@ -31,14 +34,30 @@ tl = None  # triton.language, bound by _kernel() on first use
 
 # ----------------------------------------------------------------------------- reference
 
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x / scale in `dtype`: float32 x times float32(1 / scale), clamped to +-max for FP8.
+    A plain cast when dtype is not FP8 and scale is 1."""
+    if not _is_fp8(dtype) and scale == 1.0:
+        return x.to(dtype)
+    y = x.float() * (1.0 / scale)
+    if _is_fp8(dtype):
+        fmax = torch.finfo(dtype).max
+        y = y.clamp(-fmax, fmax)
+    return y.to(dtype)
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Torch reference of `store_kv`: an index_copy_ of the rows with a slot (host sync)."""
     _check(k, v, k_cache, v_cache, slot_mapping)
     valid = slot_mapping >= 0  # [T]
     slots = slot_mapping[valid].long()
-    for new, cache in ((k, k_cache), (v, v_cache)):
-        rows = new[valid].to(cache.dtype)  # [n, H, D]
+    for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = quantize_ref(new[valid], cache.dtype, scale)  # [n, H, D]
         flat = cache.view(-1, *cache.shape[2:])  # [P * S, H, D]
         if cache.element_size() == 1:  # index_copy_ has no fp8 CPU kernel; copy the bits
             flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
@@ -48,7 +67,7 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 # ----------------------------------------------------------------------------- dispatch
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store each token's K and V at its slot of one layer's paged cache, in place.
 
     Parameters
@@ -59,13 +78,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slot_mapping : [T] int64 or int32, on the caches' device; slot = page_id * S + offset in
         [0, P * S), or negative to skip the token (checked on CPU only). Slots written must be
         distinct (on the GPU a repeated slot holds one of its rows, unspecified which).
+    k_scale, v_scale : the cache holds k / k_scale and v / v_scale (host floats, > 0; FP8
+        caches clamp to the format's range). A CUDA graph keeps the values it was captured with.
     """
     _check(k, v, k_cache, v_cache, slot_mapping)
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
     if not _use_triton(k_cache):
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if k.shape[0] > 0:
-        _launch(k, v, k_cache, v_cache, slot_mapping)
+        _launch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -89,8 +112,9 @@ def _kernel(interpret: bool):
 
     @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_token_stride,
-                        k_head_stride, v_token_stride, v_head_stride, num_heads,
-                        HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                        k_head_stride, v_token_stride, v_head_stride, num_heads, k_inv_scale,
+                        v_inv_scale, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + token).to(tl.int64)
         heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
@@ -102,15 +126,21 @@ def _kernel(interpret: bool):
         dst = slot * num_heads * HEAD_DIM + heads * HEAD_DIM + dims  # int64
         dtype = k_cache_ptr.dtype.element_ty
         k = tl.load(k_ptr + token * k_token_stride + heads * k_head_stride + dims, mask=mask)
-        tl.store(k_cache_ptr + dst, k.to(dtype), mask=mask)
         v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+        if QUANT:  # x * (1 / scale) in float32, clamped to the FP8 range (FP8_MAX 0: no clamp)
+            k = k.to(tl.float32) * k_inv_scale
+            v = v.to(tl.float32) * v_inv_scale
+            if FP8_MAX > 0:
+                k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)
+                v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+        tl.store(k_cache_ptr + dst, k.to(dtype), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(dtype), mask=mask)
 
     return store_kv_kernel
 
 
 def _launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            slot_mapping: torch.Tensor) -> None:
+            slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
     global triton_launches
     kernel = _kernel(_interpret_requested())
     if kernel is None:
@@ -119,9 +149,13 @@ def _launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     block_h = 1 << (num_heads - 1).bit_length()
     block_d = 1 << (head_dim - 1).bit_length()
     num_warps = min(max(block_h * block_d // 256, 1), 8)  # 8+ elements per thread
+    fp8 = _is_fp8(k_cache.dtype)
     kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
-                          v.stride(0), v.stride(1), num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
-                          BLOCK_D=block_d, num_warps=num_warps)
+                          v.stride(0), v.stride(1), num_heads, 1.0 / k_scale, 1.0 / v_scale,
+                          HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+                          QUANT=fp8 or k_scale != 1.0 or v_scale != 1.0,
+                          FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
+                          num_warps=num_warps)
     triton_launches += 1
 
 

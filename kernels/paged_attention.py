@@ -26,6 +26,11 @@ copy ceiling there is about 4.3 TB/s read + write), 3.4-4.0 TB/s at batch 4-16 a
 batch 1 with 8k contexts; 1k contexts at batch <= 8 are launch-bound (8-15 us for two kernels).
 Prefill runs at about 270-310 TFLOP/s (torch's dense flash SDPA: 400-550 on the same shapes).
 
+FP8 caches (and any cache holding K / k_scale, V / v_scale): K/V tiles are loaded in the cache's
+dtype and cast to q's (exact from FP8 to fp16/bf16/fp32); k_scale is folded into the softmax
+scale and v_scale multiplies the output, which equals attending over K * k_scale and
+V * v_scale. The scales are host floats, fixed per layer, so a CUDA graph may keep them.
+
 The functions run the kernels on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise them); otherwise the torch references (`*_ref`,
 float32 math). Triton is imported lazily, so importing this module never imports it.
@@ -62,9 +67,11 @@ tl = None  # triton.language, bound by _kernels() on first use
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 qo_indptr: torch.Tensor, page_table: torch.Tensor,
-                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Torch reference of `paged_prefill_attention`: gathers each row's context and runs a
-    masked softmax in float32, row by row (host syncs). Returns [T, Hq, D] in q's dtype."""
+                                seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+                                v_scale: float = 1.0) -> torch.Tensor:
+    """Torch reference of `paged_prefill_attention`: gathers each row's context, dequantises it
+    (times k_scale, v_scale) and runs a masked softmax in float32, row by row (host syncs).
+    Returns [T, Hq, D] in q's dtype."""
     _check(q, k_cache, v_cache, page_table, seq_lens, qo_indptr)
     num_heads, (_, page_size, num_kv_heads, head_dim) = q.shape[1], k_cache.shape
     flat_k = k_cache.reshape(-1, num_kv_heads, head_dim)  # [P * S, Hkv, D]
@@ -79,8 +86,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         slots = (pages[:, None] * page_size + torch.arange(page_size, device=q.device))
         slots = slots.flatten()[:seq_len]  # [L]
         group = num_heads // num_kv_heads
-        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = flat_v[slots].float().repeat_interleave(group, dim=1)
+        k = (flat_k[slots].float() * k_scale).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = (flat_v[slots].float() * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [Hq, n, L]
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
@@ -90,27 +97,27 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               page_table: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of `paged_decode_attention`: prefill with one query per row."""
     qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, page_table, seq_lens,
-                                       scale)
+                                       scale, k_scale, v_scale)
 
 
 # ----------------------------------------------------------------------------- dispatch
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, num_splits: int | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one new token per row over its whole paged context.
 
     Parameters
     ----------
     q : [B, Hq, D]; last dim contiguous, other strides arbitrary. Hq a multiple of Hkv.
-    k_cache, v_cache : [P, S, Hkv, D], one shape and dtype (may differ from q's: tiles are
-        cast to q's dtype); strides arbitrary.
+    k_cache, v_cache : [P, S, Hkv, D], one shape and dtype (may differ from q's, FP8 included:
+        tiles are cast to q's dtype); strides arbitrary.
     page_table : [B, max_pages] int32 (or int64); row b's first ceil(seq_lens[b] / S) entries
         are its pages, the rest are never read.
     seq_lens : [B] int32 (or int64), each >= 1: context length including the new token.
@@ -118,6 +125,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out : optional [B, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
     num_splits : key splits per (row, KV head); default `decode_num_splits(...)`, which reads
         shapes only, so the launch is CUDA-graph capturable.
+    k_scale, v_scale : the caches hold K / k_scale and V / v_scale (FP8 caches); default 1.0.
 
     Returns
     -------
@@ -126,20 +134,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check(q, k_cache, v_cache, page_table, seq_lens, None, out)
     out = q.new_empty(q.shape) if out is None else out
     if not _use_triton(q):
-        out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale))
+        out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale,
+                                             k_scale, v_scale))
         return out
     if num_splits is None:
         num_splits = decode_num_splits(q.shape[0], k_cache.shape[2],
                                        page_table.shape[1] * k_cache.shape[1], q.device)
-    _launch(q, k_cache, v_cache, None, page_table, seq_lens, scale, out, max_q_len=1,
-            num_splits=num_splits)
+    _launch(q, k_cache, v_cache, None, page_table, seq_lens, scale * k_scale, v_scale, out,
+            max_q_len=1, num_splits=num_splits)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             qo_indptr: torch.Tensor, page_table: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                            max_q_len: int | None = None) -> torch.Tensor:
+                            max_q_len: int | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each row's new tokens over its paged context (cached prefix + new).
 
     Parameters
@@ -147,8 +157,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q : [T, Hq, D], the B rows' new tokens concatenated; row b owns
         q[qo_indptr[b]:qo_indptr[b + 1]], the last q_len of its seq_lens[b] positions.
         Last dim contiguous, other strides arbitrary.
-    k_cache, v_cache, page_table, seq_lens, scale : as in `paged_decode_attention`
-        (q_len <= seq_len; rows of one token mix freely with long ones).
+    k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale : as in
+        `paged_decode_attention` (q_len <= seq_len; rows of one token mix freely with long ones).
     qo_indptr : [B + 1] int32 (or int64), qo_indptr[0] = 0 and qo_indptr[B] = T.
     out : optional [T, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
     max_q_len : the largest q_len (host int, sizes the grid); computed from qo_indptr when
@@ -162,12 +172,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = q.new_empty(q.shape) if out is None else out
     if not _use_triton(q):
         out.copy_(paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, page_table,
-                                              seq_lens, scale))
+                                              seq_lens, scale, k_scale, v_scale))
         return out
     if max_q_len is None:
         max_q_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
-    _launch(q, k_cache, v_cache, qo_indptr, page_table, seq_lens, scale, out, max_q_len,
-            num_splits=1)
+    _launch(q, k_cache, v_cache, qo_indptr, page_table, seq_lens, scale * k_scale, v_scale, out,
+            max_q_len, num_splits=1)
     return out
 
 
@@ -218,8 +228,8 @@ def _kernels(interpret: bool):
     @triton.jit
     def attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qo_indptr_ptr, page_table_ptr,
-            seq_lens_ptr, qk_scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h, k_stride_p,
-            k_stride_s, k_stride_h, v_stride_p, v_stride_s, v_stride_h, table_stride,
+            seq_lens_ptr, qk_scale, v_scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+            k_stride_p, k_stride_s, k_stride_h, v_stride_p, v_stride_s, v_stride_h, table_stride,
             HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
             GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -285,12 +295,12 @@ def _kernels(interpret: bool):
 
         out_mask = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
-            o = acc / l[:, None]
+            o = acc * (v_scale / l)[:, None]
             o_off = t_idx * o_stride_t + head * o_stride_h
             tl.store(out_ptr + o_off[:, None] + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:  # partial output and log2-sum-exp2 of split `split`; empty splits give -inf
-            o = acc / tl.where(l > 0, l, 1.0)[:, None]
+            o = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
             lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
             mid = (t_idx * num_q_heads + head) * NUM_SPLITS + split  # [M]
             tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
@@ -321,8 +331,10 @@ def _kernels(interpret: bool):
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             qo_indptr: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float, out: torch.Tensor, max_q_len: int, num_splits: int) -> None:
-    """Decode when qo_indptr is None (one query per row), else prefill; on q's device."""
+            scale: float, v_scale: float, out: torch.Tensor, max_q_len: int,
+            num_splits: int) -> None:
+    """Decode when qo_indptr is None (one query per row), else prefill; on q's device.
+    `scale` is the softmax scale with k_scale folded in."""
     global triton_launches
     num_tokens, num_heads, head_dim = q.shape
     num_rows = seq_lens.shape[0]
@@ -357,7 +369,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attention_kernel[grid](
             q, k_cache, v_cache, out, mid_o, mid_lse,
             qo_indptr if qo_indptr is not None else seq_lens, page_table, seq_lens,
-            scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            scale * _LOG2E, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0),
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,

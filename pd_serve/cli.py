@@ -15,8 +15,8 @@ import logging
 import sys
 import time
 
-from pd_serve.config import (ATTENTION_BACKENDS, LOAD_FORMATS, SCHEDULE_POLICIES, CacheConfig,
-                             EngineConfig, SchedulerConfig)
+from pd_serve.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES,
+                             CacheConfig, EngineConfig, SchedulerConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="GPU: fraction of memory for weights and KV cache")
     g.add_argument("--cpu-kv-cache-gb", type=float, default=d_cache.cpu_kv_cache_gb,
                    help="CPU: KV cache size when --max-total-tokens is not given")
-    g.add_argument("--kv-cache-dtype", default=d_cache.kv_cache_dtype, help="auto (the model dtype)")
+    g.add_argument("--kv-cache-dtype", default=d_cache.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="auto: the model dtype; fp8_e4m3 / fp8_e5m2: FP8 pages, half the bytes of "
+                        "bf16, scaled by the checkpoint's k_scale/v_scale (else 1.0); prefill and "
+                        "decode workers must use the same")
     g.add_argument("--max-running-requests", type=int, default=d_sched.max_running_requests)
     g.add_argument("--chunked-prefill-size", type=int, default=d_sched.chunked_prefill_size,
                    help="max prefill tokens per step; -1 disables chunking")

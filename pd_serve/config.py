@@ -8,6 +8,7 @@ SCHEDULE_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class CacheConfig:
     max_total_tokens: int | None = None  # KV capacity in tokens; None: from memory
     mem_fraction_static: float = 0.88  # GPU: share of total memory for weights + KV pool
     cpu_kv_cache_gb: float = 1.0  # CPU: KV pool size when max_total_tokens is not given
-    kv_cache_dtype: str = "auto"  # auto = the model dtype
+    kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8_e4m3 / fp8_e5m2 store scaled FP8
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "--page-size", self.page_size, "must be >= 1")
@@ -25,8 +26,8 @@ class CacheConfig:
         _check(0.0 < self.mem_fraction_static < 1.0, "--mem-fraction-static",
                self.mem_fraction_static, "must be in (0, 1)")
         _check(self.cpu_kv_cache_gb > 0, "--cpu-kv-cache-gb", self.cpu_kv_cache_gb, "must be > 0")
-        _check(self.kv_cache_dtype == "auto", "--kv-cache-dtype", self.kv_cache_dtype,
-               "is not supported yet; use auto (the model dtype)")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype", self.kv_cache_dtype,
+               f"must be one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)

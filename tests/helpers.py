@@ -1,8 +1,10 @@
-"""Reference checks shared by tests: transformers' greedy decoding and the near-tie rule."""
+"""Reference checks shared by tests: transformers' greedy decoding, the near-tie rule, and the
+shipped evaluation text."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -40,3 +42,12 @@ def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[torc
             f"token {i}: ours {a}, reference {b}; reference top-2 gap {gap:.2e} is not a near-tie")
         return i
     return len(ref)
+
+
+# An original English passage (about 2,200 SmolLM2 tokens) for teacher-forced evaluations of
+# quantisation: pd_serve.eval.score_tokens / compare on eval_token_ids(tokenizer).
+EVAL_TEXT = Path(__file__).parent / "data" / "eval_text.txt"
+
+
+def eval_token_ids(tokenizer) -> list[int]:
+    return tokenizer.encode(EVAL_TEXT.read_text())

@@ -15,7 +15,23 @@ class KVLayout:
     page_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # torch dtype name, e.g. "float32", "bfloat16"
+    dtype: str  # torch dtype name, e.g. "float32", "bfloat16", "float8_e4m3fn"
+    # FP8 caches: per-layer K and V scales (a page holds k / k_scale); () means 1.0 everywhere.
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:  # lists (from JSON or msgpack) -> tuples of floats
+        for name in ("k_scales", "v_scales"):
+            scales = tuple(float(s) for s in getattr(self, name))
+            if scales and len(scales) != self.num_layers:
+                raise ValueError(f"{name} has {len(scales)} entries for {self.num_layers} layers")
+            object.__setattr__(self, name, scales)
+
+    def k_scale(self, layer_id: int) -> float:
+        return self.k_scales[layer_id] if self.k_scales else 1.0
+
+    def v_scale(self, layer_id: int) -> float:
+        return self.v_scales[layer_id] if self.v_scales else 1.0
 
     @property
     def bytes_per_token(self) -> int:

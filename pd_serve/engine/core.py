@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from pd_serve.cache.allocator import PageAllocator
+from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
 from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.config import CacheConfig, EngineConfig
 from pd_serve.engine.attention import create_backend, resolve_backend_name
@@ -54,17 +55,20 @@ class EngineCore:
         self.max_model_len = cfg.context_length or limit
         self.model = load_model(model_dir, self.dtype, self.device, cfg.load_format, cfg.seed)
         mc = self.model_config
+        kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
+        k_scales, v_scales = load_kv_scales(model_dir, mc.num_layers, kv_dtype,
+                                            f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}")
         layout = KVLayout(mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
-                          str(self.dtype).removeprefix("torch."))
+                          str(kv_dtype).removeprefix("torch."), k_scales, v_scales)
         num_pages = _num_kv_pages(cfg.cache, layout, self.device)
         self.kv_pool = KVPool(layout, num_pages, self.device)
         self.allocator = PageAllocator(num_pages)
-        logger.info("KV cache: %d pages x %d tokens = %d tokens, %d bytes per token, %.2f GiB",
-                    num_pages, layout.page_size, self.kv_pool.num_tokens, layout.bytes_per_token,
-                    self.kv_pool.num_bytes / 2**30)
+        logger.info("KV cache: %d pages x %d tokens = %d tokens, %s, %d bytes per token, %.2f GiB",
+                    num_pages, layout.page_size, self.kv_pool.num_tokens, layout.dtype,
+                    layout.bytes_per_token, self.kv_pool.num_bytes / 2**30)
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype)
         attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
-                              mc.head_dim ** -0.5)
+                              mc.head_dim ** -0.5, self.dtype)
         self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph:
             max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)

@@ -68,10 +68,34 @@ def layout_of(pool: KVPool) -> dict:
     return asdict(pool.layout)
 
 
+_SETTINGS = {"dtype": "the KV cache dtype: start both with the same --kv-cache-dtype (and --dtype)",
+             "page_size": "--page-size"}
+
+
 def layout_mismatch(ours: KVLayout, theirs: dict) -> str:
-    """'' when the layouts match, else a sentence naming every differing field."""
-    diffs = [f"{k} {theirs.get(k)!r} != {v!r}" for k, v in asdict(ours).items() if theirs.get(k) != v]
+    """'' when the layouts match, else a sentence naming every differing field (theirs != ours),
+    with the setting behind it. Scales are compared only when the dtypes agree."""
+    diffs = []
+    for key, value in asdict(ours).items():
+        other = theirs.get(key)
+        other = tuple(other) if isinstance(other, list) else other  # msgpack sends lists
+        if other == value:
+            continue
+        if key in ("k_scales", "v_scales"):
+            if theirs.get("dtype") == ours.dtype:
+                diffs.append(_scales_mismatch(key, other or (), value))
+            continue
+        hint = f" ({_SETTINGS[key]})" if key in _SETTINGS else ""
+        diffs.append(f"{key} {other!r} != {value!r}{hint}")
     return "; ".join(diffs)
+
+
+def _scales_mismatch(key: str, theirs: tuple, ours: tuple) -> str:
+    where = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+    what = (f"layer {where}: {theirs[where]!r} != {ours[where]!r}" if where is not None
+            else f"{len(theirs) or 'no'} scales != {len(ours) or 'no'} scales")
+    return (f"{key} differ ({what}; FP8 KV scales come from the checkpoint: serve the same "
+            "--model on both)")
 
 
 def page_index(page_ids: list[int], device: torch.device) -> torch.Tensor:

@@ -106,16 +106,18 @@ def reference():
 
 
 @torch.inference_mode()
-def our_logits(model: CausalLM, ids: torch.Tensor, backend: str, split: int | None) -> torch.Tensor:
+def our_logits(model: CausalLM, ids: torch.Tensor, backend: str, split: int | None,
+               layout: KVLayout | None = None) -> torch.Tensor:
     """Our float32 logits [S, L, V] at every position, the batch planned by hand: each sequence
     in its own shuffled, interleaved pages; with `split`, two passes (the second reads the
-    first's KV from the pool)."""
+    first's KV from the pool). `layout`: the pool's (default bf16, no scales)."""
     cfg = model.config
     num_seqs, seq_len = ids.shape
     pages_per_seq = -(-seq_len // PAGE_SIZE)
-    layout = KVLayout(cfg.num_layers, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
+    layout = layout or KVLayout(cfg.num_layers, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                                "bfloat16")
     pool = KVPool(layout, num_seqs * pages_per_seq + 1, DEVICE)
-    attn = create_backend(backend, pool, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+    attn = create_backend(backend, pool, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, DTYPE)
     order = (torch.randperm(pool.num_pages - 1, generator=torch.Generator().manual_seed(2)) + 1).tolist()
     page_tables = [order[i::num_seqs] for i in range(num_seqs)]  # page 0 stays unused
     chunks = [(0, split), (split, seq_len)] if split else [(0, seq_len)]
@@ -145,6 +147,27 @@ def test_teacher_forced_top1_matches_transformers(backend, split, reference):
           f"{agreement:.4f} over {ids.numel()} positions, logits relative error {rel_error:.4f}")
     assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.4f}"
     assert rel_error <= MAX_LOGITS_REL_ERROR, f"logits relative error {rel_error:.4f}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_fp8_kv_cache_matches_the_torch_backend(backend, reference):
+    """An e4m3 pool with per-layer scales, the prompt in two chunks: each GPU backend (its
+    store quantising, its kernels reading FP8) against the torch backend on the same layout,
+    which quantises with kernels/kv_store's reference and dequantises in torch."""
+    _check_backend(backend)
+    model, ids, _ = reference
+    cfg = model.config
+    layout = KVLayout(cfg.num_layers, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, "float8_e4m3fn",
+                      k_scales=[0.5 + 0.25 * i for i in range(cfg.num_layers)],
+                      v_scales=[2.0 ** -i for i in range(cfg.num_layers)])
+    ref = our_logits(model, ids, "torch", SPLIT, layout)
+    ours = our_logits(model, ids, backend, SPLIT, layout)
+    assert torch.isfinite(ours).all()
+    agreement = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    rel_error = ((ours - ref).norm() / ref.norm()).item()
+    print(f"{backend} fp8_e4m3 vs torch fp8_e4m3: top-1 agreement {agreement:.4f}, logits "
+          f"relative error {rel_error:.4f}")
+    assert agreement >= MIN_TOP1_AGREEMENT and rel_error <= MAX_LOGITS_REL_ERROR
 
 
 # ----------------------------------------------------------------------------- CUDA graphs

@@ -172,6 +172,42 @@ def test_views_in_and_out(device):
 
 
 @needs_triton
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_fp8_caches_with_scales(device, kv_dtype):
+    """FP8 caches holding K / k_scale and V / v_scale (NaN outside the contexts, as above):
+    the kernels equal the reference, which is attention over K and V dequantised to float32. (The interpreter's FP8 -> float upcast is exact, so this runs on CPU too.)"""
+    num_heads, num_kv_heads, head_dim = (4, 2, 16) if device == "cpu" else (32, 8, 128)
+    q_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    k_scale, v_scale = 0.37, 2.5
+    rows = [(1, 1), (20, 20), (33, 90), (2, 7)]
+    q_lens, lens = [n for n, _ in rows], [L for _, L in rows]
+    k, v, table, seq_lens = make_paged_context(lens, 4, num_kv_heads, head_dim, torch.float32,
+                                               device, seed=30)
+    k_cache, v_cache = (k / k_scale).to(kv_dtype), (v / v_scale).to(kv_dtype)
+    k_deq, v_deq = k_cache.float() * k_scale, v_cache.float() * v_scale
+    scale = head_dim ** -0.5
+    q = random_q(sum(q_lens), num_heads, head_dim, q_dtype, device, seed=31)
+    indptr = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    ref = pa.paged_prefill_attention_ref(q, k_cache, v_cache, indptr, table, seq_lens, scale,
+                                         k_scale, v_scale)
+    deq = pa.paged_prefill_attention_ref(q, k_deq, v_deq, indptr, table, seq_lens, scale)
+    assert torch.equal(ref, deq)  # the same float32 products
+    with expect_launches(1):
+        out = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, table, seq_lens, scale,
+                                         k_scale=k_scale, v_scale=v_scale)
+    assert_close(out, ref, q_dtype)
+    q = q[:len(lens)]  # decode: one query per row
+    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, scale, k_scale,
+                                        v_scale)
+    for num_splits in (1, 3):
+        out = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale,
+                                        num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+        assert_close(out, ref, q_dtype)
+
+
+@needs_triton
 def test_one_split_is_one_launch():
     k_cache, v_cache, table, seq_lens = make_paged_context([5, 6], 4, 2, 16, torch.float32,
                                                            "cpu", seed=7)

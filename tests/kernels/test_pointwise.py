@@ -301,6 +301,55 @@ def test_store_kv_writes_only_valid_slots(device, new_dtype, cache_dtype, shape)
                            bits(new[valid.to(device)].to(cache_dtype)))
 
 
+FP8_CACHES = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@needs_triton
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"),
+                                    pytest.param("cuda", marks=needs_cuda, id="cuda")])
+def test_store_kv_fp8_divides_by_the_scale_and_saturates(device, cache_dtype):
+    """The cache holds k / k_scale (v / v_scale); values past the format's max become +-max,
+    never inf or NaN. The values are FP8 numbers times power-of-two scales, so the quotient is
+    exact and the check bit-exact even in the interpreter (whose FP8 downcast does not round)."""
+    num_tokens, num_heads, head_dim, num_pages, page_size = 9, 2, 32, 4, 4
+    fmax = torch.finfo(cache_dtype).max
+    k_scale, v_scale = 0.5, 4.0
+    base = randn(num_tokens, num_heads, head_dim, dtype=torch.float32, device="cpu", seed=22,
+                 scale=8.0).to(cache_dtype).float()  # [T, H, D], each an FP8 number
+    base[1, 0, :4] = torch.tensor([3 * fmax, -3 * fmax, 1e30, -1e30])  # out of range
+    k, v = (base * k_scale).to(device), (base.flip(0) * v_scale).to(device)
+    cache_shape = (num_pages, page_size, num_heads, head_dim)
+    k_cache, v_cache = (poisoned_cache(cache_shape, cache_dtype, device) for _ in range(2))
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    slots = slots_with_padding(num_tokens, num_pages * page_size, device)
+    kv_store.store_kv_ref(k, v, k_expected, v_expected, slots, k_scale, v_scale)
+    with expect_launches(kv_store, 1):
+        kv_store.store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    assert torch.equal(bits(k_cache), bits(k_expected))
+    assert torch.equal(bits(v_cache), bits(v_expected))
+    valid = slots >= 0
+    stored = k_cache.view(-1, num_heads, head_dim)[slots[valid]].float().cpu()  # [n, H, D]
+    assert torch.equal(stored, base[valid.cpu()].clamp(-fmax, fmax))  # k / k_scale, saturated
+    assert stored[0, 0, :4].tolist() == [fmax, -fmax, fmax, -fmax]  # token 1 (token 0 pads)
+
+
+@needs_triton
+def test_store_kv_scale_without_fp8():
+    """A scale applies to any cache dtype (float32 here): k * float32(1 / k_scale), no clamp."""
+    k = randn(6, 2, 16, dtype=torch.float32, device="cpu", seed=23, scale=1e3)
+    v = randn(6, 2, 16, dtype=torch.float32, device="cpu", seed=24)
+    slots = torch.arange(6)
+    caches = [torch.zeros(2, 4, 2, 16) for _ in range(4)]
+    kv_store.store_kv_ref(k, v, caches[0], caches[1], slots, 0.3, 3.0)
+    with expect_launches(kv_store, 1):
+        kv_store.store_kv(k, v, caches[2], caches[3], slots, 0.3, 3.0)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert torch.equal(caches[0].view(-1, 2, 16)[:6], k * torch.tensor(1 / 0.3))
+    with pytest.raises(ValueError, match="must be > 0"):
+        kv_store.store_kv(k, v, caches[2], caches[3], slots, 0.0, 1.0)
+
+
 @needs_triton
 def test_store_kv_all_padding_writes_nothing():
     k = randn(4, 2, 64, dtype=torch.float16, device="cpu", seed=17)

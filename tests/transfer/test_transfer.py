@@ -92,6 +92,41 @@ def test_layout_mismatch_fails_the_handshake_clearly(change, peers):
     receiver.close()
 
 
+FP8_LAYOUT = replace(LAYOUT, dtype="float8_e4m3fn", k_scales=(0.5, 1.0, 2.0, 0.25),
+                     v_scales=(1.0, 1.0, 4.0, 1.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_pages_arrive_bit_exact(backend, peers):
+    """--kv-cache-dtype fp8_e4m3 on both sides: one byte per element on the wire, unchanged."""
+    receiver = KVReceiver(poisoned_pool(FP8_LAYOUT, NUM_PAGES), backend, timeout_s=10)
+    poisoned = receiver.pool.buffer.clone()
+    sender = peers("sender", backend, layout=FP8_LAYOUT)
+    assert sender.call("connect", address=receiver.address) == {"ok": True}
+    src, dst = [3, 60, 17, 4], [8, 1, 44, 63]
+    receiver.expect("fp8", dst)
+    sender.call("send", request_id="fp8", address=receiver.address, src_page_ids=src,
+                dst_page_ids=dst)
+    (result,) = wait_results(receiver, 1, 10)
+    assert result.ok and result.num_bytes == 4 * FP8_LAYOUT.bytes_per_page
+    assert FP8_LAYOUT.bytes_per_page * 4 == LAYOUT.bytes_per_page
+    expected = seeded_pool(FP8_LAYOUT, NUM_PAGES, SEED).buffer.view(torch.uint8)
+    got = receiver.pool.buffer.view(torch.uint8)
+    assert torch.equal(got[:, :, dst], expected[:, :, src])
+    untouched = [p for p in range(NUM_PAGES) if p not in dst]
+    assert torch.equal(got[:, :, untouched], poisoned.view(torch.uint8)[:, :, untouched])
+    receiver.close()
+
+
+def test_fp8_sender_fp32_receiver_fails_the_handshake_naming_the_kv_dtype(peers):
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
+    sender = peers("sender", "tcp", layout=FP8_LAYOUT)
+    error = sender.call("connect", address=receiver.address)["error"]
+    assert "KV layout mismatch (sender vs receiver): dtype 'float8_e4m3fn' != 'float32'" in error
+    assert "--kv-cache-dtype" in error and "k_scales" not in error
+    receiver.close()
+
+
 def test_backend_mismatch_and_unknown_backend():
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=5)
     sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "torch", timeout_s=5)

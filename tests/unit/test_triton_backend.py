@@ -196,3 +196,42 @@ def test_cuda_graph_replays_after_new_plan(monkeypatch):
     ref = torch_backend.run(0, q[:3], k[:3], v[:3])
     assert (out[:3].float() - ref.float()).abs().max().item() <= TOLERANCE[dtype]
     assert torch.equal(pools[0].buffer[0], pools[1].buffer[0])
+
+
+@pytest.mark.parametrize("rows", [
+    pytest.param([(5, 5), (1, 9), (6, 14), (1, 1)], id="mixed"),
+    pytest.param([(1, 9), (1, 1), (1, 23)], id="decode"),
+])
+def test_fp8_pool_matches_torch_backend(rows):
+    """An FP8 pool with per-layer scales: both backends store the same bytes and attend alike.
+    New K/V are FP8 numbers times power-of-two scales, so quantising them is exact (the
+    interpreter's FP8 downcast does not round to nearest; compiled on a GPU it does)."""
+    from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
+
+    dtype = torch.float32 if not ON_GPU else torch.bfloat16
+    layout = KVLayout(NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, "float8_e4m3fn",
+                      k_scales=(0.5, 2.0), v_scales=(0.25, 1.0))
+    pools = [KVPool(layout, NUM_PAGES, DEVICE) for _ in range(2)]
+    init = torch.randn(pools[0].buffer.shape, generator=torch.Generator().manual_seed(0))
+    for pool in pools:
+        pool.buffer.copy_(init.to(pool.buffer.dtype))
+    scale = HEAD_DIM ** -0.5
+    triton_backend = TritonAttentionBackend(pools[0], NUM_HEADS, HEAD_DIM, scale, dtype)
+    torch_backend = TorchAttentionBackend(pools[1], NUM_HEADS, HEAD_DIM, scale, dtype)
+    meta = make_batch(rows)
+    n = meta.num_tokens
+    g = torch.Generator().manual_seed(1)
+    triton_backend.plan(meta)
+    torch_backend.plan(meta)
+    for layer in range(NUM_LAYERS):
+        q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=g).to(dtype).to(DEVICE)
+        k, v = (torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=g).mul(4)
+                .to(torch.float8_e4m3fn).float() * s
+                for s in (layout.k_scale(layer), layout.v_scale(layer)))
+        k, v = k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE)
+        ours = triton_backend.run(layer, q, k, v)
+        ref = torch_backend.run(layer, q, k, v)
+        assert ours.dtype == dtype
+        err = (ours.float() - ref.float()).abs().max().item()
+        assert err <= TOLERANCE[dtype], f"layer {layer}: max abs error {err:.3e}"
+    assert torch.equal(pools[0].buffer.view(torch.uint8), pools[1].buffer.view(torch.uint8))

@@ -42,14 +42,15 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) ->
     return name
 
 
-def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int,
-                   scale: float) -> AttentionBackend:
-    """Instantiate a resolved backend name (see resolve_backend_name)."""
+def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int, scale: float,
+                   dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Instantiate a resolved backend name (see resolve_backend_name); dtype: the activations'
+    (default the pool's; pass it when the KV cache is FP8)."""
     if name == "flashinfer":
         from pd_serve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
-        return FlashInferAttentionBackend(pool, num_heads, head_dim, scale)
+        return FlashInferAttentionBackend(pool, num_heads, head_dim, scale, dtype)
     if name == "triton":
         from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend(pool, num_heads, head_dim, scale)
+        return TritonAttentionBackend(pool, num_heads, head_dim, scale, dtype)
     from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
-    return TorchAttentionBackend(pool, num_heads, head_dim, scale)
+    return TorchAttentionBackend(pool, num_heads, head_dim, scale, dtype)

@@ -33,14 +33,24 @@ class AttentionBackend(ABC):
     """Paged attention over a KVPool.
 
     Invariant: run() first stores the new tokens' K and V into the pool at slot_mapping, then
-    attends causally over each sequence's whole context (cached prefix + new tokens).
+    attends causally over each sequence's whole context (cached prefix + new tokens). A pool
+    whose layout has K/V scales (FP8) holds k / k_scale and v / v_scale; run() returns the
+    attention over the dequantised values.
+
+    `dtype` is the activations' (q, k, v and the output); default the pool's, which differs
+    from it for FP8 caches.
     """
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float):
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype | None = None):
         self.pool = pool
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.dtype = dtype or pool.buffer.dtype
+        layout = pool.layout
+        self.k_scales = [layout.k_scale(i) for i in range(layout.num_layers)]
+        self.v_scales = [layout.v_scale(i) for i in range(layout.num_layers)]
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:

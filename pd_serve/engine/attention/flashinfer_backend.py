@@ -8,6 +8,12 @@ Batches where every row has one new token run the decode wrapper; any other batc
 prefill wrapper (causal, with the cached prefix: chunked prefill, and decode rows mixed in).
 CUDA graphs use one decode wrapper per captured batch size, each in flashinfer's CUDA-graph
 mode over fixed page-table buffers shared by all sizes; plan_cuda_graph() refills them.
+
+FP8 pools: plan() passes the pool's dtype as kv_data_type (q stays bf16/fp16) and run() passes
+the layer's k_scale / v_scale, which flashinfer folds into sm_scale and multiplies onto the
+output (v_scale only when it is not 1). The prefill wrapper is pinned to the FA2 kernels then:
+they read FP8 K/V with a 16-bit query, which FA3 kernels of this flashinfer version may not.
+(Written against flashinfer 0.5.3's signatures; not yet run on a GPU.)
 """
 
 from __future__ import annotations
@@ -24,19 +30,22 @@ WORKSPACE_BYTES = 256 * 2**20  # split-k partial results; flashinfer recommends 
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float):
-        super().__init__(pool, num_heads, head_dim, scale)
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype | None = None):
+        super().__init__(pool, num_heads, head_dim, scale, dtype)  # self.dtype: q's
         import flashinfer
 
         self._flashinfer = flashinfer
         device = pool.buffer.device
         self.num_kv_heads = pool.layout.num_kv_heads
         self.page_size = pool.layout.page_size
-        self.dtype = pool.buffer.dtype
+        self.kv_dtype = pool.buffer.dtype
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor-core decode pays off once several query heads share a KV head.
         self.use_tensor_cores = num_heads // self.num_kv_heads >= 4
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        prefill_backend = "fa2" if self.kv_dtype.itemsize == 1 else "auto"
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_backend)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.graph_wrappers: dict[int, object] = {}
@@ -61,7 +70,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
         indptr, indices, last = self._page_table(meta)
         wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
-                     self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
+                     self.page_size, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                      sm_scale=self.scale)
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -78,7 +87,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.prefill_wrapper.plan(
             torch.tensor(qo_indptr, dtype=torch.int32), indptr, indices, last, self.num_heads,
             self.num_kv_heads, self.head_dim, self.page_size, causal=True, sm_scale=self.scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype)
+            q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self.wrapper = self.prefill_wrapper
 
     # ---- CUDA graphs ------------------------------------------------------------------------
@@ -105,5 +114,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ---- per layer --------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)  # [P, S, Hkv, D]
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        return self.wrapper.run(q.contiguous(), (k_cache, v_cache))  # [T, Hq, D]
+        k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
+        return self.wrapper.run(q.contiguous(), (k_cache, v_cache), k_scale=k_scale,
+                                v_scale=None if v_scale == 1.0 else v_scale)  # [T, Hq, D]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_store import store_kv_ref
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -22,7 +23,9 @@ class TorchAttentionBackend(AttentionBackend):
     """Gathers each sequence's K/V from its pages and calls scaled_dot_product_attention.
 
     Single-token (decode) rows run as one padded batch; rows with several new tokens (prefill
-    chunks) run one by one with a causal mask offset by their cached prefix.
+    chunks) run one by one with a causal mask offset by their cached prefix. New K/V are stored
+    by kernels/kv_store's torch reference (FP8: k / k_scale, saturated); gathered K/V are cast
+    to q's dtype, with k_scale folded into the softmax scale and v_scale applied to the output.
     """
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -56,24 +59,26 @@ class TorchAttentionBackend(AttentionBackend):
 
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_kv_heads = k.shape[1]
+        k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
+        store_kv_ref(k, v, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
+                     self.slot_mapping, k_scale, v_scale)
         k_cache = self.pool.k_cache(layer_id).view(-1, num_kv_heads, self.head_dim)  # [slots, H, D]
         v_cache = self.pool.v_cache(layer_id).view(-1, num_kv_heads, self.head_dim)
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        scale = self.scale * k_scale  # softmax(q . (k_stored * k_scale) * scale)
         out = torch.empty_like(q)
         if self.decode_token_ids:
             qd = q[self.decode_index].unsqueeze(2)  # [B, Hq, 1, D]
             kd = k_cache[self.decode_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lmax, D]
             vd = v_cache[self.decode_slots].transpose(1, 2).to(q.dtype)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask,
-                                                scale=self.scale, enable_gqa=True)
-            out[self.decode_index] = od.squeeze(2)
+                                                scale=scale, enable_gqa=True)
+            out[self.decode_index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
         for row in self.prefill_rows:
             end = row.start + row.num_new
             qp = q[row.start:end].transpose(0, 1)  # [Hq, n, D]
             kp = k_cache[row.slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
             vp = v_cache[row.slots].transpose(0, 1).to(q.dtype)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=self.scale,
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale,
                                                 enable_gqa=True)
-            out[row.start:end] = op.transpose(0, 1)
+            out[row.start:end] = op.transpose(0, 1) if v_scale == 1.0 else op.transpose(0, 1) * v_scale
         return out

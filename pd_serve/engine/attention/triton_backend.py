@@ -3,7 +3,9 @@
 plan() turns the batch into three small index tensors on the pool's device (a dense int32 page
 table [B, max_pages], seq_lens [B], qo_indptr [B + 1]); run() stores the layer's new K/V with
 kernels/kv_store and runs the decode kernel when every row has one new token, else the prefill
-kernel for the whole batch (chunked prefill and decode rows mixed in).
+kernel for the whole batch (chunked prefill and decode rows mixed in). FP8 pools: the store
+quantises (k / k_scale, saturated) and the attention kernels dequantise in registers (FP8 tiles
+cast to q's dtype, k_scale folded into the softmax scale, v_scale onto the output).
 
 CUDA graphs: init_cuda_graph() allocates a fixed page table [max_bs, max_pages_per_seq], seq_lens
 [max_bs] and an output buffer; plan_cuda_graph(bs, ...) copies into their first bs rows, and
@@ -24,8 +26,9 @@ from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
 class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float):
-        super().__init__(pool, num_heads, head_dim, scale)
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype | None = None):
+        super().__init__(pool, num_heads, head_dim, scale, dtype)
         self.device = pool.buffer.device
         self.page_size = pool.layout.page_size
         self.graph_out: torch.Tensor | None = None  # [max_bs, Hq, D], set by init_cuda_graph()
@@ -68,9 +71,9 @@ class TritonAttentionBackend(AttentionBackend):
                                             device=self.device)  # [max_bs, max_pages]
         self.graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)  # [max_bs]
         # The graph path's output, overwritten by each run(): the model consumes it (o_proj)
-        # before the next layer's attention. Activations are assumed in the pool's dtype.
+        # before the next layer's attention. In the activations' dtype (not an FP8 pool's).
         self.graph_out = torch.empty(max_bs, self.num_heads, self.head_dim,
-                                     dtype=self.pool.buffer.dtype, device=self.device)
+                                     dtype=self.dtype, device=self.device)
 
     def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
         if self.graph_out is None:
@@ -93,11 +96,14 @@ class TritonAttentionBackend(AttentionBackend):
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache = self.pool.k_cache(layer_id)  # [P, S, Hkv, D]
         v_cache = self.pool.v_cache(layer_id)
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
         out = self.out if self.out is not None and self.out.dtype == q.dtype else None
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.page_table, self.seq_lens,
-                                          self.scale, out=out)  # [B, Hq, D]
+                                          self.scale, out=out, k_scale=k_scale,
+                                          v_scale=v_scale)  # [B, Hq, D]
         return paged_prefill_attention(q, k_cache, v_cache, self.qo_indptr, self.page_table,
                                        self.seq_lens, self.scale, out=out,
-                                       max_q_len=self.max_q_len)  # [T, Hq, D]
+                                       max_q_len=self.max_q_len, k_scale=k_scale,
+                                       v_scale=v_scale)  # [T, Hq, D]
