@@ -96,6 +96,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-backend", default="auto", choices=["auto", "torch", "ipc", "tcp", "nixl"],
                    help="auto: tcp on CPU, torch (NCCL) on GPU")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
+    g.add_argument("--transfer-layer-groups", type=int, default=1,
+                   help="prefill: send each prompt's KV in this many layer groups, each as soon as "
+                        "the forward has computed it, overlapping transfer with compute (1: after "
+                        "the last layer)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size (1 only, for now)")
 
 
@@ -105,7 +109,8 @@ def worker_config_from_args(args: argparse.Namespace):
     return WorkerConfig(engine=engine_config_from_args(args), gateway=args.gateway,
                         worker_id=args.worker_id, host=args.host, port=args.port,
                         transfer_backend=args.transfer_backend,
-                        transfer_timeout_s=args.transfer_timeout, tp=args.tp)
+                        transfer_timeout_s=args.transfer_timeout,
+                        transfer_layer_groups=args.transfer_layer_groups, tp=args.tp)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:

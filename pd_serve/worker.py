@@ -39,10 +39,14 @@ class WorkerConfig:
     port: int = 0  # decode: KV receiver port (0 = any free port)
     transfer_backend: str = "auto"  # auto: tcp on CPU, torch on GPU
     transfer_timeout_s: float = 30.0
+    transfer_layer_groups: int = 1  # prefill: ship the KV in this many layer groups, each as
+    # soon as the forward has computed it (1: after the last layer)
     heartbeat_s: float = 1.0
     tp: int = 1
 
     def __post_init__(self) -> None:
+        if self.transfer_layer_groups < 1:
+            raise ValueError(f"--transfer-layer-groups {self.transfer_layer_groups} must be >= 1")
         if self.tp != 1:
             raise ValueError(f"--tp {self.tp}: tensor parallelism is not implemented yet; use --tp 1")
         if not self.gateway.startswith("tcp://"):

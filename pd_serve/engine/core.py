@@ -101,10 +101,13 @@ class EngineCore:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
-    def step(self) -> tuple[SchedulerOutput, list[Request]]:
-        """One batch. Returns the plan and the requests that got a new token (appended)."""
+    def step(self, on_layer=None) -> tuple[SchedulerOutput, list[Request]]:
+        """One batch. Returns the plan and the requests that got a new token (appended).
+
+        on_layer(plan, i), if given, is called as the forward finishes layer i."""
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan) if plan.chunks else SamplerOutput([], [])
+        after_layer = None if on_layer is None else (lambda i: on_layer(plan, i))
+        sampled = self.runner.execute(plan, after_layer) if plan.chunks else SamplerOutput([], [])
         self.scheduler.update(plan, sampled.token_ids)
         requests = [c.request for c in plan.chunks if c.sample]
         for request, logprob in zip(requests, sampled.logprobs):

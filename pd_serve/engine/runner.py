@@ -66,14 +66,16 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> SamplerOutput:
-        if self.graphs and all(c.num_tokens == 1 for c in plan.chunks) and len(plan.chunks) <= max(self.graphs):
+    def execute(self, plan: SchedulerOutput, after_layer=None) -> SamplerOutput:
+        """Run the plan; after_layer(i) is called as layer i finishes (eager path only)."""
+        graphable = all(c.num_tokens == 1 for c in plan.chunks) and after_layer is None
+        if self.graphs and graphable and len(plan.chunks) <= max(self.graphs):
             return self._execute_graph(plan)
         ids, positions, slots, sample_rows = self._flat_batch(plan)
         # One host->device copy for the three index tensors.
         ids, positions, slots = torch.stack([ids, positions, slots]).to(self.device, non_blocking=True)
         self.attn.plan(self._metadata(plan, slots))
-        hidden = self.model(ids, positions, self.attn)  # [T, hidden]
+        hidden = self.model(ids, positions, self.attn, after_layer)  # [T, hidden]
         if not sample_rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         rows = torch.tensor(sample_rows).to(self.device, non_blocking=True)

@@ -105,12 +105,17 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                after_layer=None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden].
+
+        after_layer(i), if given, is called once layer i's work is queued (its KV is stored):
+        the prefill worker ships finished layers' KV while the rest of the forward runs."""
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, positions, self.rope, attn)
+            if after_layer is not None:
+                after_layer(i)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,12 @@
 
 A request's pages stay allocated here until the transfer's result: only then are they freed
 and the gateway told (PrefillDone), so nothing is read from a page that was reused.
+
+The KV of a prompt whose last chunk is in a step is sent from inside that step's forward:
+layer group by layer group (--transfer-layer-groups), each queued as soon as the forward has
+computed it (on GPU the sender waits on an event recorded then), so the transfer of early
+layers overlaps the compute of later ones. Token 1 is sampled after the forward and travels
+in PrefillDone, once the transfer's result is in.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ class PrefillWorker(Worker):
         self.sender = KVSender(self.core.kv_pool, self.transfer_backend, sender_id=self.worker_id,
                                timeout_s=config.transfer_timeout_s)
         self.jobs: dict[str, _Job] = {}  # computing or sending
+        num_layers = self.core.kv_pool.layout.num_layers
+        groups = min(config.transfer_layer_groups, num_layers)
+        # Layer index after which each group is complete, e.g. 32 layers, 4 groups: 7, 15, 23, 31.
+        self.group_ends = {round(num_layers * (g + 1) / groups) - 1: g for g in range(groups)}
 
     def status_fields(self) -> dict:
         return {"transfer_backend": self.transfer_backend}
@@ -66,6 +76,20 @@ class PrefillWorker(Worker):
                 self.core.scheduler.finish(job.request, FinishReason.ABORT)
                 del self.jobs[msg.request_id]
 
+    def _send_finished_layers(self, plan, layer: int) -> None:
+        """Called by the forward after each layer: at a group's last layer, queue that group's
+        KV of every prompt this step completes."""
+        if layer not in self.group_ends:
+            return
+        ends = sorted(self.group_ends)
+        start = 0 if layer == ends[0] else ends[ends.index(layer) - 1] + 1
+        last = layer == ends[-1]
+        for chunk in plan.chunks:
+            if chunk.sample:  # the prompt's last chunk: its KV is complete up to `layer`
+                job = self.jobs[chunk.request.request_id]
+                self.sender.send(chunk.request.request_id, job.decode_address,
+                                 chunk.request.page_ids, job.dst_page_ids, start, layer + 1, last)
+
     def tick(self) -> None:
         for result in self.sender.poll():
             job = self.jobs.pop(result.request_id, None)
@@ -81,14 +105,11 @@ class PrefillWorker(Worker):
                                   logprob_dict(lp), result.error, timings))
         if not self.core.scheduler.has_unfinished():
             return
-        plan, sampled = self.core.step()
+        plan, sampled = self.core.step(on_layer=self._send_finished_layers)
         self.metrics.prompt_tokens.inc(plan.num_tokens)
-        for request in sampled:  # token 1 is out: hand the pages over
-            job = self.jobs[request.request_id]
-            job.computed = time.monotonic()
+        for request in sampled:  # token 1 is out; its KV is on its way
+            self.jobs[request.request_id].computed = time.monotonic()
             self.core.scheduler.detach(request)
-            self.sender.send(request.request_id, job.decode_address, request.page_ids,
-                             job.dst_page_ids)
         for request in plan.finished:  # longer than this worker's whole KV pool
             self.jobs.pop(request.request_id, None)
             self.send(PrefillDone(request.request_id, ok=False,

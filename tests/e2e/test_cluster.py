@@ -31,7 +31,9 @@ def reference(default_model_dir) -> Engine:
 
 @pytest.fixture(scope="module")
 def cluster_1p1d():
-    cluster = start_cluster(1, 1)
+    # Layer-wise KV hand-off (4 groups of SmolLM2's 30 layers, each sent as the forward finishes
+    # it); the other splits below send after the last layer (the default, 1 group).
+    cluster = start_cluster(1, 1, extra=["--transfer-layer-groups", "4"])
     yield cluster
     cluster.stop()
 

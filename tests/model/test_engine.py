@@ -39,10 +39,10 @@ def test_batch_invariance_with_chunked_prefill(default_model_dir, smol, prompts)
     chunks_of_target = []
     execute = engine.runner.execute
 
-    def recording_execute(plan):
+    def recording_execute(plan, after_layer=None):
         chunks_of_target.extend(c for c in plan.chunks if c.request.prompt_token_ids == target
                                 and c.start < len(target))
-        return execute(plan)
+        return execute(plan, after_layer)
 
     engine.runner.execute = recording_execute
     batched = engine.generate(prompts, GREEDY)
