@@ -15,8 +15,8 @@ import logging
 import sys
 import time
 
-from pd_serve.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES,
-                             CacheConfig, EngineConfig, SchedulerConfig)
+from pd_serve.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
+                             SCHEDULE_POLICIES, CacheConfig, EngineConfig, SchedulerConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +39,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=d_engine.cuda_graph_max_bs,
                    help="largest decode batch replayed through a CUDA graph")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weights: fp8 quantizes a 16/32-bit checkpoint at load (or names an FP8 "
+                        "checkpoint's), gptq names a GPTQ INT4 checkpoint's; default: as the "
+                        "checkpoint's config.json says")
     g.add_argument("--page-size", type=int, default=d_cache.page_size, help="tokens per KV page")
     g.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache capacity in tokens (default: from memory)")
@@ -57,9 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
-                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph", "page_size",
-                "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb", "kv_cache_dtype",
-                "max_running_requests", "chunked_prefill_size", "schedule_policy")
+                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph", "quantization",
+                "page_size", "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb",
+                "kv_cache_dtype", "max_running_requests", "chunked_prefill_size", "schedule_policy")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

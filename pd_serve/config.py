@@ -8,6 +8,7 @@ SCHEDULE_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+QUANTIZATIONS = ("fp8", "gptq")  # --quantization; None: as the checkpoint says
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
 
 
@@ -56,6 +57,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: flashinfer on GPU if installed, else triton; torch on CPU
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs
     disable_cuda_graph: bool = False
+    quantization: str | None = None  # fp8 / gptq; None: the checkpoint's (pd_serve/model/quant.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -70,6 +72,8 @@ class EngineConfig:
                self.attention_backend, f"must be one of {', '.join(ATTENTION_BACKENDS)}")
         _check(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs", self.cuda_graph_max_bs,
                "must be >= 1 (use --disable-cuda-graph to turn graphs off)")
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS, "--quantization",
+               self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
 
     @classmethod
     def from_flat(cls, **kwargs) -> "EngineConfig":

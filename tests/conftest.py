@@ -89,6 +89,14 @@ def tiny_checkpoints(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def gptq_smollm2_dir(tmp_path_factory, default_model_dir) -> Path:
+    """The embedded SmolLM2 as a GPTQ checkpoint the tests write: round-to-nearest 4-bit,
+    group size 128, symmetric, AutoGPTQ's layout (tests/quant_checkpoints.py)."""
+    from quant_checkpoints import write_gptq_checkpoint
+    return write_gptq_checkpoint(default_model_dir, tmp_path_factory.mktemp("gptq") / "smollm2")
+
+
 import sys  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py

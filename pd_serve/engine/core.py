@@ -53,7 +53,8 @@ class EngineCore:
             raise ValueError(f"--context-length {cfg.context_length} exceeds the model's "
                              f"max_position_embeddings ({limit}) in {model_dir}/config.json")
         self.max_model_len = cfg.context_length or limit
-        self.model = load_model(model_dir, self.dtype, self.device, cfg.load_format, cfg.seed)
+        self.model = load_model(model_dir, self.dtype, self.device, cfg.load_format, cfg.seed,
+                                cfg.quantization)
         mc = self.model_config
         kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         k_scales, v_scales = load_kv_scales(model_dir, mc.num_layers, kv_dtype,

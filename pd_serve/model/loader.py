@@ -1,4 +1,8 @@
-"""Build a CausalLM from a Hugging Face checkpoint folder (single or sharded safetensors)."""
+"""Build a CausalLM from a Hugging Face checkpoint folder (single or sharded safetensors).
+
+Quantized checkpoints (GPTQ, FP8; see quant.py) get their decoder linear layers replaced by
+quantized ones before any weight is allocated, and load those from the quantized tensors.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
+from pd_serve.model.quant import QuantLinear, QuantMethod, quantization_method
+from pd_serve.model.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +29,8 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# A decoder layer's linear layers (our names): what quantization replaces.
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -51,29 +60,87 @@ def _split_sizes(cfg: ModelConfig, fused: str) -> list[int]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
-               load_format: str = "auto", seed: int = 0) -> CausalLM:
+               load_format: str = "auto", seed: int = 0,
+               quantization: str | None = None) -> CausalLM:
     """Read config.json and the weights; every parameter must come from the checkpoint.
 
     load_format "dummy" reads config.json only and fills the weights with random values
     (see dummy_model): for speed benchmarks of a model's shape without its checkpoint.
+    quantization: `--quantization` (None: as the checkpoint says; see quant.py). A model
+    quantized at load (fp8 on a dense checkpoint, or dummy weights) is loaded dense first, so
+    it needs the dense model's memory once; a quantized checkpoint never does.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ValueError(f"--model {model_dir}: no such directory")
     cfg = ModelConfig.from_dir(model_dir)
-    if load_format == "dummy":
-        return dummy_model(cfg, dtype, device, seed)
-    model = _empty_model(cfg, dtype, device)
-    params = dict(model.named_parameters())
+    method = quantization_method(model_dir, quantization)
+    keep_dense = torch.device(device).type != "cuda"  # quantized layers run their reference
+    if load_format == "dummy" or method is None or not method.checkpoint_quantized:
+        model = (dummy_model(cfg, dtype, device, seed) if load_format == "dummy"
+                 else _load_checkpoint(model_dir, cfg, _empty_model(cfg, dtype, device)))
+        if method is not None:
+            _replace_linears(model, lambda prefixes, linear, sizes:
+                             method.quantize_linear(linear, sizes, keep_dense))
+        return model
+    files = checkpoint_files(model_dir)
+    keys = {name for path in files for name in _tensor_names(path)}
+    model = _empty_model(cfg, dtype, device, lambda m: _replace_linears(
+        m, lambda prefixes, linear, sizes: _checkpoint_linear(method, keys, prefixes, linear,
+                                                              sizes, dtype)))
+    model = _load_checkpoint(model_dir, cfg, model, files)
+    for name, layer in model.named_modules():
+        if isinstance(layer, QuantLinear):
+            try:
+                layer.finish_loading(keep_dense)
+            except ValueError as e:
+                raise ValueError(f"{model_dir}: {name}: {e}") from None
+    return model
+
+
+def _load_checkpoint(model_dir: Path, cfg: ModelConfig, model: CausalLM,
+                     files: list[Path] | None = None) -> CausalLM:
+    """Fill every parameter (and every quantized layer) of `model` from the checkpoint."""
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    params = {n: p for n, p in model.named_parameters() if n.rpartition(".")[0] not in quant}
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
+    for path in files or checkpoint_files(model_dir):
         for name, tensor in _read_tensors(path):
-            _load_tensor(cfg, params, loaded, name, tensor, path)
+            _load_tensor(cfg, params, loaded, name, tensor, path, quant)
     missing = [n for n in params if n not in loaded]
+    missing += [f"{n}.{t}" for n, layer in quant.items() for t in layer.missing()]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, "
                          f"e.g. {', '.join(missing[:3])}")
     return model.eval()
+
+
+def _replace_linears(model: CausalLM, make) -> None:
+    """Swap each decoder linear layer for `make(hf_prefixes, linear, out_sizes)` unless that
+    returns None. hf_prefixes: the checkpoint's layers fused into it, in order."""
+    cfg = model.config
+    for i, layer in enumerate(model.model.layers):
+        for ours in _LINEARS:
+            parent_name, attr = ours.split(".")
+            parent, linear = getattr(layer, parent_name), getattr(getattr(layer, parent_name), attr)
+            hf = sorted((index, name) for name, (fused, index) in _FUSED.items() if fused == ours)
+            prefixes = [f"model.layers.{i}.{name}" for _, name in hf] or [f"model.layers.{i}.{ours}"]
+            sizes = _split_sizes(cfg, ours) if hf else [linear.out_features]
+            new = make(prefixes, linear, sizes)
+            if new is not None:
+                setattr(parent, attr, new)
+
+
+def _checkpoint_linear(method: QuantMethod, keys: set[str], prefixes: list[str],
+                       linear: nn.Linear, sizes: list[int], dtype: torch.dtype):
+    """An empty quantized layer where the checkpoint stores the layer quantized, else None."""
+    stored = [method.in_checkpoint(p, keys) for p in prefixes]
+    if not any(stored):
+        return None
+    if not all(stored):
+        raise ValueError(f"{', '.join(prefixes)} are fused into one layer, but only some are "
+                         f"quantized ({method.name}) in the checkpoint")
+    return method.empty_linear(linear.in_features, sizes, linear.bias is not None, dtype)
 
 
 def dummy_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
@@ -93,17 +160,44 @@ def dummy_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     return model.eval()
 
 
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                 replace_linears=None) -> CausalLM:
     """Parameters allocated in `dtype` on `device` (values unset). The RoPE tables are built
-    in float32 explicitly, so they stay float32."""
+    in float32 explicitly, so they stay float32.
+
+    replace_linears(model), if given, swaps layers before anything is allocated: the model is
+    built on the meta device, then materialised, and the computed (non-persistent) buffers,
+    the RoPE tables, are built again on `device`.
+    """
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            model = CausalLM(cfg)
+        if replace_linears is None:
+            with torch.device(device):
+                model = CausalLM(cfg)
+        else:
+            with torch.device("meta"):
+                model = CausalLM(cfg)
+                replace_linears(model)
+            model.to_empty(device=device)
+            with torch.device(device):
+                model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                             cfg.rope_theta, cfg.rope_scaling)
+            computed = [f"{n}.{b}" for n, m in model.named_modules() if n != "rope"
+                        for b in m._non_persistent_buffers_set if getattr(m, b) is not None]
+            if computed:  # a new computed buffer needs rebuilding here too
+                raise RuntimeError(f"buffers {computed} were not rebuilt after a meta build")
     finally:
         torch.set_default_dtype(default)
     return model
+
+
+def _tensor_names(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read safetensors ({type(e).__name__}: {e})") from None
 
 
 def _read_tensors(path: Path):
@@ -117,7 +211,7 @@ def _read_tensors(path: Path):
 
 
 @torch.no_grad()
-def _load_tensor(cfg, params, loaded, name, tensor, path) -> None:
+def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return  # some tied checkpoints store the head anyway
     if "rotary_emb" in name:
@@ -126,6 +220,13 @@ def _load_tensor(cfg, params, loaded, name, tensor, path) -> None:
     for hf, (ours, index) in _FUSED.items():
         if f".{hf}." in name:
             target, part = name.replace(hf, ours), index
+    module_name, _, attr = target.rpartition(".")
+    if quant and module_name in quant:
+        try:
+            quant[module_name].load(attr, tensor, part)
+        except ValueError as e:
+            raise ValueError(f"{path}: tensor {name!r}: {e}") from None
+        return
     if target not in params:
         raise ValueError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
     param = params[target]

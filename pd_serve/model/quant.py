@@ -1,0 +1,338 @@
+"""Quantized linear layers, and how a checkpoint or `--quantization` chooses them.
+
+Methods (named as vLLM and SGLang name them):
+
+    gptq   INT4 weight-only GPTQ checkpoints (model/gptq.py), run by kernels/w4a16.py
+    fp8    FP8 weights with FP8 activations (model/fp8.py): checkpoints whose quant_method is
+           "fp8" or "compressed-tensors", or a 16/32-bit checkpoint quantized at load
+
+The checkpoint's config.json (`quantization_config`, or GPTQ's quantize_config.json) decides;
+`--quantization` may name the same method, or ask for `fp8` on an unquantized checkpoint.
+Only the decoder's linear layers are quantized (qkv_proj, o_proj, gate_up_proj, down_proj);
+embeddings, the LM head and norms stay in the model dtype, as biases do. A layer counts as
+quantized in a checkpoint when its quantized tensors are there (`qweight`, `weight_scale`), so
+a checkpoint's list of layers left in full precision needs no parsing.
+
+On CUDA, GPTQ layers run the Triton W4A16 GEMM and FP8 layers `torch._scaled_mm`. Elsewhere
+(the CPU) every layer runs its dequantized reference: the weight is dequantized once at load
+(`QuantLinear.dense`, which costs the memory of the dense weight) and FP8 activations are
+quantized and dequantized per token, so CPU figures carry the whole quantization error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.w4a16 import w4a16_matmul
+from pd_serve.config import QUANTIZATIONS
+from pd_serve.model import fp8
+from pd_serve.model.gptq import (GPTQConfig, check_layout, dequantize_t, quantize_rtn,
+                                 sort_act_order, trivial_g_idx)
+
+logger = logging.getLogger(__name__)
+SUPPORTED = "gptq (4-bit), fp8, compressed-tensors (FP8 weights and activations)"
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ W.T + bias` with W stored quantized, possibly several fused layers in one.
+
+    Loading: `load(name, tensor, part)` for each checkpoint tensor of the layer (part: which
+    of the fused layers, in `out_sizes` order, or None for all), then `finish_loading()` once.
+    `missing()` names the tensors not loaded yet. The bias is an nn.Parameter in the model
+    dtype; everything quantized is a buffer.
+    """
+
+    required: tuple[str, ...] = ()  # checkpoint tensor names every part must load
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_sizes = in_features, list(out_sizes)
+        self.out_features = sum(out_sizes)
+        self.dtype = dtype
+        self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype)) if bias else None
+        self.dense: torch.Tensor | None = None  # the dequantized weight [out, in], CPU only
+        self._loaded: set[tuple[str, int]] = set()
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor, part: int | None) -> None:
+        """Copy one checkpoint tensor in; ValueError on a name or shape this layer lacks."""
+        if name == "bias":
+            if self.bias is None:
+                if tensor.any():  # GPTQ writers store zero biases for bias-free layers
+                    raise ValueError("a non-zero bias for a layer without one")
+                return
+            _copy(self._narrow(self.bias, 0, part), tensor)
+        else:
+            self._load(name, tensor, part)
+        parts = range(len(self.out_sizes)) if part is None else [part]
+        self._loaded.update((name, p) for p in parts)
+
+    def missing(self) -> list[str]:
+        names = self.required + (("bias",) if self.bias is not None else ())
+        return [f"{n}#{p}" for n in names for p in range(len(self.out_sizes))
+                if (n, p) not in self._loaded]
+
+    def finish_loading(self, keep_dense: bool) -> None:
+        """After every tensor is in: prepare the layer to run. keep_dense: dequantize the
+        weight once and run the reference from it (the CPU)."""
+        raise NotImplementedError
+
+    def _load(self, name: str, tensor: torch.Tensor, part: int | None) -> None:
+        raise NotImplementedError
+
+    def _narrow(self, t: torch.Tensor, dim: int, part: int | None, pack: int = 1) -> torch.Tensor:
+        """The slice of `t` along its output dim `dim` that holds `part` (divided by `pack`
+        for packed dims)."""
+        if part is None:
+            return t
+        start, size = sum(self.out_sizes[:part]), self.out_sizes[part]
+        if start % pack or size % pack:
+            raise ValueError(f"fused part of {size} outputs at {start} is not a multiple of {pack}")
+        return t.narrow(dim, start // pack, size // pack)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_sizes={self.out_sizes}"
+
+
+class GPTQLinear(QuantLinear):
+    """A GPTQ INT4 layer: qweight, qzeros, scales, g_idx as model/gptq.py lays them out.
+
+    Fused layers concatenate their parts along the output dim (one g_idx: the parts share
+    their input). At load, an act-order g_idx is sorted away (`sort_act_order`: rows
+    permuted, `perm` kept for x), and a trivial one is dropped so the kernel takes its fast
+    path; a g_idx whose groups do not divide the input (576 inputs in groups of 128) stays.
+    """
+
+    required = ("qweight", "qzeros", "scales")
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 config: GPTQConfig):
+        super().__init__(in_features, out_sizes, bias, dtype)
+        self.config = config
+        num_groups, out = config.num_groups(in_features), self.out_features
+        self.register_buffer("qweight", torch.empty(in_features // 8, out, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.empty(num_groups, out // 8, dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(num_groups, out, dtype=torch.float16))
+        self.register_buffer("g_idx", None)
+        self.register_buffer("perm", None)
+        self._g_idx_parts: dict[int | None, torch.Tensor] = {}  # on the CPU until finish
+        if config.desc_act:
+            self.required = self.required + ("g_idx",)
+
+    def _load(self, name, tensor, part):
+        if name == "qweight":
+            _copy(self._narrow(self.qweight, 1, part), tensor)
+        elif name == "qzeros":
+            _copy(self._narrow(self.qzeros, 1, part, pack=8), tensor)
+        elif name == "scales":
+            _copy(self._narrow(self.scales, 1, part), tensor)
+        elif name == "g_idx":
+            if tensor.shape != (self.in_features,) or tensor.is_floating_point():
+                raise ValueError(f"g_idx must be int [{self.in_features}], got "
+                                 f"{tensor.dtype} {tuple(tensor.shape)}")
+            self._g_idx_parts[part] = tensor.to("cpu", torch.int32)
+        else:
+            raise ValueError(f"a GPTQ layer has no tensor {name!r}")
+
+    @torch.no_grad()
+    def finish_loading(self, keep_dense: bool) -> None:
+        in_features, group_size = self.in_features, self.config.group_size_for(self.in_features)
+        trivial = trivial_g_idx(in_features, group_size)
+        parts = list(self._g_idx_parts.values())
+        if any(not torch.equal(g, parts[0]) for g in parts[1:]):
+            raise ValueError("the fused layers' g_idx differ")
+        g_idx = parts[0] if parts else trivial
+        if not torch.equal(g_idx, trivial):  # act-order
+            self.qweight, self.g_idx, self.perm = sort_act_order(
+                self.qweight, g_idx.to(self.qweight.device))
+        elif in_features % group_size:
+            self.g_idx = trivial.to(self.qweight.device)
+        self._g_idx_parts = {}
+        check_layout(self.qweight, self.qzeros, self.scales, self.g_idx)
+        if keep_dense:
+            w_t = dequantize_t(self.qweight, self.qzeros, self.scales, self.g_idx,
+                               checkpoint_format=self.config.checkpoint_format)  # [in, out]
+            if self.perm is not None:  # row j of w_t is input perm[j]
+                w_t = torch.empty_like(w_t).index_copy_(0, self.perm.long(), w_t)
+            self.dense = w_t.t().to(self.dtype).contiguous()  # [out, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return F.linear(x, self.dense, self.bias)
+        out = w4a16_matmul(x, self.qweight, self.qzeros, self.scales, self.g_idx, perm=self.perm,
+                           checkpoint_format=self.config.checkpoint_format)
+        return out if self.bias is None else out + self.bias
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, out_sizes: list[int], config: GPTQConfig,
+                    keep_dense: bool) -> GPTQLinear:
+        """Round-to-nearest quantization of a dense layer (random-weight benchmarks)."""
+        w = linear.weight
+        with torch.device(w.device):
+            layer = cls(linear.in_features, out_sizes, linear.bias is not None, w.dtype, config)
+        qweight, qzeros, scales, g_idx = quantize_rtn(
+            w, config.group_size, config.sym, checkpoint_format=config.checkpoint_format)
+        for name, t in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales),
+                        ("g_idx", g_idx)) + ((("bias", linear.bias),) if linear.bias is not None else ()):
+            layer.load(name, t, None)
+        layer.finish_loading(keep_dense)
+        return layer
+
+
+class Fp8Linear(QuantLinear):
+    """An FP8 layer: weight float8_e4m3fn [out, in], weight_scale float32 [out] and, with
+    static activation scales, input_scale (one per fused part in the checkpoint; their max
+    at run time, as vLLM does)."""
+
+    required = ("weight", "weight_scale")
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 config: fp8.Fp8Config):
+        super().__init__(in_features, out_sizes, bias, dtype)
+        self.config = config
+        self.register_buffer("weight", torch.empty(self.out_features, in_features,
+                                                   dtype=fp8.FP8_DTYPE))
+        self.register_buffer("weight_scale", torch.empty(self.out_features, dtype=torch.float32))
+        self.register_buffer("input_scale", torch.empty(len(out_sizes), dtype=torch.float32)
+                             if config.static_activation else None)
+        if config.static_activation:
+            self.required = self.required + ("input_scale",)
+
+    def _load(self, name, tensor, part):
+        if name == "weight":
+            if tensor.dtype != fp8.FP8_DTYPE:
+                raise ValueError(f"weight is {tensor.dtype}; FP8 layers hold float8_e4m3fn")
+            _copy(self._narrow(self.weight, 0, part), tensor)
+        elif name == "weight_scale":
+            dst = self._narrow(self.weight_scale, 0, part)
+            scale = tensor.float().reshape(-1)
+            if scale.numel() not in (1, dst.numel()):
+                raise ValueError(f"weight_scale has {scale.numel()} values for {dst.numel()} "
+                                 "channels; per-tensor and per-channel scales are supported")
+            dst.copy_(scale.expand(dst.numel()))
+        elif name == "input_scale":
+            if self.input_scale is not None:  # a dynamic scheme ignores stored input scales
+                if tensor.numel() != 1:
+                    raise ValueError(f"input_scale has {tensor.numel()} values, not 1")
+                dst = self.input_scale if part is None else self.input_scale[part:part + 1]
+                dst.copy_(tensor.float().reshape(1).expand_as(dst))
+        elif name == "weight_scale_inv":
+            raise ValueError("block-wise FP8 scales (weight_scale_inv) are not supported")
+        else:
+            raise ValueError(f"an FP8 layer has no tensor {name!r}")
+
+    @torch.no_grad()
+    def finish_loading(self, keep_dense: bool) -> None:
+        if self.input_scale is not None:
+            self.input_scale = self.input_scale.max().reshape(1)
+        if keep_dense:
+            self.dense = fp8.dequantize_weight(self.weight, self.weight_scale, self.dtype)
+        elif self.weight.is_cuda and not fp8.scaled_mm_supported(self.weight.device, self.dtype):
+            logger.warning("FP8 layers run the dequantized reference on this GPU (slow): "
+                           "_scaled_mm needs compute capability 8.9+ and --dtype bfloat16")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias,
+                              dense=self.dense)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, out_sizes: list[int], config: fp8.Fp8Config,
+                    keep_dense: bool) -> Fp8Linear:
+        """Quantize a dense layer: per-channel weight scales, dynamic activation scales."""
+        w = linear.weight
+        with torch.device(w.device):
+            layer = cls(linear.in_features, out_sizes, linear.bias is not None, w.dtype, config)
+        weight, scale = fp8.quantize_weight(w)
+        layer.load("weight", weight, None)
+        layer.load("weight_scale", scale, None)
+        if linear.bias is not None:
+            layer.load("bias", linear.bias, None)
+        layer.finish_loading(keep_dense)
+        return layer
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+# ----------------------------------------------------------------------------- methods
+
+@dataclass(frozen=True)
+class QuantMethod:
+    """A model's quantization: which layer class, and whether the checkpoint holds the
+    quantized tensors (else the dense weights are quantized once loaded)."""
+
+    name: str  # "gptq" or "fp8"
+    config: GPTQConfig | fp8.Fp8Config
+
+    @property
+    def checkpoint_quantized(self) -> bool:
+        return self.name == "gptq" or self.config.checkpoint
+
+    def in_checkpoint(self, hf_prefix: str, keys: set[str]) -> bool:
+        """Whether the checkpoint stores layer `hf_prefix` (e.g. model.layers.0.mlp.up_proj)
+        quantized."""
+        marker = "qweight" if self.name == "gptq" else "weight_scale"
+        return f"{hf_prefix}.{marker}" in keys
+
+    def empty_linear(self, in_features: int, out_sizes: list[int], bias: bool,
+                     dtype: torch.dtype) -> QuantLinear:
+        cls = GPTQLinear if self.name == "gptq" else Fp8Linear
+        return cls(in_features, out_sizes, bias, dtype, self.config)
+
+    def quantize_linear(self, linear: nn.Linear, out_sizes: list[int],
+                        keep_dense: bool) -> QuantLinear:
+        cls = GPTQLinear if self.name == "gptq" else Fp8Linear
+        return cls.from_linear(linear, out_sizes, self.config, keep_dense)
+
+
+def quantization_method(model_dir: str | Path, requested: str | None) -> QuantMethod | None:
+    """The quantization of a model folder under `--quantization requested` (None: whatever
+    the checkpoint says). ValueError, naming the folder, for an unsupported quant_method or a
+    flag that contradicts the checkpoint."""
+    model_dir = Path(model_dir)
+    if requested not in (None, *QUANTIZATIONS):
+        raise ValueError(f"--quantization {requested!r} must be one of {', '.join(QUANTIZATIONS)}")
+    quant = _checkpoint_quant_config(model_dir)
+    if quant is None:
+        if requested == "gptq":
+            raise ValueError(f"--quantization gptq: {model_dir} is not a GPTQ checkpoint (no "
+                             "quantization_config in config.json, no quantize_config.json)")
+        return QuantMethod("fp8", fp8.Fp8Config()) if requested == "fp8" else None
+    method = str(quant.get("quant_method", "")).lower()
+    name = {"gptq": "gptq", "fp8": "fp8", "compressed-tensors": "fp8"}.get(method)
+    if name is None:
+        raise ValueError(f"{model_dir}: quant_method {method!r} is not supported; "
+                         f"supported: {SUPPORTED}")
+    if requested not in (None, name):
+        raise ValueError(f"--quantization {requested} does not match {model_dir}, a {method} "
+                         "checkpoint; leave --quantization out to use the checkpoint's")
+    try:
+        config = GPTQConfig.from_dict(quant) if name == "gptq" else fp8.Fp8Config.from_dict(quant)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
+    return QuantMethod(name, config)
+
+
+def _checkpoint_quant_config(model_dir: Path) -> dict | None:
+    """config.json's quantization_config, else quantize_config.json (AutoGPTQ's, GPTQ)."""
+    config_path = model_dir / "config.json"
+    quant = json.loads(config_path.read_text()).get("quantization_config") \
+        if config_path.is_file() else None
+    if quant is None and (model_dir / "quantize_config.json").is_file():
+        quant = {"quant_method": "gptq",
+                 **json.loads((model_dir / "quantize_config.json").read_text())}
+    if quant is not None and not isinstance(quant, dict):
+        raise ValueError(f"{model_dir}: quantization_config must be a JSON object")
+    return quant

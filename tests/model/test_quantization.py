@@ -1,0 +1,172 @@
+"""Quantized models through the engine: GPTQ INT4 and FP8 checkpoints the tests write, and
+--quantization fp8 at load.
+
+Exactness: a loaded GPTQ checkpoint (fused q/k/v, act-order, biases) scores a text exactly as
+the dense model of its dequantized weights does. Quality, on tests/data/eval_text.txt against
+the full-precision SmolLM2 (teacher-forced, pd_serve/eval.py): the figures are printed
+(pytest -s) and held to floors that catch regressions. The issue's target for GPTQ (top-1
+agreement >= 95 %, perplexity within 5 %) is out of reach of round-to-nearest 4-bit weights on
+this 135M model, whose bf16 copy alone agrees with float32 on 96.9 % of the positions; FP8
+meets the perplexity target. README's Quantization section has the full-text figures.
+
+PD_SERVE_QUANT_EVAL_TOKENS sets how many tokens of the text are scored (default 512; 0: all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pd_serve.config import CacheConfig, EngineConfig
+from pd_serve.engine.core import EngineCore
+from pd_serve.eval import Comparison, TokenScores, compare, score_tokens
+from pd_serve.model.loader import load_model
+from pd_serve.model.quant import Fp8Linear, GPTQLinear
+from pd_serve.model.tokenizer import Tokenizer
+from quant_checkpoints import (write_dequantized_checkpoint, write_fp8_checkpoint,
+                               write_gptq_checkpoint)
+
+EVAL_TEXT = Path(__file__).parents[1] / "data" / "eval_text.txt"
+EVAL_TOKENS = int(os.environ.get("PD_SERVE_QUANT_EVAL_TOKENS", "512"))
+
+
+def _core(model_dir, **options) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(model_dir), device="cpu",
+                                   cache=CacheConfig(max_total_tokens=4096), **options))
+
+
+@pytest.fixture(scope="module")
+def eval_ids(default_model_dir) -> list[int]:
+    ids = Tokenizer.from_dir(default_model_dir).encode(EVAL_TEXT.read_text())
+    return ids[:EVAL_TOKENS] if EVAL_TOKENS else ids
+
+
+@pytest.fixture(scope="module")
+def full_precision(default_model_dir, eval_ids) -> TokenScores:
+    return score_tokens(_core(default_model_dir), eval_ids)
+
+
+def _measure(label: str, kind: type, model_dir, eval_ids, reference,
+             **options) -> tuple[Comparison, TokenScores]:
+    """Score the text with the quantized model (every decoder linear layer a `kind`)."""
+    core = _core(model_dir, **options)
+    assert sum(isinstance(m, kind) for m in core.model.modules()) == 4 * len(core.model.model.layers)
+    scores = score_tokens(core, eval_ids)
+    result = compare(scores, reference)
+    print(f"\n{label}: {result}")
+    return result, scores
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+def test_gptq_smollm2_sym(gptq_smollm2_dir, eval_ids, full_precision):
+    """RTN 4-bit, group 128, sym. Full text: 58.6 % top-1, perplexity +53 %."""
+    result, _ = _measure("gptq sym g128", GPTQLinear, gptq_smollm2_dir, eval_ids, full_precision)
+    assert result.top1_agreement >= 0.50 and result.perplexity_ratio <= 1.75, result
+
+
+def test_gptq_smollm2_asym(tmp_path, default_model_dir, eval_ids, full_precision):
+    """RTN 4-bit, group 128, asym (a zero point per group). Full text: 64.1 %, +36 %."""
+    model_dir = write_gptq_checkpoint(default_model_dir, tmp_path / "asym", sym=False)
+    result, _ = _measure("gptq asym g128", GPTQLinear, model_dir, eval_ids, full_precision)
+    assert result.top1_agreement >= 0.55 and result.perplexity_ratio <= 1.55, result
+
+
+def test_fp8_smollm2_at_load_and_from_checkpoint(tmp_path, default_model_dir, eval_ids,
+                                                  full_precision):
+    """--quantization fp8 (per-channel weights, dynamic per-token activations) and the same
+    weights as a compressed-tensors checkpoint score alike. Full text: 90.0 %, +2.9 %."""
+    at_load, scores = _measure("fp8 at load", Fp8Linear, default_model_dir, eval_ids, full_precision,
+                               quantization="fp8")
+    assert at_load.top1_agreement >= 0.85 and at_load.perplexity_ratio <= 1.05, at_load
+    model_dir = write_fp8_checkpoint(default_model_dir, tmp_path / "fp8")
+    _, from_checkpoint = _measure("fp8 compressed-tensors", Fp8Linear, model_dir, eval_ids, full_precision)
+    assert torch.equal(from_checkpoint.top1, scores.top1)
+    torch.testing.assert_close(from_checkpoint.nll, scores.nll)
+
+
+# ----------------------------------------------------------------------------- tiny, exact
+
+def _random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("kind, options", [
+    ("qwen2", dict(desc_act=True, group_size=32)),  # QKV bias, act-order, sharded source
+    ("llama3", dict(sym=False, checkpoint_format="gptq_v2")),
+    ("qwen3", dict(group_size=32)),  # q/k norm, tied embeddings
+])
+def test_gptq_checkpoint_equals_its_dequantized_model(tmp_path, tiny_checkpoints, kind, options):
+    src = tiny_checkpoints[kind]
+    if kind == "qwen2":  # the fixture shards it; the writer reads every shard
+        assert len(list(src.glob("*.safetensors"))) > 1
+    gptq_dir = write_gptq_checkpoint(src, tmp_path / "gptq", **options)
+    dense_dir = write_dequantized_checkpoint(gptq_dir, tmp_path / "dense")
+    core = _core(gptq_dir)
+    permuted = [m for m in core.model.modules() if isinstance(m, GPTQLinear) and m.perm is not None]
+    assert len(permuted) == (4 * 2 if options.get("desc_act") else 0)  # act-order rows sorted
+    ids = _random_ids(70, 5)
+    quantized, dense = score_tokens(core, ids), score_tokens(_core(dense_dir), ids)
+    assert torch.equal(quantized.top1, dense.top1)
+    torch.testing.assert_close(quantized.nll, dense.nll, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout, input_amax", [("fp8", 24.0), ("compressed-tensors", None)])
+def test_fp8_checkpoint_equals_its_dequantized_model(tmp_path, tiny_checkpoints, layout,
+                                                     input_amax):
+    """Per-tensor (fp8) or per-channel (compressed-tensors) weight scales, static or dynamic
+    activation scales: the model scores a text as the dense model of its dequantized weights
+    does when each linear layer's input is rounded to FP8 first (forward pre-hooks here)."""
+    src = tiny_checkpoints["qwen2"]
+    fp8_dir = write_fp8_checkpoint(src, tmp_path / layout, layout=layout, input_amax=input_amax)
+    dense = _core(write_dequantized_checkpoint(fp8_dir, tmp_path / "dense"))
+
+    def round_input(module, args):
+        x = args[0].float()
+        scale = (x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448 if input_amax is None
+                 else torch.tensor(input_amax / 448))
+        return ((x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale,)
+
+    for module in dense.model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(round_input)
+    ids = _random_ids(60, 6)
+    quantized, reference = score_tokens(_core(fp8_dir), ids), score_tokens(dense, ids)
+    assert torch.equal(quantized.top1, reference.top1)
+    torch.testing.assert_close(quantized.nll, reference.nll, rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_dummy_weights(tiny_checkpoints, tmp_path):
+    """load_format dummy quantizes random weights: FP8 by the flag, GPTQ by config.json."""
+    src = tiny_checkpoints["llama3"]
+    model = load_model(src, torch.float32, "cpu", load_format="dummy", quantization="fp8")
+    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    gptq_dir = tmp_path / "gptq"
+    gptq_dir.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (gptq_dir / "config.json").write_text(json.dumps(config))
+    model = load_model(gptq_dir, torch.float32, "cpu", load_format="dummy")
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, GPTQLinear) and layer.out_sizes == [64, 32, 32]
+
+
+def test_partly_quantized_fused_layer_is_an_error(tmp_path, tiny_checkpoints):
+    gptq_dir = write_gptq_checkpoint(tiny_checkpoints["llama3"], tmp_path / "gptq")
+    tensors = load_file(gptq_dir / "model.safetensors")
+    prefix = "model.layers.0.self_attn.k_proj"
+    for t in ("qweight", "qzeros", "scales", "g_idx"):
+        del tensors[f"{prefix}.{t}"]
+    tensors[f"{prefix}.weight"] = torch.zeros(32, 64)
+    save_file(tensors, gptq_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="k_proj.*fused into one layer, but only some"):
+        load_model(gptq_dir, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="does not match"):
+        load_model(gptq_dir, torch.float32, "cpu", quantization="fp8")
+    with pytest.raises(ValueError, match="is not a GPTQ checkpoint"):
+        _core(tiny_checkpoints["llama3"], quantization="gptq")
