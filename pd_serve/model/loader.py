@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pd_serve.cache.kv_quant import kv_scale_target
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
 from pd_serve.model.quant import QuantLinear, QuantMethod, quantization_method
@@ -214,8 +215,8 @@ def _read_tensors(path: Path):
 def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return  # some tied checkpoints store the head anyway
-    if "rotary_emb" in name:
-        return
+    if "rotary_emb" in name or kv_scale_target(name) is not None:
+        return  # KV-cache scales are the cache's settings (cache/kv_quant.py reads them)
     target, part = name, None
     for hf, (ours, index) in _FUSED.items():
         if f".{hf}." in name:

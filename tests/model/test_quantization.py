@@ -36,8 +36,8 @@ EVAL_TOKENS = int(os.environ.get("PD_SERVE_QUANT_EVAL_TOKENS", "512"))
 
 
 def _core(model_dir, **options) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(model_dir), device="cpu",
-                                   cache=CacheConfig(max_total_tokens=4096), **options))
+    options.setdefault("cache", CacheConfig(max_total_tokens=4096))
+    return EngineCore(EngineConfig(model=str(model_dir), device="cpu", **options))
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +139,19 @@ def test_fp8_checkpoint_equals_its_dequantized_model(tmp_path, tiny_checkpoints,
     quantized, reference = score_tokens(_core(fp8_dir), ids), score_tokens(dense, ids)
     assert torch.equal(quantized.top1, reference.top1)
     torch.testing.assert_close(quantized.nll, reference.nll, rtol=1e-4, atol=1e-4)
+
+
+def test_kv_cache_scales_beside_fp8_weights_are_not_weights(tmp_path, tiny_checkpoints):
+    """An FP8 checkpoint with KV-cache scales (compressed-tensors' k_proj.output_scale, under
+    a quantized layer's name) loads; --kv-cache-dtype fp8_e4m3 picks the scales up."""
+    fp8_dir = write_fp8_checkpoint(tiny_checkpoints["llama3"], tmp_path / "fp8")
+    tensors = load_file(fp8_dir / "model.safetensors")
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.k_proj.output_scale"] = torch.tensor([0.5])
+        tensors[f"model.layers.{layer}.self_attn.v_proj.output_scale"] = torch.tensor([0.25])
+    save_file(tensors, fp8_dir / "model.safetensors")
+    core = _core(fp8_dir, cache=CacheConfig(max_total_tokens=256, kv_cache_dtype="fp8_e4m3"))
+    assert core.kv_pool.layout.k_scales == (0.5, 0.5) and core.kv_pool.layout.v_scales == (0.25, 0.25)
 
 
 def test_quantized_dummy_weights(tiny_checkpoints, tmp_path):
