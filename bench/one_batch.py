@@ -42,11 +42,13 @@ our tokens/s / transformers' tokens/s on the same case (> 1: we are faster).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import importlib
 import inspect
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -128,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="how decode cases reach their context: prefill steps, or direct (pages "
                    "allocated and the prompt counted as computed, as a decode worker admits "
                    "transferred KV; the step's work is the same, the fill takes no time)")
+    p.add_argument("--profile-host", action="store_true",
+                   help="also run each decode case's steps under cProfile and keep the host "
+                   "functions that cost the most per step (host_profile in its row)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None,
                    help="compare with transformers (default: on GPU only)")
     p.add_argument("--hf-batch-sizes", type=_ints, default=[1, 64])
@@ -304,7 +309,7 @@ def run_prefill(core: EngineCore, gen: torch.Generator, batch: int, length: int,
 
 
 def run_decode(core: EngineCore, gen: torch.Generator, batch: int, context: int, warmup: int,
-               steps: int, fill: str = "prefill") -> dict:
+               steps: int, fill: str = "prefill", profile: bool = False) -> dict:
     """Bring `batch` prompts of `context` ids to decoding (see --decode-fill), then time
     `steps` whole decode steps."""
     prompts = random_ids(gen, core.model_config.vocab_size, batch, context)
@@ -336,9 +341,26 @@ def run_decode(core: EngineCore, gen: torch.Generator, batch: int, context: int,
     if buckets:
         graph = core.runner.graphs[min(buckets)]
         replay_s = statistics.median(time_each(graph.replay, core.device, repeats=steps))
+    host = profile_steps(core, steps) if profile else None
     clear(core)
     return {"seconds": seconds, "fill_steps": fill_steps, "graph_replay_s": replay_s,
-            "mean_context": first_seq_lens / batch + (steps - 1) / 2}
+            "mean_context": first_seq_lens / batch + (steps - 1) / 2, "host_profile": host}
+
+
+def profile_steps(core: EngineCore, steps: int, top: int = 15) -> list[dict]:
+    """The functions with the most own time over `steps` decode steps under cProfile, per step
+    (cProfile slows Python code down, so read these as shares, not as absolute times)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        core.step()
+    sync(core.device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, _)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": n / steps,
+             "own_ms_per_step": tt / steps * 1e3, "cum_ms_per_step": ct / steps * 1e3}
+            for (f, line, name), (_, n, tt, ct, _) in rows]
 
 
 def fill_direct(core: EngineCore, prompt: list[int]) -> Request:
@@ -501,7 +523,8 @@ def decode_figures(r: dict, batch: int, steps: int, weight_bytes: int, kv_per_to
             "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "floor_ms": floor * 1e3,
             "ratio_to_floor": step_s / floor,
             "graph_replay_ms": None if replay_s is None else replay_s * 1e3,
-            "graph_replay_ratio_to_floor": None if replay_s is None else replay_s / floor}
+            "graph_replay_ratio_to_floor": None if replay_s is None else replay_s / floor,
+            "host_profile": r.get("host_profile")}
 
 
 @dataclass
@@ -586,7 +609,7 @@ def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> None:
         for b in args.batch_sizes:
             measure = lambda b=b, c=c: bench.decode_row(  # noqa: E731
                 b, run_decode(core, gen, b, c, args.decode_warmup, args.decode_steps,
-                              args.decode_fill))
+                              args.decode_fill, args.profile_host))
             decode.append(bench.case(f"decode bs={b} ctx={c}",
                                      row("decode", b, c, batch=b, context=c), measure, core))
 
