@@ -5,7 +5,7 @@
 # Here (once):   bash ../shared/device/fetch-gpu-wheels.sh pyzmq msgpack prometheus-client gguf
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
-# Steps: tests onebatch e2e (default: all three, in that order). Carry .whl and .gpu-model.
+# Steps: tests (kernels + gputests) gputests onebatch e2e (default: all three, in that order). Carry .whl and .gpu-model.
 # ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile-host).
 # The GPU machine cannot carry the 94 MB default GGUF, so the end-to-end tests serve a tiny
 # random Llama written there with SmolLM2's tokenizer, under the default model's name.
@@ -40,6 +40,7 @@ for s in $steps; do
   case $s in
     tests) step kernels 240 python3 -m pytest -q -p no:cacheprovider tests/kernels
            step gputests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    gputests) step gputests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
     onebatch) step onebatch 420 python3 -m bench.one_batch --preset llama3-8b \
              --output "$OUT/one-batch-h200-llama3-8b.json" ${ONEBATCH_ARGS:-} ;;
     e2e) PD_SERVE_TEST_DEVICE=cuda PD_SERVE_TEST_MODEL=$model \
