@@ -130,9 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="how decode cases reach their context: prefill steps, or direct (pages "
                    "allocated and the prompt counted as computed, as a decode worker admits "
                    "transferred KV; the step's work is the same, the fill takes no time)")
-    p.add_argument("--profile-host", action="store_true",
-                   help="also run each decode case's steps under cProfile and keep the host "
-                   "functions that cost the most per step (host_profile in its row)")
+    p.add_argument("--profile", action="store_true",
+                   help="per decode case, also keep the host functions that cost the most per "
+                   "step (cProfile: host_profile) and the graph's kernels by GPU time "
+                   "(torch.profiler: kernel_profile)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None,
                    help="compare with transformers (default: on GPU only)")
     p.add_argument("--hf-batch-sizes", type=_ints, default=[1, 64])
@@ -342,9 +343,11 @@ def run_decode(core: EngineCore, gen: torch.Generator, batch: int, context: int,
         graph = core.runner.graphs[min(buckets)]
         replay_s = statistics.median(time_each(graph.replay, core.device, repeats=steps))
     host = profile_steps(core, steps) if profile else None
+    kernels = profile_kernels(graph.replay, steps) if profile and buckets else None
     clear(core)
     return {"seconds": seconds, "fill_steps": fill_steps, "graph_replay_s": replay_s,
-            "mean_context": first_seq_lens / batch + (steps - 1) / 2, "host_profile": host}
+            "mean_context": first_seq_lens / batch + (steps - 1) / 2, "host_profile": host,
+            "kernel_profile": kernels}
 
 
 def profile_steps(core: EngineCore, steps: int, top: int = 15) -> list[dict]:
@@ -361,6 +364,21 @@ def profile_steps(core: EngineCore, steps: int, top: int = 15) -> list[dict]:
     return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": n / steps,
              "own_ms_per_step": tt / steps * 1e3, "cum_ms_per_step": ct / steps * 1e3}
             for (f, line, name), (_, n, tt, ct, _) in rows]
+
+
+def profile_kernels(replay, steps: int, top: int = 20) -> list[dict]:
+    """GPU time per step of each kernel in the decode graph (torch.profiler over `steps`
+    replays), the costliest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    return [{"kernel": e.key[:160], "calls_per_step": e.count / steps,
+             "us_per_step": e.device_time_total / steps} for e in kernels[:top]]
 
 
 def fill_direct(core: EngineCore, prompt: list[int]) -> Request:
@@ -524,7 +542,7 @@ def decode_figures(r: dict, batch: int, steps: int, weight_bytes: int, kv_per_to
             "ratio_to_floor": step_s / floor,
             "graph_replay_ms": None if replay_s is None else replay_s * 1e3,
             "graph_replay_ratio_to_floor": None if replay_s is None else replay_s / floor,
-            "host_profile": r.get("host_profile")}
+            "host_profile": r.get("host_profile"), "kernel_profile": r.get("kernel_profile")}
 
 
 @dataclass
@@ -609,7 +627,7 @@ def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> None:
         for b in args.batch_sizes:
             measure = lambda b=b, c=c: bench.decode_row(  # noqa: E731
                 b, run_decode(core, gen, b, c, args.decode_warmup, args.decode_steps,
-                              args.decode_fill, args.profile_host))
+                              args.decode_fill, args.profile))
             decode.append(bench.case(f"decode bs={b} ctx={c}",
                                      row("decode", b, c, batch=b, context=c), measure, core))
 

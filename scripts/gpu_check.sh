@@ -2,11 +2,12 @@
 # The GPU machine's whole check in one command: install the carried wheels, run the GPU tests,
 # the one-batch benchmark and the end-to-end tests on --device cuda; logs and JSON go to $OUT.
 #
-# Here (once):   bash ../shared/device/fetch-gpu-wheels.sh pyzmq msgpack prometheus-client gguf
+# Here (once):   bash ../shared/device/fetch-gpu-wheels.sh pyzmq msgpack prometheus-client gguf \
+#                  openai pydantic pydantic-core annotated-types typing-inspection distro jiter sniffio
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
 # Steps: tests (kernels + gputests) gputests onebatch e2e (default: all three, in that order). Carry .whl and .gpu-model.
-# ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile-host).
+# ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile).
 # The GPU machine cannot carry the 94 MB default GGUF, so the end-to-end tests serve a tiny
 # random Llama written there with SmolLM2's tokenizer, under the default model's name.
 set -uo pipefail
