@@ -117,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flashinfer", "triton", "torch"])
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="decode steps wait for their tokens before the next is planned")
     p.add_argument("--batch-sizes", type=_ints, help="decode batch sizes (comma list); default "
                    "1,8,32,64,128,256 on GPU, 1,8,32 on CPU")
     p.add_argument("--contexts", type=_ints, help="decode contexts; default 1024,4096 on GPU, "
@@ -287,13 +289,24 @@ def clear(core: EngineCore) -> None:
     """End every request, so the next case starts with an empty batch and every page free."""
     for r in list(core.scheduler.running) + list(core.scheduler.waiting):
         core.scheduler.finish(r, FinishReason.ABORT)
+    core.drain()  # a step still in flight (overlap schedule) holds its pages until done
     if core.allocator.num_free_pages != core.allocator.num_pages:
         raise RuntimeError(f"{core.allocator.num_used_pages} KV pages still in use after a case")
 
 
 def run_prefill(core: EngineCore, gen: torch.Generator, batch: int, length: int,
                 repeats: int) -> list[float]:
-    """Seconds of `repeats` timed steps that each prefill `batch` fresh prompts (one warm-up)."""
+    """Seconds of `repeats` timed steps that each prefill `batch` fresh prompts (one warm-up).
+    A lone step has nothing to overlap with: the overlap schedule is off here."""
+    overlap, core.overlap = core.overlap, False
+    try:
+        return _prefill_seconds(core, gen, batch, length, repeats)
+    finally:
+        core.overlap = overlap
+
+
+def _prefill_seconds(core: EngineCore, gen: torch.Generator, batch: int, length: int,
+                     repeats: int) -> list[float]:
     seconds = []
     for i in range(repeats + 1):
         add_requests(core, random_ids(gen, core.model_config.vocab_size, batch, length))
@@ -326,15 +339,17 @@ def run_decode(core: EngineCore, gen: torch.Generator, batch: int, context: int,
                 raise RuntimeError("the KV pool ran out while prefilling (preemption)")
     for _ in range(warmup):
         core.step()
-    first_seq_lens = sum(r.num_tokens for r in requests)  # KV read per row by the first timed step
+    before = [r.num_tokens for r in requests]  # a token still pending (overlap) counts
+    first_seq_lens = sum(before)  # KV read per row by the first timed step
     sync(core.device)
     start = time.perf_counter()
     for _ in range(steps):
-        plan, _ = core.step()
-        if plan.num_tokens != batch or len(plan.chunks) != batch:
-            raise RuntimeError(f"a timed step ran {plan.num_tokens} tokens, not {batch} decodes")
+        core.step()
     sync(core.device)
     seconds = time.perf_counter() - start
+    core.drain()
+    if any(r.num_tokens != n + steps for r, n in zip(requests, before)):
+        raise RuntimeError(f"the timed steps did not add {steps} tokens to each of {batch} rows")
     # The GPU's share: replay the last step's CUDA graph alone (it rewrites the same KV slots),
     # so step time - replay time is the host's (scheduling, planning, sampling, syncs).
     buckets = [bs for bs in core.runner.graphs if bs >= batch]
@@ -427,7 +442,7 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
     config = EngineConfig(
         model=str(model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
         load_format="dummy", seed=args.seed, attention_backend=args.attention_backend,
-        disable_cuda_graph=args.disable_cuda_graph,
+        disable_cuda_graph=args.disable_cuda_graph, disable_overlap_schedule=args.disable_overlap_schedule,
         context_length=min(cfg.max_position_embeddings, longest + page_size),
         cache=CacheConfig(max_total_tokens=pool_tokens),
         scheduler=SchedulerConfig(max_running_requests=max_batch, chunked_prefill_size=chunk))
@@ -705,6 +720,7 @@ def main(argv=None) -> int:
         record["engine"] = {
             "attention_backend": core.attention_backend,
             "cuda_graphs": bool(getattr(core.runner, "graphs", None)),
+            "overlap_schedule": core.overlap,
             "build_s": time.perf_counter() - start, "kv_pool_tokens": kv["pool_tokens"],
             "kv_budget_bytes": kv["budget_bytes"], "context_length": kv["context_length"],
             "chunked_prefill_size": kv["chunked_prefill_size"]}
@@ -740,7 +756,8 @@ def _summary(row: dict) -> str:
 def print_table(record: dict) -> None:
     c, e = record["ceilings"], record["engine"]
     print(f"\n{record['preset']} on {record['device_name']} ({record['dtype']}), attention "
-          f"{e['attention_backend']}, CUDA graphs {'on' if e['cuda_graphs'] else 'off'}")
+          f"{e['attention_backend']}, CUDA graphs {'on' if e['cuda_graphs'] else 'off'}, overlap schedule "
+          f"{'on' if e.get('overlap_schedule') else 'off'}")
     print(f"ceilings: copy {c['copy']['median_gbps']:,.4g} GB/s (read + write), matmul "
           f"{c['matmul']['n']}^3 {c['matmul']['median_tflops']:,.4g} TFLOP/s")
     print(f"\n{'prefill':<10}| {'tok/s':>10} | {'ms':>8} | {'x floor':>7} | "

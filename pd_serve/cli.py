@@ -39,6 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=d_engine.cuda_graph_max_bs,
                    help="largest decode batch replayed through a CUDA graph")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="on GPU, wait for each step's tokens before planning the next (by default "
+                        "step N+1 is planned while step N runs)")
     g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weights: fp8 quantizes a 16/32-bit checkpoint at load (or names an FP8 "
                         "checkpoint's), gptq names a GPTQ INT4 checkpoint's; default: as the "
@@ -61,8 +64,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
-                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph", "quantization",
-                "page_size", "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb",
+                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
+                "disable_overlap_schedule", "quantization", "page_size", "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb",
                 "kv_cache_dtype", "max_running_requests", "chunked_prefill_size", "schedule_policy")
 
 

@@ -57,6 +57,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: flashinfer on GPU if installed, else triton; torch on CPU
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False  # GPU: plan step N+1 while step N runs unless set
     quantization: str | None = None  # fp8 / gptq; None: the checkpoint's (pd_serve/model/quant.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

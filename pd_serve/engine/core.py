@@ -2,11 +2,20 @@
 
 EngineCore.step() is schedule -> run -> take the sampled tokens back. It knows token ids only;
 text, stop strings and APIs live above it (the colocated Engine, the prefill and decode workers).
+
+The overlap schedule (on by default on GPU; --disable-overlap-schedule, as SGLang names it):
+step() plans and launches step N while step N-1 is still on the device, then waits for N-1's
+tokens and returns those. The host's work (scheduling, attention planning, the callers' stop
+checks and streaming) so hides behind the device's. A request's token from N-1 is pending while
+N is planned (its input is read on the device); a request that ends on N-1's token has one
+wasted row in N, whose token is dropped. Steps that sample with penalties (they read the output
+tokens) or report finished layers (prefill) wait for the step before them first.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +27,7 @@ from pd_serve.config import CacheConfig, EngineConfig
 from pd_serve.engine.attention import create_backend, resolve_backend_name
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.runner import ModelRunner
-from pd_serve.engine.sampler import Sampler, SamplerOutput
+from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput, needs_penalties
 from pd_serve.engine.scheduler import Scheduler, SchedulerOutput
 from pd_serve.model.config import ModelConfig, resolve_dtype
 from pd_serve.model.loader import load_model
@@ -77,6 +86,9 @@ class EngineCore:
         logger.info("attention backend %s, CUDA graphs %s", self.attention_backend,
                     "on" if self.runner.graphs else "off")
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)
+        self.scheduler.max_model_len = self.max_model_len
+        self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule
+        self._in_flight: InFlight | None = None
 
     def warmup(self, num_tokens: int = 16) -> None:
         """One throwaway prefill and decode, so the first real request does not pay for lazy
@@ -89,6 +101,7 @@ class EngineCore:
         while len(request.output_token_ids) < 2 and not request.finished:
             self.step()
         self.scheduler.finish(request, FinishReason.ABORT)
+        self.drain()
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Raise ValueError (one line, naming the limit) for a prompt this worker cannot take."""
@@ -103,18 +116,81 @@ class EngineCore:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
     def step(self, on_layer=None) -> tuple[SchedulerOutput, list[Request]]:
-        """One batch. Returns the plan and the requests that got a new token (appended).
+        """One batch. Returns a plan and the requests that got a new token from it (appended):
+        this step's, or under the overlap schedule the step before's (module docstring).
 
         on_layer(plan, i), if given, is called as the forward finishes layer i."""
+        if not self.overlap or on_layer is not None:
+            plan = self.scheduler.schedule()
+            after_layer = None if on_layer is None else (lambda i: on_layer(plan, i))
+            sampled = self.runner.execute(plan, after_layer) if plan.chunks else SamplerOutput([], [])
+            self.scheduler.update(plan, sampled.token_ids)
+            return plan, self._take_tokens(sampled, [c.request for c in plan.chunks if c.sample])
+        done = None
+        if self._in_flight is not None and needs_penalties(self._in_flight.requests):
+            done = self._settle(self._in_flight)  # penalties read the tokens: wait for them
+            self._in_flight = None
         plan = self.scheduler.schedule()
-        after_layer = None if on_layer is None else (lambda i: on_layer(plan, i))
-        sampled = self.runner.execute(plan, after_layer) if plan.chunks else SamplerOutput([], [])
-        self.scheduler.update(plan, sampled.token_ids)
-        requests = [c.request for c in plan.chunks if c.sample]
+        previous, self._in_flight = self._in_flight, None
+        if plan.chunks:
+            sample = self.runner.launch(plan, prev_tokens=previous.sample.tokens if previous else None)
+            self.scheduler.update(plan, None)
+            self._in_flight = InFlight(plan, sample, self.scheduler.launched())
+        if previous is not None:
+            done = self._settle(previous)
+        if not plan.chunks:  # nothing launched: what scheduling ended is reported now
+            return _merged(done, plan), done[1] if done else []
+        return done or (SchedulerOutput(), [])
+
+    def drain(self) -> None:
+        """Wait for the step in flight and settle it (its tokens are appended, not returned):
+        for callers that stop stepping with work launched (warm-up, benchmarks)."""
+        if self._in_flight is not None:
+            flight, self._in_flight = self._in_flight, None
+            self._settle(flight)
+
+    def _settle(self, flight: "InFlight") -> tuple[SchedulerOutput, list[Request]]:
+        """Wait for a launched step; append its tokens to its requests that are still live."""
+        sampled = flight.sample.result()
+        self.scheduler.completed(flight.number)
+        live = []
+        for request, token, logprob in zip(flight.requests, sampled.token_ids, sampled.logprobs):
+            request.num_pending -= 1
+            if not request.finished:
+                request.output_token_ids.append(token)
+                live.append((request, logprob))
+        return flight.plan, self._take_tokens(SamplerOutput([], [lp for _, lp in live]),
+                                              [r for r, _ in live])
+
+    @staticmethod
+    def _take_tokens(sampled: SamplerOutput, requests: list[Request]) -> list[Request]:
+        """Append the logprobs that came with the sampled tokens; returns the requests."""
         for request, logprob in zip(requests, sampled.logprobs):
             if logprob is not None:
                 request.output_logprobs.append(logprob)
-        return plan, requests
+        return requests
+
+
+@dataclass
+class InFlight:
+    """A step launched on the device whose tokens are not yet known."""
+
+    plan: SchedulerOutput
+    sample: PendingSample
+    number: int  # the scheduler's count of launched steps
+
+    @property
+    def requests(self) -> list[Request]:
+        return [c.request for c in self.plan.chunks if c.sample]
+
+
+def _merged(done: tuple[SchedulerOutput, list[Request]] | None, plan: SchedulerOutput) -> SchedulerOutput:
+    """One plan to report: the settled step's chunks plus what scheduling ended or preempted since."""
+    if done is None:
+        return plan
+    first = done[0]
+    return SchedulerOutput(chunks=first.chunks, preempted=first.preempted + plan.preempted,
+                           finished=first.finished + plan.finished)
 
 
 def token_stop_reason(request: Request, eos_token_ids, max_model_len: int) -> FinishReason | None:
@@ -124,7 +200,7 @@ def token_stop_reason(request: Request, eos_token_ids, max_model_len: int) -> Fi
         return FinishReason.STOP
     if not params.ignore_eos and token_id in eos_token_ids:
         return FinishReason.STOP
-    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+    if len(request.output_token_ids) >= params.max_tokens or request.num_known_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
 

@@ -42,6 +42,11 @@ class Request:
     Prefill, chunked prefill, decode and recompute after preemption are the same thing: each
     step computes some of the tokens not yet in the cache, and when the cache holds them all the
     engine samples one more token.
+
+    Under the overlap schedule a sampled token can still be on the device when the next step is
+    planned: num_pending counts it into num_tokens (1; 2 between launching a step and settling
+    the one before), and pending_row says which row of the newest step holds it.
+    output_token_ids holds known tokens only.
     """
 
     prompt_token_ids: list[int]
@@ -57,6 +62,8 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    num_pending: int = 0
+    pending_row: int = -1
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -68,7 +75,21 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Sequence length as the scheduler sees it: known tokens and the one pending, if any."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, pos: int) -> int:
+        """The token id at position pos; a pending one is -(1 + its row in the step in flight)."""
+        n = len(self.prompt_token_ids)
+        if pos < n:
+            return self.prompt_token_ids[pos]
+        if pos - n < len(self.output_token_ids):
+            return self.output_token_ids[pos - n]
+        return -1 - self.pending_row
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -4,6 +4,10 @@ On GPU, batches of one new token per row (decode) replay CUDA graphs captured at
 sizes: the batch is padded to the next bucket (padded rows store no KV: slot -1), the inputs
 are copied into fixed buffers, the attention backend refills its fixed page-table buffers, and
 the graph runs the whole forward and the LM head. All buckets share one memory pool.
+
+launch() queues a step and its sampling without waiting for the device; a token still pending
+from the step before (Request.token_at gives -1 - row) is read on the device from that step's
+sampled tokens, so the host can plan step N+1 while step N runs (the overlap schedule).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 import torch
 
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
-from pd_serve.engine.sampler import Sampler, SamplerOutput
+from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput
 from pd_serve.engine.scheduler import SchedulerOutput
 from pd_serve.model.llama import CausalLM
 
@@ -36,6 +40,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # bs -> the graph's output [bs, V]
+        # Recorded once a step's host->device input copies are queued; the next launch waits for
+        # it before planning, so no host staging buffer (ours or flashinfer's) is rewritten
+        # while a copy from it may still be queued behind the step in flight.
+        self._inputs_copied: torch.cuda.Event | None = None
 
     def _flat_batch(self, plan: SchedulerOutput):
         """Token ids, positions and cache slots of every new token (int64 CPU tensors [T]),
@@ -47,7 +55,7 @@ class ModelRunner:
             pos = torch.arange(chunk.start, end)
             pages = torch.tensor(request.page_ids[chunk.start // self.page_size:
                                                   (end - 1) // self.page_size + 1])
-            ids.append(torch.tensor(request.all_token_ids[chunk.start:end]))
+            ids.append(torch.tensor(_chunk_ids(request, chunk.start, end)))
             positions.append(pos)
             slots.append(pages[pos // self.page_size - chunk.start // self.page_size] * self.page_size
                          + pos % self.page_size)
@@ -65,22 +73,36 @@ class ModelRunner:
             slot_mapping=slot_mapping,
         )
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, after_layer=None) -> SamplerOutput:
-        """Run the plan; after_layer(i) is called as layer i finishes (eager path only)."""
+        """Run the plan and wait for its tokens; after_layer(i) is called as layer i finishes
+        (eager path only)."""
+        pending = self.launch(plan, after_layer)
+        return pending.result() if pending.params else SamplerOutput(token_ids=[], logprobs=[])
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, after_layer=None,
+               prev_tokens: torch.Tensor | None = None) -> PendingSample:
+        """Queue the plan and its sampling (no rows when it samples nothing). prev_tokens: the
+        sampled tokens of the step still in flight, where this plan's pending inputs are."""
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
         graphable = all(c.num_tokens == 1 for c in plan.chunks) and after_layer is None
         if self.graphs and graphable and len(plan.chunks) <= max(self.graphs):
-            return self._execute_graph(plan)
+            return self._launch_graph(plan, prev_tokens)
         ids, positions, slots, sample_rows = self._flat_batch(plan)
+        pending = bool(ids.min() < 0)
         # One host->device copy for the three index tensors.
-        ids, positions, slots = torch.stack([ids, positions, slots]).to(self.device, non_blocking=True)
+        ids, positions, slots = self._to_device(torch.stack([ids, positions, slots]))
+        if pending:
+            _fill_pending(ids, prev_tokens)
         self.attn.plan(self._metadata(plan, slots))
+        self._record_inputs_copied()
         hidden = self.model(ids, positions, self.attn, after_layer)  # [T, hidden]
         if not sample_rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
-        rows = torch.tensor(sample_rows).to(self.device, non_blocking=True)
+            return self._nothing_sampled()
+        rows = self._to_device(torch.tensor(sample_rows))
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
-        return self.sampler(logits, [c.request for c in plan.chunks if c.sample])
+        return self.sampler.launch(logits, [c.request for c in plan.chunks if c.sample])
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -121,7 +143,7 @@ class ModelRunner:
         one-token context in page 0)."""
         pad = bs - len(ids)
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
-        self.graph_inputs[:, :bs].copy_(host, non_blocking=True)
+        self.graph_inputs[:, :bs].copy_(_pinned(host), non_blocking=True)
         self.attn.plan_cuda_graph(bs, AttentionMetadata(
             query_lens=[1] * bs,
             seq_lens=(seq_lens or []) + [1] * pad,
@@ -129,22 +151,61 @@ class ModelRunner:
             slot_mapping=self.graph_inputs[2, :bs],
         ))
 
-    def _execute_graph(self, plan: SchedulerOutput) -> SamplerOutput:
+    def _launch_graph(self, plan: SchedulerOutput, prev_tokens: torch.Tensor | None) -> PendingSample:
         n = len(plan.chunks)
         bs = min(size for size in self.graphs if size >= n)
         ids, positions, slots, seq_lens = [], [], [], []
         for c in plan.chunks:
             pos = c.start
-            ids.append(c.request.all_token_ids[pos])
+            ids.append(c.request.token_at(pos))
             positions.append(pos)
             slots.append(c.request.page_ids[pos // self.page_size] * self.page_size + pos % self.page_size)
             seq_lens.append(pos + 1)
         self._plan_graph(bs, ids, positions, slots, seq_lens, [c.request.page_ids for c in plan.chunks])
+        if min(ids) < 0:
+            _fill_pending(self.graph_inputs[0, :n], prev_tokens)
+        self._record_inputs_copied()
         self.graphs[bs].replay()
         sample_rows = [i for i, c in enumerate(plan.chunks) if c.sample]
         if not sample_rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return self._nothing_sampled()
         logits = self.graph_logits[bs]
         if len(sample_rows) < bs:
             logits = logits[:n] if len(sample_rows) == n else logits[torch.tensor(sample_rows, device=self.device)]
-        return self.sampler(logits, [c.request for c in plan.chunks if c.sample])
+        return self.sampler.launch(logits, [c.request for c in plan.chunks if c.sample])
+
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return (_pinned(host) if self.device.type == "cuda" else host).to(self.device, non_blocking=True)
+
+    def _record_inputs_copied(self) -> None:
+        if self.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
+
+    def _nothing_sampled(self) -> PendingSample:
+        return PendingSample(torch.empty(0, dtype=torch.long, device=self.device), [])
+
+
+def _pinned(host: torch.Tensor) -> torch.Tensor:
+    """A page-locked copy (torch's caching host allocator: a block is reused only once the
+    copies queued from it are done), so the host->device copy queues without a wait."""
+    return host.pin_memory() if torch.cuda.is_available() else host
+
+
+def _chunk_ids(request, start: int, end: int) -> list[int]:
+    """Token ids of positions [start, end); only the last can be pending (negative)."""
+    if end - start == 1:
+        return [request.token_at(start)]
+    ids = request.all_token_ids[start:end]
+    if len(ids) < end - start:
+        ids.append(request.token_at(end - 1))
+    return ids
+
+
+def _fill_pending(ids: torch.Tensor, prev_tokens: torch.Tensor | None) -> None:
+    """Replace pending ids (-1 - row) in the device tensor ids by prev_tokens[row], in place."""
+    if prev_tokens is None:
+        raise RuntimeError("a planned token is pending but no step is in flight")
+    rows = (-1 - ids).clamp_min(0)
+    ids.copy_(torch.where(ids >= 0, ids, prev_tokens[rows]))

@@ -24,6 +24,31 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+class PendingSample:
+    """A step's samples while the device may still be computing them: `tokens` [B] stays on the
+    device (the next step reads its inputs from it); result() waits for the copies to the host."""
+
+    def __init__(self, tokens: torch.Tensor, params: list[SamplingParams],
+                 logprob_parts: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.tokens, self.params = tokens, params
+        on_cuda = tokens.device.type == "cuda"
+        parts = (tokens,) + (logprob_parts or ())
+        # Copies into pinned host memory, queued behind the sampling kernels; no wait here.
+        self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
+                      for p in parts] if on_cuda else list(parts)
+        self._event = torch.cuda.Event() if on_cuda else None
+        if self._event is not None:
+            self._event.record()
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        token_list = self._host[0].tolist()
+        if len(self._host) == 1:
+            return SamplerOutput(token_list, [None] * len(token_list))
+        return SamplerOutput(token_list, _logprobs(self._host[1], self._host[2], token_list, self.params))
+
+
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Right-pad id lists with `pad` into a [B, L] int64 tensor (L >= 1)."""
     width = max(1, max(len(r) for r in rows))
@@ -39,7 +64,7 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     return counts[:, :vocab_size]  # [B, V]
 
 
-def _needs_penalties(requests: list[Request]) -> bool:
+def needs_penalties(requests: list[Request]) -> bool:
     return any(
         p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         for p in (r.sampling_params for r in requests)
@@ -54,7 +79,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     The input tensor is not modified.
     """
     logits = logits.float()
-    if not _needs_penalties(requests):
+    if not needs_penalties(requests):
         return logits.clone()
     vocab_size = logits.shape[1]
     device = logits.device
@@ -134,17 +159,22 @@ class Sampler:
 
         logits: [B, V], any float dtype and device; computed in float32. Row i is requests[i].
         """
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """Queue the sampling of one token per row on the logits' device; no host sync (the
+        seeded noise of non-greedy rows is drawn on the host first)."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
         all_greedy = all(p.greedy for p in params)
-        if all_greedy and not any(want_logprobs) and not _needs_penalties(requests):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        if all_greedy and not any(want_logprobs) and not needs_penalties(requests):
+            return PendingSample(logits.argmax(dim=-1), params)
 
-        batch_size, vocab_size = logits.shape
+        vocab_size = logits.shape[1]
         device = logits.device
         raw_logprobs = logits.float().log_softmax(dim=-1) if any(want_logprobs) else None  # [B, V]
-        if _needs_penalties(requests):
+        if needs_penalties(requests):
             logits = apply_penalties(logits, requests)  # [B, V] float32
         else:
             logits = logits.float()  # only read from here on, so no copy is needed
@@ -161,28 +191,25 @@ class Sampler:
             is_sampled = torch.tensor([not p.greedy for p in params], device=device)
             token_ids = torch.where(is_sampled, drawn, token_ids)
 
-        token_list = token_ids.tolist()
         if raw_logprobs is None:
-            return SamplerOutput(token_list, [None] * batch_size)
-        return SamplerOutput(token_list, _logprobs(raw_logprobs, token_ids, token_list, params))
+            return PendingSample(token_ids, params)
+        return PendingSample(token_ids, params, _logprob_parts(raw_logprobs, token_ids, params))
 
 
-def _logprobs(
-    raw_logprobs: torch.Tensor,
-    token_ids: torch.Tensor,
-    token_list: list[int],
-    params: list[SamplingParams],
-) -> list[TokenLogprob | None]:
-    """Sampled-token logprob and the top-N alternatives (N = params.logprobs) per row.
-
-    raw_logprobs: [B, V]; token_ids: [B] on the same device; token_list: the same ids as ints.
-    """
+def _logprob_parts(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
+                   params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the sampled token's logprob then the top-N logprobs [B, 1 + N] (N: the largest
+    params.logprobs), and the top-N ids [B, N]. raw_logprobs [B, V], token_ids [B]."""
     max_n = max(p.logprobs for p in params if p.logprobs is not None)
     sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
     top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1)  # [B, N], sorted descending
-    # One device->host copy for both float tensors.
-    both = torch.cat([sampled_lp, top_lp], dim=1).tolist()  # [B, 1 + N]
-    top_ids = top_ids.tolist()
+    return torch.cat([sampled_lp, top_lp], dim=1), top_ids
+
+
+def _logprobs(lp: torch.Tensor, top_ids: torch.Tensor, token_list: list[int],
+              params: list[SamplingParams]) -> list[TokenLogprob | None]:
+    """TokenLogprobs from _logprob_parts' tensors (on the host) and the sampled ids."""
+    both, top_ids = lp.tolist(), top_ids.tolist()  # [B, 1 + N], [B, N]
     out: list[TokenLogprob | None] = []
     for i, p in enumerate(params):
         if p.logprobs is None:

@@ -2,6 +2,11 @@
 
 The scheduler returns a plan (SchedulerOutput); the runner executes it without touching
 scheduler state; update() takes the sampled tokens back.
+
+Under the overlap schedule (engine/core.py) a step can still be running on the device when
+requests end or are preempted: their pages are freed only once the device is done with every
+step launched so far (launched() / completed()), so no other writer (a KV transfer into a
+reserved page) can meet a write of that step.
 """
 
 from __future__ import annotations
@@ -44,13 +49,31 @@ class Scheduler:
         self.page_size = page_size
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.max_model_len = 1 << 62  # the engine sets the context length
+        self._num_launched = 0  # steps handed to the device
+        self._num_completed = 0  # of those, the ones known to be done
+        self._deferred: list[tuple[int, list[int]]] = []  # (steps launched then, pages)
 
     # ---- queue management -------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or pages still waiting for a step in flight (step again to settle)."""
+        return bool(self.waiting or self.running or self._deferred
+                    or self._num_launched > self._num_completed)
+
+    def launched(self) -> int:
+        """Count a step handed to the device; returns its number."""
+        self._num_launched += 1
+        return self._num_launched
+
+    def completed(self, step: int) -> None:
+        """Steps up to number `step` are done on the device: free the pages held back for them."""
+        self._num_completed = max(self._num_completed, step)
+        for _, pages in [d for d in self._deferred if d[0] <= step]:
+            self.allocator.free(pages)
+        self._deferred = [d for d in self._deferred if d[0] > step]
 
     def add_running(self, request: Request) -> None:
         """Admit a request whose KV is already in its pages (decode after a transfer)."""
@@ -82,7 +105,7 @@ class Scheduler:
         self.running.sort(key=self._priority_key)
         # Running requests first: decodes (1 token) and prefills already under way.
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or budget == 0:
+            if request.status is not RequestStatus.RUNNING or budget == 0 or self._at_limit(request):
                 continue
             num = min(request.num_uncomputed_tokens, budget)
             if not self._reserve_or_preempt(request, num, out):
@@ -107,15 +130,31 @@ class Scheduler:
             budget -= num
         return out
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> None:
-        """Advance the requests of a finished step; sampled ids come in order of sampling chunks."""
-        tokens = iter(sampled_token_ids)
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int] | None) -> None:
+        """Advance the requests of a step; sampled ids come in order of sampling chunks. None:
+        the step is in flight, its tokens become pending (row i of the step's samples)."""
+        tokens = iter(sampled_token_ids or ())
+        row = 0
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens = chunk.start + chunk.num_tokens
-            if chunk.sample:
-                chunk.request.output_token_ids.append(next(tokens))
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if not chunk.sample:
+                continue
+            if sampled_token_ids is None:
+                request.num_pending += 1  # the step before's may still be pending too, briefly
+                request.pending_row = row
+                row += 1
+            else:
+                request.output_token_ids.append(next(tokens))
 
     # ---- internals --------------------------------------------------------------------
+    def _at_limit(self, request: Request) -> bool:
+        """A request whose pending token is its last (max_tokens, context): its caller ends it
+        once the token is known, so it gets no step meanwhile."""
+        return request.num_pending > 0 and (
+            len(request.output_token_ids) + request.num_pending >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.max_model_len)
+
     def _token_budget(self) -> int:
         size = self.config.chunked_prefill_size
         return size if size > 0 else 1 << 62
@@ -174,6 +213,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         if request.page_ids:
-            self.allocator.free(request.page_ids)
+            if self._num_launched > self._num_completed:
+                self._deferred.append((self._num_launched, request.page_ids))
+            else:
+                self.allocator.free(request.page_ids)
         request.page_ids = []
         request.num_computed_tokens = 0

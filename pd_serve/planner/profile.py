@@ -226,6 +226,7 @@ def _threads(device) -> int | None:
 def _build_core(config):
     from pd_serve.engine.core import EngineCore
     core = EngineCore(config)
+    core.overlap = False  # each timed step is one whole step, its tokens back on the host
     core.warmup()
     return core
 

@@ -54,7 +54,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- planning ---------------------------------------------------------------------------
     def _page_table(self, meta: AttentionMetadata):
-        """CPU int32 CSR page table: indptr [B+1], indices [sum pages], last_page_len [B]."""
+        """CPU int32 CSR page table: indptr [B+1], indices [sum pages], last_page_len [B];
+        page-locked, so flashinfer's copies of them queue without waiting for the device."""
         page_size = self.page_size
         num_pages = [-(-n // page_size) for n in meta.seq_lens]
         indices: list[int] = []
@@ -64,7 +65,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         for n in num_pages:
             indptr.append(indptr[-1] + n)
         last = [n - (p - 1) * page_size for n, p in zip(meta.seq_lens, num_pages)]
-        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32).pin_memory()  # noqa: E731
         return as_i32(indptr), as_i32(indices), as_i32(last)
 
     def _plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
@@ -85,7 +86,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         for n in meta.query_lens:
             qo_indptr.append(qo_indptr[-1] + n)
         self.prefill_wrapper.plan(
-            torch.tensor(qo_indptr, dtype=torch.int32), indptr, indices, last, self.num_heads,
+            torch.tensor(qo_indptr, dtype=torch.int32).pin_memory(), indptr, indices, last, self.num_heads,
             self.num_kv_heads, self.head_dim, self.page_size, causal=True, sm_scale=self.scale,
             q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self.wrapper = self.prefill_wrapper
