@@ -3,7 +3,8 @@
 # the one-batch benchmark and the end-to-end tests on --device cuda; logs and JSON go to $OUT.
 #
 # Here (once):   bash ../shared/device/fetch-gpu-wheels.sh pyzmq msgpack prometheus-client gguf \
-#                  openai pydantic pydantic-core annotated-types typing-inspection distro jiter sniffio
+#                  openai pydantic pydantic-core annotated-types typing-inspection distro jiter sniffio \
+#                  httpx2 httpcore2 truststore idna anyio typing-extensions h11  (versions as the CPU venv)
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
 # Steps: tests (kernels + gputests) gputests onebatch e2e (default: all three, in that order). Carry .whl and .gpu-model.

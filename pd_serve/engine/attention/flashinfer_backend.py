@@ -54,8 +54,12 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- planning ---------------------------------------------------------------------------
     def _page_table(self, meta: AttentionMetadata):
-        """CPU int32 CSR page table: indptr [B+1], indices [sum pages], last_page_len [B];
-        page-locked, so flashinfer's copies of them queue without waiting for the device."""
+        """int32 CSR page table: indptr [B+1], indices [sum pages], last_page_len [B].
+
+        indptr and last_page_len stay on the host (page-locked: flashinfer plans from them and
+        its copies queue without a wait). indices go to the device here: a CUDA-graph wrapper
+        copies host indices into its buffer with a blocking copy, which would wait for the step
+        in flight and undo the overlap schedule."""
         page_size = self.page_size
         num_pages = [-(-n // page_size) for n in meta.seq_lens]
         indices: list[int] = []
@@ -66,7 +70,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             indptr.append(indptr[-1] + n)
         last = [n - (p - 1) * page_size for n, p in zip(meta.seq_lens, num_pages)]
         as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32).pin_memory()  # noqa: E731
-        return as_i32(indptr), as_i32(indices), as_i32(last)
+        device = self.pool.buffer.device
+        return as_i32(indptr), as_i32(indices).to(device, non_blocking=True), as_i32(last)
 
     def _plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
         indptr, indices, last = self._page_table(meta)
