@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from conftest import write_tiny_checkpoint
-write_tiny_checkpoint("llama3", Path(sys.argv[1]), Path(".gpu-model/tok"), seed=1)
+# head_dim 64, so the flashinfer backend serves it (its kernels have no head_dim 16).
+write_tiny_checkpoint("llama3", Path(sys.argv[1]), Path(".gpu-model/tok"), seed=1,
+                      shape=dict(hidden_size=256, intermediate_size=512, num_attention_heads=4))
 EOF
 
 step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tail

@@ -33,7 +33,7 @@ def default_model_dir() -> Path:
 
 
 def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed: int = 0,
-                          max_shard_size: str | None = None) -> Path:
+                          max_shard_size: str | None = None, shape: dict | None = None) -> Path:
     """A random model of `kind` saved with transformers' save_pretrained, with a real tokenizer.
 
     Weights are drawn wide (std 0.3, not 0.02) so logits are peaked and greedy decoding is not
@@ -42,7 +42,7 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed
     import transformers
 
     vocab = len(_tokenizer_vocab(tokenizer_dir))
-    common = dict(TINY_SHAPE, vocab_size=vocab, initializer_range=0.3, bos_token_id=1,
+    common = dict(TINY_SHAPE, **(shape or {}), vocab_size=vocab, initializer_range=0.3, bos_token_id=1,
                   eos_token_id=2, tie_word_embeddings=False)
     if kind == "llama3":
         config = transformers.LlamaConfig(**common, rope_scaling={

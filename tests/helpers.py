@@ -11,6 +11,9 @@ import torch
 NEAR_TIE = 1e-3
 # The device the end-to-end tests serve on: cpu in CI; the GPU machine sets cuda.
 TEST_DEVICE = os.environ.get("PD_SERVE_TEST_DEVICE", "cpu")
+# The model workers serve when a test names none: the embedded default, unless PD_SERVE_TEST_MODEL
+# names a folder (the GPU machine cannot carry the default's GGUF file).
+TEST_MODEL = os.environ.get("PD_SERVE_TEST_MODEL") or None
 
 
 @torch.no_grad()

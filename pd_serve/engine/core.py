@@ -76,7 +76,8 @@ class EngineCore:
         logger.info("KV cache: %d pages x %d tokens = %d tokens, %s, %d bytes per token, %.2f GiB",
                     num_pages, layout.page_size, self.kv_pool.num_tokens, layout.dtype,
                     layout.bytes_per_token, self.kv_pool.num_bytes / 2**30)
-        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype)
+        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype,
+                                                      mc.head_dim)
         attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
                               mc.head_dim ** -0.5, self.dtype)
         self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)

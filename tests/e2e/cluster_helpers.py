@@ -7,7 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import TEST_DEVICE
+from helpers import TEST_DEVICE, TEST_MODEL
 from pd_serve.launch import LocalCluster, free_port
 
 WORKER_ARGS = ["--device", TEST_DEVICE, "--max-total-tokens", "8192", "--transfer-timeout", "10"]
@@ -15,6 +15,7 @@ WORKER_ARGS = ["--device", TEST_DEVICE, "--max-total-tokens", "8192", "--transfe
 
 def start_cluster(num_prefill=1, num_decode=1, num_colocated=0, model=None, extra=(),
                   gateway_args=("--worker-timeout", "3", "--step-timeout", "30")) -> LocalCluster:
+    model = model or TEST_MODEL
     engine_args = list(WORKER_ARGS) + (["--model", str(model)] if model else []) + list(extra)
     cluster = LocalCluster(port=free_port(), num_prefill=num_prefill, num_decode=num_decode,
                            num_colocated=num_colocated, engine_args=engine_args,

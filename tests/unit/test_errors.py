@@ -100,3 +100,22 @@ def test_cli_prints_one_line_without_traceback(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr
     assert lines[0].startswith("pd-serve: error: --model ") and "no such directory" in lines[0]
+
+
+def test_attention_backend_choice_follows_head_dim(monkeypatch):
+    """flashinfer's kernels exist for head_dim 64/128/256: auto picks triton for other models,
+    and asking for flashinfer there is a clear error (checked without a GPU: only the names)."""
+    import importlib.util
+
+    import torch
+
+    from pd_serve.engine.attention import resolve_backend_name
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("flashinfer", "triton") else real(name, *a))
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert resolve_backend_name("auto", cuda, bf16, head_dim=128) == "flashinfer"
+    assert resolve_backend_name("auto", cuda, bf16, head_dim=16) == "triton"
+    with pytest.raises(ValueError, match="head_dim 64, 128, 256, not this model's 16"):
+        resolve_backend_name("flashinfer", cuda, bf16, head_dim=16)

@@ -11,16 +11,21 @@ from pd_serve.cache.pool import KVPool
 from pd_serve.engine.attention.base import AttentionBackend
 
 
-def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what flashinfer's kernels (its state merge) are built for
+
+
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
+                         head_dim: int = 128) -> str:
     """The backend `--attention-backend name` means on this device; a clear ValueError if it
-    cannot run here. auto: flashinfer on CUDA (bf16/fp16) when installed, else triton; torch on CPU."""
+    cannot run here. auto: flashinfer on CUDA (bf16/fp16, head_dim 64/128/256) when installed,
+    else triton; torch on CPU."""
     on_cuda = device.type == "cuda"
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
         if not on_cuda:
             return "torch"
-        if has_flashinfer and dtype in (torch.bfloat16, torch.float16):
+        if has_flashinfer and dtype in (torch.bfloat16, torch.float16) and head_dim in FLASHINFER_HEAD_DIMS:
             return "flashinfer"
         return "triton" if has_triton else "torch"
     if name == "flashinfer":
@@ -32,6 +37,10 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) ->
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"--attention-backend flashinfer runs bfloat16/float16, not {dtype}; "
                              "use --dtype bfloat16, or --attention-backend triton or torch")
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(f"--attention-backend flashinfer supports head_dim "
+                             f"{', '.join(map(str, FLASHINFER_HEAD_DIMS))}, not this model's "
+                             f"{head_dim}; use --attention-backend triton or torch")
     if name == "triton":
         if not has_triton:
             raise ValueError("--attention-backend triton: the triton package is not installed")
