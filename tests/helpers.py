@@ -14,6 +14,8 @@ TEST_DEVICE = os.environ.get("PD_SERVE_TEST_DEVICE", "cpu")
 # The model workers serve when a test names none: the embedded default, unless PD_SERVE_TEST_MODEL
 # names a folder (the GPU machine cannot carry the default's GGUF file).
 TEST_MODEL = os.environ.get("PD_SERVE_TEST_MODEL") or None
+# On the GPU machine every worker shares one GPU, where NCCL (the torch backend) cannot pair.
+TEST_TRANSFER = ["--transfer-backend", "ipc"] if TEST_DEVICE.startswith("cuda") else []
 
 
 @torch.no_grad()

@@ -130,6 +130,10 @@ class ReceiverPlane(ABC):
         self.device = pool.buffer.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
+    def peer_error(self, hello_info: dict) -> str:
+        """Why this backend cannot pair with the sender that sent hello_info ("" if it can)."""
+        return ""
+
     def welcome_info(self, sender_id: str, hello_info: dict) -> dict:
         """Backend facts the sender needs (sent in TransferWelcome)."""
         return {}
@@ -173,7 +177,7 @@ class SenderPlane(ABC):
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def hello_info(self) -> dict:
-        return {}
+        return {"device_uuid": device_uuid(self.device)}
 
     def connect(self, peer: str, welcome_info: dict) -> None:
         """Pair with a receiver after its welcome."""
@@ -192,6 +196,11 @@ class SenderPlane(ABC):
 
     def close(self) -> None:
         pass
+
+
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID (the same GPU seen from two processes), or "" on CPU."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
 def now() -> float:

@@ -126,6 +126,8 @@ class KVReceiver:
             error = f"backend mismatch: sender uses {hello.backend!r}, receiver {self.backend!r}"
         elif diff := layout_mismatch(self.pool.layout, hello.layout):
             error = f"KV layout mismatch (sender vs receiver): {diff}"
+        else:
+            error = self.plane.peer_error(hello.info)
         info = {} if error else self.plane.welcome_info(sender_id, hello.info)
         self._send(sender, TransferWelcome(ok=not error, error=error, info=info))
         if error:

@@ -7,10 +7,11 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import TEST_DEVICE, TEST_MODEL
+from helpers import TEST_DEVICE, TEST_MODEL, TEST_TRANSFER
 from pd_serve.launch import LocalCluster, free_port
 
-WORKER_ARGS = ["--device", TEST_DEVICE, "--max-total-tokens", "8192", "--transfer-timeout", "10"]
+WORKER_ARGS = ["--device", TEST_DEVICE, "--max-total-tokens", "8192", "--transfer-timeout", "10",
+               *TEST_TRANSFER]
 
 
 def start_cluster(num_prefill=1, num_decode=1, num_colocated=0, model=None, extra=(),

@@ -11,7 +11,7 @@ import time
 import openai
 
 from cluster_helpers import health
-from helpers import TEST_DEVICE
+from helpers import TEST_DEVICE, TEST_TRANSFER
 from pd_serve.launch import free_port
 
 
@@ -32,7 +32,7 @@ def test_launch_serves_openai_and_ctrl_c_stops_every_child():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pd_serve.cli", "--log-level", "warning", "launch",
                              "--prefill", "1", "--decode", "1", "--port", str(port),
-                             "--device", TEST_DEVICE, "--max-total-tokens", "4096"]
+                             "--device", TEST_DEVICE, "--max-total-tokens", "4096", *TEST_TRANSFER]
                             + (["--model", os.environ["PD_SERVE_TEST_MODEL"]] if os.environ.get("PD_SERVE_TEST_MODEL") else []))
     base = f"http://127.0.0.1:{port}"
     try:

@@ -140,6 +140,22 @@ def test_backend_mismatch_and_unknown_backend():
     receiver.close()
 
 
+def test_torch_backend_refuses_a_sender_on_its_own_gpu(monkeypatch):
+    """NCCL cannot pair two ranks on one GPU: the handshake says so and names ipc (the GPU's
+    UUID is faked here, so the check runs on CPU)."""
+    from pd_serve.transfer import base
+    from pd_serve.transfer.backends import torch_dist
+
+    monkeypatch.setattr(base, "device_uuid", lambda device: "GPU-same")
+    monkeypatch.setattr(torch_dist, "device_uuid", lambda device: "GPU-same")
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "torch", timeout_s=5)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "torch", timeout_s=5)
+    with pytest.raises(TransferError, match="same GPU .GPU-same.*use --transfer-backend ipc"):
+        sender.connect(receiver.address)
+    sender.close()
+    receiver.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unreserved_request_is_refused_and_writes_nothing(backend, peers):
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from kernels.kv_copy import gather_pages, scatter_pages
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, on_stream, page_index,
-                                    staging_shape)
+from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, device_uuid, on_stream,
+                                    page_index, staging_shape)
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 NUM_STAGING = 4  # staging tensors in flight per side
@@ -59,6 +59,13 @@ class TorchReceiverPlane(ReceiverPlane):
         self._pair_ids = itertools.count()
         self._post_stream = torch.cuda.Stream(self.device) if self.stream is not None else None
         self._in_flight: deque = deque()  # (staging, event after its scatter)
+
+    def peer_error(self, hello_info: dict) -> str:
+        uuid = device_uuid(self.device)
+        if uuid and hello_info.get("device_uuid") == uuid:
+            return (f"sender and receiver use the same GPU ({uuid}); NCCL cannot pair two ranks "
+                    "on one GPU: use --transfer-backend ipc (or put the workers on different GPUs)")
+        return ""
 
     def welcome_info(self, sender_id: str, hello_info: dict) -> dict:
         if self._store is None:
