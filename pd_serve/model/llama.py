@@ -104,6 +104,7 @@ class CausalLM(nn.Module):
                                     cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = None  # a tensor-parallel shard's TPGroup (model/parallel.py): logits are gathered
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 after_layer=None) -> torch.Tensor:
@@ -121,4 +122,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.tp is not None:  # this rank's slice of the vocabulary
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()

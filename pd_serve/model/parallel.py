@@ -1,0 +1,168 @@
+"""Tensor parallelism: one rank's shard of a CausalLM, and the collectives its forward needs.
+
+Megatron's split of a decoder: q/k/v and gate/up are column-parallel (a rank holds its query
+heads, their KV heads and its slice of the MLP), o_proj and down_proj row-parallel (each rank's
+partial sums are all-reduced, the bias added once after), the embedding and the LM head
+vocab-parallel (a rank holds a slice of the vocabulary: lookups are all-reduced, logits
+all-gathered). KV heads are split across ranks, or replicated when there are fewer KV heads than
+ranks: rank r then holds KV head r * num_kv_heads // tp, the one its query heads read. Attention
+runs on each rank's own heads over its own KV pool, so the shard is a plain CausalLM of the
+local shape (shard_config) with these layers swapped in; nothing in llama.py changes but the
+logits gather.
+
+Quantized linear layers are not sharded (yet): shard_model refuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pd_serve.model.config import ModelConfig
+from pd_serve.model.llama import CausalLM
+from pd_serve.model.quant import QuantLinear
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """A rank's place in its tensor-parallel group (group None: the default process group)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Every rank's [N, V / tp] logits -> [N, V] on every rank."""
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+
+def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The shape one rank's shard computes; a clear ValueError when tp does not divide it."""
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"--tp {tp} does not divide this model: {what}")
+
+    check(tp >= 1, "tp must be >= 1")
+    check(cfg.num_heads % tp == 0, f"{cfg.num_heads} attention heads")
+    check(cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0,
+          f"{cfg.num_kv_heads} KV heads (tp must divide them, or be a multiple of them)")
+    check(cfg.intermediate_size % tp == 0, f"intermediate size {cfg.intermediate_size}")
+    return replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=max(1, cfg.num_kv_heads // tp),
+                   intermediate_size=cfg.intermediate_size // tp)
+
+
+def kv_heads_of(rank: int, tp: int, num_kv_heads: int) -> range:
+    """The KV heads rank `rank` holds (replicated ones when tp > num_kv_heads)."""
+    if num_kv_heads >= tp:
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    head = rank * num_kv_heads // tp
+    return range(head, head + 1)
+
+
+def vocab_range(rank: int, tp: int, vocab_size: int) -> tuple[int, int]:
+    """[start, start + per) of the (padded) vocabulary rank `rank` holds; per = ceil(V / tp)."""
+    per = -(-vocab_size // tp)
+    return rank * per, per
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x @ W_shard^T) + b: x holds this rank's slice of the input features."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + per) of the embedding (zero-padded past the vocabulary); ids outside
+    them look up zeros here, and the all-reduce sums the one rank that holds each id."""
+
+    def __init__(self, weight: torch.Tensor, start: int, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start = start
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
+
+
+@torch.no_grad()
+def shard_model(full: CausalLM, tp: TPGroup) -> CausalLM:
+    """This rank's shard of `full` (same device and dtype); `full` is left as it is."""
+    cfg = full.config
+    local = shard_config(cfg, tp.size)
+    for name, module in full.named_modules():
+        if isinstance(module, QuantLinear):
+            raise ValueError(f"--tp {tp.size}: {name} is a quantized layer; tensor parallelism "
+                             "runs unquantized models only (for now)")
+    weight = full.model.embed_tokens.weight
+    device, dtype = weight.device, weight.dtype
+    with torch.device("meta"):
+        model = CausalLM(local)
+    model.to_empty(device=device)
+    model.rope = full.rope  # the RoPE tables depend on head_dim and positions only
+    hd, rank = cfg.head_dim, tp.rank
+    q_rows = _rows(rank * local.num_heads * hd, local.q_size)
+    kv = kv_heads_of(rank, tp.size, cfg.num_kv_heads)
+    k_rows = _rows(cfg.q_size + kv.start * hd, local.kv_size)
+    v_rows = _rows(cfg.q_size + cfg.kv_size + kv.start * hd, local.kv_size)
+    mlp = _rows(rank * local.intermediate_size, local.intermediate_size)
+    up = _rows(cfg.intermediate_size + rank * local.intermediate_size, local.intermediate_size)
+    for theirs, ours in zip(full.model.layers, model.model.layers):
+        a, b = theirs.self_attn, ours.self_attn
+        b.qkv_proj.weight.copy_(a.qkv_proj.weight[q_rows + k_rows + v_rows])
+        if a.qkv_proj.bias is not None:
+            b.qkv_proj.bias.copy_(a.qkv_proj.bias[q_rows + k_rows + v_rows])
+        b.o_proj = RowParallelLinear(a.o_proj.weight[:, q_rows].clone(), _clone(a.o_proj.bias), tp)
+        if cfg.qk_norm:
+            b.q_norm.weight.copy_(a.q_norm.weight)
+            b.k_norm.weight.copy_(a.k_norm.weight)
+        ours.mlp.gate_up_proj.weight.copy_(theirs.mlp.gate_up_proj.weight[mlp + up])
+        ours.mlp.down_proj = RowParallelLinear(theirs.mlp.down_proj.weight[:, mlp].clone(), None, tp)
+        ours.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
+        ours.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+    model.model.norm.weight.copy_(full.model.norm.weight)
+    start, per = vocab_range(rank, tp.size, cfg.vocab_size)
+    model.model.embed_tokens = VocabParallelEmbedding(_vocab_rows(weight, start, per), start, tp)
+    if not cfg.tie_word_embeddings:
+        model.lm_head.weight = nn.Parameter(_vocab_rows(full.lm_head.weight, start, per),
+                                            requires_grad=False)
+    model.tp = tp
+    return model.to(dtype).eval()
+
+
+def _rows(start: int, size: int) -> list[int]:
+    return list(range(start, start + size))
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+def _vocab_rows(weight: torch.Tensor, start: int, per: int) -> torch.Tensor:
+    """weight[start : start + per], zero rows past the vocabulary's end."""
+    out = weight.new_zeros(per, weight.shape[1])
+    rows = weight[start:start + per]
+    out[:rows.shape[0]] = rows
+    return out
