@@ -14,19 +14,17 @@ Triton is imported lazily, so importing this module never imports it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_copy import _interpret_requested
+from kernels._triton import lazy_kernel
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK = 1024  # columns per program: 8 per thread at 4 warps (16-byte loads in 16 bits)
-tl = None  # triton.language, bound by _kernel() on first use
+tl = None  # triton.language, bound when _kernel is first built
 
 
 # ----------------------------------------------------------------------------- reference
@@ -52,7 +50,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     New contiguous [T, I] tensor in x's dtype.
     """
     _check(x)
-    if not _use_triton(x):
+    if not _kernel.runs_on(x):
         return silu_and_mul_ref(x)
     num_tokens, inner = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, inner, dtype=x.dtype, device=x.device)
@@ -61,25 +59,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        return True
-    return _interpret_requested() and _kernel(True) is not None
-
-
 # ----------------------------------------------------------------------------- Triton kernel
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The jitted kernel, or None when Triton does not import (built per mode, as Triton
-    decides at @triton.jit time whether a function is interpreted)."""
-    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@lazy_kernel("CUDA SiLU-and-mul")
+def _kernel(triton):
+    """The jitted SiLU-and-mul kernel."""
     @triton.jit
     def silu_and_mul_kernel(x_ptr, out_ptr, x_stride, inner, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -99,9 +83,7 @@ def _kernel(interpret: bool):
 def _launch(x: torch.Tensor, out: torch.Tensor) -> None:
     """x [T, 2I] (last dim contiguous) -> out [T, I] contiguous."""
     global triton_launches
-    kernel = _kernel(_interpret_requested())
-    if kernel is None:
-        raise RuntimeError("Triton is needed for CUDA SiLU-and-mul but does not import")
+    kernel = _kernel.load()
     num_tokens, inner = out.shape
     block = min(_MAX_BLOCK, 1 << (inner - 1).bit_length())
     grid = (num_tokens, -(-inner // block))

@@ -25,18 +25,18 @@ imports it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import os
 
 import torch
+
+from kernels._triton import lazy_kernel
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # itemsize -> dtype
 _MAX_BLOCK = 4096
-tl = None  # triton.language, bound by _kernel() on first use
+tl = None  # triton.language, bound when _kernel is first built
 
 
 # ----------------------------------------------------------------------------- references
@@ -89,7 +89,7 @@ def gather_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
         out = buffer.new_empty(_staging_shape(buffer, page_ids, layer_start, layer_end))
     else:
         _check_staging(out, buffer, page_ids, layer_start, layer_end, "out")
-    if _use_triton(buffer):
+    if _kernel.runs_on(buffer):
         _launch(buffer[layer_start:layer_end], page_ids, out, None, page_ids.numel())
     else:
         torch.index_select(_as_int(buffer[layer_start:layer_end]), 2, page_ids, out=_as_int(out))
@@ -103,7 +103,7 @@ def scatter_pages(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.T
     Shapes as in `gather_pages`. Page ids must be distinct (checked on CPU only; on the GPU a
     repeated id leaves that page holding one of its staging copies, unspecified which).
     """
-    if not _use_triton(buffer):
+    if not _kernel.runs_on(buffer):
         scatter_pages_ref(buffer, page_ids, staging, layer_start, layer_end)
         return
     _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
@@ -125,44 +125,18 @@ def copy_pages(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
         (checked on CPU only).
     """
     _check_copy(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end)
-    if not _use_triton(dst):
+    if not _kernel.runs_on(dst):
         copy_pages_ref(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end)
         return
     _launch(src[layer_start:layer_end], src_page_ids, dst[layer_start:layer_end], dst_page_ids,
             src_page_ids.numel())
 
 
-def _interpret_requested() -> bool:
-    """PD_SERVE_TRITON_CPU=1: run the kernels on CPU tensors in Triton's interpreter (tests).
-
-    Triton's interpreter itself needs TRITON_INTERPRET=1 set before triton is first imported
-    (its tl.sum, tl.cdiv, ... are built for one mode at import); tests/conftest.py sets it for
-    the whole test process on machines without a GPU."""
-    return os.environ.get("PD_SERVE_TRITON_CPU", "0").lower() in ("1", "true", "on", "yes")
-
-
-def _use_triton(buffer: torch.Tensor) -> bool:
-    if buffer.is_cuda:
-        return True
-    return _interpret_requested() and _kernel(True) is not None
-
-
 # ----------------------------------------------------------------------------- Triton kernel
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The jitted copy kernel, or None when Triton does not import.
-
-    Triton decides at @triton.jit time whether a function is interpreted, so the kernel is
-    built (and cached) separately for each mode.
-    """
-    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@lazy_kernel("CUDA KV page copies")
+def _kernel(triton):
+    """The jitted copy kernel."""
     @triton.jit
     def copy_pages_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, src_pages, dst_pages,
                           num_ids, chunk, BLOCK: tl.constexpr, SRC_IDS: tl.constexpr,
@@ -197,9 +171,7 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
     chunk = math.prod(dst.shape[3:])  # S * H * D
     if num_ids == 0 or chunk == 0:
         return
-    kernel = _kernel(_interpret_requested())
-    if kernel is None:
-        raise RuntimeError("Triton is needed for CUDA KV page copies but does not import")
+    kernel = _kernel.load()
     ids = src_ids if src_ids is not None else dst_ids
     block = min(_MAX_BLOCK, 1 << (chunk - 1).bit_length())
     grid = (num_groups * num_ids, -(-chunk // block))

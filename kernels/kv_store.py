@@ -20,16 +20,14 @@ lazily, so importing this module never imports it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kernels.kv_copy import _interpret_requested
+from kernels._triton import lazy_kernel
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
 
-tl = None  # triton.language, bound by _kernel() on first use
+tl = None  # triton.language, bound when _kernel is first built
 
 
 # ----------------------------------------------------------------------------- reference
@@ -84,32 +82,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _check(k, v, k_cache, v_cache, slot_mapping)
     if not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
-    if not _use_triton(k_cache):
+    if not _kernel.runs_on(k_cache):
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if k.shape[0] > 0:
         _launch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        return True
-    return _interpret_requested() and _kernel(True) is not None
-
-
 # ----------------------------------------------------------------------------- Triton kernel
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The jitted kernel, or None when Triton does not import (built per mode, as Triton
-    decides at @triton.jit time whether a function is interpreted)."""
-    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@lazy_kernel("CUDA KV stores")
+def _kernel(triton):
+    """The jitted KV-store kernel."""
     @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_token_stride,
                         k_head_stride, v_token_stride, v_head_stride, num_heads, k_inv_scale,
@@ -142,9 +126,7 @@ def _kernel(interpret: bool):
 def _launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
     global triton_launches
-    kernel = _kernel(_interpret_requested())
-    if kernel is None:
-        raise RuntimeError("Triton is needed for CUDA KV stores but does not import")
+    kernel = _kernel.load()
     num_tokens, num_heads, head_dim = k.shape
     block_h = 1 << (num_heads - 1).bit_length()
     block_d = 1 << (head_dim - 1).bit_length()

@@ -17,11 +17,9 @@ lazily, so importing this module never imports it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kernels.kv_copy import _interpret_requested
+from kernels._triton import lazy_kernel
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -29,7 +27,7 @@ triton_launches = 0
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HIDDEN = 16384  # the whole row lives in registers: past this it would spill
 _TILE = 2048  # elements per program when rows are shorter than this
-tl = None  # triton.language, bound by _kernel() on first use
+tl = None  # triton.language, bound when _kernel is first built
 
 
 # ----------------------------------------------------------------------------- reference
@@ -68,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     (out, s) where s = x + residual is a new contiguous tensor (the next residual stream).
     """
     _check(x, weight, residual)
-    if not _use_triton(x):
+    if not _kernel.runs_on(x):
         return rms_norm_ref(x, weight, eps, residual)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty_like(out) if residual is not None else None
@@ -80,12 +78,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual, res_layout = x, x_layout  # not read
         _launch(x, x_layout, residual, res_layout, weight.contiguous(), out, s, eps)
     return out if s is None else (out, s)
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        return True
-    return _interpret_requested() and _kernel(True) is not None
 
 
 def _with_row_layout(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -112,17 +104,9 @@ def _with_row_layout(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int
 
 # ----------------------------------------------------------------------------- Triton kernel
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The jitted norm kernel, or None when Triton does not import (built per mode, as Triton
-    decides at @triton.jit time whether a function is interpreted)."""
-    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@lazy_kernel("CUDA RMSNorm")
+def _kernel(triton):
+    """The jitted norm kernel."""
     @triton.jit
     def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_rows, hidden, eps,
                         x_inner, x_stride_a, x_stride_b, res_inner, res_stride_a, res_stride_b,
@@ -164,9 +148,7 @@ def _launch(x: torch.Tensor, x_layout: tuple[int, int, int], residual: torch.Ten
             s: torch.Tensor | None, eps: float) -> None:
     """out, s contiguous; x, residual found through their row layouts (`_with_row_layout`)."""
     global triton_launches
-    kernel = _kernel(_interpret_requested())
-    if kernel is None:
-        raise RuntimeError("Triton is needed for CUDA RMSNorm but does not import")
+    kernel = _kernel.load()
     hidden = out.shape[-1]
     num_rows = out.numel() // hidden
     block = 1 << (hidden - 1).bit_length()

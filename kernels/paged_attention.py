@@ -43,7 +43,7 @@ import functools
 
 import torch
 
-from kernels.kv_copy import _interpret_requested
+from kernels._triton import lazy_kernel
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -60,7 +60,7 @@ _PROGRAMS_PER_SM = 4  # decode splits fill one wave of this many programs per SM
 _MAX_SPLITS = 64
 _MIN_TILES_PER_SPLIT = 2  # a split reads at least this many key tiles of the widest row
 _CPU_SMS = 132  # split rule's SM count when there is no GPU (the interpreter): an H200's
-tl = None  # triton.language, bound by _kernels() on first use
+tl = None  # triton.language, bound when _kernels is first built
 
 
 # ----------------------------------------------------------------------------- references
@@ -133,7 +133,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     _check(q, k_cache, v_cache, page_table, seq_lens, None, out)
     out = q.new_empty(q.shape) if out is None else out
-    if not _use_triton(q):
+    if not _kernels.runs_on(q):
         out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale,
                                              k_scale, v_scale))
         return out
@@ -170,7 +170,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     _check(q, k_cache, v_cache, page_table, seq_lens, qo_indptr, out)
     out = q.new_empty(q.shape) if out is None else out
-    if not _use_triton(q):
+    if not _kernels.runs_on(q):
         out.copy_(paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, page_table,
                                               seq_lens, scale, k_scale, v_scale))
         return out
@@ -195,12 +195,6 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_context: int,
     return max(1, min(wanted, _cdiv(tiles, _MIN_TILES_PER_SPLIT), _MAX_SPLITS))
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        return True
-    return _interpret_requested() and _kernels(True) is not None
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -214,17 +208,9 @@ def _cdiv(a: int, b: int) -> int:
 
 # ----------------------------------------------------------------------------- Triton kernels
 
-@functools.cache
-def _kernels(interpret: bool):
-    """(attention kernel, split-merge kernel), or None when Triton does not import (built per
-    mode, as Triton decides at @triton.jit time whether a function is interpreted)."""
-    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@lazy_kernel("CUDA paged attention")
+def _kernels(triton):
+    """(attention kernel, split-merge kernel)."""
     @triton.jit
     def attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qo_indptr_ptr, page_table_ptr,
@@ -341,10 +327,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, page_size, num_kv_heads, _ = k_cache.shape
     if num_tokens == 0 or num_rows == 0 or max_q_len == 0:
         return
-    kernels = _kernels(_interpret_requested())
-    if kernels is None:
-        raise RuntimeError("Triton is needed for CUDA paged attention but does not import")
-    attention_kernel, merge_splits_kernel = kernels
+    attention_kernel, merge_splits_kernel = _kernels.load()
     decode = qo_indptr is None
     group = num_heads // num_kv_heads
     group_pad = _pow2(group)

@@ -18,18 +18,16 @@ is imported lazily, so importing this module never imports it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kernels.kv_copy import _interpret_requested
+from kernels._triton import lazy_kernel
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK_ELEMENTS = 1024  # elements of q or k per program (heads x head_dim)
-tl = None  # triton.language, bound by _kernel() on first use
+tl = None  # triton.language, bound when _kernel is first built
 
 
 # ----------------------------------------------------------------------------- reference
@@ -62,32 +60,18 @@ def apply_rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
     cos, sin : [max_pos, D] float32 tables in the rotate-half layout, last dim contiguous.
     """
     _check(positions, q, k, cos, sin)
-    if not _use_triton(q):
+    if not _kernel.runs_on(q):
         apply_rope_ref_(positions, q, k, cos, sin)
         return
     if q.shape[0] > 0:
         _launch(positions, q, k, cos, sin)
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        return True
-    return _interpret_requested() and _kernel(True) is not None
-
-
 # ----------------------------------------------------------------------------- Triton kernel
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The jitted kernel, or None when Triton does not import (built per mode, as Triton
-    decides at @triton.jit time whether a function is interpreted)."""
-    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@lazy_kernel("CUDA RoPE")
+def _kernel(triton):
+    """The jitted RoPE kernel."""
     @triton.jit
     def rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_token_stride, q_head_stride,
                     k_token_stride, k_head_stride, table_stride, num_q_heads, num_k_heads,
@@ -127,9 +111,7 @@ def _kernel(interpret: bool):
 def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> None:
     global triton_launches
-    kernel = _kernel(_interpret_requested())
-    if kernel is None:
-        raise RuntimeError("Triton is needed for CUDA RoPE but does not import")
+    kernel = _kernel.load()
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     half = head_dim // 2

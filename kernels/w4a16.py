@@ -40,7 +40,7 @@ import functools
 
 import torch
 
-from kernels.kv_copy import _interpret_requested
+from kernels._triton import lazy_kernel
 from pd_serve.model.gptq import _zero_offset, check_layout, dequantize_t
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
@@ -50,7 +50,7 @@ DEQUANT_MIN_M = 256  # rows of x from which the weight is dequantized once and c
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_K_STEPS_PER_SPLIT = 4  # split-K never leaves a slice fewer BLOCK_K steps than this
 _DEQUANT_BLOCKS = (64, 128, 4)  # (BLOCK_K, BLOCK_N, num_warps) of the dequantize-only launch
-tl = None  # triton.language, bound by _kernel() on first use
+tl = None  # triton.language, bound when _kernel is first built
 
 
 # ----------------------------------------------------------------------------- reference
@@ -97,7 +97,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | 
     """
     offset = _zero_offset(checkpoint_format)
     in_features, out_features, num_groups = _check(x, qweight, qzeros, scales, g_idx, perm)
-    if not _use_triton(x):
+    if not _kernel.runs_on(x):
         return w4a16_matmul_ref(x, qweight, qzeros, scales, g_idx, perm=perm,
                                 checkpoint_format=checkpoint_format)
     x2 = x.reshape(-1, in_features)  # [M, K]
@@ -115,12 +115,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | 
     else:
         _launch(x2, *layer, out, split_k=split_k)
     return out.reshape(*x.shape[:-1], out_features)
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        return True
-    return _interpret_requested() and _kernel(True) is not None
 
 
 # ----------------------------------------------------------------------------- config
@@ -160,17 +154,9 @@ def _choose_split_k(num_tiles: int, k_steps: int, device: torch.device) -> int:
 
 # ----------------------------------------------------------------------------- Triton kernel
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The jitted W4A16 kernel, or None when Triton does not import (built per mode, as
-    Triton decides at @triton.jit time whether a function is interpreted)."""
-    global tl  # a module global, not a closure: Triton before 3.4 resolves only globals
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+@lazy_kernel("the CUDA W4A16 GEMM")
+def _kernel(triton):
+    """The jitted W4A16 kernel."""
     @triton.jit
     def w4a16_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, M, N, K,
                      k_per_split, group_size, stride_xm, stride_xk, stride_qwk, stride_qwn,
@@ -271,9 +257,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | None,
     """out [M, N] = x [M, K] @ W.T, or with dequant_only out [K, N] = W.T in x's dtype.
     group_size is the trivial grouping's (g_idx None) or 0."""
     global triton_launches
-    kernel = _kernel(_interpret_requested())
-    if kernel is None:
-        raise RuntimeError("Triton is needed for the CUDA W4A16 GEMM but does not import")
+    kernel = _kernel.load()
     (m, k), n = x.shape, out.shape[1]
     if dequant_only:
         block_k, block_n, num_warps = _DEQUANT_BLOCKS

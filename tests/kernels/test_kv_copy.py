@@ -36,16 +36,6 @@ PAGE_IDS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def triton_mode(request, monkeypatch):
-    """CPU tests run the kernel in Triton's interpreter; CUDA tests compile it."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("device") == "cuda":
-        monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
-    else:
-        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
-
-
 @contextlib.contextmanager
 def expect_launches(n: int):
     """Fails unless the block launched the Triton kernel exactly n times."""

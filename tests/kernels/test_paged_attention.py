@@ -35,16 +35,6 @@ PREFILL_ROWS = [(1, 1), (20, 20), (1, 41), (33, 90), (70, 70), (2, 7)]
 DECODE_LENS = [1, 17, 64, 130, 5]
 
 
-@pytest.fixture(autouse=True)
-def triton_mode(request, monkeypatch):
-    """CPU tests run the kernels in Triton's interpreter; CUDA tests compile them."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("device") == "cuda":
-        monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
-    else:
-        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
-
-
 @contextlib.contextmanager
 def expect_launches(n: int):
     before = pa.triton_launches

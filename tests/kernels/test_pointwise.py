@@ -39,16 +39,6 @@ INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 POISON = {1: 0x7F, 2: 0x7E5A, 4: 0x7FC0DEAD}  # NaN patterns for fp8 e4m3 / fp16 / fp32
 
 
-@pytest.fixture(autouse=True)
-def triton_mode(request, monkeypatch):
-    """CPU tests run the kernels in Triton's interpreter; CUDA tests compile them."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("device") == "cuda":
-        monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
-    else:
-        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
-
-
 @contextlib.contextmanager
 def expect_launches(module, n: int):
     """Fails unless the block launched `module`'s Triton kernel exactly n times."""

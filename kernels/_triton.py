@@ -1,0 +1,79 @@
+"""What every kernels/*.py module shares: when to run Triton, and a kernel built on first use.
+
+A module runs its kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
+(Triton's interpreter; how the tests exercise the kernels); otherwise its torch reference.
+Triton is imported when a kernel is first needed, so importing a kernels module never imports it.
+
+    @lazy_kernel("CUDA RoPE")
+    def _kernel(triton):
+        @triton.jit
+        def rope_kernel(...): ...   # uses the module global `tl`
+        return rope_kernel
+
+    if not _kernel.runs_on(q): ...  # torch reference
+    kernel = _kernel.load()         # the jitted kernel, or a RuntimeError
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def interpret_requested() -> bool:
+    """PD_SERVE_TRITON_CPU=1: run the kernels on CPU tensors in Triton's interpreter (tests).
+
+    Triton's interpreter itself needs TRITON_INTERPRET=1 set before triton is first imported
+    (its tl.sum, tl.cdiv, ... are built for one mode at import); tests/conftest.py sets it for
+    the whole test process on machines without a GPU."""
+    return os.environ.get("PD_SERVE_TRITON_CPU", "0").lower() in ("1", "true", "on", "yes")
+
+
+class LazyKernel:
+    """A module's @triton.jit kernel(s), made by `build(triton)` on first use.
+
+    Built once per mode, as Triton decides at @triton.jit time whether a function is
+    interpreted. Before `build` runs, triton.language is bound to the global `tl` of build's
+    module: kernel bodies must find `tl` there (a module global, not a closure: Triton before
+    3.4 resolves only globals).
+    """
+
+    def __init__(self, build: Callable[[Any], Any], purpose: str):
+        self._build = build
+        self._purpose = purpose  # "Triton is needed for {purpose} but does not import"
+        self._built: dict[bool, Any] = {}
+
+    def get(self, interpret: bool) -> Any:
+        """What `build` returned for this mode, or None when Triton does not import."""
+        if interpret not in self._built:
+            try:
+                import triton
+                import triton.language as tl
+            except ImportError:
+                self._built[interpret] = None
+                return None
+            self._build.__globals__["tl"] = tl
+            self._built[interpret] = self._build(triton)
+        return self._built[interpret]
+
+    def runs_on(self, x: torch.Tensor) -> bool:
+        """Whether the kernel serves tensors like x: always on CUDA; on CPU only when
+        PD_SERVE_TRITON_CPU=1 and Triton imports."""
+        if x.is_cuda:
+            return True
+        return interpret_requested() and self.get(True) is not None
+
+    def load(self) -> Any:
+        """The kernel(s) for the current mode; a RuntimeError when Triton does not import."""
+        kernel = self.get(interpret_requested())
+        if kernel is None:
+            raise RuntimeError(f"Triton is needed for {self._purpose} but does not import")
+        return kernel
+
+
+def lazy_kernel(purpose: str) -> Callable[[Callable[[Any], Any]], LazyKernel]:
+    """Decorator: `build(triton)` -> a `LazyKernel`; purpose names it in the import error."""
+    return lambda build: LazyKernel(build, purpose)
