@@ -37,24 +37,23 @@ and device, loaded with to_hf_state_dict(our model); decode steps (a forward of 
 row with past_key_values, then argmax) at --hf-batch-sizes x --hf-context after a prefill that
 fills the cache, and the --hf-prefill forward (logits of the last token only). ours_over_hf =
 our tokens/s / transformers' tokens/s on the same case (> 1: we are faster).
+
+This module is the entry point: the CLI, the ceilings and the engine's cases.
+bench/one_batch_report.py holds the figures, the run's record (Bench), the profiles and the
+table; bench/one_batch_hf.py the transformers baseline.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import gc
+import functools
 import importlib
-import inspect
 import json
 import os
-import pstats
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere
@@ -63,13 +62,23 @@ if __package__ in (None, ""):  # `python bench/one_batch.py` from a checkout
 
 import torch  # noqa: E402
 
-from bench._common import device_name, git_commit, sync, write_json  # noqa: E402
+from bench._common import device_name, git_commit, sync  # noqa: E402
+from bench.one_batch_hf import transformers_cases  # noqa: E402
+from bench.one_batch_report import (  # noqa: E402
+    DEFINITIONS,
+    Bench,
+    Progress,
+    free_memory,
+    param_counts,
+    print_table,
+    profile_kernels,
+    profile_steps,
+)
 from pd_serve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pd_serve.engine.core import EngineCore  # noqa: E402
 from pd_serve.engine.request import FinishReason, Request  # noqa: E402
 from pd_serve.engine.sampling_params import SamplingParams  # noqa: E402
 from pd_serve.model.config import ModelConfig, resolve_dtype  # noqa: E402
-from pd_serve.model.hf_export import to_hf_model  # noqa: E402
 from pd_serve.model.llama import CausalLM  # noqa: E402
 
 _LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
@@ -182,19 +191,6 @@ def _pairs(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-class Progress:
-    """One stderr line per finished case: `[####------] 3/20  what: result  (elapsed)`."""
-
-    def __init__(self, total: int, width: int = 20):
-        self.total, self.width, self.done, self.start = total, width, 0, time.perf_counter()
-
-    def case(self, what: str, result: str) -> None:
-        self.done += 1
-        filled = self.width * self.done // max(1, self.total)
-        print(f"[{'#' * filled}{'-' * (self.width - filled)}] {self.done}/{self.total}  {what}: "
-              f"{result}  ({time.perf_counter() - self.start:.0f} s)", file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------- ceilings
 
 def time_each(fn, device: torch.device, repeats: int, warmup: int = 3) -> list[float]:
@@ -223,7 +219,7 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype) -> dict:
     num_bytes, n, repeats = CEILING_SIZES[device.type]
     copy = _copy_seconds(device, num_bytes, repeats)
     matmul = _matmul_seconds(device, dtype, n, repeats)
-    _free_memory(device)
+    free_memory(device)
     return {
         "copy": {"num_bytes": num_bytes, "bytes_counted": 2 * num_bytes, "repeats": repeats,
                  "median_gbps": 2 * num_bytes / statistics.median(copy) / 1e9,
@@ -247,29 +243,6 @@ def _matmul_seconds(device: torch.device, dtype: torch.dtype, n: int, repeats: i
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
     return time_each(lambda: torch.matmul(a, b, out=out), device, repeats)
-
-
-# ----------------------------------------------------------------------------- accounting
-
-def param_counts(model: torch.nn.Module) -> dict:
-    """Parameters by role: every one (tied ones once), decoder linear layers, the LM head."""
-    cfg = model.config
-    total = sum(p.numel() for p in model.parameters())
-    linear = sum(p.numel() for name, p in model.named_parameters()
-                 if name.startswith("model.layers.") and name.endswith("_proj.weight"))
-    return {"all": total, "decoder_linear": linear, "lm_head": cfg.vocab_size * cfg.hidden_size,
-            "embedding": cfg.vocab_size * cfg.hidden_size, "tied": cfg.tie_word_embeddings}
-
-
-def attention_flops(cfg: ModelConfig, lengths: list[int]) -> int:
-    """Causal self-attention of whole sequences: QK^T and PV, 2 FLOPs per multiply-add each."""
-    pairs = sum(n * (n + 1) // 2 for n in lengths)
-    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
-
-
-def kv_tokens_needed(batch: int, length: int, extra: int, page_size: int) -> int:
-    """Pool tokens `batch` sequences of length + extra occupy, in whole pages."""
-    return batch * -(-(length + extra) // page_size) * page_size
 
 
 # ----------------------------------------------------------------------------- engine cases
@@ -365,37 +338,6 @@ def run_decode(core: EngineCore, gen: torch.Generator, batch: int, context: int,
             "kernel_profile": kernels}
 
 
-def profile_steps(core: EngineCore, steps: int, top: int = 15) -> list[dict]:
-    """The functions with the most own time over `steps` decode steps under cProfile, per step
-    (cProfile slows Python code down, so read these as shares, not as absolute times)."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        core.step()
-    sync(core.device)
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, _)
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": n / steps,
-             "own_ms_per_step": tt / steps * 1e3, "cum_ms_per_step": ct / steps * 1e3}
-            for (f, line, name), (_, n, tt, ct, _) in rows]
-
-
-def profile_kernels(replay, steps: int, top: int = 20) -> list[dict]:
-    """GPU time per step of each kernel in the decode graph (torch.profiler over `steps`
-    replays), the costliest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
-    kernels.sort(key=lambda e: -e.device_time_total)
-    return [{"kernel": e.key[:160], "calls_per_step": e.count / steps,
-             "us_per_step": e.device_time_total / steps} for e in kernels[:top]]
-
-
 def fill_direct(core: EngineCore, prompt: list[int]) -> Request:
     """Admit a request as a decode worker admits one whose KV arrived (decode/worker.py): the
     prompt's pages allocated and counted as computed, token 1 given. The pages keep whatever
@@ -408,6 +350,11 @@ def fill_direct(core: EngineCore, prompt: list[int]) -> Request:
     request.output_token_ids.append(prompt[-1])
     core.scheduler.add_running(request)
     return request
+
+
+def kv_tokens_needed(batch: int, length: int, extra: int, page_size: int) -> int:
+    """Pool tokens `batch` sequences of length + extra occupy, in whole pages."""
+    return batch * -(-(length + extra) // page_size) * page_size
 
 
 def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
@@ -452,178 +399,11 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
     return EngineCore(config), info
 
 
-# ----------------------------------------------------------------------------- transformers
-
-def hf_forward(hf, ids: torch.Tensor, cache=None):
-    """One forward (logits of the last position only where supported) -> (argmax [B, 1], cache).
-
-    transformers renamed `past_key_values` to `cache` (argument and output) during 5.x."""
-    params = inspect.signature(hf.forward).parameters
-    kwargs = {"use_cache": True}
-    if cache is not None:
-        kwargs["cache" if "cache" in params else "past_key_values"] = cache
-    if "logits_to_keep" in params:
-        kwargs["logits_to_keep"] = 1
-    out = hf(input_ids=ids, **kwargs)
-    cache = getattr(out, "cache", None)
-    return out.logits[:, -1:].argmax(-1), cache if cache is not None else out.past_key_values
-
-
-@torch.inference_mode()
-def run_hf_decode(hf, gen: torch.Generator, vocab: int, batch: int, context: int, warmup: int,
-                  steps: int) -> dict:
-    """Prefill `batch` random prompts of `context` ids into a cache, then time `steps` steps of
-    one token per row (forward + argmax)."""
-    device = hf.device
-    ids = torch.randint(vocab, (batch, context), generator=gen).to(device)  # [B, ctx]
-    next_ids, cache = hf_forward(hf, ids)
-    for _ in range(warmup):
-        next_ids, cache = hf_forward(hf, next_ids, cache)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        next_ids, cache = hf_forward(hf, next_ids, cache)
-    sync(device)
-    seconds = time.perf_counter() - start
-    del cache
-    return {"seconds": seconds, "mean_context": context + 1 + warmup + (steps - 1) / 2}
-
-
-@torch.inference_mode()
-def run_hf_prefill(hf, gen: torch.Generator, vocab: int, batch: int, length: int,
-                   repeats: int) -> list[float]:
-    """Seconds of `repeats` timed forwards of `batch` fresh prompts (one warm-up)."""
-    device = hf.device
-    seconds = []
-    for i in range(repeats + 1):
-        ids = torch.randint(vocab, (batch, length), generator=gen).to(device)  # [B, L]
-        sync(device)
-        start = time.perf_counter()
-        _, cache = hf_forward(hf, ids)
-        sync(device)
-        del cache
-        if i > 0:
-            seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-# ----------------------------------------------------------------------------- figures
-
-DEFINITIONS = {
-    "copy_rate": "one large dst.copy_(src) on the device: (bytes read + bytes written) / s, median",
-    "matmul_rate": "n^3 matmul in the run's dtype (8192 on GPU): 2 n^3 / s, median",
-    "prefill.flops_linear": "2 x (decoder linear weights (q/k/v/o/gate/up/down) x tokens "
-                            "+ LM head weights x one row per sequence)",
-    "prefill.flops_all_params": "2 x every parameter (tied ones once) x tokens (DESIGN.md's figure)",
-    "prefill.flops_attention": "4 x layers x heads x head_dim x causal (query, key) pairs; not in "
-                               "the floor",
-    "prefill.floor_s": "flops_linear / matmul rate; ratio_to_floor = seconds / floor_s",
-    "prefill.fraction_of_matmul_*": "FLOPs of that count / seconds / matmul rate",
-    "prefill.seconds": "median wall time of one EngineCore.step() prefilling the whole batch",
-    "decode.floor_ms": "(weight_bytes + kv_bytes) / copy rate; weight_bytes = every parameter "
-                       "(the embedding table too, as DESIGN.md's 16.1 GB), kv_bytes = batch x "
-                       "mean context during the timed steps x KV bytes per token",
-    "decode.ms_per_step": "wall time of whole EngineCore.step() calls (schedule, run, sample)",
-    "decode.graph_replay_ms": "CUDA-event time of replaying the step's decode graph alone (the "
-                              "GPU's share; ms_per_step minus this is host time not overlapped)",
-    "ours_over_hf": "our tokens/s / transformers' tokens/s on the same case (> 1: ours faster)",
-}
-
-
-def prefill_figures(cfg: ModelConfig, counts: dict, batch: int, length: int,
-                    seconds: list[float], matmul_fps: float) -> dict:
-    t = statistics.median(seconds)
-    tokens = batch * length
-    linear = 2 * (counts["decoder_linear"] * tokens + counts["lm_head"] * batch)
-    all_params = 2 * counts["all"] * tokens
-    attn = attention_flops(cfg, [length] * batch)
-    floor = linear / matmul_fps
-    return {"seconds": t, "samples": seconds, "tokens_per_s": tokens / t,
-            "flops_linear": linear, "flops_all_params": all_params, "flops_attention": attn,
-            "floor_s": floor, "ratio_to_floor": t / floor,
-            "fraction_of_matmul_linear": linear / t / matmul_fps,
-            "fraction_of_matmul_all_params": all_params / t / matmul_fps,
-            "fraction_of_matmul_linear_plus_attention": (linear + attn) / t / matmul_fps}
-
-
-def decode_figures(r: dict, batch: int, steps: int, weight_bytes: int, kv_per_token: int,
-                   copy_bps: float) -> dict:
-    step_s, replay_s = r["seconds"] / steps, r.get("graph_replay_s")
-    kv_bytes = batch * r["mean_context"] * kv_per_token
-    floor = (weight_bytes + kv_bytes) / copy_bps
-    return {"steps": steps, "ms_per_step": step_s * 1e3, "tokens_per_s": batch / step_s,
-            "mean_context": r["mean_context"], "fill_steps": r.get("fill_steps"),
-            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "floor_ms": floor * 1e3,
-            "ratio_to_floor": step_s / floor,
-            "graph_replay_ms": None if replay_s is None else replay_s * 1e3,
-            "graph_replay_ratio_to_floor": None if replay_s is None else replay_s / floor,
-            "host_profile": r.get("host_profile"), "kernel_profile": r.get("kernel_profile")}
-
-
-@dataclass
-class Bench:
-    """What every case shares: the settings, the model's accounting, the measured ceilings."""
-
-    args: argparse.Namespace
-    device: torch.device
-    dtype: torch.dtype
-    cfg: ModelConfig
-    progress: Progress
-    ceilings: dict
-    gen: torch.Generator = field(default_factory=torch.Generator)
-    counts: dict = field(default_factory=dict)
-    kv_bytes_per_token: int = 0
-    errors: list[str] = field(default_factory=list)
-    record: dict = field(default_factory=dict)  # the JSON result, rewritten after every case
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.counts["all"] * self.dtype.itemsize
-
-    def prefill_row(self, batch: int, length: int, seconds: list[float]) -> dict:
-        return prefill_figures(self.cfg, self.counts, batch, length, seconds,
-                               self.ceilings["matmul"]["median_tflops"] * 1e12)
-
-    def decode_row(self, batch: int, result: dict) -> dict:
-        return decode_figures(result, batch, self.args.decode_steps, self.weight_bytes,
-                              self.kv_bytes_per_token, self.ceilings["copy"]["median_gbps"] * 1e9)
-
-    def case(self, what: str, row: dict, measure, core: EngineCore | None = None) -> dict:
-        """Fill row with measure()'s figures unless it is skipped; a failure is recorded in
-        the row and in errors (traceback on stderr) and the other cases still run."""
-        if "skipped" not in row:
-            try:
-                row.update(measure())
-            except Exception as e:  # noqa: BLE001 -- see the docstring
-                row["error"] = self.failed(what, e)
-                if core is not None:
-                    clear(core)
-        _free_memory(self.device)
-        self.progress.case(what, _summary(row))
-        self.save()
-        return row
-
-    def save(self, final: bool = False) -> None:
-        """Write the record so far to --output (a run cut short keeps its finished cases)."""
-        self.record.update(complete=final, wall_s=time.perf_counter() - self.started)
-        if self.args.output and final:
-            write_json(self.args.output, self.record)
-        elif self.args.output:
-            Path(self.args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.args.output).write_text(json.dumps(self.record, indent=2) + "\n")
-
-    def failed(self, what: str, e: Exception) -> str:
-        traceback.print_exc(file=sys.stderr)
-        message = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-        self.errors.append(f"{what}: {message}")
-        return message
-
-
 def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> None:
     """Every prefill and decode case of the engine, into bench.record."""
     args, gen = bench.args, bench.gen
     prefill, decode = bench.record["prefill"], bench.record["decode"]
+    reset = functools.partial(clear, core)  # ends a failed case's requests
 
     def row(kind: str, b: int, n: int, **keys) -> dict:
         tokens = kv["need"][kind, b, n]
@@ -637,45 +417,14 @@ def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> None:
         measure = lambda b=b, n=n: bench.prefill_row(  # noqa: E731
             b, n, run_prefill(core, gen, b, n, args.prefill_repeats))
         prefill.append(bench.case(f"prefill {b}x{n}",
-                                  row("prefill", b, n, batch=b, length=n, tokens=b * n), measure, core))
+                                  row("prefill", b, n, batch=b, length=n, tokens=b * n), measure, reset))
     for c in args.contexts:
         for b in args.batch_sizes:
             measure = lambda b=b, c=c: bench.decode_row(  # noqa: E731
                 b, run_decode(core, gen, b, c, args.decode_warmup, args.decode_steps,
                               args.decode_fill, args.profile))
             decode.append(bench.case(f"decode bs={b} ctx={c}",
-                                     row("decode", b, c, batch=b, context=c), measure, core))
-
-
-def transformers_cases(bench: Bench, model: CausalLM) -> None:
-    """transformers on our weights, into bench.record; ours_over_hf goes into its rows and
-    our matching ones."""
-    import transformers
-
-    args, gen, vocab, ctx = bench.args, bench.gen, bench.cfg.vocab_size, bench.args.hf_context
-    start = time.perf_counter()
-    hf = to_hf_model(model, PRESETS[args.preset])
-    out = bench.record["transformers"] = {
-        "version": transformers.__version__, "build_s": time.perf_counter() - start,
-        "attn_implementation": getattr(hf.config, "_attn_implementation", None),
-        "decode": [], "prefill": []}
-    for b in args.hf_batch_sizes:
-        measure = lambda b=b: bench.decode_row(  # noqa: E731
-            b, run_hf_decode(hf, gen, vocab, b, ctx, args.decode_warmup, args.decode_steps))
-        out["decode"].append(bench.case(f"transformers decode bs={b} ctx={ctx}",
-                                        {"batch": b, "context": ctx}, measure))
-    for b, n in args.hf_prefill:
-        measure = lambda b=b, n=n: bench.prefill_row(  # noqa: E731
-            b, n, run_hf_prefill(hf, gen, vocab, b, n, args.prefill_repeats))
-        out["prefill"].append(bench.case(f"transformers prefill {b}x{n}",
-                                         {"batch": b, "length": n, "tokens": b * n}, measure))
-    rows = bench.record["decode"] + bench.record["prefill"]
-    for theirs in out["decode"] + out["prefill"]:
-        keys = ("batch", "context") if "context" in theirs else ("batch", "length")
-        ours = next((r for r in rows if all(r.get(k) == theirs[k] for k in keys)), None)
-        if ours and "tokens_per_s" in ours and "tokens_per_s" in theirs:
-            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-            theirs["ours_over_hf"] = ours["ours_over_hf"] = ratio
+                                     row("decode", b, c, batch=b, context=c), measure, reset))
 
 
 # ----------------------------------------------------------------------------- main
@@ -727,64 +476,17 @@ def main(argv=None) -> int:
         engine_cases(bench, core, kv)
     model = core.model
     del core  # the KV pool and CUDA graphs go before transformers loads
-    _free_memory(device)
+    free_memory(device)
     if run_hf:
         try:
-            transformers_cases(bench, model)
+            transformers_cases(bench, model, preset)
         except Exception as e:  # noqa: BLE001 -- keep the engine's numbers
             record["transformers"] = {"error": bench.failed("transformers", e)}
     del model
-    _free_memory(device)
+    free_memory(device)
     print_table(record)
     bench.save(final=True)
     return 1 if bench.errors else 0
-
-
-def _summary(row: dict) -> str:
-    if "ms_per_step" in row:
-        replay = row.get("graph_replay_ms")
-        return (f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:,.0f} tok/s, "
-                f"{row['ratio_to_floor']:.2f}x floor ({row['floor_ms']:.2f} ms)"
-                + (f", graph replay alone {replay:.2f} ms" if replay else ""))
-    if "tokens_per_s" in row:
-        return (f"{row['tokens_per_s']:,.0f} tok/s, {row['seconds'] * 1e3:.1f} ms, "
-                f"{row['ratio_to_floor']:.2f}x floor, {row['fraction_of_matmul_all_params']:.0%} "
-                "of matmul (all params)")
-    return row.get("skipped") or row.get("error") or "done"
-
-
-def print_table(record: dict) -> None:
-    c, e = record["ceilings"], record["engine"]
-    print(f"\n{record['preset']} on {record['device_name']} ({record['dtype']}), attention "
-          f"{e['attention_backend']}, CUDA graphs {'on' if e['cuda_graphs'] else 'off'}, overlap schedule "
-          f"{'on' if e.get('overlap_schedule') else 'off'}")
-    print(f"ceilings: copy {c['copy']['median_gbps']:,.4g} GB/s (read + write), matmul "
-          f"{c['matmul']['n']}^3 {c['matmul']['median_tflops']:,.4g} TFLOP/s")
-    print(f"\n{'prefill':<10}| {'tok/s':>10} | {'ms':>8} | {'x floor':>7} | "
-          f"{'matmul % (linear)':>17} | {'(all params)':>12} | {'ours/HF':>7}")
-    for r in record["prefill"]:
-        name = f"{r['batch']}x{r['length']}"
-        if "tokens_per_s" not in r:
-            print(f"{name:<10}| {_summary(r)}")
-            continue
-        print(f"{name:<10}| {r['tokens_per_s']:>10,.0f} | {r['seconds'] * 1e3:>8.1f} | "
-              f"{r['ratio_to_floor']:>7.2f} | {r['fraction_of_matmul_linear']:>17.1%} | "
-              f"{r['fraction_of_matmul_all_params']:>12.1%} | {_ratio(r):>7}")
-    print(f"\n{'decode':<14}| {'ms/step':>8} | {'tok/s':>9} | {'floor ms':>8} | {'x floor':>7} | "
-          f"{'ours/HF':>7}")
-    for r in record["decode"]:
-        name = f"bs{r['batch']} ctx{r['context']}"
-        if "ms_per_step" not in r:
-            print(f"{name:<14}| {_summary(r)}")
-            continue
-        print(f"{name:<14}| {r['ms_per_step']:>8.2f} | {r['tokens_per_s']:>9,.0f} | "
-              f"{r['floor_ms']:>8.2f} | {r['ratio_to_floor']:>7.2f} | {_ratio(r):>7}")
-    for error in record["errors"]:
-        print(f"error: {error}")
-
-
-def _ratio(row: dict) -> str:
-    return f"{row['ours_over_hf']:.2f}" if "ours_over_hf" in row else "-"
 
 
 def versions() -> dict:
@@ -795,12 +497,6 @@ def versions() -> dict:
         except Exception:  # noqa: BLE001 -- absent or broken: recorded as None
             out[name] = None
     return out
-
-
-def _free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
 
-from bench.one_batch import (PRESETS, _pairs, attention_flops, decode_figures,  # noqa: E402
-                             fill_defaults, main, param_counts, parse_args)
+from bench.one_batch import PRESETS, _pairs, fill_defaults, main, parse_args  # noqa: E402
+from bench.one_batch_report import attention_flops, decode_figures, param_counts  # noqa: E402
 from pd_serve.model.config import ModelConfig  # noqa: E402
 from pd_serve.model.llama import CausalLM  # noqa: E402
 
