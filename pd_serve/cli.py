@@ -39,6 +39,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=d_engine.cuda_graph_max_bs,
                    help="largest decode batch replayed through a CUDA graph")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel size: this engine's ranks, one process and one GPU each "
+                        "(cuda:0..tp-1 of the visible ones); colocated workers and the Python "
+                        "Engine for now")
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on GPU, wait for each step's tokens before planning the next (by default "
                         "step N+1 is planned while step N runs)")
@@ -65,7 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
                 "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
-                "disable_overlap_schedule", "quantization", "page_size", "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb",
+                "disable_overlap_schedule", "tp", "quantization", "page_size", "max_total_tokens",
+                "mem_fraction_static", "cpu_kv_cache_gb",
                 "kv_cache_dtype", "max_running_requests", "chunked_prefill_size", "schedule_policy")
 
 
@@ -107,7 +112,6 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill: send each prompt's KV in this many layer groups, each as soon as "
                         "the forward has computed it, overlapping transfer with compute (1: after "
                         "the last layer)")
-    g.add_argument("--tp", type=int, default=1, help="tensor parallel size (1 only, for now)")
 
 
 def worker_config_from_args(args: argparse.Namespace):
@@ -117,7 +121,7 @@ def worker_config_from_args(args: argparse.Namespace):
                         worker_id=args.worker_id, host=args.host, port=args.port,
                         transfer_backend=args.transfer_backend,
                         transfer_timeout_s=args.transfer_timeout,
-                        transfer_layer_groups=args.transfer_layer_groups, tp=args.tp)
+                        transfer_layer_groups=args.transfer_layer_groups)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:

@@ -58,6 +58,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # GPU: plan step N+1 while step N runs unless set
+    tp: int = 1  # tensor parallel size: ranks (processes, one GPU each) of this engine
     quantization: str | None = None  # fp8 / gptq; None: the checkpoint's (pd_serve/model/quant.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -71,6 +72,7 @@ class EngineConfig:
                f"must be one of {', '.join(LOAD_FORMATS)}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "--attention-backend",
                self.attention_backend, f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        _check(self.tp >= 1, "--tp", self.tp, "must be >= 1")
         _check(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs", self.cuda_graph_max_bs,
                "must be >= 1 (use --disable-cuda-graph to turn graphs off)")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "--quantization",

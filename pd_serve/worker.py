@@ -42,13 +42,10 @@ class WorkerConfig:
     transfer_layer_groups: int = 1  # prefill: ship the KV in this many layer groups, each as
     # soon as the forward has computed it (1: after the last layer)
     heartbeat_s: float = 1.0
-    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.transfer_layer_groups < 1:
             raise ValueError(f"--transfer-layer-groups {self.transfer_layer_groups} must be >= 1")
-        if self.tp != 1:
-            raise ValueError(f"--tp {self.tp}: tensor parallelism is not implemented yet; use --tp 1")
         if not self.gateway.startswith("tcp://"):
             raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT")
 
@@ -83,6 +80,10 @@ class Worker:
 
     def __init__(self, config: WorkerConfig):
         self.config = config
+        if config.engine.tp > 1 and self.role != "colocated":
+            raise ValueError(f"--tp {config.engine.tp} on a {self.role} worker: the KV hand-off "
+                             "between tensor-parallel groups is not built yet; use --tp 1 on "
+                             "prefill and decode workers (colocated workers take --tp)")
         self.core = EngineCore(config.engine)
         self.core.warmup()
         self.worker_id = config.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
@@ -120,14 +121,17 @@ class Worker:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
         logger.info("%s %s: model %s, gateway %s", self.role, self.worker_id, self.core.model_dir,
                     self.config.gateway)
-        while not self._stop:
-            if self._sock.poll(0 if self.busy() else 10, zmq.POLLIN):
-                while self._sock.poll(0, zmq.POLLIN):
-                    self.handle(protocol.decode(self._sock.recv()))
-            self.tick()
-            if time.monotonic() >= self._next_heartbeat:
-                self.send(self.status())
-                self._next_heartbeat = time.monotonic() + self.config.heartbeat_s
+        try:
+            while not self._stop:
+                if self._sock.poll(0 if self.busy() else 10, zmq.POLLIN):
+                    while self._sock.poll(0, zmq.POLLIN):
+                        self.handle(protocol.decode(self._sock.recv()))
+                self.tick()
+                if time.monotonic() >= self._next_heartbeat:
+                    self.send(self.status())
+                    self._next_heartbeat = time.monotonic() + self.config.heartbeat_s
+        finally:
+            self.core.close()  # a TP group's followers
 
     def send(self, msg) -> None:
         self._sock.send(protocol.encode(msg))

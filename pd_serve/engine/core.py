@@ -19,11 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pd_serve.cache.allocator import PageAllocator
 from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
 from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.config import CacheConfig, EngineConfig
+from pd_serve.engine import tp_group
+from pd_serve.launch import free_port
 from pd_serve.engine.attention import create_backend, resolve_backend_name
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.runner import ModelRunner
@@ -31,17 +34,20 @@ from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput, needs
 from pd_serve.engine.scheduler import Scheduler, SchedulerOutput
 from pd_serve.model.config import ModelConfig, resolve_dtype
 from pd_serve.model.loader import load_model
+from pd_serve.model.parallel import shard_model
 from pd_serve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_port: int = 0):
+        """tp_rank, tp_port: a follower rank of a tensor-parallel engine (engine/tp_group.py)."""
         self.config = config
-        self._build()
+        self.tp, self._tp_followers = None, []
+        self._build(tp_rank, tp_port)
 
-    def _build(self) -> None:
+    def _build(self, tp_rank: int, tp_port: int) -> None:
         cfg = self.config
         model_dir = Path(cfg.model) if cfg.model else _default_model_dir()
         if not model_dir.is_dir():
@@ -50,6 +56,8 @@ class EngineCore:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {device}: no CUDA device is available; use --device cpu")
         self.device = torch.device(device)
+        if cfg.tp > 1:
+            self._join_tp(tp_rank, tp_port)
         self.dtype = resolve_dtype(cfg.dtype, self.device.type)
         self.model_dir = model_dir
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -62,15 +70,24 @@ class EngineCore:
             raise ValueError(f"--context-length {cfg.context_length} exceeds the model's "
                              f"max_position_embeddings ({limit}) in {model_dir}/config.json")
         self.max_model_len = cfg.context_length or limit
-        self.model = load_model(model_dir, self.dtype, self.device, cfg.load_format, cfg.seed,
-                                cfg.quantization)
-        mc = self.model_config
+        if self.tp is None:
+            self.model = load_model(model_dir, self.dtype, self.device, cfg.load_format, cfg.seed,
+                                    cfg.quantization)
+        else:  # every rank loads the whole model on the host and keeps its shard
+            full = load_model(model_dir, self.dtype, "cpu", cfg.load_format, cfg.seed, cfg.quantization)
+            self.model = shard_model(full, self.tp).to(self.device)
+            del full
+        mc = self.model.config  # this rank's shape (its heads) under TP
         kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         k_scales, v_scales = load_kv_scales(model_dir, mc.num_layers, kv_dtype,
                                             f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}")
         layout = KVLayout(mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
                           str(kv_dtype).removeprefix("torch."), k_scales, v_scales)
         num_pages = _num_kv_pages(cfg.cache, layout, self.device)
+        if self.tp is not None:  # the same page ids on every rank: the smallest pool
+            smallest = torch.tensor([num_pages])
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.tp.control)
+            num_pages = int(smallest)
         self.kv_pool = KVPool(layout, num_pages, self.device)
         self.allocator = PageAllocator(num_pages)
         logger.info("KV cache: %d pages x %d tokens = %d tokens, %s, %d bytes per token, %.2f GiB",
@@ -81,15 +98,39 @@ class EngineCore:
         attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
                               mc.head_dim ** -0.5, self.dtype)
         self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph:
+        if self.tp is not None and self.tp.rank == 0:
+            self.runner.on_launch = lambda plan: tp_group.broadcast(self.tp, plan)
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph \
+                and self.tp is None:
             max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
             self.runner.capture_cuda_graphs(max_bs, -(-self.max_model_len // layout.page_size))
         logger.info("attention backend %s, CUDA graphs %s", self.attention_backend,
                     "on" if self.runner.graphs else "off")
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)
         self.scheduler.max_model_len = self.max_model_len
-        self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule
+        self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule and self.tp is None
         self._in_flight: InFlight | None = None
+
+    def _join_tp(self, rank: int, port: int) -> None:
+        """Start (rank 0) or join the tensor-parallel group; on GPU rank r runs on cuda:r."""
+        if rank == 0:
+            self.tp, self._tp_followers = tp_group.start(self.config, free_port())
+        else:
+            self.tp = tp_group.join(self.config, rank, port)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", rank)
+
+    def close(self) -> None:
+        """End a tensor-parallel group's followers (a no-op without TP); the engine is unusable after."""
+        if self.tp is None or self.tp.rank != 0:
+            return
+        tp_group.broadcast(self.tp, None)
+        for p in self._tp_followers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
+        self.tp, self._tp_followers = None, []
 
     def warmup(self, num_tokens: int = 16) -> None:
         """One throwaway prefill and decode, so the first real request does not pay for lazy

@@ -27,8 +27,8 @@ class Engine(EngineCore):
         """model: a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct). options:
         any engine flag by its CLI name with underscores (device="cpu", max_total_tokens=4096,
         attention_backend="triton", ...); see EngineConfig, CacheConfig, SchedulerConfig."""
-        self.config = EngineConfig.from_flat(model=None if model is None else str(model), **options)
-        self._build()
+        EngineCore.__init__(self, EngineConfig.from_flat(model=None if model is None else str(model),
+                                                         **options))
         self._trackers: dict[str, OutputTracker] = {}
 
     @classmethod

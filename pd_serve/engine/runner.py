@@ -44,6 +44,7 @@ class ModelRunner:
         # it before planning, so no host staging buffer (ours or flashinfer's) is rewritten
         # while a copy from it may still be queued behind the step in flight.
         self._inputs_copied: torch.cuda.Event | None = None
+        self.on_launch = None  # on_launch(plan) before each step: a TP group's rank 0 broadcasts it
 
     def _flat_batch(self, plan: SchedulerOutput):
         """Token ids, positions and cache slots of every new token (int64 CPU tensors [T]),
@@ -86,6 +87,8 @@ class ModelRunner:
         sampled tokens of the step still in flight, where this plan's pending inputs are."""
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
+        if self.on_launch is not None:
+            self.on_launch(plan)
         graphable = all(c.num_tokens == 1 for c in plan.chunks) and after_layer is None
         if self.graphs and graphable and len(plan.chunks) <= max(self.graphs):
             return self._launch_graph(plan, prev_tokens)

@@ -29,11 +29,13 @@ from pd_serve.model.quant import QuantLinear
 
 @dataclass(frozen=True)
 class TPGroup:
-    """A rank's place in its tensor-parallel group (group None: the default process group)."""
+    """A rank's place in its tensor-parallel group: `group` carries the model's collectives,
+    `control` (gloo) the host-side broadcasts; None is the default process group."""
 
     rank: int
     size: int
     group: object = None
+    control: object = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)

@@ -99,3 +99,38 @@ def test_shard_shapes_and_clear_errors(tiny_checkpoints):
     assert [kv_heads_of(r, 2, 2) for r in range(2)] == [range(0, 1), range(1, 2)]
     with pytest.raises(ValueError, match="--tp 3 does not divide this model: 4 attention heads"):
         shard_config(full, 3)
+
+
+def test_engine_with_tp_2_equals_tp_1(tiny_checkpoints):
+    """Engine(tp=2): a follower process runs rank 1; rank 0 broadcasts every step (prefill,
+    decode, a preemption under a tight KV budget) and samples, seeded sampling included."""
+    from pd_serve import Engine
+
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1)]
+    options = dict(device="cpu", max_total_tokens=32, page_size=4, chunked_prefill_size=8)
+    want = Engine(tiny_checkpoints["qwen3"], **options).generate(PROMPTS, params)
+    engine = Engine(tiny_checkpoints["qwen3"], tp=2, **options)
+    try:
+        follower = engine._tp_followers[0]
+        assert follower.is_alive()
+        got = engine.generate(PROMPTS, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert sum(o.num_preemptions for o in got) > 0, "the budget should force preemption"
+        assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    finally:
+        engine.close()
+    follower.join(timeout=10)
+    assert follower.exitcode == 0
+
+
+def test_tp_on_prefill_and_decode_workers_is_a_clear_error(tiny_checkpoints):
+    from pd_serve.config import EngineConfig
+    from pd_serve.prefill.worker import PrefillWorker
+    from pd_serve.worker import WorkerConfig
+
+    config = WorkerConfig(engine=EngineConfig(model=str(tiny_checkpoints["llama3"]), device="cpu", tp=2),
+                          gateway="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="--tp 2 on a prefill worker: the KV hand-off between"):
+        PrefillWorker(config)

@@ -1,0 +1,108 @@
+"""A tensor-parallel worker: rank 0 is the engine the worker talks to; ranks 1..tp-1 follow it.
+
+Rank 0 starts the followers (one process each, dying with it), and before each step it
+broadcasts the step's inputs (per chunk: positions, token ids, KV pages, whether it samples) on
+a gloo group. Every rank then runs the same forward on its shard (model/parallel.py) and its own
+KV pool (its KV heads; the same page ids on every rank: the pool size is the smallest any rank
+can hold), meeting in the all-reduces and the logits all-gather; rank 0 alone samples.
+CUDA graphs and the overlap schedule are off under TP for now.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pd_serve.engine.runner import _chunk_ids
+from pd_serve.engine.sampler import PendingSample
+from pd_serve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pd_serve.model.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 600  # the followers load their shards meanwhile
+IDLE = timedelta(days=365)  # followers wait this long for the next step (they die with rank 0)
+PR_SET_PDEATHSIG = 1
+
+
+def start(config, port: int) -> tuple[TPGroup, list]:
+    """Rank 0: start the followers and join the group (gloo on CPU; NCCL on GPU, gloo beside it
+    for the step broadcasts)."""
+    ctx = multiprocessing.get_context("spawn")
+    followers = [ctx.Process(target=follow, args=(config, rank, port), daemon=True,
+                             name=f"tp-rank-{rank}") for rank in range(1, config.tp)]
+    for p in followers:
+        p.start()
+    return join(config, 0, port), followers
+
+
+def join(config, rank: int, port: int) -> TPGroup:
+    """Join the group of config.tp ranks at 127.0.0.1:port; on GPU rank r uses cuda:r."""
+    on_cuda = config.device != "cpu" and torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=config.tp, timeout=timedelta(seconds=START_TIMEOUT_S))
+    control = dist.new_group(backend="gloo", timeout=IDLE) if on_cuda else None
+    return TPGroup(rank, config.tp, None, control)
+
+
+def follow(config, rank: int, port: int) -> None:
+    """A follower's process: build this rank's engine, then run the steps rank 0 broadcasts."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    from pd_serve.engine.core import EngineCore
+
+    core = EngineCore(config, tp_rank=rank, tp_port=port)
+    runner = core.runner
+    runner.sampler = _NoSampler()
+    while (steps := receive(core.tp)) is not None:
+        runner.launch(mirror_plan(steps))
+    dist.destroy_process_group()
+
+
+def broadcast(tp: TPGroup, plan: SchedulerOutput | None) -> None:
+    """Rank 0: send the step's inputs (None: the followers exit)."""
+    payload = None if plan is None else [
+        (c.start, c.num_tokens, c.sample, _chunk_ids(c.request, c.start, c.start + c.num_tokens),
+         c.request.page_ids) for c in plan.chunks]
+    dist.broadcast_object_list([payload], src=0, group=tp.control)
+
+
+def receive(tp: TPGroup):
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=tp.control)
+    return box[0]
+
+
+class _Mirror:
+    """What the runner reads of a request, rebuilt from a broadcast chunk."""
+
+    def __init__(self, start: int, token_ids: list[int], page_ids: list[int]):
+        self.start, self.token_ids, self.page_ids = start, token_ids, page_ids
+
+    def token_at(self, pos: int) -> int:
+        return self.token_ids[pos - self.start]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [0] * self.start + self.token_ids
+
+
+def mirror_plan(steps) -> SchedulerOutput:
+    return SchedulerOutput(chunks=[ScheduledChunk(_Mirror(start, ids, pages), start, num, sample)
+                                   for start, num, sample, ids, pages in steps])
+
+
+class _NoSampler:
+    """Followers compute logits (the all-gather needs every rank) but do not sample."""
+
+    def launch(self, logits: torch.Tensor, requests) -> PendingSample:
+        return PendingSample(torch.empty(0, dtype=torch.long, device=logits.device), [])
