@@ -12,7 +12,10 @@ of 1 MiB, so a request of X MiB is X pages, drawn at random (non-contiguous) on 
 A timed request runs from send() to the sender's ok result (a blocking poll wakes as it comes):
 the receiver has the pages in its pool and acknowledged. Telling the receiver to expect the request comes first and is not timed.
 Each size gets one warm-up request, then --repeats timed ones. GB/s are 1e9 bytes of KV per
-second. The raw link rate is one process's plain 1 GiB `dst.copy_(src)` between the two
+second. Sizes up to --in-flight-max-mib are also sent --in-flight K requests at a time (all
+expected first, then sent back to back, timed until the last is acknowledged): the rate a
+prefill worker with several requests finishing sustains, as bandwidth tests measure a link
+(`pipelined_gbps`); one request alone (`median_gbps`) pays the fixed cost per request in full. The raw link rate is one process's plain 1 GiB `dst.copy_(src)` between the two
 devices: GPU0 -> GPU1 (P2P) on two GPUs, within the GPU on one, host memory on CPU.
 """
 
@@ -78,6 +81,10 @@ def parse_args() -> argparse.Namespace:
                    help="the sender's largest chunk size (default: KVSender's)")
     p.add_argument("--spin-ms", type=float, default=None,
                    help="busy-poll window of both I/O threads (default: theirs; 0: never)")
+    p.add_argument("--in-flight", type=int, default=8,
+                   help="requests in flight for the pipelined rate (1: not measured)")
+    p.add_argument("--in-flight-max-mib", type=int, default=256,
+                   help="largest size measured with --in-flight requests at a time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", nargs="?", const="auto", default=None,
                    help="write a JSON result here (alone: bench/results/transfer-<device-kind>.json)")
@@ -104,6 +111,8 @@ def parse_args() -> argparse.Namespace:
                                else DEFAULT_LATENCY_TOKENS, "--latency-tokens")
     if args.repeats is not None and args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.in_flight < 1:
+        p.error("--in-flight must be >= 1")
     args.repeats = args.repeats or (QUICK["repeats"] if args.quick else 5)
     args.sender_device, args.receiver_device = map(torch.device, (args.sender_device, args.receiver_device))
     args.backends = check_backends(p, args.backends, args.sender_device, args.receiver_device)
@@ -259,6 +268,7 @@ class Pair:
             raise
         self.rng = random.Random(args.seed)
         self.request_ids = (f"{backend}-{i}" for i in itertools.count())
+        self.results: dict[str, TransferResult] = {}
 
     def pick_pages(self, num_pages: int) -> tuple[list[int], list[int]]:
         """Random, non-contiguous source and destination page ids."""
@@ -282,12 +292,34 @@ class Pair:
         return seconds, src, dst
 
     def _wait(self, request_id: str) -> TransferResult:
+        """The request's result; others that come first are kept for their own waits."""
         deadline = time.monotonic() + self.timeout_s + 5
         while (left := deadline - time.monotonic()) > 0:
-            for result in self.sender.poll(timeout_s=left):  # wakes as the result comes
-                if result.request_id == request_id:
-                    return result
+            if request_id in self.results:
+                return self.results.pop(request_id)
+            for result in self.sender.poll(timeout_s=left):  # wakes as a result comes
+                self.results[result.request_id] = result
         raise TransferError(f"no result for {request_id} within {self.timeout_s + 5} s")
+
+    def pipelined(self, num_pages: int, k: int) -> float:
+        """Seconds for k requests of `num_pages` pages each (disjoint pages), sent back to back,
+        until the last one is acknowledged; every receiver expects them before the clock starts."""
+        src = self.rng.sample(range(self.pool.num_pages), k * num_pages)
+        dst = self.rng.sample(range(self.pool.num_pages), k * num_pages)
+        parts = [(next(self.request_ids), src[i * num_pages:(i + 1) * num_pages],
+                  dst[i * num_pages:(i + 1) * num_pages]) for i in range(k)]
+        for request_id, _, pages in parts:
+            if self.receiver.call("expect", request_id=request_id, page_ids=pages, poison=False)["failed"]:
+                raise TransferError("receiver reported failures")
+        sync(self.pool.buffer.device)
+        start = time.perf_counter()
+        for request_id, s, d in parts:
+            self.sender.send(request_id, self.receiver.address, s, d)
+        for request_id, _, _ in parts:
+            result = self._wait(request_id)
+            if not result.ok:
+                raise TransferError(f"{request_id} ({num_pages} pages) failed: {result.error}")
+        return time.perf_counter() - start
 
     def timed(self, num_pages: int, repeats: int) -> list[float]:
         self.transfer(num_pages)  # warm-up
@@ -324,9 +356,18 @@ def run_backend(backend: str, pool: KVPool, raw_gbps: float, args: argparse.Name
             row = {"size_mib": size_mib, "num_bytes": size_mib * MiB, "seconds": seconds,
                    "median_gbps": statistics.median(gbps), "best_gbps": max(gbps)}
             row["ratio_to_raw"] = row["median_gbps"] / raw_gbps
+            if args.in_flight > 1 and size_mib <= args.in_flight_max_mib:
+                num_pages = size_mib * MiB // layout.bytes_per_page
+                pair.pipelined(num_pages, args.in_flight)  # warm-up
+                piped = [args.in_flight * size_mib * MiB / pair.pipelined(num_pages, args.in_flight) / 1e9
+                         for _ in range(args.repeats)]
+                row.update(in_flight=args.in_flight, pipelined_gbps=statistics.median(piped),
+                           pipelined_ratio_to_raw=statistics.median(piped) / raw_gbps)
             out["sizes"].append(row)
             log(f"{backend:>5} {size_mib:>6} MiB  median {row['median_gbps']:8.2f} GB/s  "
-                f"best {row['best_gbps']:8.2f} GB/s  {row['ratio_to_raw']:6.1%} of raw")
+                f"best {row['best_gbps']:8.2f} GB/s  {row['ratio_to_raw']:6.1%} of raw"
+                + (f"  {row['in_flight']} in flight {row['pipelined_gbps']:8.2f} GB/s "
+                   f"({row['pipelined_ratio_to_raw']:.1%})" if "pipelined_gbps" in row else ""))
         for tokens in args.latency_tokens:
             num_pages = -(-tokens // layout.page_size)
             seconds = pair.timed(num_pages, args.repeats)
@@ -388,11 +429,14 @@ def log(line: str) -> None:
 def print_tables(results: list[dict], raw: dict) -> None:
     print(f"\nraw link: {raw['what']}, {raw['num_bytes'] // MiB} MiB: median "
           f"{raw['median_gbps']:.2f} GB/s, best {raw['best_gbps']:.2f} GB/s")
-    print(f"\n{'backend':<8}| {'size MiB':>8} | {'median GB/s':>11} | {'best GB/s':>9} | ratio to raw link")
+    print(f"\n{'backend':<8}| {'size MiB':>8} | {'median GB/s':>11} | {'best GB/s':>9} | "
+          f"{'to raw':>6} | {'in flight GB/s':>14} | to raw")
     for r in results:
         for row in r["sizes"]:
+            piped = (f"{row['pipelined_gbps']:>14.2f} | {row['pipelined_ratio_to_raw']:.3f}"
+                     if "pipelined_gbps" in row else f"{'-':>14} | -")
             print(f"{r['backend']:<8}| {row['size_mib']:>8} | {row['median_gbps']:>11.2f} | "
-                  f"{row['best_gbps']:>9.2f} | {row['ratio_to_raw']:.3f}")
+                  f"{row['best_gbps']:>9.2f} | {row['ratio_to_raw']:>6.3f} | {piped}")
     print(f"\n{'backend':<8}| {'tokens':>6} | {'KV MiB':>6} | {'median ms':>9} | {'best ms':>9}")
     for r in results:
         for row in r["latency"]:
@@ -442,8 +486,10 @@ def main() -> None:
     if sender_device.type == "cuda":
         torch.cuda.set_device(sender_device)  # send() records its ready event on this device
     layout = llama3_8b_layout(args.dtype)
+    piped = [m for m in args.sizes_mib if m <= args.in_flight_max_mib] if args.in_flight > 1 else []
     num_pages = max(max(args.sizes_mib) * MiB // layout.bytes_per_page,
-                    -(-max(args.latency_tokens) // layout.page_size)) + SPARE_PAGES
+                    -(-max(args.latency_tokens) // layout.page_size),
+                    args.in_flight * max(piped, default=0) * MiB // layout.bytes_per_page) + SPARE_PAGES
     log(f"layout {asdict(layout)}: {layout.bytes_per_page // MiB} MiB per page; pools of "
         f"{num_pages} pages on {sender_device} (sender) and {receiver_device} (receiver)")
 
