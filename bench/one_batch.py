@@ -73,6 +73,7 @@ from bench.one_batch_report import (  # noqa: E402
     print_table,
     profile_kernels,
     profile_steps,
+    stored_bytes,
 )
 from pd_serve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pd_serve.engine.core import EngineCore  # noqa: E402
@@ -126,6 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flashinfer", "triton", "torch"])
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the random weights quantized at load (per-channel FP8 weights); "
+                   "the floor counts the bytes as stored; no transformers comparison then")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="decode steps wait for their tokens before the next is planned")
     p.add_argument("--batch-sizes", type=_ints, help="decode batch sizes (comma list); default "
@@ -391,7 +396,8 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
         load_format="dummy", seed=args.seed, attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph, disable_overlap_schedule=args.disable_overlap_schedule,
         context_length=min(cfg.max_position_embeddings, longest + page_size),
-        cache=CacheConfig(max_total_tokens=pool_tokens),
+        quantization=args.quantization,
+        cache=CacheConfig(max_total_tokens=pool_tokens, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_running_requests=max_batch, chunked_prefill_size=chunk))
     info = {"pool_tokens": pool_tokens, "budget_bytes": int(budget), "need": need,
             "chunked_prefill_size": chunk, "context_length": config.context_length,
@@ -437,7 +443,7 @@ def main(argv=None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     fill_defaults(args, device)
     dtype = resolve_dtype(args.dtype, device.type)
-    run_hf = device.type == "cuda" if args.hf is None else args.hf
+    run_hf = (device.type == "cuda" if args.hf is None else args.hf) and not args.quantization
     preset = PRESETS[args.preset]
     num_cases = (2 + len(args.prefill_grid) + len(args.batch_sizes) * len(args.contexts)
                  + (len(args.hf_batch_sizes) + len(args.hf_prefill) if run_hf else 0))
@@ -453,7 +459,9 @@ def main(argv=None) -> int:
         "dtype": str(dtype).removeprefix("torch."), "versions": versions(),
         "git_commit": git_commit(), "flags": vars(args), "torch_threads": torch.get_num_threads(),
         "ceilings": ceilings, "definitions": DEFINITIONS, "errors": bench.errors,
-        "prefill": [], "decode": [], "transformers": {"skipped": "--no-hf"},
+        "prefill": [], "decode": [],
+        "transformers": {"skipped": "--quantization (other weights than transformers')"
+                         if args.quantization else "--no-hf"},
     }
     bench.save()
     with tempfile.TemporaryDirectory(prefix="one-batch-") as tmp:
@@ -463,7 +471,9 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         start = time.perf_counter()
         core, kv = build_core(args, Path(tmp), bench.cfg, device, dtype)
-        bench.counts, bench.kv_bytes_per_token = param_counts(core.model), kv["kv_bytes_per_token"]
+        bench.counts = param_counts(core.model)
+        bench.kv_bytes_per_token = core.kv_pool.layout.bytes_per_token  # FP8 pages: half
+        bench.stored_bytes = stored_bytes(core.model)
         record.update(params=bench.counts, weight_bytes=bench.weight_bytes,
                       kv_bytes_per_token=bench.kv_bytes_per_token)
         record["engine"] = {

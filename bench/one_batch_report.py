@@ -30,10 +30,22 @@ def param_counts(model: torch.nn.Module) -> dict:
     """Parameters by role: every one (tied ones once), decoder linear layers, the LM head."""
     cfg = model.config
     total = sum(p.numel() for p in model.parameters())
-    linear = sum(p.numel() for name, p in model.named_parameters()
-                 if name.startswith("model.layers.") and name.endswith("_proj.weight"))
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    # From the shape, so quantized layers (their weights are buffers) count the same.
+    linear = cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i)
     return {"all": total, "decoder_linear": linear, "lm_head": cfg.vocab_size * cfg.hidden_size,
             "embedding": cfg.vocab_size * cfg.hidden_size, "tied": cfg.tie_word_embeddings}
+
+
+def stored_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and persistent buffer as stored (FP8 weights: 1 byte each, plus
+    their scales); tied tensors once."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def attention_flops(cfg: ModelConfig, lengths: list[int]) -> int:
@@ -55,8 +67,9 @@ DEFINITIONS = {
     "prefill.fraction_of_matmul_*": "FLOPs of that count / seconds / matmul rate",
     "prefill.seconds": "median wall time of one EngineCore.step() prefilling the whole batch",
     "decode.floor_ms": "(weight_bytes + kv_bytes) / copy rate; weight_bytes = every parameter "
-                       "(the embedding table too, as DESIGN.md's 16.1 GB), kv_bytes = batch x "
-                       "mean context during the timed steps x KV bytes per token",
+                       "as stored (the embedding table too, as DESIGN.md's 16.1 GB; FP8 weights "
+                       "1 byte plus scales), kv_bytes = batch x mean context during the timed "
+                       "steps x KV bytes per token (FP8 pages: 1 byte per element)",
     "decode.ms_per_step": "wall time of whole EngineCore.step() calls (schedule, run, sample)",
     "decode.graph_replay_ms": "CUDA-event time of replaying the step's decode graph alone (the "
                               "GPU's share; ms_per_step minus this is host time not overlapped)",
@@ -123,13 +136,14 @@ class Bench:
     gen: torch.Generator = field(default_factory=torch.Generator)
     counts: dict = field(default_factory=dict)
     kv_bytes_per_token: int = 0
+    stored_bytes: int = 0  # the model's weights as stored (stored_bytes())
     errors: list[str] = field(default_factory=list)
     record: dict = field(default_factory=dict)  # the JSON result, rewritten after every case
     started: float = field(default_factory=time.perf_counter)
 
     @property
     def weight_bytes(self) -> int:
-        return self.counts["all"] * self.dtype.itemsize
+        return self.stored_bytes or self.counts["all"] * self.dtype.itemsize
 
     def prefill_row(self, batch: int, length: int, seconds: list[float]) -> dict:
         return prefill_figures(self.cfg, self.counts, batch, length, seconds,
