@@ -7,7 +7,7 @@
 #                  httpx2 httpcore2 truststore idna anyio typing-extensions h11  (versions as the CPU venv)
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
-# Steps: tests (kernels + gputests) gputests onebatch e2e (default: all three, in that order). Carry .whl and .gpu-model.
+# Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) e2e (default: all three, in that order). Carry .whl and .gpu-model.
 # ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile).
 # The GPU machine cannot carry the 94 MB default GGUF, so the end-to-end tests serve a tiny
 # random Llama written there with SmolLM2's tokenizer, under the default model's name.
@@ -47,6 +47,9 @@ for s in $steps; do
     gputests) step gputests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
     onebatch) step onebatch 420 python3 -m bench.one_batch --preset llama3-8b \
              --output "$OUT/one-batch-h200-llama3-8b.json" ${ONEBATCH_ARGS:-} ;;
+    fp8) step fp8 420 python3 -m bench.one_batch --preset llama3-8b --quantization fp8 \
+           --batch-sizes 1,64 --contexts 1024 --prefill-grid 4x2048 \
+           --output "$OUT/one-batch-h200-llama3-8b-fp8.json" ;;
     e2e) PD_SERVE_TEST_DEVICE=cuda PD_SERVE_TEST_MODEL=$model \
            step e2e 420 python3 -m pytest -q -p no:cacheprovider tests/e2e ;;
     *) echo "unknown step $s"; exit 2 ;;
