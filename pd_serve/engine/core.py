@@ -15,6 +15,7 @@ tokens) or report finished layers (prefill) wait for the step before them first.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,11 +105,15 @@ class EngineCore:
                 and self.tp is None:
             max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
             self.runner.capture_cuda_graphs(max_bs, -(-self.max_model_len // layout.page_size))
-        logger.info("attention backend %s, CUDA graphs %s", self.attention_backend,
-                    "on" if self.runner.graphs else "off")
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)
         self.scheduler.max_model_len = self.max_model_len
-        self.overlap = self.device.type == "cuda" and not cfg.disable_overlap_schedule and self.tp is None
+        # PD_SERVE_OVERLAP_CPU=1 turns it on for CPU too (where nothing runs asynchronously): for
+        # tests of its bookkeeping in real workers.
+        on_device = self.device.type == "cuda" or os.environ.get("PD_SERVE_OVERLAP_CPU") == "1"
+        self.overlap = on_device and not cfg.disable_overlap_schedule and self.tp is None
+        logger.info("attention backend %s, CUDA graphs %s, overlap schedule %s%s",
+                    self.attention_backend, "on" if self.runner.graphs else "off",
+                    "on" if self.overlap else "off", f", tp {cfg.tp}" if self.tp else "")
         self._in_flight: InFlight | None = None
 
     def _join_tp(self, rank: int, port: int) -> None:
