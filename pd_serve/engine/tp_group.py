@@ -31,8 +31,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def start(config, port: int) -> tuple[TPGroup, list]:
-    """Rank 0: start the followers and join the group (gloo on CPU; NCCL on GPU, gloo beside it
-    for the step broadcasts)."""
+    """Rank 0: start the followers and join the group (gloo on CPU, NCCL on GPU; a gloo group
+    beside it for the step broadcasts)."""
     ctx = multiprocessing.get_context("spawn")
     followers = [ctx.Process(target=follow, args=(config, rank, port), daemon=True,
                              name=f"tp-rank-{rank}") for rank in range(1, config.tp)]
@@ -48,7 +48,9 @@ def join(config, rank: int, port: int) -> TPGroup:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=config.tp, timeout=timedelta(seconds=START_TIMEOUT_S))
-    control = dist.new_group(backend="gloo", timeout=IDLE) if on_cuda else None
+    # Its own group, so a follower may wait for the next step as long as the worker stays idle
+    # (the default group's timeout bounds the collectives inside a step).
+    control = dist.new_group(backend="gloo", timeout=IDLE)
     return TPGroup(rank, config.tp, None, control)
 
 
