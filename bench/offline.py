@@ -3,6 +3,8 @@ Hugging Face transformers' `generate` on the same model, device and dtype, in on
 
     python bench/offline.py                               # embedded SmolLM2-135M, 16 x (128 in, 64 out)
     python bench/offline.py --num-prompts 64 --hf-batch-size 16 --output result.json
+    python bench/offline.py --preset llama3-8b --quantization fp8 --num-prompts 1000 \
+        --input-len 1000 --output-len 1000 --skip-hf       # a shape's random weights, on a GPU
 
 Both sides generate exactly --output-len tokens per request (the engine with ignore_eos, HF with
 min_new_tokens == max_new_tokens), greedy, after one short warm-up each. Throughput counts output
@@ -16,6 +18,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +38,11 @@ FIRST_REGULAR_ID = 100  # ids below this are left out of random prompts (special
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF model folder or GGUF; default: embedded model")
+    p.add_argument("--preset", default=None, help="instead of --model: random weights of a "
+                   "bench/one_batch.py preset shape (llama3-8b, llama3-1b, tiny); token ids only")
+    p.add_argument("--quantization", default=None, choices=["fp8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -46,6 +54,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output", default=None, help="write a JSON result here")
     args = p.parse_args()
     args.hf_batch_size = args.hf_batch_size or args.num_prompts
+    if args.preset and args.model:
+        p.error("--preset and --model exclude each other")
+    if args.preset or args.quantization:
+        args.skip_hf = True  # transformers has neither the random weights nor our FP8 layers
     for name in ("num_prompts", "input_len", "output_len", "hf_batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -54,7 +66,8 @@ def parse_args() -> argparse.Namespace:
 
 def random_prompts(model_dir: Path, vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
     """`num` prompts of `length` ids drawn from [FIRST_REGULAR_ID, vocab_size), minus added tokens."""
-    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    path = model_dir / "tokenizer.json"
+    tokenizer_json = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     added = {t["id"] for t in tokenizer_json.get("added_tokens", [])}
     allowed = torch.tensor([i for i in range(FIRST_REGULAR_ID, vocab_size) if i not in added])
     gen = torch.Generator().manual_seed(seed)
@@ -76,15 +89,23 @@ def progress(items, desc: str):
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], float]:
-    """Returns the output ids of each prompt and the seconds taken."""
+    """Returns the output ids of each prompt and the seconds taken (a progress line per tenth)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
-    print(f"engine: {len(prompts)} requests ...", file=sys.stderr, flush=True)
     sync(engine.device)
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    step = max(1, len(prompts) // 10)
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+                if len(done) % step == 0 or len(done) == len(ids):
+                    print(f"engine: {len(done)}/{len(ids)} requests done, "
+                          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     sync(engine.device)
-    return [out.token_ids for out in outputs], time.perf_counter() - start
+    return [done[i] for i in ids], time.perf_counter() - start
 
 
 def run_hf(model_dir: Path, device: torch.device, dtype: torch.dtype, prompts: list[list[int]],
@@ -125,7 +146,17 @@ def transformers_version() -> str | None:
 
 def main() -> None:
     args = parse_args()
-    engine = Engine(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    options = dict(device=args.device, dtype=args.dtype, seed=args.seed,
+                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    if args.max_running_requests:
+        options["max_running_requests"] = args.max_running_requests
+    model = args.model
+    if args.preset:  # a config.json of the preset's shape; the weights are random
+        from bench.one_batch import PRESETS
+        model = Path(tempfile.mkdtemp(prefix="offline-"))
+        (model / "config.json").write_text(json.dumps(PRESETS[args.preset]))
+        options["load_format"] = "dummy"
+    engine = Engine(model=model, **options)
     model_dir, device, dtype = engine.model_dir, engine.device, engine.dtype
     prompts = random_prompts(model_dir, engine.model_config.vocab_size, args.num_prompts,
                              args.input_len, args.seed)

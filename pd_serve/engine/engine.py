@@ -43,6 +43,10 @@ class Engine(EngineCore):
                     request_id: str | None = None, priority: int = 0) -> str:
         """Queue one request; returns its id. Raises ValueError on a bad prompt."""
         params = params or SamplingParams()
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer.json: pass token ids, not text")
+        if self.tokenizer is None and params.stop:
+            raise ValueError(f"{self.model_dir} has no tokenizer.json: stop strings need one")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(token_ids)
         request = Request(token_ids, params, priority=priority)

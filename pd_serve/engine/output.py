@@ -32,13 +32,14 @@ class OutputTracker:
     stream never shows the start of a stop string that later cuts the text.
     """
 
-    def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, request: Request, tokenizer: Tokenizer | None, max_model_len: int):
+        """tokenizer None (a dummy-weight model without one): token ids only, no text."""
         self.request = request
-        self.eos_token_ids = tokenizer.eos_token_ids
+        self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else ()
         self.max_model_len = max_model_len
         params = request.sampling_params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
-                                                  params.skip_special_tokens)
+        self.detokenizer = tokenizer and IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                                                params.skip_special_tokens)
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
         self.text = ""
         self.num_tokens_sent = 0
@@ -47,6 +48,8 @@ class OutputTracker:
     def on_token(self, token_id: int) -> FinishReason | None:
         """Account for one sampled token (already appended); return why it ends the request."""
         request, params = self.request, self.request.sampling_params
+        if self.detokenizer is None:
+            return token_stop_reason(request, self.eos_token_ids, self.max_model_len)
         delta = self.detokenizer.step([token_id])
         if params.stop and delta:
             window = len(self.text) - self.holdback

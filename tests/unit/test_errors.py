@@ -119,3 +119,14 @@ def test_attention_backend_choice_follows_head_dim(monkeypatch):
     assert resolve_backend_name("auto", cuda, bf16, head_dim=16) == "triton"
     with pytest.raises(ValueError, match="head_dim 64, 128, 256, not this model's 16"):
         resolve_backend_name("flashinfer", cuda, bf16, head_dim=16)
+
+
+def test_engine_without_a_tokenizer_takes_token_ids_only(tmp_path, tiny_checkpoints):
+    """A bare config.json with --load-format dummy (benchmarks): ids in, ids out; text is a
+    clear error."""
+    (tmp_path / "config.json").write_text((tiny_checkpoints["llama3"] / "config.json").read_text())
+    engine = Engine(tmp_path, device="cpu", load_format="dummy", max_total_tokens=256)
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.text == ""
+    with pytest.raises(ValueError, match="has no tokenizer.json: pass token ids, not text"):
+        engine.add_request("hello")
