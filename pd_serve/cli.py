@@ -176,15 +176,16 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 
 
 def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
-    from pd_serve.launch import LocalCluster
+    from pd_serve.launch import LocalCluster, shared_gpu_transfer_args
 
+    gpu_ids = args.gpu_ids.split(",") if args.gpu_ids else None
     passthrough = list(args.engine_argv) + (["--model", args.model] if args.model else [])
+    passthrough += shared_gpu_transfer_args(passthrough, gpu_ids)
     gateway_args = ["--model", args.model] if args.model else []
     return LocalCluster(port=args.port, num_prefill=args.prefill, num_decode=args.decode,
                         num_colocated=args.colocated, engine_args=passthrough,
                         gateway_args=gateway_args, control_port=args.control_port,
-                        log_level=log_level or args.log_level,
-                        gpu_ids=args.gpu_ids.split(",") if args.gpu_ids else None)
+                        log_level=log_level or args.log_level, gpu_ids=gpu_ids)
 
 
 def cmd_launch(args: argparse.Namespace) -> None:

@@ -27,6 +27,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def shared_gpu_transfer_args(engine_args: list[str], gpu_ids: list[str] | None) -> list[str]:
+    """["--transfer-backend", "ipc"] when the workers would share one GPU and no backend was
+    chosen: the GPU default (torch, NCCL) cannot pair two ranks on one GPU."""
+    if any(a == "--transfer-backend" or a.startswith("--transfer-backend=") for a in engine_args):
+        return []
+    device = "auto"
+    for i, a in enumerate(engine_args):
+        if a == "--device" and i + 1 < len(engine_args):
+            device = engine_args[i + 1]
+        elif a.startswith("--device="):
+            device = a.split("=", 1)[1]
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    shared = gpu_ids is None or len(set(gpu_ids)) == 1
+    return ["--transfer-backend", "ipc"] if device.startswith("cuda") and shared else []
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -130,3 +130,20 @@ def test_engine_without_a_tokenizer_takes_token_ids_only(tmp_path, tiny_checkpoi
     assert len(out.token_ids) == 4 and out.text == ""
     with pytest.raises(ValueError, match="has no tokenizer.json: pass token ids, not text"):
         engine.add_request("hello")
+
+
+def test_launch_picks_ipc_when_the_workers_share_one_gpu(monkeypatch):
+    import torch
+
+    from pd_serve.launch import shared_gpu_transfer_args as pick
+
+    ipc = ["--transfer-backend", "ipc"]
+    assert pick(["--device", "cuda"], None) == ipc  # every worker on cuda:0
+    assert pick(["--device=cuda:1"], ["3"]) == ipc
+    assert pick(["--device", "cuda"], ["0", "1"]) == []  # a GPU each: NCCL pairs them
+    assert pick(["--device", "cuda", "--transfer-backend", "torch"], None) == []  # chosen
+    assert pick(["--device", "cpu"], None) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick([], None) == ipc  # --device auto on a GPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick([], None) == []
