@@ -27,22 +27,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def flag_value(args: list[str], flag: str, default: str) -> str:
+    """The last value of `flag` in a command line (`--flag v` or `--flag=v`), else default."""
+    value = default
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def shared_gpu_transfer_args(engine_args: list[str], gpu_ids: list[str] | None) -> list[str]:
     """["--transfer-backend", "ipc"] when the workers would share one GPU and no backend was
     chosen: the GPU default (torch, NCCL) cannot pair two ranks on one GPU."""
-    if any(a == "--transfer-backend" or a.startswith("--transfer-backend=") for a in engine_args):
+    if flag_value(engine_args, "--transfer-backend", "auto") != "auto":
         return []
-    device = "auto"
-    for i, a in enumerate(engine_args):
-        if a == "--device" and i + 1 < len(engine_args):
-            device = engine_args[i + 1]
-        elif a.startswith("--device="):
-            device = a.split("=", 1)[1]
+    device = flag_value(engine_args, "--device", "auto")
     if device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shared = gpu_ids is None or len(set(gpu_ids)) == 1
     return ["--transfer-backend", "ipc"] if device.startswith("cuda") and shared else []
+
+
+def worker_gpus(index: int, gpu_ids: list[str] | None, per_worker: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES of worker `index`: the next `per_worker` ids (its TP ranks), in turn."""
+    if not gpu_ids:
+        return None
+    return ",".join(gpu_ids[(index * per_worker + j) % len(gpu_ids)] for j in range(per_worker))
 
 
 def _die_with_parent() -> None:
@@ -58,7 +71,8 @@ class LocalCluster:
     def __init__(self, *, port: int, num_prefill: int = 1, num_decode: int = 1,
                  num_colocated: int = 0, engine_args: list[str] = (), worker_args: list[str] = (),
                  gateway_args: list[str] = (), control_port: int = 0, log_level: str = "info",
-                 gpu_ids: list[str] | None = None):
+                 gpu_ids: list[str] | None = None, gpus_per_worker: int = 1):
+        """gpu_ids: handed to the workers in turn, gpus_per_worker each (its --tp ranks)."""
         self.port = port
         self.control_port = control_port or free_port()
         self.procs: list[tuple[str, subprocess.Popen]] = []
@@ -68,7 +82,7 @@ class LocalCluster:
                                 str(self.control_port), *gateway_args], log_level)
         roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
         for i, role in enumerate(roles):
-            env_gpu = None if not gpu_ids else gpu_ids[i % len(gpu_ids)]
+            env_gpu = worker_gpus(i, gpu_ids, gpus_per_worker)
             self._start(f"{role}-{i}", [role, "--gateway", gateway, "--worker-id", f"{role}-{i}",
                                         *engine_args, *worker_args], log_level, env_gpu)
 
