@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
+
+import openai
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -56,3 +59,25 @@ def health(base_url: str) -> dict:
         return json.loads(e.read())
     except OSError:  # not listening (yet)
         return {}
+
+
+def wait_idle(cluster, timeout=20.0) -> dict:
+    """Every worker's pages, once none is used (or at the timeout): {worker: (used, total)}."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = pages(cluster.base_url)
+        if all(used == 0 for used, _ in state.values()) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
+def assert_greedy_completions(cluster, prompts: list[str], texts: list[str], max_tokens: int) -> None:
+    """The cluster's greedy completions (ignore_eos) are `texts`, and then every page is free."""
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    for prompt, text in zip(prompts, texts):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == text
+    state = wait_idle(cluster)
+    assert all(used == 0 for used, _ in state.values()), f"pages still used: {state}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from cluster_helpers import health, metrics, pages, start_cluster
+from cluster_helpers import health, metrics, start_cluster, wait_idle
 from helpers import TEST_DEVICE, assert_greedy_matches, hf_greedy
 from pd_serve import Engine, SamplingParams
 
@@ -45,15 +45,6 @@ def client_for(cluster) -> openai.OpenAI:
 def greedy_text(engine: Engine, prompt, max_tokens=MAX_TOKENS) -> tuple[str, int]:
     out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
     return out.text, len(out.token_ids)
-
-
-def wait_idle(cluster, timeout=20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = pages(cluster.base_url)
-        if all(used == 0 for used, _ in state.values()) or time.monotonic() > deadline:
-            return state
-        time.sleep(0.2)
 
 
 def test_completions_and_chat_equal_colocated_and_transformers(cluster_1p1d, reference, default_model_dir):

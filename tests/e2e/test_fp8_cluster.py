@@ -3,11 +3,8 @@ byte for byte, so greedy output equals the colocated engine's with the same FP8 
 
 from __future__ import annotations
 
-import time
 
-import openai
-
-from cluster_helpers import pages, start_cluster
+from cluster_helpers import assert_greedy_completions, start_cluster
 from helpers import TEST_DEVICE
 from pd_serve import Engine, SamplingParams
 
@@ -22,16 +19,6 @@ def test_fp8_1p1d_equals_colocated_fp8(default_model_dir):
     want = [out.text for out in reference.generate(PROMPTS, params)]
     cluster = start_cluster(1, 1, extra=["--kv-cache-dtype", "fp8_e4m3"])
     try:
-        client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0,
-                               timeout=120)
-        model = client.models.list().data[0].id
-        for prompt, text in zip(PROMPTS, want):
-            out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                            temperature=0, extra_body={"ignore_eos": True})
-            assert out.choices[0].text == text
-        deadline = time.monotonic() + 20  # the workers free their pages just after the reply
-        while any(used for used, _ in pages(cluster.base_url).values()):
-            assert time.monotonic() < deadline, f"pages still used: {pages(cluster.base_url)}"
-            time.sleep(0.2)
+        assert_greedy_completions(cluster, PROMPTS, want, MAX_TOKENS)
     finally:
         cluster.stop()

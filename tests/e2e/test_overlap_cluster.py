@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 
 import openai
 import pytest
 
-from cluster_helpers import pages, start_cluster
+from cluster_helpers import start_cluster, wait_idle
 from helpers import TEST_DEVICE
 from pd_serve import Engine, SamplingParams
 
@@ -26,14 +25,6 @@ def cluster():
         cluster = start_cluster(1, 1)
     yield cluster
     cluster.stop()
-
-
-def wait_idle(cluster, timeout=20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while (state := pages(cluster.base_url)) and any(u for u, _ in state.values()) \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return state
 
 
 def test_concurrent_streams_and_seeded_sampling_equal_the_synchronous_engine(cluster, default_model_dir):

@@ -3,13 +3,10 @@ the same greedy completions as the unsharded engine, and frees every page."""
 
 from __future__ import annotations
 
-import time
-
-import openai
 import pytest
 import torch
 
-from cluster_helpers import pages, start_cluster
+from cluster_helpers import assert_greedy_completions, start_cluster
 from helpers import TEST_DEVICE
 from pd_serve import Engine, SamplingParams
 
@@ -26,16 +23,6 @@ def test_colocated_tp2_worker_equals_the_unsharded_engine(tiny_checkpoints):
     want = [out.text for out in reference.generate(PROMPTS, params)]
     cluster = start_cluster(0, 0, num_colocated=1, model=model_dir, extra=["--tp", "2"])
     try:
-        client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0,
-                               timeout=120)
-        model = client.models.list().data[0].id
-        for prompt, text in zip(PROMPTS, want):
-            out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                            temperature=0, extra_body={"ignore_eos": True})
-            assert out.choices[0].text == text
-        deadline = time.monotonic() + 20
-        while any(used for used, _ in pages(cluster.base_url).values()):
-            assert time.monotonic() < deadline, f"pages still used: {pages(cluster.base_url)}"
-            time.sleep(0.2)
+        assert_greedy_completions(cluster, PROMPTS, want, MAX_TOKENS)
     finally:
         cluster.stop()

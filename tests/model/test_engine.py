@@ -61,9 +61,13 @@ def test_preemption_under_tiny_kv_budget_gives_same_tokens(default_model_dir, sm
     assert_all_pages_free(tight)
 
 
-def test_200_random_requests_with_aborts_leave_every_page_free(tiny_checkpoints):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_200_random_requests_with_aborts_leave_every_page_free(tiny_checkpoints, overlap):
+    """Also under the overlap schedule (GPU's default; forced on here): aborts and stops land
+    while a step is in flight, and its pages wait for it."""
     engine = Engine(tiny_checkpoints["llama3"], device="cpu", max_total_tokens=512,
                     chunked_prefill_size=64, max_running_requests=16)
+    engine.overlap = overlap
     rng = random.Random(0)
     live, finished, aborted = set(), 0, 0
     for i in range(200):
