@@ -129,7 +129,10 @@ class EngineCore:
         """End a tensor-parallel group's followers (a no-op without TP); the engine is unusable after."""
         if self.tp is None or self.tp.rank != 0:
             return
-        tp_group.broadcast(self.tp, None)
+        try:
+            tp_group.broadcast(self.tp, None)
+        except RuntimeError as e:  # a follower is gone already
+            logger.warning("tensor-parallel group: %s", e)
         for p in self._tp_followers:
             p.join(timeout=30)
             if p.is_alive():
@@ -167,6 +170,8 @@ class EngineCore:
         this step's, or under the overlap schedule the step before's (module docstring).
 
         on_layer(plan, i), if given, is called as the forward finishes layer i."""
+        if on_layer is not None and self._in_flight is not None:
+            raise RuntimeError("step(on_layer) needs the synchronous schedule: a step is in flight")
         if not self.overlap or on_layer is not None:
             plan = self.scheduler.schedule()
             after_layer = None if on_layer is None else (lambda i: on_layer(plan, i))

@@ -134,3 +134,25 @@ def test_tp_on_prefill_and_decode_workers_is_a_clear_error(tiny_checkpoints):
                           gateway="tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="--tp 2 on a prefill worker: the KV hand-off between"):
         PrefillWorker(config)
+
+
+def test_a_dead_follower_fails_the_next_step_at_once(tiny_checkpoints):
+    import os
+    import signal
+    import time
+
+    from pd_serve import Engine
+
+    engine = Engine(tiny_checkpoints["llama3"], device="cpu", tp=2, max_total_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        assert len(engine.generate([[5, 6, 7]], params)[0].token_ids) == 3
+        follower = engine._tp_followers[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            engine.generate([[5, 6, 7]], params)
+        assert time.monotonic() - start < 10
+    finally:
+        engine.close()  # does not raise with the follower gone
