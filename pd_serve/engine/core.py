@@ -27,12 +27,12 @@ from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
 from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.config import CacheConfig, EngineConfig
 from pd_serve.engine import tp_group
-from pd_serve.launch import free_port
 from pd_serve.engine.attention import create_backend, resolve_backend_name
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.runner import ModelRunner
 from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput, needs_penalties
 from pd_serve.engine.scheduler import Scheduler, SchedulerOutput
+from pd_serve.launch import free_port
 from pd_serve.model.config import ModelConfig, resolve_dtype
 from pd_serve.model.loader import load_model
 from pd_serve.model.parallel import shard_model
@@ -177,7 +177,7 @@ class EngineCore:
             after_layer = None if on_layer is None else (lambda i: on_layer(plan, i))
             sampled = self.runner.execute(plan, after_layer) if plan.chunks else SamplerOutput([], [])
             self.scheduler.update(plan, sampled.token_ids)
-            return plan, self._take_tokens(sampled, [c.request for c in plan.chunks if c.sample])
+            return plan, _with_logprobs([c.request for c in plan.chunks if c.sample], sampled.logprobs)
         done = None
         if self._in_flight is not None and needs_penalties(self._in_flight.requests):
             done = self._settle(self._in_flight)  # penalties read the tokens: wait for them
@@ -211,16 +211,15 @@ class EngineCore:
             if not request.finished:
                 request.output_token_ids.append(token)
                 live.append((request, logprob))
-        return flight.plan, self._take_tokens(SamplerOutput([], [lp for _, lp in live]),
-                                              [r for r, _ in live])
+        return flight.plan, _with_logprobs([r for r, _ in live], [lp for _, lp in live])
 
-    @staticmethod
-    def _take_tokens(sampled: SamplerOutput, requests: list[Request]) -> list[Request]:
-        """Append the logprobs that came with the sampled tokens; returns the requests."""
-        for request, logprob in zip(requests, sampled.logprobs):
-            if logprob is not None:
-                request.output_logprobs.append(logprob)
-        return requests
+
+def _with_logprobs(requests: list[Request], logprobs: list) -> list[Request]:
+    """Append the logprobs that came with the sampled tokens; returns the requests."""
+    for request, logprob in zip(requests, logprobs):
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+    return requests
 
 
 @dataclass

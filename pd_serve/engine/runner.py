@@ -56,7 +56,7 @@ class ModelRunner:
             pos = torch.arange(chunk.start, end)
             pages = torch.tensor(request.page_ids[chunk.start // self.page_size:
                                                   (end - 1) // self.page_size + 1])
-            ids.append(torch.tensor(_chunk_ids(request, chunk.start, end)))
+            ids.append(torch.tensor(chunk_ids(request, chunk.start, end)))
             positions.append(pos)
             slots.append(pages[pos // self.page_size - chunk.start // self.page_size] * self.page_size
                          + pos % self.page_size)
@@ -196,7 +196,7 @@ def _pinned(host: torch.Tensor) -> torch.Tensor:
     return host.pin_memory() if torch.cuda.is_available() else host
 
 
-def _chunk_ids(request, start: int, end: int) -> list[int]:
+def chunk_ids(request, start: int, end: int) -> list[int]:
     """Token ids of positions [start, end); only the last can be pending (negative)."""
     if end - start == 1:
         return [request.token_at(start)]

@@ -60,8 +60,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Requests to run, or pages still waiting for a step in flight (step again to settle)."""
-        return bool(self.waiting or self.running or self._deferred
-                    or self._num_launched > self._num_completed)
+        return bool(self.waiting or self.running or self._num_launched > self._num_completed)
 
     def launched(self) -> int:
         """Count a step handed to the device; returns its number."""

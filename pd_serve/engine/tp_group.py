@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pd_serve.engine.runner import _chunk_ids
+from pd_serve.engine.runner import chunk_ids
 from pd_serve.engine.sampler import PendingSample
 from pd_serve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pd_serve.model.parallel import TPGroup
@@ -73,7 +73,7 @@ def follow(config, rank: int, port: int) -> None:
 def broadcast(tp: TPGroup, plan: SchedulerOutput | None) -> None:
     """Rank 0: send the step's inputs (None: the followers exit)."""
     payload = None if plan is None else [
-        (c.start, c.num_tokens, c.sample, _chunk_ids(c.request, c.start, c.start + c.num_tokens),
+        (c.start, c.num_tokens, c.sample, chunk_ids(c.request, c.start, c.start + c.num_tokens),
          c.request.page_ids) for c in plan.chunks]
     dist.broadcast_object_list([payload], src=0, group=tp.control)
 
