@@ -7,7 +7,10 @@
 #                  httpx2 httpcore2 truststore idna anyio typing-extensions h11  (versions as the CPU venv)
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
-# Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000) e2e (default: all three, in that order). Carry .whl and .gpu-model.
+# Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000)
+# transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2) e2e
+# (default: tests onebatch e2e, in that order). Carry .whl and .gpu-model.
+# TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
 # ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile).
 # The GPU machine cannot carry the 94 MB default GGUF, so the end-to-end tests serve a tiny
 # random Llama written there with SmolLM2's tokenizer, under the default model's name.
@@ -53,6 +56,8 @@ for s in $steps; do
     offline) step offline 420 python3 bench/offline.py --preset llama3-8b --quantization fp8 \
            --num-prompts 1000 --input-len 1000 --output-len 1000 \
            --output "$OUT/offline-h200-llama3-8b-fp8.json" ;;
+    transfer) step transfertests 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_transfer_gpu.py
+              step transfer 420 python3 bench/transfer.py --output "$OUT/transfer-2xh200.json" ${TRANSFER_ARGS:-} ;;
     e2e) PD_SERVE_TEST_DEVICE=cuda PD_SERVE_TEST_MODEL=$model \
            step e2e 420 python3 -m pytest -q -p no:cacheprovider tests/e2e ;;
     *) echo "unknown step $s"; exit 2 ;;
