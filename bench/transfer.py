@@ -12,9 +12,10 @@ of 1 MiB, so a request of X MiB is X pages, drawn at random (non-contiguous) on 
 A timed request runs from send() to the sender's ok result (a blocking poll wakes as it comes):
 the receiver has the pages in its pool and acknowledged. Telling the receiver to expect the request comes first and is not timed.
 Each size gets one warm-up request, then --repeats timed ones. GB/s are 1e9 bytes of KV per
-second. Sizes up to --in-flight-max-mib are also sent --in-flight K requests at a time (all
-expected first, then sent back to back, timed until the last is acknowledged): the rate a
-prefill worker with several requests finishing sustains, as bandwidth tests measure a link
+second. Sizes up to --in-flight-max-mib are also sent as --in-flight-requests requests with
+--in-flight K of them in flight at any time (all expected first; K sent back to back, then one
+more as each is acknowledged; timed until the last is acknowledged): the steady rate of a
+prefill worker that always has K requests finishing, as bandwidth tests measure a link
 (`pipelined_gbps`); one request alone (`median_gbps`) pays the fixed cost per request in full. The raw link rate is one process's plain 1 GiB `dst.copy_(src)` between the two
 devices: GPU0 -> GPU1 (P2P) on two GPUs, within the GPU on one, host memory on CPU.
 """
@@ -83,6 +84,8 @@ def parse_args() -> argparse.Namespace:
                    help="busy-poll window of both I/O threads (default: theirs; 0: never)")
     p.add_argument("--in-flight", type=int, default=8,
                    help="requests in flight for the pipelined rate (1: not measured)")
+    p.add_argument("--in-flight-requests", type=int, default=None,
+                   help="requests per pipelined measurement (default: 4 x --in-flight)")
     p.add_argument("--in-flight-max-mib", type=int, default=256,
                    help="largest size measured with --in-flight requests at a time")
     p.add_argument("--seed", type=int, default=0)
@@ -113,6 +116,9 @@ def parse_args() -> argparse.Namespace:
         p.error("--repeats must be >= 1")
     if args.in_flight < 1:
         p.error("--in-flight must be >= 1")
+    args.in_flight_requests = args.in_flight_requests or 4 * args.in_flight
+    if args.in_flight_requests < args.in_flight:
+        p.error("--in-flight-requests must be at least --in-flight")
     args.repeats = args.repeats or (QUICK["repeats"] if args.quick else 5)
     args.sender_device, args.receiver_device = map(torch.device, (args.sender_device, args.receiver_device))
     args.backends = check_backends(p, args.backends, args.sender_device, args.receiver_device)
@@ -301,24 +307,36 @@ class Pair:
                 self.results[result.request_id] = result
         raise TransferError(f"no result for {request_id} within {self.timeout_s + 5} s")
 
-    def pipelined(self, num_pages: int, k: int) -> float:
-        """Seconds for k requests of `num_pages` pages each (disjoint pages), sent back to back,
-        until the last one is acknowledged; every receiver expects them before the clock starts."""
+    def pipelined(self, num_pages: int, k: int, total: int) -> float:
+        """Seconds for `total` requests of `num_pages` pages each with at most k in flight: k
+        sent back to back, then the next each time the one that used its pages last is
+        acknowledged (k disjoint page sets in turn), until the last is acknowledged. The rate a
+        prefill worker that always has k requests finishing sustains. The receiver expects them
+        all before the clock starts."""
         src = self.rng.sample(range(self.pool.num_pages), k * num_pages)
         dst = self.rng.sample(range(self.pool.num_pages), k * num_pages)
-        parts = [(next(self.request_ids), src[i * num_pages:(i + 1) * num_pages],
-                  dst[i * num_pages:(i + 1) * num_pages]) for i in range(k)]
+        sets = [(src[i * num_pages:(i + 1) * num_pages], dst[i * num_pages:(i + 1) * num_pages])
+                for i in range(k)]
+        parts = [(next(self.request_ids), *sets[j % k]) for j in range(total)]
         for request_id, _, pages in parts:
             if self.receiver.call("expect", request_id=request_id, page_ids=pages, poison=False)["failed"]:
                 raise TransferError("receiver reported failures")
         sync(self.pool.buffer.device)
+        acked: set[str] = set()
+        sent = 0
+        deadline = time.monotonic() + self.timeout_s + 5
         start = time.perf_counter()
-        for request_id, s, d in parts:
-            self.sender.send(request_id, self.receiver.address, s, d)
-        for request_id, _, _ in parts:
-            result = self._wait(request_id)
-            if not result.ok:
-                raise TransferError(f"{request_id} ({num_pages} pages) failed: {result.error}")
+        while len(acked) < total:
+            while sent < total and (sent < k or parts[sent - k][0] in acked):
+                request_id, s, d = parts[sent]
+                self.sender.send(request_id, self.receiver.address, s, d)
+                sent += 1
+            if (left := deadline - time.monotonic()) <= 0:
+                raise TransferError(f"{total - len(acked)} of {total} requests unanswered")
+            for result in self.sender.poll(timeout_s=left):
+                if not result.ok:
+                    raise TransferError(f"{result.request_id} ({num_pages} pages) failed: {result.error}")
+                acked.add(result.request_id)
         return time.perf_counter() - start
 
     def timed(self, num_pages: int, repeats: int) -> list[float]:
@@ -358,10 +376,12 @@ def run_backend(backend: str, pool: KVPool, raw_gbps: float, args: argparse.Name
             row["ratio_to_raw"] = row["median_gbps"] / raw_gbps
             if args.in_flight > 1 and size_mib <= args.in_flight_max_mib:
                 num_pages = size_mib * MiB // layout.bytes_per_page
-                pair.pipelined(num_pages, args.in_flight)  # warm-up
-                piped = [args.in_flight * size_mib * MiB / pair.pipelined(num_pages, args.in_flight) / 1e9
+                total = args.in_flight_requests
+                pair.pipelined(num_pages, args.in_flight, total)  # warm-up
+                piped = [total * size_mib * MiB / pair.pipelined(num_pages, args.in_flight, total) / 1e9
                          for _ in range(args.repeats)]
-                row.update(in_flight=args.in_flight, pipelined_gbps=statistics.median(piped),
+                row.update(in_flight=args.in_flight, in_flight_requests=total,
+                           pipelined_gbps=statistics.median(piped),
                            pipelined_ratio_to_raw=statistics.median(piped) / raw_gbps)
             out["sizes"].append(row)
             log(f"{backend:>5} {size_mib:>6} MiB  median {row['median_gbps']:8.2f} GB/s  "

@@ -42,6 +42,18 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tai
   tail -n 15 "$OUT/$name.log"
 }
 
+e2e() {  # the end-to-end tests in four groups side by side (a cluster start costs ~30 s on GPU)
+  export PD_SERVE_TEST_DEVICE=cuda PD_SERVE_TEST_MODEL=$model
+  local t=tests/e2e gpu1=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
+  CUDA_VISIBLE_DEVICES=0 step e2e-cluster 420 python3 -m pytest -v -p no:cacheprovider $t/test_cluster.py &
+  sleep 20  # the first group compiles flashinfer's kernels into the shared JIT cache
+  CUDA_VISIBLE_DEVICES=$gpu1 step e2e-openai 420 python3 -m pytest -v -p no:cacheprovider $t/test_openai_api.py &
+  CUDA_VISIBLE_DEVICES=0 step e2e-variants 420 python3 -m pytest -v -p no:cacheprovider \
+    $t/test_overlap_cluster.py $t/test_fp8_cluster.py $t/test_quantized_cluster.py &
+  step e2e-launch 420 python3 -m pytest -v -p no:cacheprovider $t/test_launch.py $t/test_tp_cluster.py &
+  wait
+}
+
 steps=${*:-tests onebatch e2e}
 for s in $steps; do
   case $s in
@@ -57,9 +69,9 @@ for s in $steps; do
            --num-prompts 1000 --input-len 1000 --output-len 1000 \
            --output "$OUT/offline-h200-llama3-8b-fp8.json" ;;
     transfer) step transfertests 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_transfer_gpu.py
-              step transfer 420 python3 bench/transfer.py --output "$OUT/transfer-2xh200.json" ${TRANSFER_ARGS:-} ;;
-    e2e) PD_SERVE_TEST_DEVICE=cuda PD_SERVE_TEST_MODEL=$model \
-           step e2e 420 python3 -m pytest -q -p no:cacheprovider tests/e2e ;;
+              step transfer 420 python3 bench/transfer.py --in-flight-max-mib 1024 \
+                --output "$OUT/transfer-2xh200.json" ${TRANSFER_ARGS:-} ;;
+    e2e) e2e ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

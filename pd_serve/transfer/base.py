@@ -121,7 +121,8 @@ class ReceiverPlane(ABC):
     """The receiving half of a backend's data plane; called from the receiver's I/O thread.
 
     GPU work goes on the plane's own streams and is only queued: `receive` returns once the
-    writes are enqueued, and `synchronize` waits until every write queued so far has landed.
+    writes are enqueued (or held to go out with others at `flush`), `mark` records an event
+    after every write queued so far, and `synchronize` waits until they have all landed.
     """
 
     def __init__(self, pool: KVPool, timeout_s: float):
@@ -148,8 +149,16 @@ class ReceiverPlane(ABC):
         or, when None (the chunk is refused), consume it and write nothing. Must consume the
         data either way, or the pair falls out of step."""
 
+    def flush(self) -> None:
+        """Queue the writes `receive` held back (a plane that merges chunks into one copy)."""
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after every write queued so far; None when they are already done (CPU)."""
+        return self.stream.record_event() if self.stream is not None else None
+
     def synchronize(self) -> None:
-        """Block until every write queued by `receive` is in the pool."""
+        """Block until every write queued by `receive` and `flush` is in the pool."""
+        self.flush()
         if self.stream is not None:
             self.stream.synchronize()
 
@@ -169,6 +178,7 @@ class SenderPlane(ABC):
     """
 
     sends_src_page_ids = False  # does the receiver need the source page ids (ipc)?
+    chunked = True  # a request goes out in chunks, so moving one overlaps preparing the next
 
     def __init__(self, pool: KVPool, timeout_s: float):
         self.pool = pool

@@ -1,13 +1,17 @@
 """The decode side of KV transfer: accepts senders, writes their chunks into reserved pages.
 
 Invariant: a chunk is written only into the pages that expect() reserved for its request id;
-a chunk for any other id (never reserved, cancelled, timed out) is consumed and refused.
+a chunk for any other id (never reserved, cancelled, timed out) is consumed and refused. And a
+request's pages are handed back to the caller (its result, or cancel() returning) only once no
+write into them is still queued.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +33,14 @@ class _Incoming:
     started: float = field(default_factory=now)
     num_bytes: int = 0
     next_page: int = 0  # where in page_ids the next chunk starts
+    written: bool = False  # a write into its pages was queued
+
+
+@dataclass
+class _Landing:
+    """Last chunks whose writes were queued before `event` (None: already done)."""
+    event: torch.cuda.Event | None
+    requests: list[tuple[bytes, str]]  # (sender identity, request id)
 
 
 class KVReceiver:
@@ -36,14 +48,20 @@ class KVReceiver:
 
     Every expected request ends in exactly one result: ok, refused, aborted by the sender, or
     timed out. After a failed result the caller frees the pages; nothing else touches them.
-    Between the chunks of a request the I/O thread busy-polls for up to `spin_s` (0: never).
+
+    The I/O thread takes every message waiting (up to `max_batch`), queues the writes of all
+    their chunks (the plane may merge them into one copy), and acknowledges a request once the
+    writes of its last chunk have landed, checked without blocking, so chunks arriving
+    meanwhile are taken at once. Between the chunks of a request, and while writes are landing,
+    it busy-polls (for up to `spin_s` after a chunk; 0: never).
     """
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None,
-                 spin_s: float = 0.002):
+                 spin_s: float = 0.002, max_batch: int = 64):
         self.pool = pool
         self.spin_s = spin_s
+        self.max_batch = max_batch
         self._spin_until = 0.0
         self.backend = backend
         self.timeout_s = timeout_s
@@ -60,6 +78,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._expected: dict[str, _Incoming] = {}
         self._results: list[TransferResult] = []
+        self._landing: deque[_Landing] = deque()  # I/O thread only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
         self._thread.start()
@@ -73,9 +92,12 @@ class KVReceiver:
             self._expected[request_id] = _Incoming(list(page_ids), now() + (timeout_s or self.timeout_s))
 
     def cancel(self, request_id: str) -> None:
-        """Stop expecting (the request was aborted here); late data is refused. No result."""
+        """Stop expecting (the request was aborted here); late data is refused. No result.
+        On return nothing writes into its pages any more: the caller may free them."""
         with self._lock:
-            self._expected.pop(request_id, None)
+            incoming = self._expected.pop(request_id, None)
+            if incoming is not None and incoming.written:
+                self._settle()
 
     def poll(self) -> list[TransferResult]:
         with self._lock:
@@ -100,10 +122,12 @@ class KVReceiver:
         next_expiry = 0.0
         try:
             while not self._stop.is_set():
-                if self._sock.poll(0 if now() < self._spin_until else 20, zmq.POLLIN):
-                    identity, header, *frames = self._sock.recv_multipart(copy=False)
-                    arrived = now()
-                    self._handle(bytes(identity), protocol.decode(header.bytes), frames, arrived)
+                busy = bool(self._landing) or now() < self._spin_until
+                if self._sock.poll(0 if busy else 20, zmq.POLLIN):
+                    self._take_messages()
+                elif self._landing:
+                    time.sleep(0)  # let other threads of the process run while we wait
+                self._land()
                 if now() >= next_expiry:
                     next_expiry = now() + 0.005
                     with self._lock:
@@ -111,14 +135,56 @@ class KVReceiver:
         finally:
             self._sock.close()
 
-    def _handle(self, sender: bytes, msg, frames: list, arrived: float) -> None:
-        sender_id = sender.decode()
-        if isinstance(msg, TransferHello):
-            self._welcome(sender, sender_id, msg)
-        elif isinstance(msg, KVChunk):
-            self._on_chunk(sender, sender_id, msg, frames, arrived)
-        elif isinstance(msg, TransferAbort):
-            self._fail(msg.request_id, f"sender aborted: {msg.reason}")
+    def _take_messages(self) -> None:
+        """Handle every message waiting, in order; the writes of all their chunks are queued
+        together, then the batch's last chunks wait in `_landing` for their writes."""
+        last_chunks: list[tuple[bytes, str]] = []
+        batch: list[tuple[str, str]] = []  # (sender id, request id) of chunks queued for writing
+        for _ in range(self.max_batch):
+            try:
+                identity, header, *frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            arrived = now()
+            identity, msg = bytes(identity), protocol.decode(header.bytes)
+            sender_id = identity.decode()
+            if isinstance(msg, TransferHello):
+                self._welcome(identity, sender_id, msg)
+            elif isinstance(msg, KVChunk):
+                if self._on_chunk(identity, sender_id, msg, frames, arrived):
+                    batch.append((sender_id, msg.request_id))
+                    if msg.last:
+                        last_chunks.append((identity, msg.request_id))
+            elif isinstance(msg, TransferAbort):
+                self._fail(msg.request_id, f"sender aborted: {msg.reason}")
+        if not batch:
+            return
+        with self._lock:
+            try:
+                self.plane.flush()
+                event = self.plane.mark()
+            except Exception as e:  # the writes did not go out: fail every request they serve
+                logger.warning("queueing KV writes failed: %s", e)
+                for sender_id, request_id in batch:
+                    self.plane.drop_sender(sender_id)
+                    self._fail_locked(request_id, f"receive failed: {e}")
+                return
+        if last_chunks:
+            self._landing.append(_Landing(event, last_chunks))
+
+    def _land(self) -> None:
+        """Acknowledge the last chunks whose writes have landed, oldest first."""
+        while self._landing and (self._landing[0].event is None or self._landing[0].event.query()):
+            for identity, request_id in self._landing.popleft().requests:
+                with self._lock:
+                    expected = request_id in self._expected
+                    if expected:
+                        self._finish(request_id, ok=True)
+                if expected:
+                    self._send(identity, TransferAck(request_id, ok=True))
+                else:  # cancelled or timed out here while landing
+                    self._send(identity, TransferAck(request_id, ok=False,
+                                                     error="cancelled by the receiver"))
 
     def _welcome(self, sender: bytes, sender_id: str, hello: TransferHello) -> None:
         error = ""
@@ -140,33 +206,31 @@ class KVReceiver:
             self.plane.drop_sender(sender_id)
 
     def _on_chunk(self, sender: bytes, sender_id: str, chunk: KVChunk, frames: list,
-                  arrived: float) -> None:
-        # The lock spans check and write (queued, and awaited at the last chunk), so cancel()
-        # cannot free the pages in between.
+                  arrived: float) -> bool:
+        """Check the chunk and queue its writes; True when they were queued. A refused chunk
+        is consumed and its request (if expected) fails and is acknowledged as such."""
+        # The lock spans check and queueing, so cancel() cannot free the pages in between.
         with self._lock:
             checked = now()
             incoming = self._expected.get(chunk.request_id)
             error = self._check(incoming, chunk)
             try:
                 self.plane.receive(sender_id, chunk, frames, None if error else chunk.dst_page_ids)
-                queued = now()
-                if not error and chunk.last:
-                    self.plane.synchronize()  # data in place before we say so
             except Exception as e:  # the data did not arrive: the pair is broken
                 self.plane.drop_sender(sender_id)
                 error = f"receive failed: {e}"
-                queued = now()
-            synced = now()
+            queued = now()
             if incoming is not None and not error:
                 incoming.num_bytes += chunk.nbytes
-            if incoming is not None and (chunk.last or error):
-                self._finish(chunk.request_id, ok=not error, error=error)
-        if error or chunk.last:
-            self._send(sender, TransferAck(chunk.request_id, ok=not error, error=error))
-        else:
+                incoming.written = True
+            if incoming is not None and error:
+                self._fail_locked(chunk.request_id, error)
+        if error:
+            self._send(sender, TransferAck(chunk.request_id, ok=False, error=error))
+        elif not chunk.last:
             self._spin_until = now() + self.spin_s  # the next chunk is on its way
-        trace("recv", chunk.request_id, arrived, checked=checked, queued=queued, synced=synced,
-              acked=now())
+        trace("recv", chunk.request_id, arrived, checked=checked, queued=queued)
+        return not error
 
     @staticmethod
     def _check(incoming: _Incoming | None, chunk: KVChunk) -> str:
@@ -189,13 +253,28 @@ class KVReceiver:
     # ---- bookkeeping (lock held) ----------------------------------------------------------
     def _fail(self, request_id: str, error: str) -> None:
         with self._lock:
-            if request_id in self._expected:
-                self._finish(request_id, ok=False, error=error)
+            self._fail_locked(request_id, error)
+
+    def _fail_locked(self, request_id: str, error: str) -> None:
+        incoming = self._expected.get(request_id)
+        if incoming is None:
+            return
+        if incoming.written:
+            self._settle()
+        self._finish(request_id, ok=False, error=error)
 
     def _expire(self) -> None:
         t = now()
         for request_id in [r for r, inc in self._expected.items() if inc.deadline < t]:
-            self._finish(request_id, ok=False, error="timed out waiting for KV")
+            self._fail_locked(request_id, "timed out waiting for KV")
+
+    def _settle(self) -> None:
+        """Every write queued so far has landed (before pages go back to the caller)."""
+        try:
+            self.plane.flush()
+        except Exception as e:  # what failed to queue never lands
+            logger.warning("queueing KV writes failed: %s", e)
+        self.plane.synchronize()
 
     def _finish(self, request_id: str, ok: bool, error: str = "") -> None:
         incoming = self._expected.pop(request_id)

@@ -53,7 +53,8 @@ class KVSender:
     or failed (refused, aborted, receiver gone, timed out). The source pages must stay allocated
     until that result arrives.
 
-    Each send() goes out as chunks of whole pages, in page order: the first of `chunk_bytes`,
+    Each send() goes out as chunks of whole pages (one chunk where the backend does not chunk:
+    ipc), in page order: the first of `chunk_bytes`,
     each next one twice the last, up to `max_chunk_bytes`. Moving chunk i overlaps preparing
     chunk i+1 (and, on the receiver, taking its header), small first chunks start the data
     moving early, and large later ones keep the per-chunk host work off the critical path.
@@ -127,7 +128,10 @@ class KVSender:
 
     def _chunk_bounds(self, num_pages: int, page_bytes: int) -> list[tuple[int, int]]:
         """[start, end) page ranges of the chunks; a page larger than a chunk travels alone, and
-        a request without pages still sends one (empty) chunk."""
+        a request without pages still sends one (empty) chunk. One chunk when the backend does
+        not chunk."""
+        if not self.plane.chunked:
+            return [(0, num_pages)]
         bounds, start, size = [], 0, self.chunk_bytes
         while True:
             end = min(num_pages, start + max(1, size // max(1, page_bytes)))

@@ -300,3 +300,87 @@ def test_poll_waits_for_a_result_up_to_its_timeout():
     assert result.ok and result.request_id == "req"
     sender.close()
     receiver.close()
+
+
+class _Gate:
+    """A stand-in CUDA event: passed once the test opens it."""
+
+    def __init__(self, plane):
+        self.plane = plane
+
+    def query(self) -> bool:
+        return self.plane.open.is_set()
+
+
+def gated_receiver() -> KVReceiver:
+    """A tcp receiver whose writes 'land' only when the test sets `plane.open` (or something
+    synchronizes), counting its plane's calls, as a GPU plane's queued writes would behave."""
+    import threading
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
+    plane, base = receiver.plane, type(receiver.plane)
+
+    class Gated(base):
+        open = threading.Event()
+        calls = {"receive": 0, "flush": 0, "synchronize": 0}
+
+        def receive(self, *args):
+            self.calls["receive"] += 1
+            return base.receive(self, *args)
+
+        def flush(self):
+            self.calls["flush"] += 1
+
+        def mark(self):
+            return _Gate(self)
+
+        def synchronize(self):
+            self.calls["synchronize"] += 1
+            self.open.set()
+
+    plane.__class__ = Gated
+    return receiver
+
+
+def test_ack_waits_until_the_writes_land_and_chunks_waiting_are_written_together():
+    receiver = gated_receiver()
+    plane = receiver.plane
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
+    sender.connect(receiver.address)
+    plan = {f"r{i}": ([i], [10 + i]) for i in range(8)}
+    for rid, (_, dst) in plan.items():
+        receiver.expect(rid, dst)
+    with receiver._lock:  # the I/O thread stops at the first chunk; the rest queue up meanwhile
+        for rid, (src, dst) in plan.items():
+            sender.send(rid, receiver.address, src, dst)
+        time.sleep(0.5)
+    assert sender.poll(timeout_s=0.5) == [] and receiver.poll() == []  # written, not landed
+    assert plane.calls["receive"] == 8 and plane.calls["flush"] <= 2  # taken in one or two batches
+    plane.open.set()
+    sent = wait_results(sender, 8, 10)
+    assert sorted(r.request_id for r in sent if r.ok) == sorted(plan)
+    assert sorted(r.request_id for r in wait_results(receiver, 8, 10) if r.ok) == sorted(plan)
+    assert receiver.num_expected == 0
+    sender.close()
+    receiver.close()
+
+
+def test_cancel_while_writes_land_waits_for_them_and_the_sender_hears_of_it():
+    receiver = gated_receiver()
+    plane = receiver.plane
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
+    sender.connect(receiver.address)
+    receiver.expect("req", [4, 5])
+    sender.send("req", receiver.address, [1, 2], [4, 5])
+    deadline = time.monotonic() + 10
+    while plane.calls["receive"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.poll(timeout_s=0.2) == []
+    receiver.cancel("req")  # the caller frees the pages next: the writes must be in first
+    assert plane.calls["synchronize"] == 1 and receiver.num_expected == 0
+    (result,) = sender.poll(timeout_s=10)
+    assert not result.ok and "cancelled by the receiver" in result.error
+    assert receiver.poll() == []  # cancel() gives no result
+    receiver.cancel("never-expected")  # nothing written: nothing to wait for
+    assert plane.calls["synchronize"] == 1
+    sender.close()
+    receiver.close()

@@ -64,6 +64,7 @@ def import_cuda_tensor(description: list, device: torch.device | None = None) ->
 
 class IpcSenderPlane(SenderPlane):
     sends_src_page_ids = True
+    chunked = False  # the receiver reads the pages in place: nothing to overlap here
 
     def __init__(self, pool, timeout_s: float):
         super().__init__(pool, timeout_s)
@@ -82,30 +83,44 @@ class IpcSenderPlane(SenderPlane):
 
 
 class IpcReceiverPlane(ReceiverPlane):
+    """Chunks taken together are copied together: `receive` collects their page ids per sender
+    and layer range, `flush` copies each such group in one kernel."""
+
     def __init__(self, pool, timeout_s: float, host: str):
         super().__init__(pool, timeout_s)
         if not pool.buffer.is_cuda:
             raise ValueError("--transfer-backend ipc needs a CUDA KV pool; use tcp or torch on CPU")
         self._remote: dict[str, torch.Tensor] = {}
+        self._held: dict[tuple[str, int, int], tuple[list[int], list[int]]] = {}
 
     def after_welcome(self, sender_id: str, hello_info: dict) -> None:
         self._remote[sender_id] = import_cuda_tensor(hello_info["pool"], self.device)
 
     def receive(self, sender_id: str, chunk: KVChunk, frames: list,
                 dst_page_ids: list[int] | None) -> None:
-        remote = self._remote.get(sender_id)
-        if remote is None:
+        if sender_id not in self._remote:
             raise RuntimeError(f"no mapped pool of {sender_id}")
         if dst_page_ids is None:
             return  # nothing to consume: the data stays in the sender's pool
         if len(chunk.src_page_ids) != len(dst_page_ids):
             raise ValueError(f"chunk of {chunk.request_id} names {len(chunk.src_page_ids)} source "
                              f"pages for {len(dst_page_ids)} destination pages")
-        n = len(dst_page_ids)
-        with on_stream(self.stream):
-            ids = page_index(chunk.src_page_ids + dst_page_ids, self.device)  # one copy
-            copy_pages(remote, ids[:n], self.pool.buffer, ids[n:], chunk.layer_start,
-                       chunk.layer_end)
+        src, dst = self._held.setdefault((sender_id, chunk.layer_start, chunk.layer_end), ([], []))
+        src.extend(chunk.src_page_ids)
+        dst.extend(dst_page_ids)
+
+    def flush(self) -> None:
+        held, self._held = self._held, {}
+        for (sender_id, layer_start, layer_end), (src, dst) in held.items():
+            remote = self._remote.get(sender_id)
+            if remote is None:
+                raise RuntimeError(f"no mapped pool of {sender_id}")
+            with on_stream(self.stream):
+                ids = page_index(src + dst, self.device)  # one host-to-device copy
+                copy_pages(remote, ids[:len(src)], self.pool.buffer, ids[len(src):], layer_start,
+                           layer_end)
 
     def drop_sender(self, sender_id: str) -> None:
         self._remote.pop(sender_id, None)
+        for key in [k for k in self._held if k[0] == sender_id]:
+            del self._held[key]
