@@ -120,8 +120,13 @@ def shard_model(full: CausalLM, tp: TPGroup) -> CausalLM:
                              "runs unquantized models only (for now)")
     weight = full.model.embed_tokens.weight
     device, dtype = weight.device, weight.dtype
-    with torch.device("meta"):
-        model = CausalLM(local)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters in the model's dtype; RoPE tables stay float32
+    try:
+        with torch.device("meta"):
+            model = CausalLM(local)
+    finally:
+        torch.set_default_dtype(default)
     model.to_empty(device=device)
     model.rope = full.rope  # the RoPE tables depend on head_dim and positions only
     hd, rank = cfg.head_dim, tp.rank
@@ -151,7 +156,7 @@ def shard_model(full: CausalLM, tp: TPGroup) -> CausalLM:
         model.lm_head.weight = nn.Parameter(_vocab_rows(full.lm_head.weight, start, per),
                                             requires_grad=False)
     model.tp = tp
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def _rows(start: int, size: int) -> list[int]:

@@ -156,3 +156,13 @@ def test_a_dead_follower_fails_the_next_step_at_once(tiny_checkpoints):
         assert time.monotonic() - start < 10
     finally:
         engine.close()  # does not raise with the follower gone
+
+
+def test_shard_of_a_bf16_model_keeps_float32_rope_tables_and_the_dtype(tiny_checkpoints):
+    """On GPU models load in bf16: sharding must not cast the RoPE tables (shared with the
+    full model) down to it, and every parameter keeps the model's dtype."""
+    full = load_model(tiny_checkpoints["llama3"], torch.bfloat16, "cpu")
+    shard = shard_model(full, TPGroup(0, 1))
+    for model in (full, shard):
+        assert model.rope.cos.dtype == model.rope.sin.dtype == torch.float32
+    assert {p.dtype for p in shard.parameters()} == {torch.bfloat16}

@@ -384,3 +384,18 @@ def test_cancel_while_writes_land_waits_for_them_and_the_sender_hears_of_it():
     assert plane.calls["synchronize"] == 1
     sender.close()
     receiver.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_request_without_pages_completes(backend):
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, timeout_s=10)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), backend, timeout_s=10)
+    sender.connect(receiver.address)
+    receiver.expect("empty", [])
+    sender.send("empty", receiver.address, [], [])
+    (result,) = sender.poll(timeout_s=10)
+    assert result.ok and result.num_bytes == 0, result
+    assert [r.ok for r in wait_results(receiver, 1, 10)] == [True]
+    assert (receiver.pool.buffer == POISON).all()
+    sender.close()
+    receiver.close()

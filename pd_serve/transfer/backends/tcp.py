@@ -16,6 +16,8 @@ class TcpSenderPlane(SenderPlane):
     def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
                 ready: torch.cuda.Event | None) -> list:
         buf = self.pool.buffer
+        if not src_page_ids:
+            return [b""]  # a request without pages: an empty frame
         with on_stream(self.stream):
             if ready is not None:
                 self.stream.wait_event(ready)
@@ -36,8 +38,8 @@ class TcpReceiverPlane(ReceiverPlane):
         if len(frames) != 1 or len(frames[0].buffer) != chunk.nbytes:
             got = [len(f.buffer) for f in frames]
             raise ValueError(f"chunk of {chunk.request_id} carries frames {got}, expected [{chunk.nbytes}]")
-        if dst_page_ids is None:
-            return  # the frame is consumed already
+        if dst_page_ids is None or not chunk.nbytes:
+            return  # the frame is consumed already, or carries nothing
         with warnings.catch_warnings():  # the frame is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(frames[0].buffer, dtype=torch.uint8)
