@@ -77,9 +77,10 @@ class LocalCluster:
         self.control_port = control_port or free_port()
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.base_url = f"http://127.0.0.1:{port}"
+        self.gateway_command = ["gateway", "--port", str(port), "--control-port",
+                             str(self.control_port), *gateway_args]  # to start it again
         gateway = f"tcp://127.0.0.1:{self.control_port}"
-        self._start("gateway", ["gateway", "--port", str(port), "--control-port",
-                                str(self.control_port), *gateway_args], log_level)
+        self._start("gateway", self.gateway_command, log_level)
         roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
         for i, role in enumerate(roles):
             env_gpu = worker_gpus(i, gpu_ids, gpus_per_worker)

@@ -41,6 +41,7 @@ class _Landing:
     """Last chunks whose writes were queued before `event` (None: already done)."""
     event: torch.cuda.Event | None
     requests: list[tuple[bytes, str]]  # (sender identity, request id)
+    marked: float  # when the event was recorded
 
 
 class KVReceiver:
@@ -159,9 +160,11 @@ class KVReceiver:
                 self._fail(msg.request_id, f"sender aborted: {msg.reason}")
         if not batch:
             return
+        taken = now()
         with self._lock:
             try:
                 self.plane.flush()
+                flushed = now()
                 event = self.plane.mark()
             except Exception as e:  # the writes did not go out: fail every request they serve
                 logger.warning("queueing KV writes failed: %s", e)
@@ -169,13 +172,16 @@ class KVReceiver:
                     self.plane.drop_sender(sender_id)
                     self._fail_locked(request_id, f"receive failed: {e}")
                 return
+        trace("batch", f"{len(batch)}-chunks", taken, flushed=flushed, marked=now())
         if last_chunks:
-            self._landing.append(_Landing(event, last_chunks))
+            self._landing.append(_Landing(event, last_chunks, now()))
 
     def _land(self) -> None:
         """Acknowledge the last chunks whose writes have landed, oldest first."""
         while self._landing and (self._landing[0].event is None or self._landing[0].event.query()):
-            for identity, request_id in self._landing.popleft().requests:
+            landing = self._landing.popleft()
+            landed = now()
+            for identity, request_id in landing.requests:
                 with self._lock:
                     expected = request_id in self._expected
                     if expected:
@@ -185,6 +191,7 @@ class KVReceiver:
                 else:  # cancelled or timed out here while landing
                     self._send(identity, TransferAck(request_id, ok=False,
                                                      error="cancelled by the receiver"))
+                trace("land", request_id, landing.marked, landed=landed, acked=now())
 
     def _welcome(self, sender: bytes, sender_id: str, hello: TransferHello) -> None:
         error = ""

@@ -281,8 +281,7 @@ def test_kill_prefill_fails_inflight_and_gateway_restart_reregisters():
         gateway = dict(cluster.procs)["gateway"]
         gateway.kill()
         gateway.wait()
-        cluster._start("gateway", ["gateway", "--port", str(cluster.port), "--control-port",
-                                   str(cluster.control_port), "--worker-timeout", "2"], "warning")
+        cluster._start("gateway", cluster.gateway_command, "warning")  # same flags and model
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if any(w.startswith("decode") for w in health(cluster.base_url).get("workers", {})):
