@@ -17,7 +17,8 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from kernels.kv_copy import copy_pages
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import ReceiverPlane, SenderPlane, on_stream, page_index
+from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, now, on_stream, page_index,
+                                    trace)
 
 # The only classes a description may name when it is rebuilt.
 _CLASSES = {c.__module__ + "." + c.__qualname__: c for c in
@@ -116,9 +117,12 @@ class IpcReceiverPlane(ReceiverPlane):
             if remote is None:
                 raise RuntimeError(f"no mapped pool of {sender_id}")
             with on_stream(self.stream):
+                start = now()
                 ids = page_index(src + dst, self.device)  # one host-to-device copy
+                indexed = now()
                 copy_pages(remote, ids[:len(src)], self.pool.buffer, ids[len(src):], layer_start,
                            layer_end)
+            trace("flush", f"{len(src)}-pages", start, indexed=indexed, launched=now())
 
     def drop_sender(self, sender_id: str) -> None:
         self._remote.pop(sender_id, None)
