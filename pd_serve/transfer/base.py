@@ -98,30 +98,13 @@ def _scales_mismatch(key: str, theirs: tuple, ours: tuple) -> str:
             "--model on both)")
 
 
-NAP_S = 50e-6  # how long an I/O thread waiting for a near event sleeps between looks
-
-
 def page_index(page_ids: list[int], device: torch.device) -> torch.Tensor:
-    """Page ids as an int32 tensor on `device`, for work on the current stream, without a host
-    sync (a pageable host-to-device copy would wait for all queued GPU work and stop chunks
-    from pipelining). The copy runs on a stream of its own, which the current stream waits
-    for: behind the current stream's queued copies, each pinned staging block would stay
-    busy until they finish, and every call would allocate a new one."""
+    """Page ids as an int32 tensor on `device`, without a host sync: a pageable host-to-device
+    copy would wait for all queued GPU work and stop chunks from pipelining. On CUDA the copy
+    is queued on the current stream."""
     if device.type != "cuda":
         return torch.tensor(page_ids, dtype=torch.int64)
-    host = torch.tensor(page_ids, dtype=torch.int32, pin_memory=True)
-    current = torch.cuda.current_stream(device)
-    upload = _upload_streams.get(device)
-    if upload is None:
-        upload = _upload_streams[device] = torch.cuda.Stream(device)
-    with torch.cuda.stream(upload):
-        ids = host.to(device, non_blocking=True)
-    current.wait_stream(upload)
-    ids.record_stream(current)  # its memory is not reused before the current stream is done
-    return ids
-
-
-_upload_streams: dict[torch.device, torch.cuda.Stream] = {}
+    return torch.tensor(page_ids, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
 
 
 def on_stream(stream: torch.cuda.Stream | None):

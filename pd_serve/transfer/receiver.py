@@ -21,8 +21,7 @@ from pd_serve import protocol
 from pd_serve.cache.pool import KVPool
 from pd_serve.protocol import KVChunk, TransferAbort, TransferAck, TransferHello, TransferWelcome
 from pd_serve.transfer.backends import make_receiver_plane
-from pd_serve.transfer.base import (NAP_S, TransferResult, TransferStats, layout_mismatch, now,
-                                    trace)
+from pd_serve.transfer.base import TransferResult, TransferStats, layout_mismatch, now, trace
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +54,7 @@ class KVReceiver:
     their chunks (the plane may merge them into one copy), and acknowledges a request once the
     writes of its last chunk have landed, checked without blocking, so chunks arriving
     meanwhile are taken at once. Between the chunks of a request, and while writes are landing,
-    it polls every NAP_S (for up to `spin_s` after a chunk; 0: never), sleeping in between so
-    the process's other threads get the GIL.
+    it busy-polls (for up to `spin_s` after a chunk; 0: never).
     """
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
@@ -128,8 +126,8 @@ class KVReceiver:
                 busy = bool(self._landing) or now() < self._spin_until
                 if self._sock.poll(0 if busy else 20, zmq.POLLIN):
                     self._take_messages()
-                elif busy:
-                    time.sleep(NAP_S)  # not a busy loop: the engine's thread needs the GIL
+                elif self._landing:
+                    time.sleep(0)  # let other threads of the process run while we wait
                 self._land()
                 if now() >= next_expiry:
                     next_expiry = now() + 0.005

@@ -10,7 +10,6 @@ import logging
 import queue
 import socket
 import threading
-import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,8 +21,8 @@ from pd_serve import protocol
 from pd_serve.cache.pool import KVPool
 from pd_serve.protocol import KVChunk, TransferAbort, TransferAck, TransferHello, TransferWelcome
 from pd_serve.transfer.backends import make_sender_plane
-from pd_serve.transfer.base import (NAP_S, TransferError, TransferResult, TransferStats, layout_of,
-                                    now, trace)
+from pd_serve.transfer.base import (TransferError, TransferResult, TransferStats, layout_of, now,
+                                    trace)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class KVSender:
     each next one twice the last, up to `max_chunk_bytes`. Moving chunk i overlaps preparing
     chunk i+1 (and, on the receiver, taking its header), small first chunks start the data
     moving early, and large later ones keep the per-chunk host work off the critical path.
-    While a transfer awaits its ack, the I/O thread polls every NAP_S for up to `spin_s` after its last
+    While a transfer awaits its ack, the I/O thread busy-polls for up to `spin_s` after its last
     chunk went out (0: never), trading a core for the wake-up latency of a sleeping thread.
     """
 
@@ -174,10 +173,7 @@ class KVSender:
         try:
             while not self._stop.is_set():
                 spin = bool(self._outgoing) and now() < self._spin_until
-                events = poller.poll(0 if spin else 50)
-                if spin and not events:
-                    time.sleep(NAP_S)  # not a busy loop: the caller's thread needs the GIL
-                for sock, _ in events:
+                for sock, _ in poller.poll(0 if spin else 50):
                     if isinstance(sock, int):  # the wake-up socket's fd
                         self._drain_wakeups()
                     else:
