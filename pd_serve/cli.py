@@ -231,9 +231,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from bench import phase_ratio, serving
+    from bench import phase_ratio, planner_check, serving
 
-    code = {"serving": serving, "phase-ratio": phase_ratio}[args.name].main(args.engine_argv)
+    code = {"serving": serving, "phase-ratio": phase_ratio,
+            "planner-check": planner_check}[args.name].main(args.engine_argv)
     if code:
         raise SystemExit(code)
 
@@ -294,8 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     bench = sub.add_parser("bench", add_help=False, help="benchmarks: serving (load generator against a gateway), "
                            "phase-ratio (goodput of each xPyD split and colocated serving against request "
-                           "rate); the flags after the name go to it (pd-serve bench serving --help)")
-    bench.add_argument("name", choices=["serving", "phase-ratio"])
+                           "rate), planner-check (pd-serve plan's predictions against a measured "
+                           "phase-ratio sweep); the flags after the name go to it (pd-serve bench serving --help)")
+    bench.add_argument("name", choices=["serving", "phase-ratio", "planner-check"])
     bench.set_defaults(func=cmd_bench)
     from pd_serve.planner.plan import add_plan_args
     from pd_serve.planner.profile import add_profile_args

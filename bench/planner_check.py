@@ -1,0 +1,120 @@
+"""How close `pd-serve plan`'s predictions come to a measured phase-ratio sweep.
+
+    python bench/planner_check.py --profile bench/results/profile-cpu-smollm2.json \
+        --results bench/results/phase-ratio-cpu/results.json [--output check.json]
+
+For every measured row of bench/phase_ratio.py's results.json (a configuration at a request
+rate), the planner's simulator runs that configuration with the limits its workers ran with
+(their --max-running-requests and --chunked-prefill-size in the sweep's --worker-args, else the
+engine defaults), on the sweep's workload (the same dataset flags and seed, so the same request
+lengths and arrival times) and SLOs. The table gives predicted and measured goodput and the
+relative error (predicted - measured) / measured; rows whose measured goodput is 0 get an
+absolute error instead. The planner issue's bar is |error| <= 25 % for every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/planner_check.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import git_commit, write_json  # noqa: E402
+from pd_serve.planner.costs import CostModel, load_profile  # noqa: E402
+from pd_serve.planner.plan import evaluate, workload, workload_args  # noqa: E402
+from pd_serve.planner.simulator import ClusterSpec, PoolLimits  # noqa: E402
+
+BAR = 0.25  # the planner issue's acceptance: |relative error| of goodput per configuration
+
+
+def worker_limits(worker_args: list[str]) -> PoolLimits:
+    """The limits a sweep's workers ran with: their flags, else the engine defaults."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--max-running-requests", type=int, default=PoolLimits.max_running_requests)
+    p.add_argument("--chunked-prefill-size", type=int, default=PoolLimits.chunked_prefill_size)
+    known, _ = p.parse_known_args(worker_args)
+    return PoolLimits(known.max_running_requests, known.chunked_prefill_size)
+
+
+def spec_of(row: dict, limits: PoolLimits) -> ClusterSpec:
+    if row["num_colocated"]:
+        return ClusterSpec(num_colocated=row["num_colocated"], colocated=limits)
+    return ClusterSpec(row["num_prefill"], row["num_decode"], prefill=limits, decode=limits)
+
+
+def check(profile: dict, results: dict) -> list[dict]:
+    """One row per measured row: predicted vs measured goodput and SLO attainment."""
+    config = results["config"]
+    slo = config["slo_ms"]
+    worker_args = config.get("worker_args") or []
+    if isinstance(worker_args, str):
+        worker_args = shlex.split(worker_args)
+    limits = worker_limits(worker_args)
+    serving = argparse.Namespace(**{k.replace("-", "_"): v for k, v in config["serving"].items()})
+    wl_args = workload_args(serving, profile.get("max_model_len"))
+    costs = CostModel.from_profile(profile)
+    out = []
+    for row in results["rows"]:
+        rate = float(row["request_rate"])
+        requests = workload(wl_args, rate)
+        predicted = evaluate(spec_of(row, limits), costs, requests, slo)
+        measured = row["goodput"] or 0.0
+        error = ((predicted["goodput"] - measured) / measured if measured > 0
+                 else predicted["goodput"] - measured)
+        out.append({"config": row["config"], "request_rate": rate,
+                    "measured_goodput": measured, "predicted_goodput": predicted["goodput"],
+                    "error": error, "relative": measured > 0,
+                    "measured_attainment": row["slo_attainment"],
+                    "predicted_attainment": predicted["slo_attainment"],
+                    "measured_ttft_p90_ms": row.get("ttft_p90_ms"),
+                    "predicted_ttft_p90_ms": predicted["ttft_p90_ms"],
+                    "measured_tpot_p90_ms": row.get("tpot_p90_ms"),
+                    "predicted_tpot_p90_ms": predicted["tpot_p90_ms"]})
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'config':<12}{'rate':>6}{'measured':>10}{'predicted':>10}{'error':>9}"
+             f"{'attain m/p':>13}{'TTFT p90 m/p':>16}{'TPOT p90 m/p':>15}"]
+    for r in rows:
+        err = f"{r['error']:+.0%}" if r["relative"] else f"{r['error']:+.2f}"
+        lines.append(f"{r['config']:<12}{r['request_rate']:>6g}{r['measured_goodput']:>10.3f}"
+                     f"{r['predicted_goodput']:>10.3f}{err:>9}"
+                     f"{r['measured_attainment']:>7.0%}/{r['predicted_attainment']:<5.0%}"
+                     f"{_ms(r['measured_ttft_p90_ms']):>8}/{_ms(r['predicted_ttft_p90_ms']):<7}"
+                     f"{_ms(r['measured_tpot_p90_ms']):>7}/{_ms(r['predicted_tpot_p90_ms']):<7}")
+    relative = [abs(r["error"]) for r in rows if r["relative"]]
+    within = sum(e <= BAR for e in relative)
+    lines.append(f"goodput within {BAR:.0%}: {within} of {len(relative)} rows"
+                 + (f"; largest |error| {max(relative):.0%}" if relative else ""))
+    return "\n".join(lines)
+
+
+def _ms(value) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", required=True, help="a profile JSON from pd-serve profile")
+    p.add_argument("--results", required=True, help="a results.json from bench/phase_ratio.py")
+    p.add_argument("--output", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    profile = load_profile(args.profile)
+    results = json.loads(Path(args.results).read_text())
+    rows = check(profile, results)
+    print(format_table(rows))
+    if args.output:
+        write_json(args.output, {"profile": args.profile, "results": args.results,
+                                 "results_commit": results.get("commit"), "git_commit": git_commit(),
+                                 "bar": BAR, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
