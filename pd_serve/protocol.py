@@ -35,7 +35,7 @@ class TransferWelcome:
 
 @dataclass
 class KVChunk:
-    """Sender -> receiver: layers [layer_start, layer_end) of a request's pages follow.
+    """Layers [layer_start, layer_end) of a request's pages (travels inside KVChunks).
 
     The data goes in the frames after this header (tcp), over the pair's process group (torch),
     or is already in the receiver's pool (ipc). `last` marks the request's final chunk.
@@ -59,12 +59,21 @@ class TransferAbort:
 
 
 @dataclass
-class TransferAck:
-    """Receiver -> sender: the request's KV is in place (ok) or was refused / failed."""
+class KVChunks:
+    """Sender -> receiver: every chunk the sender had queued for this receiver, in one message.
+    `chunks` holds KVChunk field dicts; chunk i's data frames, `frames[i]` of them (tcp: 1),
+    follow the header in order."""
 
-    request_id: str
-    ok: bool
-    error: str = ""
+    chunks: list[dict]
+    frames: list[int]
+
+
+@dataclass
+class TransferAcks:
+    """Receiver -> sender: requests whose KV is in place (ok) or was refused / failed, as
+    [request_id, ok, error] triples."""
+
+    acks: list[list]
 
 
 # ---- control plane: workers <-> gateway ---------------------------------------------------
@@ -182,15 +191,18 @@ class AbortRequest:
 
 
 MESSAGES = {cls.__name__: cls for cls in (
-    TransferHello, TransferWelcome, KVChunk, TransferAbort, TransferAck, WorkerStatus, Heartbeat, Admit,
+    TransferHello, TransferWelcome, KVChunks, TransferAbort, TransferAcks, WorkerStatus, Heartbeat, Admit,
     AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest)}
 
 
+def fields_of(msg) -> dict:
+    """A shallow field dict: fields are plain values, and asdict's deep copy of long page-id
+    lists costs more than the send."""
+    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+
+
 def encode(msg) -> bytes:
-    # A shallow field dict: fields are plain values, and asdict's deep copy of long page-id
-    # lists costs more than the send.
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    return msgpack.packb([type(msg).__name__, fields], use_bin_type=True)
+    return msgpack.packb([type(msg).__name__, fields_of(msg)], use_bin_type=True)
 
 
 def decode(data: bytes):

@@ -19,7 +19,8 @@ import zmq
 
 from pd_serve import protocol
 from pd_serve.cache.pool import KVPool
-from pd_serve.protocol import KVChunk, TransferAbort, TransferAck, TransferHello, TransferWelcome
+from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
+                               TransferWelcome)
 from pd_serve.transfer.backends import make_receiver_plane
 from pd_serve.transfer.base import TransferResult, TransferStats, layout_mismatch, now, trace
 
@@ -147,15 +148,25 @@ class KVReceiver:
             except zmq.Again:
                 break
             arrived = now()
-            identity, msg = bytes(identity), protocol.decode(header.bytes)
-            sender_id = identity.decode()
+            identity = bytes(identity)
+            sender_id = identity.decode(errors="replace")
+            try:
+                msg = protocol.decode(header.bytes)
+                chunks = self._split(msg, frames) if isinstance(msg, KVChunks) else []
+            except (ValueError, TypeError) as e:  # a broken sender: its requests time out
+                logger.warning("dropped a message from %s: %s", sender_id, e)
+                continue
             if isinstance(msg, TransferHello):
                 self._welcome(identity, sender_id, msg)
-            elif isinstance(msg, KVChunk):
-                if self._on_chunk(identity, sender_id, msg, frames, arrived):
-                    batch.append((sender_id, msg.request_id))
-                    if msg.last:
-                        last_chunks.append((identity, msg.request_id))
+            elif isinstance(msg, KVChunks):
+                refused = []
+                for chunk, chunk_frames in chunks:
+                    if self._on_chunk(identity, sender_id, chunk, chunk_frames, arrived, refused):
+                        batch.append((sender_id, chunk.request_id))
+                        if chunk.last:
+                            last_chunks.append((identity, chunk.request_id))
+                if refused:
+                    self._send(identity, TransferAcks(refused))
             elif isinstance(msg, TransferAbort):
                 self._fail(msg.request_id, f"sender aborted: {msg.reason}")
         if not batch:
@@ -181,16 +192,18 @@ class KVReceiver:
         while self._landing and (self._landing[0].event is None or self._landing[0].event.query()):
             landing = self._landing.popleft()
             landed = now()
+            acks: dict[bytes, list[list]] = {}  # one message per sender
             for identity, request_id in landing.requests:
                 with self._lock:
                     expected = request_id in self._expected
                     if expected:
                         self._finish(request_id, ok=True)
-                if expected:
-                    self._send(identity, TransferAck(request_id, ok=True))
-                else:  # cancelled or timed out here while landing
-                    self._send(identity, TransferAck(request_id, ok=False,
-                                                     error="cancelled by the receiver"))
+                # not expected: cancelled or timed out here while landing
+                acks.setdefault(identity, []).append(
+                    [request_id, True, ""] if expected else [request_id, False, "cancelled by the receiver"])
+            for identity, triples in acks.items():
+                self._send(identity, TransferAcks(triples))
+            for _, request_id in landing.requests:
                 trace("land", request_id, landing.marked, landed=landed, acked=now())
 
     def _welcome(self, sender: bytes, sender_id: str, hello: TransferHello) -> None:
@@ -212,10 +225,22 @@ class KVReceiver:
             logger.warning("pairing with %s failed: %s", sender_id, e)
             self.plane.drop_sender(sender_id)
 
+    @staticmethod
+    def _split(msg: KVChunks, frames: list) -> list[tuple[KVChunk, list]]:
+        """The message's chunks, each with its own data frames."""
+        if len(msg.chunks) != len(msg.frames) or sum(msg.frames) != len(frames):
+            raise ValueError(f"KVChunks names {len(msg.chunks)} chunks with frame counts "
+                             f"{msg.frames} but carries {len(frames)} frames")
+        out, start = [], 0
+        for fields, count in zip(msg.chunks, msg.frames):
+            out.append((KVChunk(**fields), frames[start:start + count]))
+            start += count
+        return out
+
     def _on_chunk(self, sender: bytes, sender_id: str, chunk: KVChunk, frames: list,
-                  arrived: float) -> bool:
+                  arrived: float, refused: list[list]) -> bool:
         """Check the chunk and queue its writes; True when they were queued. A refused chunk
-        is consumed and its request (if expected) fails and is acknowledged as such."""
+        is consumed and its request (if expected) fails; its ack goes into `refused`."""
         # The lock spans check and queueing, so cancel() cannot free the pages in between.
         with self._lock:
             checked = now()
@@ -233,7 +258,7 @@ class KVReceiver:
             if incoming is not None and error:
                 self._fail_locked(chunk.request_id, error)
         if error:
-            self._send(sender, TransferAck(chunk.request_id, ok=False, error=error))
+            refused.append([chunk.request_id, False, error])
         elif not chunk.last:
             self._spin_until = now() + self.spin_s  # the next chunk is on its way
         trace("recv", chunk.request_id, arrived, checked=checked, queued=queued)

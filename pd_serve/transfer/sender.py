@@ -19,7 +19,8 @@ import zmq
 
 from pd_serve import protocol
 from pd_serve.cache.pool import KVPool
-from pd_serve.protocol import KVChunk, TransferAbort, TransferAck, TransferHello, TransferWelcome
+from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
+                               TransferWelcome)
 from pd_serve.transfer.backends import make_sender_plane
 from pd_serve.transfer.base import (TransferError, TransferResult, TransferStats, layout_of, now,
                                     trace)
@@ -58,6 +59,9 @@ class KVSender:
     each next one twice the last, up to `max_chunk_bytes`. Moving chunk i overlaps preparing
     chunk i+1 (and, on the receiver, taking its header), small first chunks start the data
     moving early, and large later ones keep the per-chunk host work off the critical path.
+    The chunks the I/O thread finds queued for one receiver travel in one message (cut after
+    `chunk_bytes` of frame data, so tcp data still moves while later chunks are gathered), and
+    the receiver acknowledges together the requests whose writes landed together.
     While a transfer awaits its ack, the I/O thread busy-polls for up to `spin_s` after its last
     chunk went out (0: never), trading a core for the wake-up latency of a sleeping thread.
     """
@@ -178,11 +182,19 @@ class KVSender:
                         self._drain_wakeups()
                     else:
                         self._on_message(protocol.decode(sock.recv()))
+                sends: list[_SendJob] = []  # queued sends go out together, per receiver
                 while True:
                     try:
-                        self._run(self._jobs.get_nowait(), poller)
+                        job = self._jobs.get_nowait()
                     except queue.Empty:
                         break
+                    if job[0] == "send":
+                        sends.extend(job[1])
+                    else:  # in order: what was queued before it goes first
+                        self._send_chunks(sends, poller)
+                        sends = []
+                        self._run(job, poller)
+                self._send_chunks(sends, poller)
                 self._expire()
         finally:
             for sock in self._socks.values():
@@ -204,9 +216,6 @@ class KVSender:
                 future.set_result(None)
             except Exception as e:
                 future.set_exception(e if isinstance(e, TransferError) else TransferError(f"{address}: {e}"))
-        elif kind == "send":
-            for send_job in job[1]:
-                self._send_chunk(send_job, poller)
         elif kind == "abort":
             self._abort(job[1], job[2])
 
@@ -230,36 +239,72 @@ class KVSender:
         self._socks[address] = sock
         poller.register(sock, zmq.POLLIN)
 
-    def _send_chunk(self, job: _SendJob, poller: zmq.Poller) -> None:
-        rid = job.request_id
-        out = self._outgoing.get(rid)
-        if out is None:
-            if not job.first:
-                return  # an earlier chunk failed or was aborted: drop the rest
-            out = self._outgoing[rid] = _Outgoing(job.address, now() + self.timeout_s)
+    def _send_chunks(self, jobs: list[_SendJob], poller: zmq.Poller) -> None:
+        """One KVChunks message per receiver for all of `jobs` (in order), each chunk's frames
+        after the header; then the out-of-band moves (torch) in the same order."""
+        by_address: dict[str, list[_SendJob]] = {}
+        for job in jobs:
+            by_address.setdefault(job.address, []).append(job)
+        for address, group in by_address.items():
+            self._send_group(address, group, poller)
+
+    def _send_group(self, address: str, jobs: list[_SendJob], poller: zmq.Poller) -> None:
         picked = now()
-        try:
-            self._connect(job.address, poller)
-            frames = self.plane.prepare(job.address, job.chunk, job.src_page_ids, job.ready)
-            prepared = now()
-            self._socks[job.address].send_multipart([protocol.encode(job.chunk), *frames], copy=False)
-            sent = now()
-            self.plane.finish(job.address, job.chunk, job.src_page_ids, job.ready)
-        except Exception as e:
-            logger.warning("send of %s to %s failed: %s", rid, job.address, e)
-            self._drop_peer(job.address, poller)
-            self._finish(rid, ok=False, error=f"send failed: {e}")
+        going: list[_SendJob] = []
+        for job in jobs:
+            if job.request_id not in self._outgoing:
+                if not job.first:
+                    continue  # an earlier chunk failed or was aborted: drop the rest
+                self._outgoing[job.request_id] = _Outgoing(address, now() + self.timeout_s)
+            going.append(job)
+        if not going:
             return
-        out.num_bytes += job.chunk.nbytes
-        out.last_sent = job.chunk.last
+        marks: dict[int, tuple[float, float]] = {}  # id(job) -> (prepared, header sent)
+        try:
+            self._connect(address, poller)
+            message: list[_SendJob] = []
+            headers, counts, frames, frame_bytes = [], [], [], 0
+            for i, job in enumerate(going):
+                chunk_frames = self.plane.prepare(address, job.chunk, job.src_page_ids, job.ready)
+                message.append(job)
+                headers.append(protocol.fields_of(job.chunk))
+                counts.append(len(chunk_frames))
+                frames.extend(chunk_frames)
+                frame_bytes += job.chunk.nbytes if chunk_frames else 0
+                # Data carried in frames goes once a chunk's worth is ready, so it moves while
+                # the next chunks are prepared (tcp); headers alone wait for the whole batch.
+                if i + 1 < len(going) and frame_bytes < self.chunk_bytes:
+                    continue
+                prepared = now()
+                self._socks[address].send_multipart(
+                    [protocol.encode(KVChunks(headers, counts)), *frames], copy=False)
+                sent = now()
+                for sent_job in message:
+                    self.plane.finish(address, sent_job.chunk, sent_job.src_page_ids, sent_job.ready)
+                    marks[id(sent_job)] = (prepared, sent)
+                message, headers, counts, frames, frame_bytes = [], [], [], [], 0
+        except Exception as e:
+            logger.warning("send to %s failed: %s", address, e)
+            self._drop_peer(address, poller)
+            for request_id in dict.fromkeys(job.request_id for job in going):
+                if request_id in self._outgoing:
+                    self._finish(request_id, ok=False, error=f"send failed: {e}")
+            return
+        for job in going:
+            out = self._outgoing[job.request_id]
+            out.num_bytes += job.chunk.nbytes
+            out.last_sent = job.chunk.last
+            prepared, sent = marks[id(job)]
+            trace("send", job.request_id, job.queued, picked=picked, prepared=prepared,
+                  header_sent=sent, finished=now())
         self._spin_until = now() + self.spin_s
-        trace("send", rid, job.queued, picked=picked, prepared=prepared, header_sent=sent,
-              finished=now())
 
     def _on_message(self, msg) -> None:
-        if isinstance(msg, TransferAck) and msg.request_id in self._outgoing:
-            trace("ack", msg.request_id, self._outgoing[msg.request_id].started, acked=now())
-            self._finish(msg.request_id, ok=msg.ok, error=msg.error)
+        if isinstance(msg, TransferAcks):
+            for request_id, ok, error in msg.acks:
+                if request_id in self._outgoing:
+                    trace("ack", request_id, self._outgoing[request_id].started, acked=now())
+                    self._finish(request_id, ok=ok, error=error)
 
     def _abort(self, request_id: str, reason: str) -> None:
         out = self._outgoing.get(request_id)

@@ -399,3 +399,31 @@ def test_request_without_pages_completes(backend):
     assert (receiver.pool.buffer == POISON).all()
     sender.close()
     receiver.close()
+
+
+def test_a_malformed_chunk_message_is_dropped_and_the_receiver_keeps_serving():
+    import zmq
+
+    from pd_serve import protocol
+    from pd_serve.protocol import KVChunk, KVChunks
+
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
+    receiver.expect("bad", [3])
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(receiver.address)
+    chunk = KVChunk("bad", [3], 0, LAYOUT.num_layers, LAYOUT.bytes_per_page, True)
+    # says one frame follows, sends none; then a message that is not a message at all
+    rogue.send_multipart([protocol.encode(KVChunks([protocol.fields_of(chunk)], [1]))])
+    rogue.send_multipart([b"\x93garbage"])
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
+    sender.connect(receiver.address)
+    receiver.expect("good", [4])
+    sender.send("good", receiver.address, [1], [4])
+    (result,) = sender.poll(timeout_s=10)
+    assert result.ok, result
+    assert (receiver.pool.buffer[:, :, 3] == POISON).all()  # nothing written for the bad one
+    receiver.cancel("bad")
+    rogue.close()
+    sender.close()
+    receiver.close()
