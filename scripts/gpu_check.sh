@@ -8,6 +8,7 @@
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
 # Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000)
+# w4a16 (W4A16 GEMM vs bf16 GEMM, Llama-3.1-8B layer shapes)
 # transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2) e2e
 # (default: tests onebatch e2e, in that order). Carry .whl and .gpu-model.
 # TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
@@ -73,6 +74,7 @@ for s in $steps; do
     offline) step offline 420 python3 bench/offline.py --preset llama3-8b --quantization fp8 \
            --num-prompts 1000 --input-len 1000 --output-len 1000 \
            --output "$OUT/offline-h200-llama3-8b-fp8.json" ;;
+    w4a16) step w4a16 180 python3 bench/w4a16.py --batch-sizes 1,16,64 --output "$OUT/w4a16-h200.json" ;;
     transfer) step transfertests 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_transfer_gpu.py
               step transfer 420 python3 bench/transfer.py --in-flight-max-mib 1024 \
                 --output "$OUT/transfer-2xh200.json" ${TRANSFER_ARGS:-} ;;
