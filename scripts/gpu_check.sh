@@ -8,7 +8,10 @@
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
 # Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000)
-# w4a16 (W4A16 GEMM vs bf16 GEMM, Llama-3.1-8B layer shapes)
+# w4a16 (W4A16 GEMM vs bf16 GEMM, Llama-3.1-8B layer shapes); on two GPUs (nvidia-h200-x2),
+# for the phase-ratio issue: profile (pd-serve profile of a dummy Llama-3.1-8B-shaped model),
+# phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
+# colocated x2 and x1, auto rate sweep, SLOs ttft=2000,tpot=15 ms. All untried on the GPU yet.
 # transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2) e2e
 # (default: tests onebatch e2e, in that order). Carry .whl and .gpu-model.
 # TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
@@ -24,11 +27,25 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 PD_SERVE_COMMIT=${PD_SERVE_C
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 model=/tmp/gpu-model/SmolLM2-135M-Instruct
-python3 - "$model" <<'EOF' || exit 1
-import sys
+big=/tmp/gpu-model/llama3-8b-dummy  # config + tokenizer only: served with --load-format dummy
+python3 - "$model" "$big" <<'EOF' || exit 1
+import json, shutil, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from conftest import write_tiny_checkpoint
+# Llama-3.1-8B's shape with SmolLM2's tokenizer (so its vocabulary, 49152 rows, not 128256).
+big = Path(sys.argv[2])
+big.mkdir(parents=True, exist_ok=True)
+for f in Path(".gpu-model/tok").iterdir():
+    shutil.copy(f, big / f.name)
+(big / "config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "max_position_embeddings": 8192, "vocab_size": 49152,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}))
 # head_dim 64, so the flashinfer backend serves it (its kernels have no head_dim 16); the
 # default model's context (8192), which the end-to-end tests' limits assume.
 write_tiny_checkpoint("llama3", Path(sys.argv[1]), Path(".gpu-model/tok"), seed=1,
@@ -74,6 +91,17 @@ for s in $steps; do
     offline) step offline 420 python3 bench/offline.py --preset llama3-8b --quantization fp8 \
            --num-prompts 1000 --input-len 1000 --output-len 1000 \
            --output "$OUT/offline-h200-llama3-8b-fp8.json" ;;
+    profile) step profile 420 python3 -m pd_serve.cli profile --model "$big" --load-format dummy \
+           --device cuda --transfer-gbps 200 --transfer-latency-ms 2 \
+           --output "$OUT/profile-h200-llama3-8b.json" ;;
+    phaseratio-prefill) step pr-prefill 570 python3 bench/phase_ratio.py --device cuda \
+           --configs 1p1d,colocated2,colocated1 --rate-sweep auto --slo ttft=2000,tpot=15 \
+           --model "$big" --worker-args "--load-format dummy" --input-len 2048 --output-len 128 \
+           --num-prompts 100 --output-dir "$OUT/phase-ratio-prefill" ;;
+    phaseratio-decode) step pr-decode 570 python3 bench/phase_ratio.py --device cuda \
+           --configs 1p1d,colocated2,colocated1 --rate-sweep auto --slo ttft=2000,tpot=15 \
+           --model "$big" --worker-args "--load-format dummy" --input-len 256 --output-len 1024 \
+           --num-prompts 100 --output-dir "$OUT/phase-ratio-decode" ;;
     w4a16) step w4a16 180 python3 bench/w4a16.py --batch-sizes 1,16,64 --output "$OUT/w4a16-h200.json" ;;
     transfer) step transfertests 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_transfer_gpu.py
               step transfer 420 python3 bench/transfer.py --in-flight-max-mib 1024 \
