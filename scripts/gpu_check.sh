@@ -12,7 +12,8 @@
 # for the phase-ratio issue: profile (pd-serve profile of a dummy Llama-3.1-8B-shaped model),
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
 # colocated x2 and x1, auto rate sweep, SLOs ttft=2000,tpot=15 ms. All untried on the GPU yet.
-# transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2) e2e
+# transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2), transfer-fp8
+# (the same bench with an FP8 KV cache: the quantization issue's half-the-bytes check) e2e
 # (default: tests onebatch e2e, in that order). Carry .whl and .gpu-model.
 # TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
 # ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile).
@@ -102,6 +103,8 @@ for s in $steps; do
            --configs 1p1d,colocated2,colocated1 --rate-sweep auto --slo ttft=2000,tpot=15 \
            --model "$big" --worker-args "--load-format dummy" --input-len 256 --output-len 1024 \
            --num-prompts 100 --output-dir "$OUT/phase-ratio-decode" ;;
+    transfer-fp8) step transfer-fp8 300 python3 bench/transfer.py --dtype float8_e4m3fn \
+           --backends ipc,torch --in-flight-max-mib 1024 --output "$OUT/transfer-2xh200-fp8.json" ;;
     w4a16) step w4a16 180 python3 bench/w4a16.py --batch-sizes 1,16,64 --output "$OUT/w4a16-h200.json" ;;
     transfer) step transfertests 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_transfer_gpu.py
               step transfer 420 python3 bench/transfer.py --in-flight-max-mib 1024 \
