@@ -18,6 +18,8 @@ they read FP8 K/V with a 16-bit query, which FA3 kernels of this flashinfer vers
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels.kv_store import store_kv
@@ -25,6 +27,22 @@ from pd_serve.cache.pool import KVPool
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
 
 WORKSPACE_BYTES = 256 * 2**20  # split-k partial results; flashinfer recommends 128 MiB or more
+TENSOR_CORES_ENV = "PD_SERVE_FLASHINFER_TENSOR_CORES"
+
+
+def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the decode kernels run on tensor cores: $PD_SERVE_FLASHINFER_TENSOR_CORES
+    (1/true/on or 0/false/off) when set, else from a GQA group of 4 query heads per KV head
+    up, where they pay off (SGLang's env override is SGLANG_FLASHINFER_USE_TENSOR_CORE)."""
+    value = os.environ.get(TENSOR_CORES_ENV)
+    if value is None or value == "":
+        return num_heads // num_kv_heads >= 4
+    if value.lower() in ("1", "true", "on", "yes"):
+        return True
+    if value.lower() in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{TENSOR_CORES_ENV}={value!r}: use 1/true/on or 0/false/off (unset: by "
+                     "GQA group size)")
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -41,8 +59,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.page_size = pool.layout.page_size
         self.kv_dtype = pool.buffer.dtype
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # Tensor-core decode pays off once several query heads share a KV head.
-        self.use_tensor_cores = num_heads // self.num_kv_heads >= 4
+        self.use_tensor_cores = decode_uses_tensor_cores(num_heads, self.num_kv_heads)
         prefill_backend = "fa2" if self.kv_dtype.itemsize == 1 else "auto"
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=prefill_backend)
