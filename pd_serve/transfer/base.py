@@ -157,8 +157,7 @@ class ReceiverPlane(ABC):
         return self.stream.record_event() if self.stream is not None else None
 
     def synchronize(self) -> None:
-        """Block until every write queued by `receive` and `flush` is in the pool."""
-        self.flush()
+        """Block until every write queued so far (by `receive` and `flush`) is in the pool."""
         if self.stream is not None:
             self.stream.synchronize()
 

@@ -33,8 +33,7 @@ class _Incoming:
     deadline: float
     started: float = field(default_factory=now)
     num_bytes: int = 0
-    next_page: int = 0  # where in page_ids the next chunk starts
-    written: bool = False  # a write into its pages was queued
+    next_page: int = 0  # where in page_ids the next chunk starts (num_bytes > 0: writes queued)
 
 
 @dataclass
@@ -98,7 +97,7 @@ class KVReceiver:
         On return nothing writes into its pages any more: the caller may free them."""
         with self._lock:
             incoming = self._expected.pop(request_id, None)
-            if incoming is not None and incoming.written:
+            if incoming is not None and incoming.num_bytes:
                 self._settle()
 
     def poll(self) -> list[TransferResult]:
@@ -161,7 +160,7 @@ class KVReceiver:
             elif isinstance(msg, KVChunks):
                 refused = []
                 for chunk, chunk_frames in chunks:
-                    if self._on_chunk(identity, sender_id, chunk, chunk_frames, arrived, refused):
+                    if self._on_chunk(sender_id, chunk, chunk_frames, arrived, refused):
                         batch.append((sender_id, chunk.request_id))
                         if chunk.last:
                             last_chunks.append((identity, chunk.request_id))
@@ -237,8 +236,8 @@ class KVReceiver:
             start += count
         return out
 
-    def _on_chunk(self, sender: bytes, sender_id: str, chunk: KVChunk, frames: list,
-                  arrived: float, refused: list[list]) -> bool:
+    def _on_chunk(self, sender_id: str, chunk: KVChunk, frames: list, arrived: float,
+                  refused: list[list]) -> bool:
         """Check the chunk and queue its writes; True when they were queued. A refused chunk
         is consumed and its request (if expected) fails; its ack goes into `refused`."""
         # The lock spans check and queueing, so cancel() cannot free the pages in between.
@@ -254,7 +253,6 @@ class KVReceiver:
             queued = now()
             if incoming is not None and not error:
                 incoming.num_bytes += chunk.nbytes
-                incoming.written = True
             if incoming is not None and error:
                 self._fail_locked(chunk.request_id, error)
         if error:
@@ -291,7 +289,7 @@ class KVReceiver:
         incoming = self._expected.get(request_id)
         if incoming is None:
             return
-        if incoming.written:
+        if incoming.num_bytes:
             self._settle()
         self._finish(request_id, ok=False, error=error)
 
