@@ -132,6 +132,43 @@ def copy_pages(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
             src_page_ids.numel())
 
 
+# ----------------------------------------------------------------------------- head ranges
+
+def gather_heads(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
+                 heads: tuple[int, int] | None) -> torch.Tensor:
+    """`gather_pages` of KV heads [h0, h1) only (a tensor-parallel hand-off sends part of a
+    rank's heads): staging [b - a, 2, n, S, h1 - h0, D]. None or every head: `gather_pages`.
+    A head range is a strided view, so it goes through torch's index ops, not the kernel."""
+    if _all_heads(buffer, heads):
+        return gather_pages(buffer, page_ids, layer_start, layer_end)
+    _check_pool(buffer, page_ids, layer_start, layer_end)
+    view = _as_int(buffer[layer_start:layer_end, :, :, :, heads[0]:heads[1]])
+    return view.index_select(2, page_ids).view(buffer.dtype)
+
+
+def scatter_heads(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
+                  layer_start: int, layer_end: int, heads: tuple[int, int] | None) -> None:
+    """`scatter_pages` into KV heads [h0, h1) of the pages; the other heads keep their values."""
+    if _all_heads(buffer, heads):
+        scatter_pages(buffer, page_ids, staging, layer_start, layer_end)
+        return
+    _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
+    view = _as_int(buffer[layer_start:layer_end, :, :, :, heads[0]:heads[1]])
+    if tuple(staging.shape) != (view.shape[0], 2, page_ids.numel(), *view.shape[3:]):
+        raise ValueError(f"staging of shape {tuple(staging.shape)} does not fit heads {heads} "
+                         f"of {page_ids.numel()} pages")
+    view.index_copy_(2, page_ids.long(), _as_int(staging))
+
+
+def _all_heads(buffer: torch.Tensor, heads: tuple[int, int] | None) -> bool:
+    if heads is None:
+        return True
+    h0, h1 = heads
+    if not 0 <= h0 < h1 <= buffer.shape[4]:
+        raise ValueError(f"head range [{h0}, {h1}) outside the pool's {buffer.shape[4]} heads")
+    return (h0, h1) == (0, buffer.shape[4])
+
+
 # ----------------------------------------------------------------------------- Triton kernel
 
 @lazy_kernel("CUDA KV page copies")

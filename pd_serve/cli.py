@@ -176,7 +176,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 
 
 def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
-    from pd_serve.launch import LocalCluster, flag_value, shared_gpu_transfer_args
+    from pd_serve.launch import LocalCluster, shared_gpu_transfer_args
 
     gpu_ids = args.gpu_ids.split(",") if args.gpu_ids else None
     passthrough = list(args.engine_argv) + (["--model", args.model] if args.model else [])
@@ -186,7 +186,8 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
                         num_colocated=args.colocated, engine_args=passthrough,
                         gateway_args=gateway_args, control_port=args.control_port,
                         log_level=log_level or args.log_level, gpu_ids=gpu_ids,
-                        gpus_per_worker=int(flag_value(passthrough, "--tp", "1")))
+                        role_tp={role: tp for role, tp in (("prefill", args.prefill_tp),
+                                                           ("decode", args.decode_tp)) if tp})
 
 
 def cmd_launch(args: argparse.Namespace) -> None:
@@ -246,6 +247,10 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     parser.add_argument("--control-port", type=int, default=0, help="gateway control port (0: any)")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--prefill-tp", type=int, default=None,
+                        help="--tp of the prefill workers (default: the --tp given to all workers)")
+    parser.add_argument("--decode-tp", type=int, default=None,
+                        help="--tp of the decode workers (default: the --tp given to all workers)")
     parser.add_argument("--gpu-ids", default=None,
                         help="comma-separated GPU ids handed to workers in turn (CUDA_VISIBLE_DEVICES; a worker "
                              "with --tp N takes the next N)")

@@ -51,11 +51,12 @@ def shared_gpu_transfer_args(engine_args: list[str], gpu_ids: list[str] | None) 
     return ["--transfer-backend", "ipc"] if device.startswith("cuda") and shared else []
 
 
-def worker_gpus(index: int, gpu_ids: list[str] | None, per_worker: int) -> str | None:
-    """CUDA_VISIBLE_DEVICES of worker `index`: the next `per_worker` ids (its TP ranks), in turn."""
+def worker_gpus(first: int, gpu_ids: list[str] | None, count: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES of a worker with `count` TP ranks whose GPUs start at position
+    `first` of the workers' GPUs so far: the next `count` ids, wrapping around."""
     if not gpu_ids:
         return None
-    return ",".join(gpu_ids[(index * per_worker + j) % len(gpu_ids)] for j in range(per_worker))
+    return ",".join(gpu_ids[(first + j) % len(gpu_ids)] for j in range(count))
 
 
 def _die_with_parent() -> None:
@@ -71,8 +72,9 @@ class LocalCluster:
     def __init__(self, *, port: int, num_prefill: int = 1, num_decode: int = 1,
                  num_colocated: int = 0, engine_args: list[str] = (), worker_args: list[str] = (),
                  gateway_args: list[str] = (), control_port: int = 0, log_level: str = "info",
-                 gpu_ids: list[str] | None = None, gpus_per_worker: int = 1):
-        """gpu_ids: handed to the workers in turn, gpus_per_worker each (its --tp ranks)."""
+                 gpu_ids: list[str] | None = None, role_tp: dict[str, int] | None = None):
+        """gpu_ids: handed to the workers in turn, as many each as its --tp ranks (the --tp in
+        engine_args, or role_tp[role], which also adds `--tp N` to that role's workers)."""
         self.port = port
         self.control_port = control_port or free_port()
         self.procs: list[tuple[str, subprocess.Popen]] = []
@@ -82,10 +84,15 @@ class LocalCluster:
         gateway = f"tcp://127.0.0.1:{self.control_port}"
         self._start("gateway", self.gateway_command, log_level)
         roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
+        role_tp = role_tp or {}
+        first_gpu = 0
         for i, role in enumerate(roles):
-            env_gpu = worker_gpus(i, gpu_ids, gpus_per_worker)
+            tp = role_tp.get(role, int(flag_value(list(engine_args), "--tp", "1")))
+            env_gpu = worker_gpus(first_gpu, gpu_ids, tp)
+            first_gpu += tp
+            tp_args = ["--tp", str(tp)] if role in role_tp else []
             self._start(f"{role}-{i}", [role, "--gateway", gateway, "--worker-id", f"{role}-{i}",
-                                        *engine_args, *worker_args], log_level, env_gpu)
+                                        *engine_args, *worker_args, *tp_args], log_level, env_gpu)
 
     def _start(self, name: str, args: list[str], log_level: str, gpu: str | None = None) -> None:
         import os

@@ -48,6 +48,11 @@ class KVChunk:
     nbytes: int
     last: bool
     src_page_ids: list[int] = field(default_factory=list)  # ipc: where the receiver reads
+    # KV heads [start, end) of the sender's and of the receiver's pool ([]: all of them); set
+    # when pools of different TP sizes hand off (transfer/heads.py)
+    src_heads: list[int] = field(default_factory=list)
+    dst_heads: list[int] = field(default_factory=list)
+    parts: int = 1  # senders that each send part of the request's heads to this receiver
 
 
 @dataclass
@@ -88,8 +93,9 @@ class WorkerStatus:
     role: str  # "prefill" | "decode" | "colocated"
     model: str
     transfer_backend: str = ""
-    transfer_address: str = ""  # decode: where prefill workers send KV
-    layout: dict = field(default_factory=dict)
+    transfer_addresses: list[str] = field(default_factory=list)  # decode: one KV receiver per TP rank
+    layout: dict = field(default_factory=dict)  # the model's KV layout (every KV head)
+    tp: int = 1
     num_pages: int = 0
     num_free_pages: int = 0
     num_running: int = 0
@@ -123,7 +129,7 @@ class AdmitReply:
     request_id: str
     ok: bool
     dst_page_ids: list[int] = field(default_factory=list)
-    transfer_address: str = ""
+    transfer_addresses: list[str] = field(default_factory=list)  # one per decode TP rank
     error: str = ""
     retryable: bool = False
 
@@ -135,7 +141,7 @@ class Prefill:
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict
-    decode_address: str
+    decode_addresses: list[str]  # the decode worker's KV receivers, one per TP rank
     dst_page_ids: list[int]
     priority: int = 0
 

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -25,6 +26,7 @@ from pd_serve.engine.core import EngineCore, token_stop_reason
 from pd_serve.engine.request import FinishReason, Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.protocol import AbortRequest, Generate, Heartbeat, TokenBatch, WorkerStatus
+from pd_serve.transfer.tp_handoff import model_layout
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "colocated")
@@ -80,13 +82,9 @@ class Worker:
 
     def __init__(self, config: WorkerConfig):
         self.config = config
-        if config.engine.tp > 1 and self.role != "colocated":
-            raise ValueError(f"--tp {config.engine.tp} on a {self.role} worker: the KV hand-off "
-                             "between tensor-parallel groups is not built yet; use --tp 1 on "
-                             "prefill and decode workers (colocated workers take --tp)")
-        self.core = EngineCore(config.engine)
-        self.core.warmup()
         self.worker_id = config.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.core = EngineCore(config.engine, handoff=self.handoff_spec())
+        self.core.warmup()
         self.metrics = WorkerMetrics()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -99,8 +97,12 @@ class Worker:
 
     @property
     def transfer_backend(self) -> str:
-        backend = self.config.transfer_backend
-        return backend if backend != "auto" else ("tcp" if self.core.device.type == "cpu" else "torch")
+        """--transfer-backend; auto: tcp on CPU, torch on GPU."""
+        backend, device = self.config.transfer_backend, self.config.engine.device
+        if backend != "auto":
+            return backend
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        return "tcp" if on_cpu else "torch"
 
     # ---- role hooks -----------------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -115,6 +117,10 @@ class Worker:
 
     def status_fields(self) -> dict:
         return {}
+
+    def handoff_spec(self):
+        """What a TP group's followers need for their half of the KV hand-off (None: nothing)."""
+        return None
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -159,7 +165,7 @@ class Worker:
                           for r in core.scheduler.running + core.scheduler.waiting)
         return WorkerStatus(
             worker_id=self.worker_id, role=self.role, model=str(core.model_dir),
-            layout=dataclasses.asdict(core.kv_pool.layout), num_pages=alloc.num_pages,
+            layout=dataclasses.asdict(model_layout(core)), tp=core.config.tp, num_pages=alloc.num_pages,
             num_free_pages=alloc.num_free_pages, num_running=len(core.scheduler.running),
             num_waiting=len(core.scheduler.waiting), num_outstanding_tokens=outstanding,
             max_model_len=core.max_model_len, metrics=self.metrics_text(), **self.status_fields())

@@ -13,7 +13,9 @@
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
 # colocated x2 and x1, auto rate sweep, SLOs ttft=2000,tpot=15 ms. All untried on the GPU yet.
 # transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2), transfer-fp8
-# (the same bench with an FP8 KV cache: the quantization issue's half-the-bytes check) e2e
+# (the same bench with an FP8 KV cache: the quantization issue's half-the-bytes check); tp (two
+# GPUs: TP 2 vs TP 1 in bf16, teacher-forced; bench/tp_handoff.py: 8k-token prefill TP 2 vs TP 1
+# and a 1P(TP2)-1D(TP1) cluster sharing GPU 0, with its transfer rate); e2e
 # (default: tests onebatch e2e, in that order). Carry .whl and .gpu-model.
 # TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
 # ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile).
@@ -109,6 +111,10 @@ for s in $steps; do
     transfer) step transfertests 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_transfer_gpu.py
               step transfer 420 python3 bench/transfer.py --in-flight-max-mib 1024 \
                 --output "$OUT/transfer-2xh200.json" ${TRANSFER_ARGS:-} ;;
+    tp) PD_SERVE_RESULTS=$OUT/tp-agreement-2xh200.json step tpgpu 300 \
+          python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py
+        step tpbench 570 python3 bench/tp_handoff.py --preset llama3-8b --prefill-tokens 8192 \
+          --model "$big" --load-format dummy --output "$OUT/tp-handoff-2xh200.json" ;;
     e2e) e2e ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

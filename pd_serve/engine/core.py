@@ -42,10 +42,15 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_port: int = 0):
-        """tp_rank, tp_port: a follower rank of a tensor-parallel engine (engine/tp_group.py)."""
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_port: int = 0, handoff=None):
+        """tp_rank, tp_port: a follower rank of a tensor-parallel engine (engine/tp_group.py).
+        handoff: a prefill or decode worker's HandoffSpec, from which rank 0 has its followers
+        build their half of the KV hand-off (transfer/tp_handoff.py)."""
         self.config = config
-        self.tp, self._tp_followers = None, []
+        self.tp, self._tp_followers, self.tp_results = None, [], None
+        self._handoff = handoff
+        # step_extra(plan): what a step's broadcast carries for the followers' hand-off halves
+        self.step_extra = None
         self._build(tp_rank, tp_port)
 
     def _build(self, tp_rank: int, tp_port: int) -> None:
@@ -100,7 +105,8 @@ class EngineCore:
                               mc.head_dim ** -0.5, self.dtype)
         self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
         if self.tp is not None and self.tp.rank == 0:
-            self.runner.on_launch = lambda plan: tp_group.broadcast(self.tp, plan)
+            self.runner.on_launch = lambda plan: tp_group.broadcast(
+                self.tp, plan, self.step_extra(plan) if self.step_extra else None)
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph \
                 and self.tp is None:
             max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
@@ -119,7 +125,8 @@ class EngineCore:
     def _join_tp(self, rank: int, port: int) -> None:
         """Start (rank 0) or join the tensor-parallel group; on GPU rank r runs on cuda:r."""
         if rank == 0:
-            self.tp, self._tp_followers = tp_group.start(self.config, free_port())
+            self.tp, self._tp_followers, self.tp_results = tp_group.start(
+                self.config, free_port(), self._handoff)
         else:
             self.tp = tp_group.join(self.config, rank, port)
         if self.device.type == "cuda":

@@ -6,6 +6,11 @@ a gloo group. Every rank then runs the same forward on its shard (model/parallel
 KV pool (its KV heads; the same page ids on every rank: the pool size is the smallest any rank
 can hold), meeting in the all-reduces and the logits all-gather; rank 0 alone samples.
 CUDA graphs and the overlap schedule are off under TP for now.
+
+A prefill or decode worker's followers also hold their half of the KV hand-off
+(transfer/tp_handoff.py): a step's broadcast carries what the step's forward sends (prefill),
+and `call` runs a hand-off call (expect, cancel, abort) on every follower before it returns.
+Followers report their transfers' results on a queue (`results`).
 """
 
 from __future__ import annotations
@@ -30,15 +35,18 @@ IDLE = timedelta(days=365)  # followers wait this long for the next step (they d
 PR_SET_PDEATHSIG = 1
 
 
-def start(config, port: int) -> tuple[TPGroup, list]:
+def start(config, port: int, handoff=None) -> tuple[TPGroup, list, object]:
     """Rank 0: start the followers and join the group (gloo on CPU, NCCL on GPU; a gloo group
-    beside it for the step broadcasts)."""
+    beside it for the step broadcasts). Returns the group, the follower processes and the queue
+    on which their hand-off halves (built from `handoff`, a HandoffSpec, if given) report."""
+    from pd_serve.transfer.tp_handoff import RESULTS_BOUND
     ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=follow, args=(config, rank, port), daemon=True,
+    results = ctx.Queue(maxsize=RESULTS_BOUND)
+    followers = [ctx.Process(target=follow, args=(config, rank, port, handoff, results), daemon=True,
                              name=f"tp-rank-{rank}") for rank in range(1, config.tp)]
     for p in followers:
         p.start()
-    return join(config, 0, port), followers
+    return join(config, 0, port), followers, results
 
 
 def join(config, rank: int, port: int) -> TPGroup:
@@ -54,8 +62,9 @@ def join(config, rank: int, port: int) -> TPGroup:
     return TPGroup(rank, config.tp, None, control)
 
 
-def follow(config, rank: int, port: int) -> None:
-    """A follower's process: build this rank's engine, then run the steps rank 0 broadcasts."""
+def follow(config, rank: int, port: int, handoff=None, results=None) -> None:
+    """A follower's process: build this rank's engine (and hand-off half), then run the steps
+    and calls rank 0 broadcasts."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -65,17 +74,38 @@ def follow(config, rank: int, port: int) -> None:
     core = EngineCore(config, tp_rank=rank, tp_port=port)
     runner = core.runner
     runner.sampler = _NoSampler()
-    while (steps := receive(core.tp)) is not None:
-        runner.launch(mirror_plan(steps))
+    half = None
+    if handoff is not None:
+        from pd_serve.transfer.tp_handoff import Follower
+        half = Follower(core, handoff, rank, results)
+    try:
+        while (msg := receive(core.tp)) is not None:
+            if msg[0] == "step":
+                _, steps, extra = msg
+                runner.launch(mirror_plan(steps), half.after_layer(extra) if half else None)
+            else:  # ("call", name, request id, *args): then meet rank 0 at the barrier
+                if half is not None:
+                    half.call(*msg[1:])
+                dist.barrier(group=core.tp.control)
+    finally:
+        if half is not None:
+            half.close()
     dist.destroy_process_group()
 
 
-def broadcast(tp: TPGroup, plan: SchedulerOutput | None) -> None:
-    """Rank 0: send the step's inputs (None: the followers exit)."""
-    payload = None if plan is None else [
+def broadcast(tp: TPGroup, plan: SchedulerOutput | None, extra=None) -> None:
+    """Rank 0: send the step's inputs, and `extra` for the followers' hand-off halves (None:
+    the followers exit)."""
+    payload = None if plan is None else ("step", [
         (c.start, c.num_tokens, c.sample, chunk_ids(c.request, c.start, c.start + c.num_tokens),
-         c.request.page_ids) for c in plan.chunks]
+         c.request.page_ids) for c in plan.chunks], extra)
     dist.broadcast_object_list([payload], src=0, group=tp.control)
+
+
+def call(tp: TPGroup, name: str, request_id: str, *args) -> None:
+    """Rank 0: run a hand-off call on every follower; returns once all have run it."""
+    dist.broadcast_object_list([("call", name, request_id, *args)], src=0, group=tp.control)
+    dist.barrier(group=tp.control)
 
 
 def receive(tp: TPGroup):

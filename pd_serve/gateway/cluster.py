@@ -19,11 +19,14 @@ import zmq
 import zmq.asyncio
 
 from pd_serve import protocol
+from pd_serve.cache.pool import KVLayout
 from pd_serve.gateway.metrics import GatewayMetrics
 from pd_serve.gateway.router import Router, WorkerState
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, Generate, Heartbeat, Prefill,
                                PrefillDone, StartDecode, TokenBatch, WorkerStatus)
+from pd_serve.transfer.base import layout_mismatch
+from pd_serve.transfer.heads import tp_error
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,24 @@ class GatewayConfig:
 
 class ClusterError(Exception):
     """A request the cluster cannot serve (no workers, no capacity)."""
+
+
+def pair_error(prefill: WorkerStatus, decode: WorkerStatus) -> str:
+    """Why this prefill worker cannot hand KV to this decode worker ("" if it can): the same
+    model KV layout and transfer backend, and TP sizes the model's KV heads allow (any two do:
+    each decode rank receives its heads from the prefill ranks holding them)."""
+    if prefill.transfer_backend != decode.transfer_backend:
+        return (f"transfer backends differ ({prefill.transfer_backend} vs "
+                f"{decode.transfer_backend}): start both with the same --transfer-backend")
+    if diff := layout_mismatch(KVLayout(**decode.layout), prefill.layout):
+        return f"KV layouts differ (prefill vs decode): {diff}"
+    heads = decode.layout.get("num_kv_heads", 0)
+    for name, status in (("prefill", prefill), ("decode", decode)):
+        if error := tp_error(status.tp, heads):
+            return f"{name} --tp: {error}"
+    if len(decode.transfer_addresses) != decode.tp:
+        return f"decode reports {len(decode.transfer_addresses)} KV receivers for --tp {decode.tp}"
+    return ""
 
 
 @dataclass
@@ -131,7 +152,7 @@ class Cluster(TokenSource):
         prefill = self._pick_prefill(spec, decode)
         self._enlist(flight, prefill, spec.request_id, len(spec.prompt_token_ids))
         self._send(prefill.worker_id, Prefill(spec.request_id, spec.prompt_token_ids, sampling,
-                                              reply.transfer_address, reply.dst_page_ids, spec.priority))
+                                              reply.transfer_addresses, reply.dst_page_ids, spec.priority))
         done = await self._next(flight, PrefillDone)
         prefill.inflight.pop(spec.request_id, None)
         flight.workers.remove(prefill.worker_id)
@@ -180,11 +201,11 @@ class Cluster(TokenSource):
             await asyncio.sleep(0.02)
 
     def _pick_prefill(self, spec, decode: WorkerState) -> WorkerState:
-        ok = [p for p in self.pool("prefill") if p.status.layout == decode.status.layout
-              and p.status.transfer_backend == decode.status.transfer_backend]
+        prefills = self.pool("prefill")
+        ok = [p for p in prefills if not pair_error(p.status, decode.status)]
         if not ok:
-            raise ClusterError(f"no prefill worker matches decode {decode.worker_id}'s KV layout "
-                               f"{decode.status.layout} and backend {decode.status.transfer_backend}")
+            why = "; ".join(f"{p.worker_id}: {pair_error(p.status, decode.status)}" for p in prefills)
+            raise ClusterError(f"no prefill worker can send KV to decode {decode.worker_id} ({why})")
         return self.routers["prefill"].pick(ok, spec.prompt_token_ids)
 
     async def _stream(self, flight, timer) -> AsyncIterator[TokenEvent]:
@@ -236,8 +257,9 @@ class Cluster(TokenSource):
             state = self.workers.get(worker_id)
             if isinstance(msg, WorkerStatus):
                 if state is None:
-                    logger.info("registered %s worker %s", msg.role, worker_id)
+                    logger.info("registered %s worker %s (tp %d)", msg.role, worker_id, msg.tp)
                     self.workers[worker_id] = state = WorkerState(msg)
+                    self._check_pairs(msg)
                 state.status = msg
             if state is not None:
                 state.last_seen = time.monotonic()
@@ -246,6 +268,15 @@ class Cluster(TokenSource):
                     self._deliver(item[0], item)
             elif isinstance(msg, (AdmitReply, PrefillDone)):
                 self._deliver(msg.request_id, msg)
+
+    def _check_pairs(self, status: WorkerStatus) -> None:
+        """At registration: say which workers of the other phase this one cannot pair with."""
+        other = {"prefill": "decode", "decode": "prefill"}.get(status.role)
+        for peer in self.pool(other) if other else []:
+            pair = (status, peer.status) if status.role == "prefill" else (peer.status, status)
+            if error := pair_error(*pair):
+                logger.error("prefill %s cannot send KV to decode %s: %s", pair[0].worker_id,
+                             pair[1].worker_id, error)
 
     def _deliver(self, rid: str, msg) -> None:
         flight = self._flights.get(rid)

@@ -8,6 +8,10 @@ layer group by layer group (--transfer-layer-groups), each queued as soon as the
 computed it (on GPU the sender waits on an event recorded then), so the transfer of early
 layers overlaps the compute of later ones. Token 1 is sampled after the forward and travels
 in PrefillDone, once the transfer's result is in.
+
+Under --tp N every rank sends its own KV heads to the decode ranks that hold them
+(transfer/tp_handoff.py); the pages are freed once every part's result is in, and a failed
+part aborts the others.
 """
 
 from __future__ import annotations
@@ -15,19 +19,25 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pd_serve.engine import tp_group
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.protocol import AbortRequest, Prefill, PrefillDone
-from pd_serve.transfer.sender import KVSender
+from pd_serve.transfer.base import TransferResult
+from pd_serve.transfer.tp_handoff import HandoffSpec, PrefillRank, Send, drain
 from pd_serve.worker import Worker, WorkerConfig, logprob_dict, make_request
 
 
 @dataclass
 class _Job:
     request: Request
-    decode_address: str
+    decode_addresses: list[str]  # one KV receiver per decode TP rank
     dst_page_ids: list[int]
     arrived: float = field(default_factory=time.monotonic)
     computed: float = 0.0  # when token 1 was sampled
+    parts_left: int = 0  # transfers (one per head route) without a result yet
+    errors: list[str] = field(default_factory=list)
+    num_bytes: int = 0
+    seconds: float = 0.0
 
 
 class PrefillWorker(Worker):
@@ -35,13 +45,15 @@ class PrefillWorker(Worker):
 
     def __init__(self, config: WorkerConfig):
         super().__init__(config)
-        self.sender = KVSender(self.core.kv_pool, self.transfer_backend, sender_id=self.worker_id,
-                               timeout_s=config.transfer_timeout_s)
+        tp = self.core.tp
+        self.rank = PrefillRank(self.core, self.handoff_spec(), 0, tp.size if tp else 1)
+        self.sender = self.rank.sender
         self.jobs: dict[str, _Job] = {}  # computing or sending
-        num_layers = self.core.kv_pool.layout.num_layers
-        groups = min(config.transfer_layer_groups, num_layers)
-        # Layer index after which each group is complete, e.g. 32 layers, 4 groups: 7, 15, 23, 31.
-        self.group_ends = {round(num_layers * (g + 1) / groups) - 1: g for g in range(groups)}
+        self.core.step_extra = self._step_extra
+
+    def handoff_spec(self) -> HandoffSpec:
+        return HandoffSpec("prefill", self.transfer_backend, self.config.transfer_timeout_s,
+                           self.worker_id, layer_groups=self.config.transfer_layer_groups)
 
     def status_fields(self) -> dict:
         return {"transfer_backend": self.transfer_backend}
@@ -61,56 +73,85 @@ class PrefillWorker(Worker):
                 needed = -(-request.num_prompt_tokens // self.core.kv_pool.layout.page_size)
                 if needed != len(msg.dst_page_ids):
                     raise ValueError(f"decode reserved {len(msg.dst_page_ids)} pages, the prompt needs {needed}")
+                self.rank.routes(len(msg.decode_addresses))  # a decode TP size the heads allow
             except (ValueError, TypeError) as e:
                 self.send(PrefillDone(msg.request_id, ok=False, error=str(e)))
                 return
-            self.jobs[msg.request_id] = _Job(request, msg.decode_address, msg.dst_page_ids)
+            self.jobs[msg.request_id] = _Job(request, list(msg.decode_addresses), msg.dst_page_ids)
             self.core.scheduler.add(request)
         elif isinstance(msg, AbortRequest):
             job = self.jobs.get(msg.request_id)
             if job is None:
                 return
             if job.computed:
-                self.sender.abort(msg.request_id)  # its result frees the pages
+                self._abort_transfers(msg.request_id)  # their results free the pages
             else:
                 self.core.scheduler.finish(job.request, FinishReason.ABORT)
                 del self.jobs[msg.request_id]
 
+    def _sends(self, plan) -> list[Send]:
+        """The prompts whose last chunk is in this step: their KV is complete after it."""
+        return [Send(c.request.request_id, self.jobs[c.request.request_id].decode_addresses,
+                     c.request.page_ids, self.jobs[c.request.request_id].dst_page_ids)
+                for c in plan.chunks if c.sample]
+
+    def _step_extra(self, plan) -> list[tuple]:
+        """What the TP followers send during this step (they send their own KV heads)."""
+        return [(s.request_id, s.addresses, s.src_page_ids, s.dst_page_ids) for s in self._sends(plan)]
+
     def _send_finished_layers(self, plan, layer: int) -> None:
-        """Called by the forward after each layer: at a group's last layer, queue that group's
-        KV of every prompt this step completes."""
-        if layer not in self.group_ends:
-            return
-        ends = sorted(self.group_ends)
-        start = 0 if layer == ends[0] else ends[ends.index(layer) - 1] + 1
-        last = layer == ends[-1]
-        for chunk in plan.chunks:
-            if chunk.sample:  # the prompt's last chunk: its KV is complete up to `layer`
-                job = self.jobs[chunk.request.request_id]
-                self.sender.send(chunk.request.request_id, job.decode_address,
-                                 chunk.request.page_ids, job.dst_page_ids, start, layer + 1, last)
+        """Called by the forward after each layer: queue the KV of the layer group it ends."""
+        self.rank.send_layers(self._sends(plan), layer)
+
+    def _abort_transfers(self, request_id: str) -> None:
+        self.sender.abort(request_id)
+        if self.core.tp is not None:
+            tp_group.call(self.core.tp, "abort", request_id)
+
+    def _results(self) -> list[TransferResult]:
+        results = self.sender.poll()
+        if self.core.tp_results is not None:
+            results += [TransferResult(rid, ok, error, num_bytes, seconds)
+                        for _, _, rid, ok, error, num_bytes, seconds in drain(self.core.tp_results)]
+        return results
 
     def tick(self) -> None:
-        for result in self.sender.poll():
-            job = self.jobs.pop(result.request_id, None)
-            if job is None:
+        for result in self._results():
+            job = self.jobs.get(result.request_id)
+            if job is None or not job.computed:
                 continue
-            request = job.request
-            self.core.allocator.free(request.page_ids)
-            request.page_ids = []
-            lp = request.output_logprobs[0] if request.output_logprobs else None
-            timings = {"prefill_queue": 0.0, "prefill": job.computed - job.arrived,
-                       "transfer": result.seconds, "transfer_bytes": result.num_bytes}
-            self.send(PrefillDone(request.request_id, result.ok, request.output_token_ids[0],
-                                  logprob_dict(lp), result.error, timings))
+            job.parts_left -= 1
+            job.num_bytes += result.num_bytes
+            job.seconds = max(job.seconds, result.seconds)
+            if not result.ok:
+                if not job.errors:  # the other parts end now too (their results still come)
+                    self._abort_transfers(result.request_id)
+                job.errors.append(result.error)
+            if job.parts_left == 0:
+                self._done(job)
         if not self.core.scheduler.has_unfinished():
             return
         plan, sampled = self.core.step(on_layer=self._send_finished_layers)
         self.metrics.prompt_tokens.inc(plan.num_tokens)
         for request in sampled:  # token 1 is out; its KV is on its way
-            self.jobs[request.request_id].computed = time.monotonic()
+            job = self.jobs[request.request_id]
+            job.computed = time.monotonic()
+            job.parts_left = len(self.rank.routes(len(job.decode_addresses)))
             self.core.scheduler.detach(request)
         for request in plan.finished:  # longer than this worker's whole KV pool
             self.jobs.pop(request.request_id, None)
             self.send(PrefillDone(request.request_id, ok=False,
                                   error="the prompt needs more KV pages than the prefill pool holds"))
+
+    def _done(self, job: _Job) -> None:
+        """Every part's result is in: no rank reads the pages any more."""
+        request = job.request
+        del self.jobs[request.request_id]
+        self.core.allocator.free(request.page_ids)
+        request.page_ids = []
+        lp = request.output_logprobs[0] if request.output_logprobs else None
+        timings = {"prefill_queue": 0.0, "prefill": job.computed - job.arrived,
+                   "transfer": job.seconds, "transfer_bytes": job.num_bytes}
+        error = job.errors[0] if job.errors else ""
+        self.send(PrefillDone(request.request_id, not job.errors, request.output_token_ids[0],
+                              logprob_dict(lp), error, timings))

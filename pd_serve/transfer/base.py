@@ -35,6 +35,7 @@ class TransferResult:
     error: str = ""
     num_bytes: int = 0
     seconds: float = 0.0
+    peer: str = ""  # sender side: the receiver's address
 
 
 class TransferStats:
@@ -62,10 +63,6 @@ class TransferStats:
             self.seconds.observe(result.seconds)
         else:
             self.failures.inc()
-
-
-def layout_of(pool: KVPool) -> dict:
-    return asdict(pool.layout)
 
 
 _SETTINGS = {"dtype": "the KV cache dtype: start both with the same --kv-cache-dtype (and --dtype)",
@@ -112,9 +109,15 @@ def on_stream(stream: torch.cuda.Stream | None):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def staging_shape(layout: KVLayout, num_pages: int, layer_start: int, layer_end: int) -> tuple:
-    return (layer_end - layer_start, 2, num_pages, layout.page_size, layout.num_kv_heads,
-            layout.head_dim)
+def staging_shape(layout: KVLayout, num_pages: int, layer_start: int, layer_end: int,
+                  heads: tuple[int, int] | None = None) -> tuple:
+    num_heads = layout.num_kv_heads if heads is None else heads[1] - heads[0]
+    return (layer_end - layer_start, 2, num_pages, layout.page_size, num_heads, layout.head_dim)
+
+
+def head_range(heads: list[int]) -> tuple[int, int] | None:
+    """A chunk's src_heads / dst_heads as a range; None ([]) is every head."""
+    return (heads[0], heads[1]) if heads else None
 
 
 class ReceiverPlane(ABC):

@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from pd_serve import protocol
-from pd_serve.cache.pool import KVPool
+from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
                                TransferWelcome)
 from pd_serve.transfer.backends import make_receiver_plane
@@ -32,8 +32,10 @@ class _Incoming:
     page_ids: list[int]
     deadline: float
     started: float = field(default_factory=now)
-    num_bytes: int = 0
-    next_page: int = 0  # where in page_ids the next chunk starts (num_bytes > 0: writes queued)
+    num_bytes: int = 0  # > 0: writes queued
+    next_page: dict[str, int] = field(default_factory=dict)  # per sender: where its next chunk starts
+    parts: int = 0  # senders that each send part of the KV heads (their chunks say; 0: none yet)
+    landed: int = 0  # parts whose last chunk's writes have landed
 
 
 @dataclass
@@ -49,6 +51,9 @@ class KVReceiver:
 
     Every expected request ends in exactly one result: ok, refused, aborted by the sender, or
     timed out. After a failed result the caller frees the pages; nothing else touches them.
+    A request may come in parts from several senders (prefill ranks of another TP size, each
+    with some of the KV heads; their chunks say how many): it is ok once every part has landed,
+    each sender acknowledged for its own part.
 
     The I/O thread takes every message waiting (up to `max_batch`), queues the writes of all
     their chunks (the plane may merge them into one copy), and acknowledges a request once the
@@ -59,8 +64,11 @@ class KVReceiver:
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None,
-                 spin_s: float = 0.002, max_batch: int = 64):
+                 spin_s: float = 0.002, max_batch: int = 64, model_layout: KVLayout | None = None):
+        """model_layout: the layout senders must announce, with every KV head of the model (a
+        tensor-parallel rank's pool holds some of them); default: the pool's."""
         self.pool = pool
+        self.model_layout = model_layout or pool.layout
         self.spin_s = spin_s
         self.max_batch = max_batch
         self._spin_until = 0.0
@@ -194,9 +202,12 @@ class KVReceiver:
             acks: dict[bytes, list[list]] = {}  # one message per sender
             for identity, request_id in landing.requests:
                 with self._lock:
-                    expected = request_id in self._expected
+                    incoming = self._expected.get(request_id)
+                    expected = incoming is not None
                     if expected:
-                        self._finish(request_id, ok=True)
+                        incoming.landed += 1
+                        if incoming.landed == incoming.parts:
+                            self._finish(request_id, ok=True)
                 # not expected: cancelled or timed out here while landing
                 acks.setdefault(identity, []).append(
                     [request_id, True, ""] if expected else [request_id, False, "cancelled by the receiver"])
@@ -209,7 +220,7 @@ class KVReceiver:
         error = ""
         if hello.backend != self.backend:
             error = f"backend mismatch: sender uses {hello.backend!r}, receiver {self.backend!r}"
-        elif diff := layout_mismatch(self.pool.layout, hello.layout):
+        elif diff := layout_mismatch(self.model_layout, hello.layout):
             error = f"KV layout mismatch (sender vs receiver): {diff}"
         else:
             error = self.plane.peer_error(hello.info)
@@ -244,7 +255,7 @@ class KVReceiver:
         with self._lock:
             checked = now()
             incoming = self._expected.get(chunk.request_id)
-            error = self._check(incoming, chunk)
+            error = self._check(incoming, chunk, sender_id, self.pool.layout.num_kv_heads)
             try:
                 self.plane.receive(sender_id, chunk, frames, None if error else chunk.dst_page_ids)
             except Exception as e:  # the data did not arrive: the pair is broken
@@ -263,17 +274,26 @@ class KVReceiver:
         return not error
 
     @staticmethod
-    def _check(incoming: _Incoming | None, chunk: KVChunk) -> str:
-        """'' when the chunk may be written: its request is expected and its destination pages
-        are the next run of the reserved pages (a request's pages may come in several chunks,
-        in order, for each layer group); else why not. Advances the position."""
+    def _check(incoming: _Incoming | None, chunk: KVChunk, sender_id: str, num_heads: int) -> str:
+        """'' when the chunk may be written: its request is expected, its heads are ours, and
+        its destination pages are the next run of the reserved pages in its sender's part (a
+        request's pages may come in several chunks, in order, for each layer group); else why
+        not. Advances the sender's position."""
         if incoming is None:
             return "not expected here (never reserved, cancelled or timed out)"
-        start, end = incoming.next_page, incoming.next_page + len(chunk.dst_page_ids)
+        if chunk.dst_heads and not 0 <= chunk.dst_heads[0] < chunk.dst_heads[1] <= num_heads:
+            return f"KV heads {chunk.dst_heads} outside this pool's {num_heads}"
+        if chunk.parts != (incoming.parts or chunk.parts) or chunk.parts < 1:
+            return f"chunk says {chunk.parts} parts, an earlier one {incoming.parts}"
+        incoming.parts = chunk.parts
+        if len(incoming.next_page) == incoming.parts and sender_id not in incoming.next_page:
+            return f"a part from one sender too many (expected {incoming.parts})"
+        start = incoming.next_page.get(sender_id, 0)
+        end = start + len(chunk.dst_page_ids)
         if chunk.dst_page_ids != incoming.page_ids[start:end]:
             return "destination pages differ from the pages reserved for it"
-        incoming.next_page = 0 if end == len(incoming.page_ids) else end
-        if chunk.last and incoming.next_page:
+        incoming.next_page[sender_id] = 0 if end == len(incoming.page_ids) else end
+        if chunk.last and incoming.next_page[sender_id]:
             return "the last chunk leaves reserved pages unwritten"
         return ""
 

@@ -6,6 +6,7 @@ All sockets and data-plane calls live on one I/O thread; the caller's methods on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import socket
@@ -18,12 +19,11 @@ import torch
 import zmq
 
 from pd_serve import protocol
-from pd_serve.cache.pool import KVPool
+from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
                                TransferWelcome)
 from pd_serve.transfer.backends import make_sender_plane
-from pd_serve.transfer.base import (TransferError, TransferResult, TransferStats, layout_of, now,
-                                    trace)
+from pd_serve.transfer.base import TransferError, TransferResult, TransferStats, now, trace
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +50,10 @@ class _SendJob:
 
 class KVSender:
     """connect() once per receiver; send() a request's pages (whole, or layer group by group);
-    poll() for one TransferResult per request: ok once the receiver acknowledged the last chunk,
-    or failed (refused, aborted, receiver gone, timed out). The source pages must stay allocated
-    until that result arrives.
+    poll() for one TransferResult per request and receiver: ok once the receiver acknowledged
+    the last chunk, or failed (refused, aborted, receiver gone, timed out). The source pages must
+    stay allocated until that result arrives. (A request goes to several receivers when it
+    hands off to a decode pool of another TP size: a part of its KV heads to each; `heads`.)
 
     Each send() goes out as chunks of whole pages (one chunk where the backend does not chunk:
     ipc), in page order: the first of `chunk_bytes`,
@@ -69,8 +70,11 @@ class KVSender:
     def __init__(self, pool: KVPool, backend: str = "tcp", sender_id: str | None = None,
                  timeout_s: float = 30.0, max_queued: int = 4096, stats: TransferStats | None = None,
                  chunk_bytes: int = 64 * 2**20, max_chunk_bytes: int = 512 * 2**20,
-                 spin_s: float = 0.002):
+                 spin_s: float = 0.002, model_layout: KVLayout | None = None):
+        """model_layout: the layout announced to receivers, with every KV head of the model
+        (a tensor-parallel rank's pool holds some of them); default: the pool's."""
         self.pool = pool
+        self.model_layout = model_layout or pool.layout
         self.chunk_bytes = chunk_bytes
         self.max_chunk_bytes = max(chunk_bytes, max_chunk_bytes)
         self.spin_s = spin_s
@@ -85,8 +89,9 @@ class KVSender:
         self._lock = threading.Lock()
         self._has_results = threading.Condition(self._lock)
         self._results: list[TransferResult] = []
-        self._outgoing: dict[str, _Outgoing] = {}
+        self._outgoing: dict[tuple[str, str], _Outgoing] = {}  # (request id, receiver address)
         self._socks: dict[str, zmq.Socket] = {}
+        self._addresses: dict[zmq.Socket, str] = {}
         self._stop = threading.Event()
         # A byte on this socket pair wakes the I/O thread when work is queued, so it can sleep
         # in one poll over its peers' sockets and the queue together.
@@ -106,8 +111,12 @@ class KVSender:
             raise TransferError(f"{address}: no handshake answer") from None
 
     def send(self, request_id: str, address: str, src_page_ids: list[int], dst_page_ids: list[int],
-             layer_start: int = 0, layer_end: int | None = None, last: bool = True) -> None:
-        """Queue layers [layer_start, layer_end) of the pages; `last` on the request's final call."""
+             layer_start: int = 0, layer_end: int | None = None, last: bool = True,
+             heads: tuple[int, int, int] | None = None, parts: int = 1) -> None:
+        """Queue layers [layer_start, layer_end) of the pages; `last` on the request's final call
+        to this receiver. heads (src_head, dst_head, count): only these KV heads of our pool, into
+        those of the receiver's (None: every head, the same on both sides); parts: how many
+        senders (this one included) send parts of the request's heads to this receiver."""
         layout = self.pool.layout
         layer_end = layout.num_layers if layer_end is None else layer_end
         if len(src_page_ids) != len(dst_page_ids):
@@ -118,14 +127,22 @@ class KVSender:
         if self.pool.buffer.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
+        src_heads, dst_heads = [], []
         page_bytes = (layer_end - layer_start) * layout.bytes_per_page // layout.num_layers
+        if heads is not None:
+            src, dst, count = heads
+            if not (count > 0 and 0 <= src and src + count <= layout.num_kv_heads and dst >= 0):
+                raise ValueError(f"heads {heads} outside the pool's {layout.num_kv_heads} KV heads")
+            src_heads, dst_heads = [src, src + count], [dst, dst + count]
+            page_bytes = page_bytes * count // layout.num_kv_heads
         num_pages = len(src_page_ids)
         jobs = []
         for start, end in self._chunk_bounds(num_pages, page_bytes):
             src = list(src_page_ids[start:end])
             chunk = KVChunk(request_id, list(dst_page_ids[start:end]), layer_start, layer_end,
                             (end - start) * page_bytes, last and end == num_pages,
-                            src if self.plane.sends_src_page_ids else [])
+                            src if self.plane.sends_src_page_ids else [], src_heads, dst_heads,
+                            parts)
             jobs.append(_SendJob(request_id, address, src, chunk, ready,
                                  first=layer_start == 0 and start == 0))
         self._put(("send", jobs))
@@ -145,7 +162,8 @@ class KVSender:
             start, size = end, min(2 * size, self.max_chunk_bytes)
 
     def abort(self, request_id: str) -> None:
-        """Give up on a request; its result (failed) follows unless it already finished."""
+        """Give up on a request (to every receiver); its results (failed) follow unless they
+        are in already."""
         self._put(("abort", request_id, "aborted by the sender"))
 
     def poll(self, timeout_s: float = 0.0) -> list[TransferResult]:
@@ -181,7 +199,7 @@ class KVSender:
                     if isinstance(sock, int):  # the wake-up socket's fd
                         self._drain_wakeups()
                     else:
-                        self._on_message(protocol.decode(sock.recv()))
+                        self._on_message(self._addresses[sock], protocol.decode(sock.recv()))
                 sends: list[_SendJob] = []  # queued sends go out together, per receiver
                 while True:
                     try:
@@ -226,7 +244,8 @@ class KVSender:
         sock.setsockopt(zmq.IDENTITY, self.sender_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
-        sock.send(protocol.encode(TransferHello(self.sender_id, self.backend, layout_of(self.pool),
+        sock.send(protocol.encode(TransferHello(self.sender_id, self.backend,
+                                                dataclasses.asdict(self.model_layout),
                                                 self.plane.hello_info())))
         if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
             sock.close()
@@ -237,6 +256,7 @@ class KVSender:
             raise TransferError(f"{address} refused the pair: {getattr(welcome, 'error', welcome)}")
         self.plane.connect(address, welcome.info)
         self._socks[address] = sock
+        self._addresses[sock] = address
         poller.register(sock, zmq.POLLIN)
 
     def _send_chunks(self, jobs: list[_SendJob], poller: zmq.Poller) -> None:
@@ -252,10 +272,11 @@ class KVSender:
         picked = now()
         going: list[_SendJob] = []
         for job in jobs:
-            if job.request_id not in self._outgoing:
+            key = (job.request_id, address)
+            if key not in self._outgoing:
                 if not job.first:
                     continue  # an earlier chunk failed or was aborted: drop the rest
-                self._outgoing[job.request_id] = _Outgoing(address, now() + self.timeout_s)
+                self._outgoing[key] = _Outgoing(address, now() + self.timeout_s)
             going.append(job)
         if not going:
             return
@@ -287,11 +308,11 @@ class KVSender:
             logger.warning("send to %s failed: %s", address, e)
             self._drop_peer(address, poller)
             for request_id in dict.fromkeys(job.request_id for job in going):
-                if request_id in self._outgoing:
-                    self._finish(request_id, ok=False, error=f"send failed: {e}")
+                if (request_id, address) in self._outgoing:
+                    self._finish((request_id, address), ok=False, error=f"send failed: {e}")
             return
         for job in going:
-            out = self._outgoing[job.request_id]
+            out = self._outgoing[(job.request_id, address)]
             out.num_bytes += job.chunk.nbytes
             out.last_sent = job.chunk.last
             prepared, sent = marks[id(job)]
@@ -299,37 +320,40 @@ class KVSender:
                   header_sent=sent, finished=now())
         self._spin_until = now() + self.spin_s
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, address: str, msg) -> None:
         if isinstance(msg, TransferAcks):
             for request_id, ok, error in msg.acks:
-                if request_id in self._outgoing:
-                    trace("ack", request_id, self._outgoing[request_id].started, acked=now())
-                    self._finish(request_id, ok=ok, error=error)
+                key = (request_id, address)
+                if key in self._outgoing:
+                    trace("ack", request_id, self._outgoing[key].started, acked=now())
+                    self._finish(key, ok=ok, error=error)
 
     def _abort(self, request_id: str, reason: str) -> None:
-        out = self._outgoing.get(request_id)
-        if out is None:
-            return
-        sock = self._socks.get(out.address)
+        for key in [k for k in self._outgoing if k[0] == request_id]:
+            self._abort_one(key, reason)
+
+    def _abort_one(self, key: tuple[str, str], reason: str) -> None:
+        sock = self._socks.get(key[1])
         if sock is not None:
-            sock.send(protocol.encode(TransferAbort(request_id, reason)))
-        self._finish(request_id, ok=False, error=reason)
+            sock.send(protocol.encode(TransferAbort(key[0], reason)))
+        self._finish(key, ok=False, error=reason)
 
     def _expire(self) -> None:
         t = now()
-        for rid in [r for r, o in self._outgoing.items() if o.deadline < t]:
-            self._abort(rid, f"no acknowledgement within {self.timeout_s} s")
+        for key in [k for k, o in self._outgoing.items() if o.deadline < t]:
+            self._abort_one(key, f"no acknowledgement within {self.timeout_s} s")
 
     def _drop_peer(self, address: str, poller: zmq.Poller) -> None:
         sock = self._socks.pop(address, None)
         if sock is not None:
+            self._addresses.pop(sock, None)
             poller.unregister(sock)
             sock.close()
         self.plane.drop_peer(address)
 
-    def _finish(self, request_id: str, ok: bool, error: str = "") -> None:
-        out = self._outgoing.pop(request_id)
-        result = TransferResult(request_id, ok, error, out.num_bytes, now() - out.started)
+    def _finish(self, key: tuple[str, str], ok: bool, error: str = "") -> None:
+        out = self._outgoing.pop(key)
+        result = TransferResult(key[0], ok, error, out.num_bytes, now() - out.started, key[1])
         self.stats.record(result)
         with self._has_results:
             self._results.append(result)

@@ -1,5 +1,7 @@
-"""A colocated worker with --tp 2 (a follower process per extra rank) behind the gateway serves
-the same greedy completions as the unsharded engine, and frees every page."""
+"""Tensor-parallel workers behind the gateway serve the unsharded engine's greedy completions and
+free every page: a colocated worker with --tp 2 (a follower process per extra rank), and 1P1D
+with prefill and decode of different TP sizes (each decode rank receives its KV heads from the
+prefill ranks holding them)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,23 @@ def test_colocated_tp2_worker_equals_the_unsharded_engine(tiny_checkpoints):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = [out.text for out in reference.generate(PROMPTS, params)]
     cluster = start_cluster(0, 0, num_colocated=1, model=model_dir, extra=["--tp", "2", "--dtype", "float32"])
+    try:
+        assert_greedy_completions(cluster, PROMPTS, want, MAX_TOKENS)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.skipif(TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2,
+                    reason="--tp 2 needs two GPUs")
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_1p1d_across_tp_sizes_equals_the_unsharded_engine(tiny_checkpoints, arch, prefill_tp, decode_tp):
+    model_dir = tiny_checkpoints[arch]
+    reference = Engine(model_dir, device=TEST_DEVICE, max_total_tokens=4096, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [out.text for out in reference.generate(PROMPTS, params)]
+    cluster = start_cluster(1, 1, model=model_dir, extra=["--dtype", "float32"],
+                            role_tp={"prefill": prefill_tp, "decode": decode_tp})
     try:
         assert_greedy_completions(cluster, PROMPTS, want, MAX_TOKENS)
     finally:

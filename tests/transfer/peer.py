@@ -3,7 +3,8 @@
     python peer.py sender|receiver --backend tcp --layout '{...}' --num-pages N --seed S
 
 The sender's pool is torch.manual_seed(S) random data (the test rebuilds it to check bytes);
-the receiver's pool is filled with POISON.
+the receiver's pool is filled with POISON. With --tp A --tp-rank R the sender is rank R of a
+tensor-parallel prefill worker: its pool holds that rank's KV heads of the seeded pool.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import select
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from pd_serve.cache.pool import KVLayout, KVPool  # noqa: E402
+from pd_serve.model.parallel import kv_heads_of  # noqa: E402
 from pd_serve.transfer.receiver import KVReceiver  # noqa: E402
 from pd_serve.transfer.sender import KVSender  # noqa: E402
 
@@ -35,11 +37,12 @@ class Peer:
     """A sender or receiver in a child process."""
 
     def __init__(self, role: str, backend: str, layout: KVLayout = LAYOUT, timeout: float = 3.0,
-                 device: str = "cpu", chunk_bytes: int = 32 * 2**20):
+                 device: str = "cpu", chunk_bytes: int = 32 * 2**20, tp: int = 1, tp_rank: int = 0):
         self.proc = subprocess.Popen(
             [sys.executable, __file__, role, "--backend", backend, "--layout",
              json.dumps(asdict(layout)), "--num-pages", str(NUM_PAGES), "--seed", str(SEED),
-             "--timeout", str(timeout), "--device", device, "--chunk-bytes", str(chunk_bytes)],
+             "--timeout", str(timeout), "--device", device, "--chunk-bytes", str(chunk_bytes),
+             "--tp", str(tp), "--tp-rank", str(tp_rank)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if role == "receiver":
             self.address = self._read(60)["address"]
@@ -68,6 +71,15 @@ def seeded_pool(layout: KVLayout, num_pages: int, seed: int, device: str = "cpu"
     return pool
 
 
+def rank_pool(full: KVPool, rank: int, tp: int) -> KVPool:
+    """The pool of TP rank `rank` of `tp`: its KV heads of `full` (model/parallel.py's split)."""
+    heads = kv_heads_of(rank, tp, full.layout.num_kv_heads)
+    pool = KVPool(replace(full.layout, num_kv_heads=len(heads)), full.buffer.shape[2],
+                  full.buffer.device)
+    pool.buffer.copy_(full.buffer[:, :, :, :, heads.start:heads.stop])
+    return pool
+
+
 def poisoned_pool(layout: KVLayout, num_pages: int, device: str = "cpu") -> KVPool:
     pool = KVPool(layout, num_pages, device)
     pool.buffer.fill_(POISON)
@@ -84,12 +96,16 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--chunk-bytes", type=int, default=32 * 2**20)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--tp-rank", type=int, default=0)
     args = ap.parse_args()
     layout = KVLayout(**json.loads(args.layout))
     say = lambda obj: print(json.dumps(obj), flush=True)  # noqa: E731
     if args.role == "sender":
-        node = KVSender(seeded_pool(layout, args.num_pages, args.seed, args.device), args.backend,
-                        timeout_s=args.timeout, chunk_bytes=args.chunk_bytes)
+        pool = rank_pool(seeded_pool(layout, args.num_pages, args.seed, args.device), args.tp_rank,
+                         args.tp)
+        node = KVSender(pool, args.backend, timeout_s=args.timeout, chunk_bytes=args.chunk_bytes,
+                        model_layout=layout)
     else:
         node = KVReceiver(poisoned_pool(layout, args.num_pages, args.device), args.backend,
                           timeout_s=args.timeout)

@@ -153,8 +153,9 @@ def test_launch_hands_each_tp_worker_its_own_gpus():
     from pd_serve.launch import flag_value, worker_gpus
 
     ids = ["0", "1", "2", "3"]
-    assert [worker_gpus(i, ids, 2) for i in range(3)] == ["0,1", "2,3", "0,1"]
+    assert [worker_gpus(2 * i, ids, 2) for i in range(3)] == ["0,1", "2,3", "0,1"]
     assert [worker_gpus(i, ids, 1) for i in range(2)] == ["0", "1"]
+    assert [worker_gpus(0, ids, 2), worker_gpus(2, ids, 1)] == ["0,1", "2"]  # TP 2, then TP 1
     assert worker_gpus(0, None, 2) is None
     assert flag_value(["--tp", "2", "--device=cuda", "--tp=4"], "--tp", "1") == "4"
     assert flag_value([], "--device", "auto") == "auto"

@@ -47,3 +47,70 @@ def test_codec_round_trips_and_rejects_garbage():
         protocol.decode(b"\x93garbage")
     with pytest.raises(ValueError, match="undecodable"):
         protocol.decode(protocol.encode(Admit("r", [], {})).replace(b"Admit", b"Evict"))
+
+
+def test_pair_error_names_what_keeps_a_prefill_and_a_decode_worker_apart():
+    from dataclasses import asdict
+
+    from pd_serve.cache.pool import KVLayout
+    from pd_serve.gateway.cluster import pair_error
+
+    layout = asdict(KVLayout(num_layers=4, page_size=16, num_kv_heads=4, head_dim=8, dtype="bfloat16"))
+
+    def status(role, tp=1, backend="tcp", **changes):
+        return WorkerStatus(worker_id=role, role=role, model="m", transfer_backend=backend,
+                            layout={**layout, **changes}, tp=tp,
+                            transfer_addresses=[f"tcp://h:{i}" for i in range(tp)] if role == "decode" else [])
+
+    for a, b in [(1, 1), (2, 1), (1, 2), (4, 2), (2, 8)]:  # any TP sizes the 4 KV heads allow
+        assert pair_error(status("prefill", a), status("decode", b)) == ""
+    assert "--transfer-backend" in pair_error(status("prefill", backend="ipc"), status("decode"))
+    assert "page_size 32 != 16 (--page-size)" in pair_error(status("prefill", page_size=32), status("decode"))
+    assert "num_kv_heads 2 != 4" in pair_error(status("prefill", num_kv_heads=2), status("decode"))
+    assert "prefill --tp: TP 3 neither divides" in pair_error(status("prefill", 3), status("decode"))
+    short = status("decode", 2)
+    short.transfer_addresses = short.transfer_addresses[:1]
+    assert "1 KV receivers for --tp 2" in pair_error(status("prefill"), short)
+
+
+def test_the_gateway_says_at_registration_which_workers_cannot_pair(caplog):
+    import asyncio
+    import logging
+    from dataclasses import asdict
+
+    import zmq
+
+    from pd_serve import protocol
+    from pd_serve.cache.pool import KVLayout
+    from pd_serve.gateway.cluster import Cluster, GatewayConfig
+
+    layout = asdict(KVLayout(num_layers=4, page_size=16, num_kv_heads=4, head_dim=8, dtype="bfloat16"))
+
+    async def register_both():
+        cluster = Cluster(GatewayConfig())
+        await cluster.start()
+        ctx = zmq.Context.instance()
+        socks = []
+        for role, page_size in (("decode", 16), ("prefill", 32)):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, role.encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(cluster.control_address)
+            sock.send(protocol.encode(WorkerStatus(
+                worker_id=role, role=role, model="m", transfer_backend="tcp",
+                layout={**layout, "page_size": page_size},
+                transfer_addresses=["tcp://h:1"] if role == "decode" else [])))
+            socks.append(sock)
+        for _ in range(200):
+            if len(cluster.workers) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await cluster.stop()
+        for sock in socks:
+            sock.close()
+        return len(cluster.workers)
+
+    with caplog.at_level(logging.ERROR, logger="pd_serve.gateway.cluster"):
+        assert asyncio.run(register_both()) == 2
+    assert "prefill prefill cannot send KV to decode decode: KV layouts differ" in caplog.text
+    assert "page_size 32 != 16" in caplog.text

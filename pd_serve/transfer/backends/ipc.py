@@ -15,10 +15,10 @@ import inspect
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kernels.kv_copy import copy_pages
+from kernels.kv_copy import copy_pages, gather_heads, scatter_heads
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, now, on_stream, page_index,
-                                    trace)
+from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, head_range, now, on_stream,
+                                    page_index, trace)
 
 # The only classes a description may name when it is rebuilt.
 _CLASSES = {c.__module__ + "." + c.__qualname__: c for c in
@@ -84,15 +84,16 @@ class IpcSenderPlane(SenderPlane):
 
 
 class IpcReceiverPlane(ReceiverPlane):
-    """Chunks taken together are copied together: `receive` collects their page ids per sender
-    and layer range, `flush` copies each such group in one kernel."""
+    """Chunks taken together are copied together: `receive` collects their page ids per sender,
+    layer range and head ranges, `flush` copies each such group in one kernel (a head range of a
+    tensor-parallel hand-off: a gather and a scatter through torch's index ops)."""
 
     def __init__(self, pool, timeout_s: float, host: str):
         super().__init__(pool, timeout_s)
         if not pool.buffer.is_cuda:
             raise ValueError("--transfer-backend ipc needs a CUDA KV pool; use tcp or torch on CPU")
         self._remote: dict[str, torch.Tensor] = {}
-        self._held: dict[tuple[str, int, int], tuple[list[int], list[int]]] = {}
+        self._held: dict[tuple, tuple[list[int], list[int]]] = {}
 
     def after_welcome(self, sender_id: str, hello_info: dict) -> None:
         self._remote[sender_id] = import_cuda_tensor(hello_info["pool"], self.device)
@@ -106,13 +107,15 @@ class IpcReceiverPlane(ReceiverPlane):
         if len(chunk.src_page_ids) != len(dst_page_ids):
             raise ValueError(f"chunk of {chunk.request_id} names {len(chunk.src_page_ids)} source "
                              f"pages for {len(dst_page_ids)} destination pages")
-        src, dst = self._held.setdefault((sender_id, chunk.layer_start, chunk.layer_end), ([], []))
+        key = (sender_id, chunk.layer_start, chunk.layer_end, head_range(chunk.src_heads),
+               head_range(chunk.dst_heads))
+        src, dst = self._held.setdefault(key, ([], []))
         src.extend(chunk.src_page_ids)
         dst.extend(dst_page_ids)
 
     def flush(self) -> None:
         held, self._held = self._held, {}
-        for (sender_id, layer_start, layer_end), (src, dst) in held.items():
+        for (sender_id, layer_start, layer_end, src_heads, dst_heads), (src, dst) in held.items():
             remote = self._remote.get(sender_id)
             if remote is None:
                 raise RuntimeError(f"no mapped pool of {sender_id}")
@@ -120,8 +123,13 @@ class IpcReceiverPlane(ReceiverPlane):
                 start = now()
                 ids = page_index(src + dst, self.device)  # one host-to-device copy
                 indexed = now()
-                copy_pages(remote, ids[:len(src)], self.pool.buffer, ids[len(src):], layer_start,
-                           layer_end)
+                if src_heads is None and dst_heads is None:
+                    copy_pages(remote, ids[:len(src)], self.pool.buffer, ids[len(src):], layer_start,
+                               layer_end)
+                else:
+                    staging = gather_heads(remote, ids[:len(src)], layer_start, layer_end, src_heads)
+                    scatter_heads(self.pool.buffer, ids[len(src):], staging, layer_start, layer_end,
+                                  dst_heads)
             trace("flush", f"{len(src)}-pages", start, indexed=indexed, launched=now())
 
     def drop_sender(self, sender_id: str) -> None:

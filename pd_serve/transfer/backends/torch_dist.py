@@ -21,10 +21,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kernels.kv_copy import gather_pages, scatter_pages
+from kernels.kv_copy import gather_heads, scatter_heads
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, device_uuid, on_stream,
-                                    page_index, staging_shape)
+from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, device_uuid, head_range,
+                                    on_stream, page_index, staging_shape)
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 NUM_STAGING = 4  # staging tensors in flight per side
@@ -84,8 +84,9 @@ class TorchReceiverPlane(ReceiverPlane):
         group = self._groups.get(sender_id)
         if group is None:
             raise RuntimeError(f"no process group with {sender_id}")
+        heads = head_range(chunk.dst_heads)
         shape = staging_shape(self.pool.layout, len(chunk.dst_page_ids), chunk.layer_start,
-                              chunk.layer_end)
+                              chunk.layer_end, heads)
         with on_stream(self._post_stream):
             if len(self._in_flight) >= NUM_STAGING:  # its memory may come back to this stream
                 _, scattered = self._in_flight.popleft()
@@ -97,8 +98,8 @@ class TorchReceiverPlane(ReceiverPlane):
         scattered = None
         with on_stream(self.stream):
             if dst_page_ids is not None:
-                scatter_pages(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
-                              chunk.layer_start, chunk.layer_end)
+                scatter_heads(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
+                              chunk.layer_start, chunk.layer_end, heads)
             if self.stream is not None:
                 scattered = self.stream.record_event()
         self._in_flight.append((staging, scattered))
@@ -132,8 +133,8 @@ class TorchSenderPlane(SenderPlane):
             if len(self._in_flight) >= NUM_STAGING:  # its memory may come back to this stream
                 _, work = self._in_flight.popleft()
                 _wait(work, self.stream, self.timeout_s)
-            staging = gather_pages(buf, page_index(src_page_ids, buf.device), chunk.layer_start,
-                                   chunk.layer_end)
+            staging = gather_heads(buf, page_index(src_page_ids, buf.device), chunk.layer_start,
+                                   chunk.layer_end, head_range(chunk.src_heads))
             work = self._groups[peer].send([staging], RECEIVER_RANK, 0)
         if self.stream is None:
             work.wait(timedelta(seconds=self.timeout_s))  # gloo: bounded, and the tensor is free
