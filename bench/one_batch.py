@@ -458,6 +458,8 @@ def main(argv=None) -> int:
         "device": str(device), "device_name": device_name(device),
         "dtype": str(dtype).removeprefix("torch."), "versions": versions(),
         "git_commit": git_commit(), "flags": vars(args), "torch_threads": torch.get_num_threads(),
+        "env": {k: v for k, v in os.environ.items()  # settings such as the tensor-core override
+                if k.startswith("PD_SERVE_") and k != "PD_SERVE_COMMIT"},
         "ceilings": ceilings, "definitions": DEFINITIONS, "errors": bench.errors,
         "prefill": [], "decode": [],
         "transformers": {"skipped": "--quantization (other weights than transformers')"

@@ -59,7 +59,7 @@ class DecodeWorker(Worker):
             if remaining <= 0:
                 raise RuntimeError(f"TP followers reported {len(addresses)} of {tp.size - 1} KV "
                                    f"receiver addresses within {ADDRESS_TIMEOUT_S} s")
-            kind, rank, address = self.core.tp_results.get(timeout=remaining)
+            _, rank, address = self.core.tp_results.get(timeout=remaining)
             addresses[rank] = address
         return [addresses[r] for r in range(1, tp.size)]
 

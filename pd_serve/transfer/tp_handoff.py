@@ -12,7 +12,6 @@ to rank 0 on a queue; rank 0 counts a request's parts (one per route) and decide
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from dataclasses import dataclass, replace
@@ -20,7 +19,6 @@ from dataclasses import dataclass, replace
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.heads import head_routes
 
-logger = logging.getLogger(__name__)
 RESULTS_BOUND = 65536  # results waiting on the queue to rank 0
 PUT_TIMEOUT_S = 30.0  # a follower waits this long for room on it (rank 0 drains it every tick)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,11 +64,10 @@ def test_tp2_matches_tp1_in_bfloat16(backend):
           f"{NUM_SEQS * SEQ_LEN} positions, logits relative error {got['rel_error']:.4f}")
     if os.environ.get("PD_SERVE_RESULTS"):
         path = os.environ["PD_SERVE_RESULTS"]
-        record = json.loads(open(path).read()) if os.path.exists(path) else {
+        record = json.loads(Path(path).read_text()) if os.path.exists(path) else {
             "device": torch.cuda.get_device_name(0), "torch_version": torch.__version__,
             "git_commit": os.environ.get("PD_SERVE_COMMIT", "unknown"), "positions": NUM_SEQS * SEQ_LEN}
         record[backend] = got
-        with open(path, "w") as f:
-            json.dump(record, f, indent=2)
+        Path(path).write_text(json.dumps(record, indent=2))
     assert got["same_weights"]
     assert got["agreement"] >= MIN_TOP1_AGREEMENT, f"top-1 agreement {got['agreement']:.4f}"

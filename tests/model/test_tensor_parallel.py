@@ -125,17 +125,6 @@ def test_engine_with_tp_2_equals_tp_1(tiny_checkpoints):
     assert follower.exitcode == 0
 
 
-def test_tp_on_prefill_and_decode_workers_is_a_clear_error(tiny_checkpoints):
-    from pd_serve.config import EngineConfig
-    from pd_serve.prefill.worker import PrefillWorker
-    from pd_serve.worker import WorkerConfig
-
-    config = WorkerConfig(engine=EngineConfig(model=str(tiny_checkpoints["llama3"]), device="cpu", tp=2),
-                          gateway="tcp://127.0.0.1:1")
-    with pytest.raises(ValueError, match="--tp 2 on a prefill worker: the KV hand-off between"):
-        PrefillWorker(config)
-
-
 def test_a_dead_follower_fails_the_next_step_at_once(tiny_checkpoints):
     import os
     import signal

@@ -14,7 +14,7 @@ from pd_serve.model.parallel import kv_heads_of
 from pd_serve.transfer.heads import head_routes, tp_error
 from pd_serve.transfer.receiver import KVReceiver
 
-from peer import LAYOUT, NUM_PAGES, POISON, poisoned_pool, rank_pool  # noqa: E402
+from peer import LAYOUT, NUM_PAGES, POISON, poisoned_pool  # noqa: E402
 from test_transfer import bits, wait_results  # noqa: E402
 
 SRC, DST = [5, 2, 9, 30], [40, 3, 17, 8]  # non-contiguous on both sides
