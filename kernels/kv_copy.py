@@ -11,6 +11,12 @@ One page of one layer's K (or V) is a contiguous chunk of S*H*D elements in ever
 one Triton kernel serves all three as a flat copy: program (row, block) copies `block` of chunk
 `row`, where a row is (layer, kv, i) in staging order and each side either looks its page up in
 its id list or is a staging tensor (page i). One launch covers every layer, K and V, and page.
+
+Head ranges (`heads=(h0, h1)`; a tensor-parallel hand-off moves part of a rank's KV heads):
+staging then holds heads [h0, h1) only ([b - a, 2, n, S, h1 - h0, D]), and `copy_pages` may
+take heads [h0, h1) of src into [g0, g0 + h1 - h0) of dst, pools of different head counts. A
+row is then S runs of (h1 - h0) * D elements, one per token, strided on each side; the same
+kernel copies it (each element finds its token's run), so this too is one launch.
 `copy_pages` runs on the destination's device and may read a source pool that lives on a peer
 GPU (mapped over CUDA IPC, or peer access enabled): gather, peer copy and scatter in one pass.
 Offsets are 64-bit (a pool can pass 2**31 elements), and all tensors are viewed as a same-size
@@ -42,43 +48,53 @@ tl = None  # triton.language, bound when _kernel is first built
 # ----------------------------------------------------------------------------- references
 
 def gather_pages_ref(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
-                     layer_end: int) -> torch.Tensor:
-    """Torch reference: `buffer[layer_start:layer_end].index_select(2, page_ids)`.
+                     layer_end: int, heads: tuple[int, int] | None = None) -> torch.Tensor:
+    """Torch reference: `buffer[layer_start:layer_end, ..., h0:h1, :].index_select(2, page_ids)`.
 
     Copies through integer views, so it is bit-exact and works for fp8 on CPU too. Returns a
-    new contiguous [layer_end - layer_start, 2, n, S, H, D] tensor.
+    new contiguous [layer_end - layer_start, 2, n, S, h1 - h0, D] tensor (every head: None).
     """
     _check_pool(buffer, page_ids, layer_start, layer_end)
-    return _as_int(buffer[layer_start:layer_end]).index_select(2, page_ids).view(buffer.dtype)
+    return _as_int(_heads_view(buffer[layer_start:layer_end], heads)).index_select(
+        2, page_ids).view(buffer.dtype)
 
 
 def scatter_pages_ref(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
-                      layer_start: int, layer_end: int) -> None:
-    """Torch reference: `buffer[layer_start:layer_end, :, page_ids] = staging`, in place."""
+                      layer_start: int, layer_end: int, heads: tuple[int, int] | None = None) -> None:
+    """Torch reference: `buffer[layer_start:layer_end, :, page_ids, :, h0:h1] = staging`."""
     _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
-    _check_staging(staging, buffer, page_ids, layer_start, layer_end, "staging")
-    _as_int(buffer[layer_start:layer_end]).index_copy_(2, page_ids.long(), _as_int(staging))
+    _check_staging(staging, buffer, page_ids, layer_start, layer_end, "staging", heads)
+    _as_int(_heads_view(buffer[layer_start:layer_end], heads)).index_copy_(
+        2, page_ids.long(), _as_int(staging))
 
 
 def copy_pages_ref(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
-                   dst_page_ids: torch.Tensor, layer_start: int, layer_end: int) -> None:
+                   dst_page_ids: torch.Tensor, layer_start: int, layer_end: int,
+                   src_heads: tuple[int, int] | None = None,
+                   dst_heads: tuple[int, int] | None = None) -> None:
     """Torch reference of `copy_pages`: a gather on src's device, a copy, a scatter on dst's."""
-    _check_copy(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end)
-    staging = gather_pages_ref(src, src_page_ids.to(src.device), layer_start, layer_end)
-    scatter_pages_ref(dst, dst_page_ids, staging.to(dst.device), layer_start, layer_end)
+    _check_copy(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end, src_heads, dst_heads)
+    staging = gather_pages_ref(src, src_page_ids.to(src.device), layer_start, layer_end, src_heads)
+    scatter_pages_ref(dst, dst_page_ids, staging.to(dst.device), layer_start, layer_end, dst_heads)
+
+
+def _heads_view(t: torch.Tensor, heads: tuple[int, int] | None) -> torch.Tensor:
+    """[.., S, H, D] -> heads [h0, h1) (a strided view); None: t."""
+    return t if heads is None else t[:, :, :, :, heads[0]:heads[1]]
 
 
 # ----------------------------------------------------------------------------- dispatch
 
 def gather_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, heads: tuple[int, int] | None = None) -> torch.Tensor:
     """Copy pages `page_ids` of layers [layer_start, layer_end) out of the pool.
 
     Parameters
     ----------
     buffer : [L, 2, P, S, H, D], contiguous, any dtype.
     page_ids : [n] int64 or int32, on buffer's device; ids in [0, P) (checked on CPU only).
-    out : optional [layer_end - layer_start, 2, n, S, H, D] contiguous tensor to fill.
+    out : optional [layer_end - layer_start, 2, n, S, h, D] contiguous tensor to fill.
+    heads : (h0, h1): only KV heads [h0, h1) (h = h1 - h0); None: all H.
 
     Returns
     -------
@@ -86,87 +102,56 @@ def gather_pages(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
     """
     _check_pool(buffer, page_ids, layer_start, layer_end)
     if out is None:
-        out = buffer.new_empty(_staging_shape(buffer, page_ids, layer_start, layer_end))
+        out = buffer.new_empty(_staging_shape(buffer, page_ids, layer_start, layer_end, heads))
     else:
-        _check_staging(out, buffer, page_ids, layer_start, layer_end, "out")
+        _check_staging(out, buffer, page_ids, layer_start, layer_end, "out", heads)
     if _kernel.runs_on(buffer):
-        _launch(buffer[layer_start:layer_end], page_ids, out, None, page_ids.numel())
+        _launch(buffer[layer_start:layer_end], page_ids, out, None, page_ids.numel(), src_heads=heads)
     else:
-        torch.index_select(_as_int(buffer[layer_start:layer_end]), 2, page_ids, out=_as_int(out))
+        torch.index_select(_as_int(_heads_view(buffer[layer_start:layer_end], heads)), 2, page_ids,
+                           out=_as_int(out))
     return out
 
 
 def scatter_pages(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
-                  layer_start: int, layer_end: int) -> None:
-    """Write `staging` into pages `page_ids` of layers [layer_start, layer_end), in place.
+                  layer_start: int, layer_end: int, heads: tuple[int, int] | None = None) -> None:
+    """Write `staging` into pages `page_ids` of layers [layer_start, layer_end) (KV heads
+    [h0, h1) of them, the others untouched; None: all), in place.
 
     Shapes as in `gather_pages`. Page ids must be distinct (checked on CPU only; on the GPU a
     repeated id leaves that page holding one of its staging copies, unspecified which).
     """
     if not _kernel.runs_on(buffer):
-        scatter_pages_ref(buffer, page_ids, staging, layer_start, layer_end)
+        scatter_pages_ref(buffer, page_ids, staging, layer_start, layer_end, heads)
         return
     _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
-    _check_staging(staging, buffer, page_ids, layer_start, layer_end, "staging")
-    _launch(staging, None, buffer[layer_start:layer_end], page_ids, page_ids.numel())
+    _check_staging(staging, buffer, page_ids, layer_start, layer_end, "staging", heads)
+    _launch(staging, None, buffer[layer_start:layer_end], page_ids, page_ids.numel(), dst_heads=heads)
 
 
 def copy_pages(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
-               dst_page_ids: torch.Tensor, layer_start: int, layer_end: int) -> None:
+               dst_page_ids: torch.Tensor, layer_start: int, layer_end: int,
+               src_heads: tuple[int, int] | None = None,
+               dst_heads: tuple[int, int] | None = None) -> None:
     """Copy pages `src_page_ids` of pool `src` into pages `dst_page_ids` of pool `dst`, layers
     [layer_start, layer_end), in one pass with no staging tensor.
 
     Parameters
     ----------
-    src, dst : [L, 2, P_src, S, H, D] and [L, 2, P_dst, S, H, D], contiguous, same dtype.
-        The kernel runs on dst's device (the current stream there); src may be memory of a
-        peer GPU that dst's device can read (IPC-mapped into it, or peer access enabled).
+    src, dst : [L, 2, P_src, S, H_src, D] and [L, 2, P_dst, S, H_dst, D], contiguous, same
+        dtype. The kernel runs on dst's device (the current stream there); src may be memory of
+        a peer GPU that dst's device can read (IPC-mapped into it, or peer access enabled).
     src_page_ids, dst_page_ids : [n] int64 or int32, both on dst's device; dst ids distinct
         (checked on CPU only).
+    src_heads, dst_heads : KV heads [h0, h1) of each side (None: all), as many on both.
     """
-    _check_copy(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end)
+    _check_copy(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end, src_heads, dst_heads)
     if not _kernel.runs_on(dst):
-        copy_pages_ref(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end)
+        copy_pages_ref(src, src_page_ids, dst, dst_page_ids, layer_start, layer_end, src_heads,
+                       dst_heads)
         return
     _launch(src[layer_start:layer_end], src_page_ids, dst[layer_start:layer_end], dst_page_ids,
-            src_page_ids.numel())
-
-
-# ----------------------------------------------------------------------------- head ranges
-
-def gather_heads(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
-                 heads: tuple[int, int] | None) -> torch.Tensor:
-    """`gather_pages` of KV heads [h0, h1) only (a tensor-parallel hand-off sends part of a
-    rank's heads): staging [b - a, 2, n, S, h1 - h0, D]. None or every head: `gather_pages`.
-    A head range is a strided view, so it goes through torch's index ops, not the kernel."""
-    if _all_heads(buffer, heads):
-        return gather_pages(buffer, page_ids, layer_start, layer_end)
-    _check_pool(buffer, page_ids, layer_start, layer_end)
-    view = _as_int(buffer[layer_start:layer_end, :, :, :, heads[0]:heads[1]])
-    return view.index_select(2, page_ids).view(buffer.dtype)
-
-
-def scatter_heads(buffer: torch.Tensor, page_ids: torch.Tensor, staging: torch.Tensor,
-                  layer_start: int, layer_end: int, heads: tuple[int, int] | None) -> None:
-    """`scatter_pages` into KV heads [h0, h1) of the pages; the other heads keep their values."""
-    if _all_heads(buffer, heads):
-        scatter_pages(buffer, page_ids, staging, layer_start, layer_end)
-        return
-    _check_pool(buffer, page_ids, layer_start, layer_end, unique=True)
-    view = _as_int(buffer[layer_start:layer_end, :, :, :, heads[0]:heads[1]])
-    if tuple(staging.shape) != (view.shape[0], 2, page_ids.numel(), *view.shape[3:]):
-        raise ValueError(f"staging of shape {tuple(staging.shape)} does not fit heads {heads} "
-                         f"of {page_ids.numel()} pages")
-    view.index_copy_(2, page_ids.long(), _as_int(staging))
-
-
-def _all_heads(buffer: torch.Tensor, heads: tuple[int, int] | None) -> bool:
-    if heads is None:
-        return True
-    h0, h1 = heads
-    if not 0 <= h0 < h1 <= buffer.shape[4]:
-        raise ValueError(f"head range [{h0}, {h1}) outside the pool's {buffer.shape[4]} heads")
-    return (h0, h1) == (0, buffer.shape[4])
+            src_page_ids.numel(), src_heads, dst_heads)
 
 
 # ----------------------------------------------------------------------------- Triton kernel
@@ -176,10 +161,13 @@ def _kernel(triton):
     """The jitted copy kernel."""
     @triton.jit
     def copy_pages_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, src_pages, dst_pages,
-                          num_ids, chunk, BLOCK: tl.constexpr, SRC_IDS: tl.constexpr,
+                          num_ids, chunk, src_row_len, dst_row_len, src_tok, dst_tok, src_off,
+                          dst_off, BLOCK: tl.constexpr, SEG: tl.constexpr, SRC_IDS: tl.constexpr,
                           DST_IDS: tl.constexpr):
         # Both pointers start at layer a. Row = ((layer - a) * 2 + kv) * num_ids + i; a side
-        # with ids reads page ids[i] of its `pages`, a staging side is page i of num_ids.
+        # with ids reads page ids[i] of its `pages`, a staging side is page i of num_ids. A
+        # row's `chunk` elements are runs of SEG (one per token), `tok` apart on each side,
+        # from `off` (the first head's) on: whole pages are one run of the whole row.
         row = tl.program_id(0).to(tl.int64)
         group = row // num_ids
         i = row % num_ids
@@ -193,21 +181,29 @@ def _kernel(triton):
             dst_row = row
         cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < chunk
-        vals = tl.load(src_ptr + src_row * chunk + cols, mask=mask)
-        tl.store(dst_ptr + dst_row * chunk + cols, vals, mask=mask)
+        tok = cols // SEG
+        col = cols - tok * SEG
+        vals = tl.load(src_ptr + src_row * src_row_len + tok * src_tok + src_off + col, mask=mask)
+        tl.store(dst_ptr + dst_row * dst_row_len + tok * dst_tok + dst_off + col, vals, mask=mask)
 
     return copy_pages_kernel
 
 
 def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
-            dst_ids: torch.Tensor | None, num_ids: int) -> None:
+            dst_ids: torch.Tensor | None, num_ids: int, src_heads: tuple[int, int] | None = None,
+            dst_heads: tuple[int, int] | None = None) -> None:
     """Copy on dst's device. src and dst start at the first layer copied; a side without ids
-    is a staging tensor."""
+    is a staging tensor (all its heads)."""
     global triton_launches
     num_groups = dst.shape[0] * 2  # (layer, kv) pairs
-    chunk = math.prod(dst.shape[3:])  # S * H * D
+    page_size, head_dim = dst.shape[3], dst.shape[5]
+    src_h0, src_h1 = src_heads or (0, src.shape[4])
+    dst_h0 = (dst_heads or (0, dst.shape[4]))[0]
+    seg = (src_h1 - src_h0) * head_dim  # elements per token copied
+    chunk = page_size * seg
     if num_ids == 0 or chunk == 0:
         return
+    whole = src.shape[4] == dst.shape[4] == src_h1 - src_h0
     kernel = _kernel.load()
     ids = src_ids if src_ids is not None else dst_ids
     block = min(_MAX_BLOCK, 1 << (chunk - 1).bit_length())
@@ -219,8 +215,10 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
     with torch.cuda.device(dst.device) if elsewhere else contextlib.nullcontext():
         kernel[grid](_as_int(src), _as_int(dst), ids if src_ids is None else src_ids,
                      ids if dst_ids is None else dst_ids, src.shape[2], dst.shape[2], num_ids,
-                     chunk, BLOCK=block, SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None,
-                     num_warps=num_warps)
+                     chunk, page_size * src.shape[4] * head_dim, page_size * dst.shape[4] * head_dim,
+                     src.shape[4] * head_dim, dst.shape[4] * head_dim, src_h0 * head_dim,
+                     dst_h0 * head_dim, BLOCK=block, SEG=chunk if whole else seg,
+                     SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None, num_warps=num_warps)
     triton_launches += 1
 
 
@@ -233,9 +231,21 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- validation
 
 def _staging_shape(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
-                   layer_end: int) -> tuple[int, ...]:
+                   layer_end: int, heads: tuple[int, int] | None = None) -> tuple[int, ...]:
     _, _, _, page_size, num_heads, head_dim = buffer.shape
-    return (layer_end - layer_start, 2, page_ids.numel(), page_size, num_heads, head_dim)
+    return (layer_end - layer_start, 2, page_ids.numel(), page_size,
+            _num_heads(buffer, heads), head_dim)
+
+
+def _num_heads(buffer: torch.Tensor, heads: tuple[int, int] | None) -> int:
+    """How many KV heads `heads` selects of the pool's (checked: a non-empty range inside)."""
+    if heads is None:
+        return buffer.shape[4]
+    h0, h1 = heads
+    if not 0 <= h0 < h1 <= buffer.shape[4]:
+        raise ValueError(f"head range [{h0}, {h1}) is not a non-empty range inside the pool's "
+                         f"{buffer.shape[4]} KV heads")
+    return h1 - h0
 
 
 def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
@@ -266,20 +276,26 @@ def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, 
 
 
 def _check_copy(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
-                dst_page_ids: torch.Tensor, layer_start: int, layer_end: int) -> None:
+                dst_page_ids: torch.Tensor, layer_start: int, layer_end: int,
+                src_heads: tuple[int, int] | None = None,
+                dst_heads: tuple[int, int] | None = None) -> None:
     _check_pool(src, src_page_ids, layer_start, layer_end, ids_device=dst.device)
     _check_pool(dst, dst_page_ids, layer_start, layer_end, unique=True)
-    if src.dtype != dst.dtype or src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
-        raise ValueError(f"pools differ: src {src.dtype} {tuple(src.shape)}, dst {dst.dtype} "
-                         f"{tuple(dst.shape)} (only the page count may differ)")
+    if (src.dtype != dst.dtype or src.shape[:2] != dst.shape[:2] or src.shape[3] != dst.shape[3]
+            or src.shape[5] != dst.shape[5]
+            or _num_heads(src, src_heads) != _num_heads(dst, dst_heads)):
+        raise ValueError(f"pools differ: src {src.dtype} {tuple(src.shape)} heads {src_heads}, "
+                         f"dst {dst.dtype} {tuple(dst.shape)} heads {dst_heads} (only the page "
+                         "count and the head count outside the ranges may differ)")
     if src_page_ids.numel() != dst_page_ids.numel():
         raise ValueError(f"{src_page_ids.numel()} source pages but {dst_page_ids.numel()} "
                          f"destination pages")
 
 
 def _check_staging(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch.Tensor,
-                   layer_start: int, layer_end: int, name: str) -> None:
-    expected = _staging_shape(buffer, page_ids, layer_start, layer_end)
+                   layer_start: int, layer_end: int, name: str,
+                   heads: tuple[int, int] | None = None) -> None:
+    expected = _staging_shape(buffer, page_ids, layer_start, layer_end, heads)
     if tuple(staging.shape) != expected:
         raise ValueError(f"{name} must have shape {expected}, got {tuple(staging.shape)}")
     if staging.dtype != buffer.dtype or staging.device != buffer.device:

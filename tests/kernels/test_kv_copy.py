@@ -154,6 +154,49 @@ def test_copy_moves_pages_between_pools_in_one_launch(device, dtype, layers, ids
 
 
 @needs_triton
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_ranges_move_only_those_heads(device, dtype, page_size):
+    """A tensor-parallel hand-off moves part of a rank's KV heads: gather heads [1, 3) of a
+    4-head pool, scatter them into heads [2, 4) of another, and copy pool to pool between pools
+    of 4 and 2 heads, each one launch; every other head and page keeps its poison."""
+    a, b = 1, L
+    src = random_bits((L, 2, P, page_size, 4, D), dtype, device, seed=8)
+    ids, dst_ids = PAGE_IDS["random"], [6, 0, 4, 1, 5, 2]
+    ids_t, dst_t = torch.tensor(ids, device=device), torch.tensor(dst_ids, device=device)
+    want = bits(src)[a:b, :, ids, :, 1:3]
+    with expect_launches(1):
+        staging = kv_copy.gather_pages(src, ids_t, a, b, heads=(1, 3))
+    assert staging.shape == (b - a, 2, len(ids), page_size, 2, D) and staging.is_contiguous()
+    assert torch.equal(bits(staging), want)
+    assert torch.equal(bits(staging), bits(kv_copy.gather_pages_ref(src, ids_t, a, b, (1, 3))))
+
+    def only_heads_written(pool, heads, expected):
+        h0, h1 = heads
+        assert torch.equal(bits(pool)[a:b, :, dst_ids, :, h0:h1], expected)
+        rest = bits(pool).clone()
+        rest[a:b, :, dst_ids, :, h0:h1] = POISON[pool.element_size()]
+        assert bool((rest == POISON[pool.element_size()]).all()), "a head outside the range changed"
+
+    dst = poisoned_pool(7, page_size, dtype, device).repeat(1, 1, 1, 1, 2, 1)  # 4 heads
+    with expect_launches(1):
+        kv_copy.scatter_pages(dst, dst_t, staging, a, b, heads=(2, 4))
+    only_heads_written(dst, (2, 4), want)
+    narrow = poisoned_pool(7, page_size, dtype, device)  # 2 heads: exactly the range's
+    wide = poisoned_pool(7, page_size, dtype, device).repeat(1, 1, 1, 1, 2, 1)
+    src_on_dst = torch.tensor(ids, dtype=torch.int32, device=device)
+    with expect_launches(2):
+        kv_copy.copy_pages(src, src_on_dst, narrow, dst_t, a, b, src_heads=(1, 3))
+        kv_copy.copy_pages(narrow, dst_t, wide, dst_t, a, b, dst_heads=(1, 3))
+    only_heads_written(narrow, (0, 2), want)
+    only_heads_written(wide, (1, 3), want)
+    expected = poisoned_pool(7, page_size, dtype, device).repeat(1, 1, 1, 1, 2, 1)
+    kv_copy.copy_pages_ref(narrow, dst_t, expected, dst_t, a, b, None, (1, 3))
+    assert torch.equal(bits(wide), bits(expected))
+
+
+@needs_triton
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_copy_reads_a_pool_on_a_peer_gpu(monkeypatch):
     """The kernel runs on the destination's GPU and reads the source pages over the link."""
@@ -222,6 +265,12 @@ def _bad_calls():
                                                                torch.tensor([3, 3]), 0, L)
     yield "copy: src id too large", lambda: kv_copy.copy_pages(pool, torch.tensor([0, P]),
                                                                pool.clone(), ids, 0, L)
+    yield "head range past H", lambda: kv_copy.gather_pages(pool, ids, 0, L, heads=(1, H + 1))
+    yield "empty head range", lambda: kv_copy.gather_pages(pool, ids, 0, L, heads=(1, 1))
+    yield "staging of other heads", lambda: kv_copy.scatter_pages(pool, ids, staging, 0, L,
+                                                                  heads=(0, 1))
+    yield "copy: head counts differ", lambda: kv_copy.copy_pages(pool, ids, pool.clone(), ids, 0, L,
+                                                                 src_heads=(0, 1))
 
 
 @pytest.mark.parametrize("call", [pytest.param(c, id=name) for name, c in _bad_calls()])

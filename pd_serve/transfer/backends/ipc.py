@@ -15,7 +15,7 @@ import inspect
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kernels.kv_copy import copy_pages, gather_heads, scatter_heads
+from kernels.kv_copy import copy_pages
 from pd_serve.protocol import KVChunk
 from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, head_range, now, on_stream,
                                     page_index, trace)
@@ -85,8 +85,8 @@ class IpcSenderPlane(SenderPlane):
 
 class IpcReceiverPlane(ReceiverPlane):
     """Chunks taken together are copied together: `receive` collects their page ids per sender,
-    layer range and head ranges, `flush` copies each such group in one kernel (a head range of a
-    tensor-parallel hand-off: a gather and a scatter through torch's index ops)."""
+    layer range and head ranges (a tensor-parallel hand-off), `flush` copies each such group in
+    one kernel."""
 
     def __init__(self, pool, timeout_s: float, host: str):
         super().__init__(pool, timeout_s)
@@ -123,13 +123,8 @@ class IpcReceiverPlane(ReceiverPlane):
                 start = now()
                 ids = page_index(src + dst, self.device)  # one host-to-device copy
                 indexed = now()
-                if src_heads is None and dst_heads is None:
-                    copy_pages(remote, ids[:len(src)], self.pool.buffer, ids[len(src):], layer_start,
-                               layer_end)
-                else:
-                    staging = gather_heads(remote, ids[:len(src)], layer_start, layer_end, src_heads)
-                    scatter_heads(self.pool.buffer, ids[len(src):], staging, layer_start, layer_end,
-                                  dst_heads)
+                copy_pages(remote, ids[:len(src)], self.pool.buffer, ids[len(src):], layer_start,
+                           layer_end, src_heads, dst_heads)
             trace("flush", f"{len(src)}-pages", start, indexed=indexed, launched=now())
 
     def drop_sender(self, sender_id: str) -> None:

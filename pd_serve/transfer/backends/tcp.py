@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from kernels.kv_copy import gather_heads, scatter_heads
+from kernels.kv_copy import gather_pages, scatter_pages
 from pd_serve.protocol import KVChunk
 from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, head_range, on_stream,
                                     page_index, staging_shape)
@@ -22,8 +22,8 @@ class TcpSenderPlane(SenderPlane):
             if ready is not None:
                 self.stream.wait_event(ready)
             index = page_index(src_page_ids, buf.device)
-            staging = gather_heads(buf, index, chunk.layer_start, chunk.layer_end,
-                                   head_range(chunk.src_heads))
+            staging = gather_pages(buf, index, chunk.layer_start, chunk.layer_end,
+                                   heads=head_range(chunk.src_heads))
             if staging.is_cuda:
                 staging = staging.cpu()  # waits for the gather
         # zmq keeps the memoryview (and so the tensor) alive until the frame is sent.
@@ -50,5 +50,5 @@ class TcpReceiverPlane(ReceiverPlane):
         with on_stream(self.stream):
             # From pageable memory .to() returns once the frame is read, so the frame may go.
             staging = flat.view(self.pool.buffer.dtype).view(shape).to(self.device)
-            scatter_heads(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
+            scatter_pages(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
                           chunk.layer_start, chunk.layer_end, heads)

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kernels.kv_copy import gather_heads, scatter_heads
+from kernels.kv_copy import gather_pages, scatter_pages
 from pd_serve.protocol import KVChunk
 from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, device_uuid, head_range,
                                     on_stream, page_index, staging_shape)
@@ -98,7 +98,7 @@ class TorchReceiverPlane(ReceiverPlane):
         scattered = None
         with on_stream(self.stream):
             if dst_page_ids is not None:
-                scatter_heads(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
+                scatter_pages(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
                               chunk.layer_start, chunk.layer_end, heads)
             if self.stream is not None:
                 scattered = self.stream.record_event()
@@ -133,8 +133,8 @@ class TorchSenderPlane(SenderPlane):
             if len(self._in_flight) >= NUM_STAGING:  # its memory may come back to this stream
                 _, work = self._in_flight.popleft()
                 _wait(work, self.stream, self.timeout_s)
-            staging = gather_heads(buf, page_index(src_page_ids, buf.device), chunk.layer_start,
-                                   chunk.layer_end, head_range(chunk.src_heads))
+            staging = gather_pages(buf, page_index(src_page_ids, buf.device), chunk.layer_start,
+                                   chunk.layer_end, heads=head_range(chunk.src_heads))
             work = self._groups[peer].send([staging], RECEIVER_RANK, 0)
         if self.stream is None:
             work.wait(timedelta(seconds=self.timeout_s))  # gloo: bounded, and the tensor is free
