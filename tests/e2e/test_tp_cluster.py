@@ -5,12 +5,16 @@ prefill ranks holding them)."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
 
-from cluster_helpers import assert_greedy_completions, start_cluster
+from cluster_helpers import assert_greedy_completions, metrics, start_cluster
 from helpers import TEST_DEVICE
 from pd_serve import Engine, SamplingParams
+from pd_serve.transfer.heads import head_routes
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,"]
 MAX_TOKENS = 16
@@ -45,5 +49,18 @@ def test_1p1d_across_tp_sizes_equals_the_unsharded_engine(tiny_checkpoints, arch
                             role_tp={"prefill": prefill_tp, "decode": decode_tp})
     try:
         assert_greedy_completions(cluster, PROMPTS, want, MAX_TOKENS)
+        # Every rank's part shows in its worker's /metrics: one transfer per head route on the
+        # prefill side, one per decode rank on the decode side, for each request.
+        heads = json.loads((model_dir / "config.json").read_text())["num_key_value_heads"]
+        want_counts = {"prefill-0": len(PROMPTS) * len(head_routes(prefill_tp, decode_tp, heads)),
+                       "decode-1": len(PROMPTS) * decode_tp}
+        deadline = time.monotonic() + 10
+        while True:
+            m = metrics(cluster.base_url)
+            got = {w: m.get(("pd_serve:kv_transfers_total", w)) for w in want_counts}
+            if got == want_counts or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert got == want_counts
     finally:
         cluster.stop()
