@@ -6,12 +6,15 @@ prefill ranks holding them)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
+import openai
 import pytest
 import torch
 
-from cluster_helpers import assert_greedy_completions, metrics, start_cluster
+from cluster_helpers import assert_greedy_completions, metrics, start_cluster, wait_idle
 from helpers import TEST_DEVICE
 from pd_serve import Engine, SamplingParams
 from pd_serve.transfer.heads import head_routes
@@ -62,5 +65,55 @@ def test_1p1d_across_tp_sizes_equals_the_unsharded_engine(tiny_checkpoints, arch
                 break
             time.sleep(0.2)
         assert got == want_counts
+    finally:
+        cluster.stop()
+
+
+def _tp_followers(pid: int) -> list[int]:
+    """The TP follower processes a worker spawned (children running multiprocessing's spawn)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2,
+                    reason="--tp 2 needs two GPUs")
+def test_a_killed_decode_follower_ends_the_stream_and_its_worker(tiny_checkpoints):
+    """A decode TP group that loses a rank cannot serve: its rank 0 fails at the next step and
+    exits, the stream ends with an error within bounds, the prefill worker keeps no page, and
+    the next request is refused at once rather than left waiting."""
+    cluster = start_cluster(1, 1, model=tiny_checkpoints["llama3"], role_tp={"decode": 2},
+                            gateway_args=("--worker-timeout", "2", "--step-timeout", "20"))
+    try:
+        client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0,
+                               timeout=60)
+        model = client.models.list().data[0].id
+        decode = dict(cluster.procs)["decode-1"]
+        (follower,) = _tp_followers(decode.pid)
+        stream = client.completions.create(model=model, prompt="Count to one thousand:", max_tokens=900,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        killed = None
+        with pytest.raises(openai.APIError):
+            for i, _chunk in enumerate(stream):
+                if i == 2:
+                    os.kill(follower, signal.SIGKILL)
+                    killed = time.monotonic()
+        assert killed is not None and time.monotonic() - killed < 25
+        assert decode.wait(timeout=30) != 0  # rank 0 failed its next step and exited
+        state = wait_idle(cluster)
+        assert state["prefill-0"][0] == 0, state
+        start = time.monotonic()
+        with pytest.raises(openai.APIError):
+            client.completions.create(model=model, prompt="Hello", max_tokens=4)
+        assert time.monotonic() - start < 10
     finally:
         cluster.stop()
