@@ -11,7 +11,8 @@ cluster whose prefill worker has TP 2 and decode worker TP 1, with the hand-off'
    GPUs at hand (prefill ranks on GPU 0 and 1, decode on GPU 0 beside prefill rank 0, so the
    `ipc` backend), `--requests` prompts of `--serve-tokens` random token ids one after another;
    per request the prefill worker's transfer timing (its slowest part: each prefill rank sends
-   its KV heads) and bytes (all parts) give the hand-off's rate.
+   its KV heads) and bytes (all parts) give the hand-off's rate. That timing starts when the
+   forward queues the send, so it also holds the rest of the forward's GPU time.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pd_serve.model.loader import dummy_model  # noqa: E402
 from pd_serve.model.parallel import TPGroup, shard_model  # noqa: E402
 
 PAGE_SIZE = 16
+SERVE_MAX_TOKENS = 8  # tokens each served request generates
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,8 +158,9 @@ def serving(args: argparse.Namespace) -> dict:
         gen = torch.Generator().manual_seed(1)
         for i in range(args.requests):
             prompt = torch.randint(1000, 30000, (args.serve_tokens,), generator=gen).tolist()
-            reply = client.completions.create(model=model, prompt=prompt, max_tokens=8,
-                                              temperature=0, extra_body={"ignore_eos": True})
+            reply = client.completions.create(model=model, prompt=prompt, temperature=0,
+                                              max_tokens=SERVE_MAX_TOKENS,
+                                              extra_body={"ignore_eos": True})
             t = (reply.model_extra or {}).get("timings", {})
             rows.append(dict(transfer_s=t.get("transfer"), transfer_bytes=t.get("transfer_bytes"),
                              completion_tokens=reply.usage.completion_tokens))
@@ -167,7 +170,7 @@ def serving(args: argparse.Namespace) -> dict:
         cluster.stop()
     rates = [r["transfer_bytes"] / r["transfer_s"] / 1e9 for r in rows if r["transfer_s"]]
     summary = dict(requests=rows, prompt_tokens=args.serve_tokens,
-                   completed=sum(r["completion_tokens"] == 8 for r in rows),
+                   completed=sum(r["completion_tokens"] == SERVE_MAX_TOKENS for r in rows),
                    transfer_gbps_median=statistics.median(rates) if rates else None)
     print(f"1P(TP2)-1D(TP1): {summary['completed']} of {args.requests} requests completed; "
           f"hand-off {summary['transfer_gbps_median']} GB/s (median)")
