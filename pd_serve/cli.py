@@ -176,11 +176,11 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 
 
 def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
-    from pd_serve.launch import LocalCluster, shared_gpu_transfer_args
+    from pd_serve.launch import LocalCluster, launch_gpu_ids, launch_transfer_args
 
-    gpu_ids = args.gpu_ids.split(",") if args.gpu_ids else None
     passthrough = list(args.engine_argv) + (["--model", args.model] if args.model else [])
-    passthrough += shared_gpu_transfer_args(passthrough, gpu_ids)
+    gpu_ids = launch_gpu_ids(passthrough, args.gpu_ids.split(",") if args.gpu_ids else None)
+    passthrough += launch_transfer_args(passthrough)
     gateway_args = ["--model", args.model] if args.model else []
     return LocalCluster(port=args.port, num_prefill=args.prefill, num_decode=args.decode,
                         num_colocated=args.colocated, engine_args=passthrough,
@@ -253,7 +253,7 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
                         help="--tp of the decode workers (default: the --tp given to all workers)")
     parser.add_argument("--gpu-ids", default=None,
                         help="comma-separated GPU ids handed to workers in turn (CUDA_VISIBLE_DEVICES; a worker "
-                             "with --tp N takes the next N)")
+                             "with --tp N takes the next N; default: every visible GPU)")
 
 
 def cmd_profile(args: argparse.Namespace) -> None:

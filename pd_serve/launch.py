@@ -38,17 +38,36 @@ def flag_value(args: list[str], flag: str, default: str) -> str:
     return value
 
 
-def shared_gpu_transfer_args(engine_args: list[str], gpu_ids: list[str] | None) -> list[str]:
-    """["--transfer-backend", "ipc"] when the workers would share one GPU and no backend was
-    chosen: the GPU default (torch, NCCL) cannot pair two ranks on one GPU."""
-    if flag_value(engine_args, "--transfer-backend", "auto") != "auto":
-        return []
+def _on_cuda(engine_args: list[str]) -> bool:
     device = flag_value(engine_args, "--device", "auto")
     if device == "auto":
         import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    shared = gpu_ids is None or len(set(gpu_ids)) == 1
-    return ["--transfer-backend", "ipc"] if device.startswith("cuda") and shared else []
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def launch_transfer_args(engine_args: list[str]) -> list[str]:
+    """["--transfer-backend", "ipc"] for workers on CUDA when no backend was chosen: launch's
+    workers share one host, where ipc pairs any two GPUs, and also two workers on one GPU
+    (which the GPU default, torch/NCCL, cannot)."""
+    if flag_value(engine_args, "--transfer-backend", "auto") != "auto":
+        return []
+    return ["--transfer-backend", "ipc"] if _on_cuda(engine_args) else []
+
+
+def launch_gpu_ids(engine_args: list[str], gpu_ids: list[str] | None) -> list[str] | None:
+    """The GPU ids handed to the workers in turn: --gpu-ids, else for workers on CUDA every
+    visible GPU (CUDA_VISIBLE_DEVICES's entries, or 0..n-1), so workers get GPUs of their own
+    while there are enough; None on CPU."""
+    if gpu_ids or not _on_cuda(engine_args):
+        return gpu_ids
+    import os
+
+    import torch
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [v.strip() for v in visible.split(",") if v.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())] or None
 
 
 def worker_gpus(first: int, gpu_ids: list[str] | None, count: int) -> str | None:

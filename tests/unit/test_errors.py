@@ -132,21 +132,28 @@ def test_engine_without_a_tokenizer_takes_token_ids_only(tmp_path, tiny_checkpoi
         engine.add_request("hello")
 
 
-def test_launch_picks_ipc_when_the_workers_share_one_gpu(monkeypatch):
+def test_launch_picks_ipc_on_gpus_and_spreads_workers_over_them(monkeypatch):
     import torch
 
-    from pd_serve.launch import shared_gpu_transfer_args as pick
+    from pd_serve.launch import launch_gpu_ids, launch_transfer_args
 
     ipc = ["--transfer-backend", "ipc"]
-    assert pick(["--device", "cuda"], None) == ipc  # every worker on cuda:0
-    assert pick(["--device=cuda:1"], ["3"]) == ipc
-    assert pick(["--device", "cuda"], ["0", "1"]) == []  # a GPU each: NCCL pairs them
-    assert pick(["--device", "cuda", "--transfer-backend", "torch"], None) == []  # chosen
-    assert pick(["--device", "cpu"], None) == []
+    assert launch_transfer_args(["--device", "cuda"]) == ipc
+    assert launch_transfer_args(["--device=cuda:1"]) == ipc
+    assert launch_transfer_args(["--device", "cuda", "--transfer-backend", "torch"]) == []  # chosen
+    assert launch_transfer_args(["--device", "cpu"]) == []
+    assert launch_gpu_ids(["--device", "cpu"], None) is None
+    assert launch_gpu_ids(["--device", "cuda"], ["3"]) == ["3"]  # --gpu-ids wins
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert pick([], None) == ipc  # --device auto on a GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert launch_transfer_args([]) == ipc  # --device auto on a GPU machine
+    assert launch_gpu_ids([], None) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")  # launch's own visible GPUs, by their ids
+    assert launch_gpu_ids([], None) == ["4", "6"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert pick([], None) == []
+    assert launch_transfer_args([]) == []
+    assert launch_gpu_ids([], None) is None
 
 
 def test_launch_hands_each_tp_worker_its_own_gpus():
