@@ -111,8 +111,7 @@ class PrefillWorker(Worker):
     def _results(self) -> list[TransferResult]:
         results = self.sender.poll()
         if self.core.tp_results is not None:
-            theirs = [TransferResult(rid, ok, error, num_bytes, seconds)
-                      for _, _, rid, ok, error, num_bytes, seconds in drain(self.core.tp_results)]
+            theirs = [result for _, result in drain(self.core.tp_results)]
             for result in theirs:  # the followers' parts count in this worker's /metrics
                 self.sender.stats.record(result)
             results += theirs

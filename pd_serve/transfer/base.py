@@ -35,7 +35,6 @@ class TransferResult:
     error: str = ""
     num_bytes: int = 0
     seconds: float = 0.0
-    peer: str = ""  # sender side: the receiver's address
 
 
 class TransferStats:

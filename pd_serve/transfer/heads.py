@@ -9,6 +9,7 @@ equal TP sizes give one route per rank pair i -> i carrying every head.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from pd_serve.model.parallel import kv_heads_of
@@ -31,7 +32,8 @@ def tp_error(tp: int, num_kv_heads: int) -> str:
     return ""
 
 
-def head_routes(src_tp: int, dst_tp: int, num_kv_heads: int) -> list[HeadRoute]:
+@functools.cache  # asked for every prompt at every layer group: a handful of TP pairs
+def head_routes(src_tp: int, dst_tp: int, num_kv_heads: int) -> tuple[HeadRoute, ...]:
     """Every route from a prefill pool of `src_tp` ranks to a decode pool of `dst_tp` ranks,
     ordered by (dst_rank, first head). ValueError for a TP size the heads do not allow."""
     for tp in (src_tp, dst_tp):
@@ -52,4 +54,4 @@ def head_routes(src_tp: int, dst_tp: int, num_kv_heads: int) -> list[HeadRoute]:
             else:
                 local = kv_heads_of(src, src_tp, num_kv_heads)
                 routes.append(HeadRoute(src, dst, head - local.start, head - wanted.start, 1))
-    return routes
+    return tuple(routes)

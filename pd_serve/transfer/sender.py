@@ -353,7 +353,7 @@ class KVSender:
 
     def _finish(self, key: tuple[str, str], ok: bool, error: str = "") -> None:
         out = self._outgoing.pop(key)
-        result = TransferResult(key[0], ok, error, out.num_bytes, now() - out.started, key[1])
+        result = TransferResult(key[0], ok, error, out.num_bytes, now() - out.started)
         self.stats.record(result)
         with self._has_results:
             self._results.append(result)

@@ -70,7 +70,7 @@ class PrefillRank:
                                timeout_s=spec.timeout_s, model_layout=model_layout(core))
         self.group_ends = group_ends(core.kv_pool.layout.num_layers, spec.layer_groups)
 
-    def routes(self, decode_tp: int) -> list:
+    def routes(self, decode_tp: int) -> tuple:
         return head_routes(self.tp, decode_tp, self.num_kv_heads)
 
     def send_layers(self, sends: list[Send], layer: int) -> None:
@@ -110,7 +110,6 @@ class DecodeRank:
 
     def __init__(self, core, spec: HandoffSpec, rank: int, port: int = 0):
         from pd_serve.transfer.receiver import KVReceiver
-        self.rank = rank
         self.receiver = KVReceiver(core.kv_pool, spec.backend, host=spec.host, port=port,
                                    timeout_s=spec.timeout_s, model_layout=model_layout(core))
 
@@ -163,12 +162,14 @@ class Follower:
         self.half.close()
 
 
-def drain(results, limit: int = 4096) -> list[tuple]:
-    """Rank 0: what the followers reported since the last call (without waiting)."""
+def drain(results, limit: int = 4096) -> list[tuple[int, TransferResult]]:
+    """Rank 0: the (rank, result) of every transfer the followers finished since the last
+    call (without waiting)."""
     out = []
     while len(out) < limit:
         try:
-            out.append(results.get_nowait())
+            _, rank, *fields = results.get_nowait()
         except queue.Empty:
             break
+        out.append((rank, TransferResult(*fields)))
     return out
