@@ -16,7 +16,9 @@ every configuration sees the same prompts and arrival times at a given rate.
 
 --rate-sweep auto first starts each configuration once and sends all prompts at once to measure
 its capacity (completed requests/s); the sweep then runs at 1/4, 1/2, 3/4, 1 and 5/4 of the
-largest capacity.
+largest capacity. --rate-sweep plan takes the capacities from `pd-serve plan`'s simulator on
+--profile instead (the same workload and worker limits, all prompts at once): no probe runs, so
+each configuration starts once.
 
 Per (configuration, rate): goodput (completed requests/s meeting every SLO, as bench/serving.py
 counts it), SLO attainment (requests meeting every SLO / requests sent; failures are misses),
@@ -49,7 +51,7 @@ import torch  # noqa: E402
 
 from bench import serving  # noqa: E402
 from bench._common import device_name, git_commit, write_json  # noqa: E402
-from pd_serve.launch import LaunchError, LocalCluster, free_port  # noqa: E402
+from pd_serve.launch import LaunchError, LocalCluster, free_port, launch_transfer_args  # noqa: E402
 
 AUTO_RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # of the largest measured capacity
 # bench/serving.py flags that this script sets on every run
@@ -128,6 +130,21 @@ def parse_rates(text: str) -> list[float]:
 def auto_rates(capacity_rps: float) -> list[float]:
     """AUTO_RATE_FRACTIONS of the capacity, to two significant digits."""
     return sorted({float(f"{capacity_rps * f:.2g}") for f in AUTO_RATE_FRACTIONS})
+
+
+def planned_capacity(args: argparse.Namespace) -> dict[str, float]:
+    """Each configuration's requests/s with every prompt sent at once, as the planner's
+    simulator predicts it on --profile for this workload and the workers' limits."""
+    from bench.planner_check import spec_of, worker_limits
+    from pd_serve.planner.costs import CostModel, load_profile
+    from pd_serve.planner.plan import evaluate, workload, workload_args
+
+    profile = load_profile(args.profile)
+    costs = CostModel.from_profile(profile)
+    wl_args = workload_args(argparse.Namespace(**args.serving), profile.get("max_model_len"))
+    requests, limits = workload(wl_args, math.inf), worker_limits(args.worker_argv)
+    return {d.name: evaluate(spec_of(vars(d), limits), costs, requests, args.slo)["request_throughput"]
+            for d in args.deployments}
 
 
 # ---- one configuration, one rate ------------------------------------------------------------
@@ -340,8 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SLOs in ms that goodput counts, e.g. ttft=500,tpot=50[,e2e=10000]")
     rates = p.add_mutually_exclusive_group(required=True)
     rates.add_argument("--request-rates", type=parse_rates, help="comma-separated req/s, e.g. 1,2,4")
-    rates.add_argument("--rate-sweep", choices=["auto"],
-                       help="auto: rates from the measured capacity of the configurations")
+    rates.add_argument("--rate-sweep", choices=["auto", "plan"],
+                       help="auto: rates from the measured capacity of the configurations; plan: "
+                            "from their capacity as the planner predicts it on --profile")
+    p.add_argument("--profile", default=None, help="a pd-serve profile JSON, for --rate-sweep plan")
     g = p.add_argument_group("configurations")
     g.add_argument("--num-gpus", type=int, default=None,
                    help="slots to share out (default: the largest of --configs, else the GPUs "
@@ -387,6 +406,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.serving = {k: str(v) if isinstance(v, Path) else v for k, v in vars(sargs).items()
                     if k not in SET_HERE and k not in ("model", "slo")}
 
+    if (args.rate_sweep == "plan") != (args.profile is not None):
+        p.error("--rate-sweep plan and --profile go together")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -408,6 +429,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.cpu_threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // args.num_slots)
     model = ["--model", args.model] if args.model else []
     args.worker_argv = ["--device", args.device, *model, *shlex.split(args.worker_args)]
+    args.worker_argv += launch_transfer_args(args.worker_argv)  # as `pd-serve launch` does
     args.gateway_argv = [*model, *shlex.split(args.gateway_args)]
     args.output_dir = args.output_dir or Path(f"phase-ratio-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     return args
@@ -437,7 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     try:
         rates = args.request_rates
-        if rates is None:  # --rate-sweep auto
+        if args.rate_sweep == "plan":
+            results["capacity_rps"] = planned_capacity(args)
+            results["config"]["profile"] = args.profile
+            rates = auto_rates(max(results["capacity_rps"].values()))
+            results["config"]["request_rates"] = rates
+            log(f"predicted capacity {results['capacity_rps']} req/s -> rates "
+                f"{', '.join(f'{r:g}' for r in rates)}")
+        elif rates is None:  # --rate-sweep auto
             for i, d in enumerate(args.deployments, 1):
                 probe: list[dict] = []
                 if error := run_deployment(args, d, [math.inf], probe, f"capacity {i}/{total}"):

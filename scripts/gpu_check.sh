@@ -11,7 +11,8 @@
 # w4a16 (W4A16 GEMM vs bf16 GEMM, Llama-3.1-8B layer shapes); on two GPUs (nvidia-h200-x2),
 # for the phase-ratio issue: profile (pd-serve profile of a dummy Llama-3.1-8B-shaped model),
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
-# colocated x2 and x1, auto rate sweep, SLOs ttft=2000,tpot=15 ms. All untried on the GPU yet.
+# colocated x2 and x1, rates from the profile's predicted capacities, SLOs ttft=2000 ms and
+# tpot=15 ms (prefill-heavy) or 10 ms (decode-heavy).
 # transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2), transfer-fp8
 # (the same bench with an FP8 KV cache: the quantization issue's half-the-bytes check); tp (two
 # GPUs: TP 2 vs TP 1 in bf16, teacher-forced; bench/tp_handoff.py: 8k-token prefill TP 2 vs TP 1
@@ -60,7 +61,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tai
   local name=$1 limit=$2 start=$SECONDS
   shift 2
   echo "== $name: $*"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout -s INT -k 30 "$limit" "$@" >"$OUT/$name.log" 2>&1  # INT: benches write what they have
   echo "== $name rc=$? in $((SECONDS - start)) s"
   tail -n 15 "$OUT/$name.log"
 }
@@ -80,6 +81,8 @@ e2e() {  # the end-to-end tests in five groups side by side (a cluster start cos
   wait
 }
 
+# the phase-ratio steps take their rates from this profile (this run's, else PROFILE=...)
+profile=${PROFILE:-$OUT/profile-h200-llama3-8b.json}
 steps=${*:-tests onebatch e2e}
 for s in $steps; do
   case $s in
@@ -96,15 +99,18 @@ for s in $steps; do
            --output "$OUT/offline-h200-llama3-8b-fp8.json" ;;
     profile) step profile 420 python3 -m pd_serve.cli profile --model "$big" --load-format dummy \
            --device cuda --transfer-gbps 200 --transfer-latency-ms 2 \
+           --decode-batches 1,8,32,64,128,256 --decode-contexts 256,1024,2304 \
            --output "$OUT/profile-h200-llama3-8b.json" ;;
-    phaseratio-prefill) step pr-prefill 570 python3 bench/phase_ratio.py --device cuda \
-           --configs 1p1d,colocated2,colocated1 --rate-sweep auto --slo ttft=2000,tpot=15 \
-           --model "$big" --worker-args "--load-format dummy" --input-len 2048 --output-len 128 \
-           --num-prompts 100 --output-dir "$OUT/phase-ratio-prefill" ;;
-    phaseratio-decode) step pr-decode 570 python3 bench/phase_ratio.py --device cuda \
-           --configs 1p1d,colocated2,colocated1 --rate-sweep auto --slo ttft=2000,tpot=15 \
-           --model "$big" --worker-args "--load-format dummy" --input-len 256 --output-len 1024 \
-           --num-prompts 100 --output-dir "$OUT/phase-ratio-decode" ;;
+    phaseratio-prefill) step pr-prefill "${PR_TIMEOUT:-570}" python3 bench/phase_ratio.py --device cuda \
+           --configs 1p1d,colocated2,colocated1 --rate-sweep plan --profile "$profile" \
+           --slo ttft=2000,tpot=15 --model "$big" --worker-args "--load-format dummy" \
+           --input-len 2048 --output-len 128 --num-prompts 100 --no-progress \
+           --output-dir "$OUT/phase-ratio-prefill" ;;
+    phaseratio-decode) step pr-decode "${PR_TIMEOUT:-570}" python3 bench/phase_ratio.py --device cuda \
+           --configs 1p1d,colocated2,colocated1 --rate-sweep plan --profile "$profile" \
+           --slo ttft=2000,tpot=10 --model "$big" --worker-args "--load-format dummy" \
+           --input-len 256 --output-len 1024 --num-prompts 100 --no-progress \
+           --output-dir "$OUT/phase-ratio-decode" ;;
     transfer-fp8) step transfer-fp8 300 python3 bench/transfer.py --dtype float8_e4m3fn \
            --backends ipc,torch --in-flight-max-mib 1024 --output "$OUT/transfer-2xh200-fp8.json" ;;
     w4a16) step w4a16 180 python3 bench/w4a16.py --batch-sizes 1,16,64 --output "$OUT/w4a16-h200.json" ;;

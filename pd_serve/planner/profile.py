@@ -7,7 +7,9 @@ machine only ever adds time):
   prefill  one step over batched prompts: total tokens 16, 32, ... up to --chunked-prefill-size
            (512 with --quick), each as several prompt mixes (1 prompt of T tokens, 4 of T/4, ...);
   decode   one step of `batch` requests with `context` tokens cached, KV pages allocated but not
-           computed (the step's time does not depend on their values);
+           computed (the step's time does not depend on their values); where the engine runs the
+           overlap schedule (GPU), the time per step of --repeats + 2 steps back to back instead,
+           as a serving worker runs them (each launched before the last one's tokens are back);
   mixed    one step with a prompt chunk and a decode batch together (what a colocated worker
            runs), so the planner can check how the two parts add up.
 The KV transfer is not measured: bytes per token come from the KV layout, the rate and the
@@ -28,8 +30,10 @@ logger = logging.getLogger(__name__)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 QUICK_DECODE_BATCHES = (1, 4, 16, 64)
 DECODE_CONTEXTS = (64, 256, 1024)
+DECODE_SPARE = 8  # tokens a decode point's requests have room for beyond --repeats
 MIXED_POINTS = ((64, 4, 256), (256, 4, 256), (64, 32, 256), (256, 32, 256))  # prompt, batch, context
-QUICK_MIXED_POINTS = ((256, 16, 256),)
+QUICK_DECODE_SPARE = 8  # tokens a decode point's requests have room for beyond --repeats
+MIXED_POINTS = ((256, 16, 256),)
 
 
 def int_list(text: str) -> list[int]:
@@ -91,7 +95,7 @@ def measure(args: argparse.Namespace) -> dict:
         raise ValueError("--repeats must be >= 1, --transfer-gbps > 0, --transfer-latency-ms >= 0")
     # Room for the largest grid point; the limits the profile is for are recorded as given.
     page = config.cache.page_size
-    decoding = lambda b, c: b * _pages(c + repeats + 2, page) * page  # noqa: E731
+    decoding = lambda b, c: b * _pages(c + repeats + DECODE_SPARE, page) * page  # noqa: E731
     need = max([decoding(max(batches), max(contexts)), max(tokens) + max(args.prefill_mixes) * page]
                + [decoding(b, c) + p + page for p, b, c in mixed])
     cache = config.cache if config.cache.max_total_tokens else \
@@ -146,7 +150,10 @@ class _Timer:
     """Timed steps on a live EngineCore; every request it adds is finished (pages freed)."""
 
     def __init__(self, core, repeats: int):
-        self.core, self.repeats = core, repeats
+        """Notes whether `core` runs the overlap schedule (decode points are then timed as a
+        worker runs them), then turns it off: every other timed step is one whole step."""
+        self.core, self.repeats, self.overlap = core, repeats, core.overlap
+        core.overlap = False
 
     def prefill(self, prompt_lens: list[int]) -> dict:
         times = []
@@ -159,10 +166,13 @@ class _Timer:
 
     def decode(self, batch: int, context: int) -> float:
         requests = [self._decoding(context) for _ in range(batch)]
-        self._step(batch)  # untimed: the first step after a shape change
-        times = [self._step(batch) for _ in range(self.repeats)]
+        if self.overlap:
+            elapsed = self._back_to_back(batch, self.repeats + 2)
+        else:
+            self._step(batch)  # untimed: the first step after a shape change
+            elapsed = min(self._step(batch) for _ in range(self.repeats))
         self._finish(requests)
-        return min(times)
+        return elapsed
 
     def mixed(self, prompt_len: int, batch: int, context: int) -> dict:
         times = []
@@ -183,7 +193,7 @@ class _Timer:
         token 1 out, pages for the steps to come reserved."""
         request = _request(context)
         page = self.core.kv_pool.layout.page_size
-        page_ids = self.core.allocator.allocate(_pages(context + self.repeats + 2, page))
+        page_ids = self.core.allocator.allocate(_pages(context + self.repeats + DECODE_SPARE, page))
         if page_ids is None:
             raise ValueError("the KV cache is too small for the decode grid; raise --max-total-tokens")
         request.page_ids = page_ids
@@ -192,14 +202,31 @@ class _Timer:
         self.core.scheduler.add_running(request)
         return request
 
-    def _step(self, expected_tokens: int) -> float:
-        import torch
+    def _back_to_back(self, batch: int, steps: int) -> float:
+        """Seconds per step of `steps` overlap-schedule steps in a row: each call launches the
+        next step, then waits for the one before."""
+        self.core.overlap = True
+        self.core.step()  # untimed: the first after a shape change; launches, returns nothing
+        self.core.step()  # untimed: launches the second, waits for the first
+        start = time.perf_counter()
+        for _ in range(steps):
+            plan, _ = self.core.step()
+            assert plan.num_tokens == batch, (plan.num_tokens, batch)
+        elapsed = time.perf_counter() - start
+        self.core.drain()
+        self.core.overlap = False
+        return elapsed / steps
 
-        sync = torch.cuda.synchronize if self.core.device.type == "cuda" else (lambda: None)
-        sync()
+    def _sync(self) -> None:
+        import torch
+        if self.core.device.type == "cuda":
+            torch.cuda.synchronize(self.core.device)
+
+    def _step(self, expected_tokens: int) -> float:
+        self._sync()
         start = time.perf_counter()
         plan, _ = self.core.step()
-        sync()
+        self._sync()
         elapsed = time.perf_counter() - start
         assert plan.num_tokens == expected_tokens, (plan.num_tokens, expected_tokens)
         return elapsed
@@ -226,7 +253,6 @@ def _threads(device) -> int | None:
 def _build_core(config):
     from pd_serve.engine.core import EngineCore
     core = EngineCore(config)
-    core.overlap = False  # each timed step is one whole step, its tokens back on the host
     core.warmup()
     return core
 

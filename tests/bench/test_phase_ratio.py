@@ -15,7 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
 
 from bench.phase_ratio import (Deployment, auto_rates, best_rows, default_deployments,  # noqa: E402
-                               format_best, main, parse_deployments, parse_rates)
+                               format_best, main, parse_args, parse_deployments, parse_rates,
+                               planned_capacity)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -37,6 +38,24 @@ def test_rates():
         with pytest.raises(argparse.ArgumentTypeError):
             parse_rates(bad)
     assert auto_rates(3.3) == [0.82, 1.6, 2.5, 3.3, 4.1]
+
+
+def test_rates_from_the_planner(capsys):
+    """--rate-sweep plan: each configuration's capacity as the simulator predicts it on the
+    profile (all prompts at once); the rates are the auto fractions of the largest."""
+    profile = REPO_ROOT / "bench" / "results" / "profile-cpu-smollm2.json"
+    flags = ["--device", "cpu", "--configs", "1p1d,colocated2,colocated1", "--slo",
+             "ttft=1500,tpot=150", "--input-len", "64", "--output-len", "16", "--num-prompts", "48"]
+    args = parse_args([*flags, "--rate-sweep", "plan", "--profile", str(profile)])
+    capacity = planned_capacity(args)
+    assert list(capacity) == ["1p1d", "colocated2", "colocated1"]
+    # two colocated workers take the burst in about half the time one does
+    assert 1.6 < capacity["colocated2"] / capacity["colocated1"] < 2.4
+    assert all(0 < c < 100 for c in capacity.values())
+    for bad in (["--rate-sweep", "plan"], ["--request-rates", "1", "--profile", str(profile)]):
+        with pytest.raises(SystemExit):
+            parse_args([*flags, *bad])
+    assert "--rate-sweep plan and --profile go together" in capsys.readouterr().err
 
 
 def row(config: str, rate: float, goodput: float, attainment: float, num_slots: int = 2) -> dict:

@@ -200,3 +200,45 @@ def test_profile_command_writes_the_layout(tmp_path, default_model_dir):
     assert len(profile["decode"]["time_s"]) == 2 and len(profile["decode"]["time_s"][0]) == 1
     assert profile["kv"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # SmolLM2, float32
     CostModel.from_profile(profile)
+
+
+def test_profile_times_decode_back_to_back_under_the_overlap_schedule(tmp_path, monkeypatch,
+                                                                      tiny_checkpoints):
+    """Where the engine overlaps steps (GPU; forced here on CPU), a decode point is the time per
+    step of steps run back to back, as a worker runs them; prefill steps stay whole, and every
+    page is free at the end."""
+    import argparse
+
+    from pd_serve.engine.core import EngineCore
+    from pd_serve.planner import profile as profile_mod
+
+    monkeypatch.setenv("PD_SERVE_OVERLAP_CPU", "1")
+    built, calls = [], []
+    real_build, real_step = profile_mod._build_core, EngineCore.step
+
+    def build(config):
+        built.append(real_build(config))
+        calls.clear()  # the warm-up's steps
+        return built[-1]
+
+    def step(self, on_layer=None):
+        calls.append(self.overlap)
+        return real_step(self, on_layer)
+
+    monkeypatch.setattr(profile_mod, "_build_core", build)
+    monkeypatch.setattr(EngineCore, "step", step)
+    parser = argparse.ArgumentParser()
+    from pd_serve.cli import add_engine_args
+    add_engine_args(parser)
+    profile_mod.add_profile_args(parser)
+    args = parser.parse_args(["--model", str(tiny_checkpoints["llama3"]), "--device", "cpu",
+                              "--output", str(tmp_path / "p.json"), "--prefill-tokens", "8",
+                              "--prefill-mixes", "1", "--decode-batches", "2",
+                              "--decode-contexts", "8", "--repeats", "2"])
+    result = profile_mod.measure(args)
+    core = built[0]
+    assert core.overlap is False and core._in_flight is None
+    assert core.allocator.num_used_pages == 0
+    assert result["decode"]["time_s"][0][0] > 0
+    # prefill: 2 whole steps; decode: 2 untimed + repeats + 2 timed, overlapped; mixed: none fit
+    assert calls == [False, False] + [True] * 6, calls
