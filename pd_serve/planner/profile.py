@@ -32,8 +32,7 @@ QUICK_DECODE_BATCHES = (1, 4, 16, 64)
 DECODE_CONTEXTS = (64, 256, 1024)
 DECODE_SPARE = 8  # tokens a decode point's requests have room for beyond --repeats
 MIXED_POINTS = ((64, 4, 256), (256, 4, 256), (64, 32, 256), (256, 32, 256))  # prompt, batch, context
-QUICK_DECODE_SPARE = 8  # tokens a decode point's requests have room for beyond --repeats
-MIXED_POINTS = ((256, 16, 256),)
+QUICK_MIXED_POINTS = ((256, 16, 256),)
 
 
 def int_list(text: str) -> list[int]:
@@ -44,6 +43,18 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1")
     return values
+
+
+def mixed_list(text: str) -> list[tuple[int, int, int]]:
+    """`2048:64:1024,256:4:256` -> [(2048, 64, 1024), (256, 4, 256)]: prompt, batch, context."""
+    try:
+        points = [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        points = []
+    if not points or any(len(m) != 3 or min(m) < 1 for m in points):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected PROMPT:BATCH:CONTEXT items >= 1, "
+                                         "comma-separated, e.g. 2048:64:1024")
+    return points
 
 
 def add_profile_args(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +72,9 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
                         f"{','.join(map(str, QUICK_DECODE_BATCHES))})")
     g.add_argument("--decode-contexts", type=int_list, default=list(DECODE_CONTEXTS),
                    help="cached tokens per decoding request (default: 64,256,1024)")
+    g.add_argument("--mixed-points", type=mixed_list, default=None,
+                   help="colocated steps to time, PROMPT:BATCH:CONTEXT each, e.g. 2048:64:1024 "
+                        "(default: " + ",".join(":".join(map(str, m)) for m in MIXED_POINTS) + ")")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU: torch threads (default: torch's); bench/phase_ratio.py gives each "
                         "of N CPU workers cores // N")
@@ -86,8 +100,9 @@ def measure(args: argparse.Namespace) -> dict:
     tokens = args.prefill_tokens or _powers(16, min(chunk, 512) if args.quick else chunk)
     batches = args.decode_batches or list(QUICK_DECODE_BATCHES if args.quick else DECODE_BATCHES)
     contexts = args.decode_contexts
-    mixed = [(p, b, c) for p, b, c in (QUICK_MIXED_POINTS if args.quick else MIXED_POINTS)
-             if p <= max(tokens) and b <= max(batches) and c <= max(contexts)]  # inside the grids
+    default_mixed = QUICK_MIXED_POINTS if args.quick else MIXED_POINTS
+    mixed = args.mixed_points or [(p, b, c) for p, b, c in default_mixed  # inside the grids
+                                  if p <= max(tokens) and b <= max(batches) and c <= max(contexts)]
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)

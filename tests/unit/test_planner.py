@@ -193,13 +193,19 @@ def test_recorded_profile_fits_its_measurements():
 def test_profile_command_writes_the_layout(tmp_path, default_model_dir):
     out = tmp_path / "p.json"
     assert main(["profile", "--output", str(out), "--device", "cpu", "--prefill-tokens", "8,16",
-                 "--decode-batches", "1,2", "--decode-contexts", "8", "--repeats", "1"]) == 0
+                 "--decode-batches", "1,2", "--decode-contexts", "8", "--repeats", "1",
+                 "--mixed-points", "16:2:8,4:1:8"]) == 0
     profile = json.loads(out.read_text())
     assert profile["kind"] == "pd-serve-profile" and profile["device_type"] == "cpu"
     assert [p["prompt_lens"] for p in profile["prefill"]["points"]] == [[8], [2, 2, 2, 2], [16], [4, 4, 4, 4]]
     assert len(profile["decode"]["time_s"]) == 2 and len(profile["decode"]["time_s"][0]) == 1
     assert profile["kv"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # SmolLM2, float32
+    assert [(m["prefill_tokens"], m["batch_size"], m["context_len"]) for m in profile["mixed"]["points"]] \
+        == [(16, 2, 8), (4, 1, 8)]
     CostModel.from_profile(profile)
+    for bad in ("16:2", "16:2:0", "a:b:c", ""):
+        with pytest.raises(SystemExit):
+            main(["profile", "--output", str(out), "--mixed-points", bad])
 
 
 def test_profile_times_decode_back_to_back_under_the_overlap_schedule(tmp_path, monkeypatch,
