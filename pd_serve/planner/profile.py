@@ -148,8 +148,11 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def warn_if_noisy(prefill: list[dict], decode: list[list[float]]) -> None:
-    """More tokens or a larger batch should never take less time; when they do, other load
-    on the machine got into the timings."""
+    """More tokens or a larger batch seldom take less time; when they do, either other load on
+    the machine got into the timings, or the kernels change with the shape (on a CPU with
+    MKL, fp32 GEMMs of 2 or 3 rows cost 2x and 3x one row while 4 rows cost 1.6x: a 2-core box
+    timed decode steps at batch 1/2/3/4 in 59/96/119/88 ms). Either way the grid must be dense
+    where times bend: the planner interpolates between its points."""
     fastest: dict[int, float] = {}
     for p in prefill:
         fastest[p["num_tokens"]] = min(p["time_s"], fastest.get(p["num_tokens"], float("inf")))
@@ -157,7 +160,8 @@ def warn_if_noisy(prefill: list[dict], decode: list[list[float]]) -> None:
     columns = [list(col) for col in zip(*decode)]
     if any(b < 0.8 * a for series in [times, *columns, *decode] for a, b in zip(series, series[1:])):
         logger.warning("step times fall where they should rise (prefill %s, decode %s): other "
-                       "load on this machine got into them; re-run when it is idle",
+                       "load on this machine got into them (re-run when it is idle), or the kernels "
+                       "change with the shape (keep such points: the planner needs them)",
                        [round(t, 3) for t in times], [[round(t, 3) for t in row] for row in decode])
 
 
