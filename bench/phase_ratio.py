@@ -22,7 +22,9 @@ each configuration starts once.
 
 Per (configuration, rate): goodput (completed requests/s meeting every SLO, as bench/serving.py
 counts it), SLO attainment (requests meeting every SLO / requests sent; failures are misses),
-request and output throughput, TTFT and TPOT p50/p90/p99. --output-dir gets results.json,
+request and output throughput, TTFT and TPOT p50/p90/p99, and in results.json every request's
+TTFT / TPOT / E2E (`latencies_ms`), so goodput under other SLOs can be counted afterwards
+(bench/planner_check.py --slo). --output-dir gets results.json,
 results.csv and results.png (goodput and SLO attainment against rate, a line per configuration).
 """
 
@@ -193,7 +195,17 @@ def run_serving(args: argparse.Namespace, base_url: str, rate: float) -> dict:
             raise LaunchError(f"the serving benchmark could not use {base_url} (see above)")
         result = json.loads(out.read_text(encoding="utf-8"))
     errors = sorted({r["error"] for r in result["requests"] if r["error"]})
-    return result["metrics"] | {"errors": errors[:3]}
+    records = [serving.RequestRecord(**r) for r in result["requests"]]
+    return result["metrics"] | {"errors": errors[:3], "latencies_ms": [_latencies(r) for r in records]}
+
+
+def _latencies(record: serving.RequestRecord) -> list[float | None] | None:
+    """[TTFT, TPOT, E2E] in ms of a completed request (TPOT None below two tokens); None for a
+    failed one. Enough to count goodput under other SLOs later (bench/planner_check.py --slo)."""
+    if not record.success:
+        return None
+    ms = lambda v: None if v is None else round(v * 1000.0, 3)  # noqa: E731
+    return [ms(record.ttft), ms(record.tpot), ms(record.e2e)]
 
 
 def make_row(deployment: Deployment, rate: float, metrics: dict) -> dict:
@@ -209,6 +221,7 @@ def make_row(deployment: Deployment, rate: float, metrics: dict) -> dict:
         **{k: metrics[k] for k in ("request_throughput", "output_throughput", "duration_s")},
         **{f"{m}_{p}_ms": metrics[f"{m}_ms"][s] for m in ("ttft", "tpot") for p, s in stats.items()},
         "errors": metrics["errors"],
+        "latencies_ms": metrics["latencies_ms"],  # per request, in send order (not in the CSV)
     }
 
 

@@ -10,6 +10,10 @@ engine defaults), on the sweep's workload (the same dataset flags and seed, so t
 lengths and arrival times) and SLOs. The table gives predicted and measured goodput and the
 relative error (predicted - measured) / measured; rows whose measured goodput is 0 get an
 absolute error instead. The planner issue's bar is |error| <= 25 % for every row.
+
+--slo ttft=MS,tpot=MS[,e2e=MS] judges both sides by other SLOs than the sweep's: the measured
+goodput is counted again from the requests' latencies that results.json keeps (`latencies_ms`,
+sweeps from commit 2026-11-30 on), and the simulator runs with the new SLOs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ if __package__ in (None, ""):  # `python bench/planner_check.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import git_commit, write_json  # noqa: E402
+from bench.serving import parse_slo  # noqa: E402
 from pd_serve.planner.costs import CostModel, load_profile  # noqa: E402
 from pd_serve.planner.plan import evaluate, workload, workload_args  # noqa: E402
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits  # noqa: E402
@@ -47,10 +52,24 @@ def spec_of(row: dict, limits: PoolLimits) -> ClusterSpec:
     return ClusterSpec(row["num_prefill"], row["num_decode"], prefill=limits, decode=limits)
 
 
-def check(profile: dict, results: dict) -> list[dict]:
-    """One row per measured row: predicted vs measured goodput and SLO attainment."""
+def rescore(row: dict, slo: dict[str, float]) -> tuple[float, float]:
+    """(goodput, SLO attainment) of a measured row under `slo` (ms), from its per-request
+    latencies; goodput counts as bench/serving.py does (good requests / the run's duration)."""
+    latencies = row.get("latencies_ms")
+    if latencies is None:
+        raise ValueError(f"row {row['config']} at {row['request_rate']} req/s has no per-request "
+                         "latencies (a sweep older than --slo): run the sweep again, or drop --slo")
+    index = {"ttft": 0, "tpot": 1, "e2e": 2}
+    good = sum(lat is not None and all((lat[index[k]] or 0.0) <= limit for k, limit in slo.items())
+               for lat in latencies)
+    return good / row["duration_s"], good / row["num_requests"]
+
+
+def check(profile: dict, results: dict, slo: dict[str, float] | None = None) -> list[dict]:
+    """One row per measured row: predicted vs measured goodput and SLO attainment, under the
+    sweep's SLOs or `slo`."""
     config = results["config"]
-    slo = config["slo_ms"]
+    slo = slo or config["slo_ms"]
     worker_args = config.get("worker_args") or []
     if isinstance(worker_args, str):
         worker_args = shlex.split(worker_args)
@@ -63,13 +82,16 @@ def check(profile: dict, results: dict) -> list[dict]:
         rate = float(row["request_rate"])
         requests = workload(wl_args, rate)
         predicted = evaluate(spec_of(row, limits), costs, requests, slo)
-        measured = row["goodput"] or 0.0
+        if slo == config["slo_ms"]:
+            measured, attainment = row["goodput"] or 0.0, row["slo_attainment"]
+        else:
+            measured, attainment = rescore(row, slo)
         error = ((predicted["goodput"] - measured) / measured if measured > 0
                  else predicted["goodput"] - measured)
         out.append({"config": row["config"], "request_rate": rate,
                     "measured_goodput": measured, "predicted_goodput": predicted["goodput"],
                     "error": error, "relative": measured > 0,
-                    "measured_attainment": row["slo_attainment"],
+                    "measured_attainment": attainment,
                     "predicted_attainment": predicted["slo_attainment"],
                     "measured_ttft_p90_ms": row.get("ttft_p90_ms"),
                     "predicted_ttft_p90_ms": predicted["ttft_p90_ms"],
@@ -104,15 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", required=True, help="a profile JSON from pd-serve profile")
     p.add_argument("--results", required=True, help="a results.json from bench/phase_ratio.py")
     p.add_argument("--output", default=None, help="write the rows as JSON here")
+    p.add_argument("--slo", type=parse_slo, default=None,
+                   help="judge by these SLOs (ms) instead of the sweep's, e.g. ttft=2000,tpot=7")
     args = p.parse_args(argv)
     profile = load_profile(args.profile)
     results = json.loads(Path(args.results).read_text())
-    rows = check(profile, results)
+    try:
+        rows = check(profile, results, args.slo)
+    except ValueError as e:
+        p.error(str(e))
     print(format_table(rows))
     if args.output:
         write_json(args.output, {"profile": args.profile, "results": args.results,
                                  "results_commit": results.get("commit"), "git_commit": git_commit(),
-                                 "bar": BAR, "rows": rows})
+                                 "slo_ms": args.slo or results["config"]["slo_ms"], "bar": BAR,
+                                 "rows": rows})
     return 0
 
 

@@ -103,6 +103,9 @@ def test_sweep_two_cpu_configurations(tmp_path, capsys):
         assert r["goodput"] == pytest.approx(r["request_throughput"]) and r["output_throughput"] > 0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] <= r["ttft_p99_ms"]
         assert 0 < r["tpot_p50_ms"] <= r["tpot_p90_ms"] <= r["tpot_p99_ms"]
+        latencies = r["latencies_ms"]  # per request: TTFT, TPOT, E2E
+        assert len(latencies) == num_prompts and all(ttft <= e2e for ttft, _, e2e in latencies)
+        assert max(ttft for ttft, _, _ in latencies) == pytest.approx(r["ttft_p99_ms"], rel=0.2)
     assert [(r["num_prefill"], r["num_decode"], r["num_colocated"]) for r in rows if r["config"] == "1p1d"] \
         == [(1, 1, 0)] * 2
 

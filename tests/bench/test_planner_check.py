@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
 
@@ -58,3 +60,29 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "goodput within 25%:" in text and "colocated2" in text
     saved = json.loads(out.read_text())
     assert saved["bar"] == 0.25 and len(saved["rows"]) == len(json.loads(RESULTS.read_text())["rows"])
+
+
+def test_other_slos_count_the_measured_requests_again(tmp_path, capsys):
+    """--slo: the measured goodput is counted from the rows' per-request latencies (here made
+    up, so the count is known) and the simulator runs with the new SLOs."""
+    results = json.loads(RESULTS.read_text())
+    profile = load_profile(PROFILE)
+    row = results["rows"][0]
+    n, duration = row["num_requests"], row["duration_s"]
+    # TPOT 10, 20, ... ms; TTFT 100 ms; every fourth request failed
+    row["latencies_ms"] = [None if i % 4 == 3 else [100.0, 10.0 * (i + 1), 500.0] for i in range(n)]
+    results["rows"] = [row]
+    strict = {"ttft": 1500.0, "tpot": 35.0}  # tpot 10, 20, 30 pass; 40 (i = 3) failed anyway
+    [out] = check(profile, results, strict)
+    assert out["measured_goodput"] == 3 / duration and out["measured_attainment"] == 3 / n
+    assert out["predicted_goodput"] != check(profile, results)[0]["predicted_goodput"]
+    [same] = check(profile, results, dict(results["config"]["slo_ms"]) | {"e2e": 400.0})
+    assert same["measured_goodput"] == 0.0  # every E2E is 500 ms
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    assert main(["--profile", str(PROFILE), "--results", str(path), "--slo", "ttft=1500,tpot=35"]) == 0
+    del results["rows"][0]["latencies_ms"]  # a sweep from before the latencies were kept
+    path.write_text(json.dumps(results))
+    with pytest.raises(SystemExit):
+        main(["--profile", str(PROFILE), "--results", str(path), "--slo", "ttft=1500,tpot=35"])
+    assert "no per-request latencies" in capsys.readouterr().err
