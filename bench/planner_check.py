@@ -13,7 +13,7 @@ absolute error instead. The planner issue's bar is |error| <= 25 % for every row
 
 --slo ttft=MS,tpot=MS[,e2e=MS] judges both sides by other SLOs than the sweep's: the measured
 goodput is counted again from the requests' latencies that results.json keeps (`latencies_ms`,
-sweeps from commit 2026-11-30 on), and the simulator runs with the new SLOs.
+sweeps from commit 60efeb2 on), and the simulator runs with the new SLOs.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
 # for the phase-ratio issue: profile (pd-serve profile of a dummy Llama-3.1-8B-shaped model),
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
 # colocated x2 and x1, rates from the profile's predicted capacities, SLOs ttft=2000 ms and
-# tpot=15 ms (prefill-heavy) or 10 ms (decode-heavy).
+# tpot=15 ms (prefill-heavy) or 8 ms (decode-heavy; 10 ms at 461f0eb stressed nothing).
 # transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2), transfer-fp8
 # (the same bench with an FP8 KV cache: the quantization issue's half-the-bytes check); tp (two
 # GPUs: TP 2 vs TP 1 in bf16, teacher-forced; bench/tp_handoff.py: 8k-token prefill TP 2 vs TP 1
@@ -100,6 +100,7 @@ for s in $steps; do
     profile) step profile 420 python3 -m pd_serve.cli profile --model "$big" --load-format dummy \
            --device cuda --transfer-gbps 200 --transfer-latency-ms 2 \
            --decode-batches 1,8,32,64,128,256 --decode-contexts 256,1024,2304 \
+           --mixed-points 2048:16:1024,1984:64:1024,1920:128:2048,1024:32:1024,256:16:256,256:128:1024,64:64:1024 \
            --output "$OUT/profile-h200-llama3-8b.json" ;;
     phaseratio-prefill) step pr-prefill "${PR_TIMEOUT:-570}" python3 bench/phase_ratio.py --device cuda \
            --configs 1p1d,colocated2,colocated1 --rate-sweep plan --profile "$profile" \
@@ -108,7 +109,7 @@ for s in $steps; do
            --output-dir "$OUT/phase-ratio-prefill" ;;
     phaseratio-decode) step pr-decode "${PR_TIMEOUT:-570}" python3 bench/phase_ratio.py --device cuda \
            --configs 1p1d,colocated2,colocated1 --rate-sweep plan --profile "$profile" \
-           --slo ttft=2000,tpot=10 --model "$big" --worker-args "--load-format dummy" \
+           --slo ttft=2000,tpot=8 --model "$big" --worker-args "--load-format dummy" \
            --input-len 256 --output-len 1024 --num-prompts 100 --no-progress \
            --output-dir "$OUT/phase-ratio-decode" ;;
     transfer-fp8) step transfer-fp8 300 python3 bench/transfer.py --dtype float8_e4m3fn \
