@@ -10,8 +10,9 @@ flashinfer's default (FA3 on Hopper) when every row is a prompt chunk, its FA2 k
 decode rows are mixed in. FA3's paged kernels read the cache one token at a time (page ids are
 turned into token offsets on every call), which makes a decode row's long context slow: on an
 H200, a 1920-token chunk with 128 decode rows of 2048 tokens (Llama-3.1-8B shape) spent 41 ms
-of its 94 ms step in FA3 attention and 3.4 ms converting page ids, where the FA2 kernel reads
-the same 128 x 2048 contexts in 8.4 ms (probe at f3c35ea).
+of its 94 ms step in FA3 attention and 3.4 ms converting page ids (the FA2 kernel behind the
+tensor-core decode reads the same 128 x 2048 contexts in 8.4 ms); on FA2 that step takes 64 ms
+(bench/results/mixed-step-fa2-vs-fa3-h200.json). For prompts alone FA3 is as fast or faster.
 CUDA graphs use one decode wrapper per captured batch size, each in flashinfer's CUDA-graph
 mode over fixed page-table buffers shared by all sizes; plan_cuda_graph() refills them.
 
