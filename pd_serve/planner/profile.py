@@ -119,6 +119,7 @@ def measure(args: argparse.Namespace) -> dict:
                                 chunked_prefill_size=max(tokens + [chunk]) + max(batches),
                                 max_running_requests=max(batches + args.prefill_mixes + [256]))
     core = _build_core(dataclasses.replace(config, cache=cache, scheduler=sched))
+    _check_context(core.max_model_len, tokens, contexts, mixed, repeats)
     t = _Timer(core, repeats)
 
     prefill = [t.prefill([n // k] * k) for n in tokens for k in args.prefill_mixes if n >= k]
@@ -145,6 +146,19 @@ def measure(args: argparse.Namespace) -> dict:
         "wall_s": round(time.perf_counter() - started, 1),
         "load_average": [load_at_start, os.getloadavg()[0]],  # 1-minute, at start and end
     }
+
+
+def _check_context(max_model_len: int, tokens: list[int], contexts: list[int], mixed, repeats: int) -> None:
+    """Every timed sequence fits the model's context (the timer adds requests directly, past
+    the checks a served prompt meets; beyond the context the RoPE tables run out)."""
+    too_long = [f"--prefill-tokens {n}" for n in tokens if n > max_model_len]
+    too_long += [f"--decode-contexts {c} (+{repeats + DECODE_SPARE} decoded)" for c in contexts
+                 if c + repeats + DECODE_SPARE > max_model_len]
+    too_long += [f"--mixed-points {p}:{b}:{c}" for p, b, c in mixed
+                 if max(p, c + repeats + DECODE_SPARE) > max_model_len]
+    if too_long:
+        raise ValueError(f"{', '.join(too_long)}: longer than the model's context of "
+                         f"{max_model_len} tokens (--context-length)")
 
 
 def warn_if_noisy(prefill: list[dict], decode: list[list[float]]) -> None:

@@ -190,7 +190,7 @@ def test_recorded_profile_fits_its_measurements():
         assert costs.prefill_time(p["num_tokens"], p["attn_pairs"]) == pytest.approx(p["time_s"], rel=0.2)
 
 
-def test_profile_command_writes_the_layout(tmp_path, default_model_dir):
+def test_profile_command_writes_the_layout(tmp_path, default_model_dir, capsys):
     out = tmp_path / "p.json"
     assert main(["profile", "--output", str(out), "--device", "cpu", "--prefill-tokens", "8,16",
                  "--decode-batches", "1,2", "--decode-contexts", "8", "--repeats", "1",
@@ -206,6 +206,14 @@ def test_profile_command_writes_the_layout(tmp_path, default_model_dir):
     for bad in ("16:2", "16:2:0", "a:b:c", ""):
         with pytest.raises(SystemExit):
             main(["profile", "--output", str(out), "--mixed-points", bad])
+    # longer than the context (here cut to 64 tokens): a clear error before anything is timed
+    short = ["profile", "--output", str(tmp_path / "q.json"), "--device", "cpu", "--context-length", "64",
+             "--prefill-tokens", "8", "--decode-batches", "1", "--decode-contexts", "8", "--repeats", "1"]
+    for flag, value in (("--prefill-tokens", "65"), ("--decode-contexts", "60"), ("--mixed-points", "8:1:60")):
+        argv = short + [flag, value]
+        assert main(argv) == 2
+        assert f"{flag} " in capsys.readouterr().err and not (tmp_path / "q.json").exists()
+    assert main(short) == 0
 
 
 def test_profile_times_decode_back_to_back_under_the_overlap_schedule(tmp_path, monkeypatch,
