@@ -27,8 +27,9 @@ import time
 
 logger = logging.getLogger(__name__)
 
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-QUICK_DECODE_BATCHES = (1, 4, 16, 64)
+# Dense at the small end, where step times bend (see warn_if_noisy: MKL's 2- and 3-row GEMMs)
+DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+QUICK_DECODE_BATCHES = (1, 2, 3, 4, 8, 16, 64)
 DECODE_CONTEXTS = (64, 256, 1024)
 DECODE_SPARE = 8  # tokens a decode point's requests have room for beyond --repeats
 MIXED_POINTS = ((64, 4, 256), (256, 4, 256), (64, 32, 256), (256, 32, 256))  # prompt, batch, context
