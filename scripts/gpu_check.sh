@@ -20,6 +20,9 @@
 # (default: tests onebatch e2e, in that order). Carry .whl and .gpu-model.
 # TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
 # ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile).
+# PROFILE: the profile the phase-ratio steps take their rates from (default: this run's, from the
+# profile step); PR_TIMEOUT: seconds per phase-ratio step (default 570). Each step gets SIGINT at
+# its timeout, so a benchmark still writes what it measured.
 # The GPU machine cannot carry the 94 MB default GGUF, so the end-to-end tests serve a tiny
 # random Llama written there with SmolLM2's tokenizer, under the default model's name.
 set -uo pipefail
