@@ -443,9 +443,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model = ["--model", args.model] if args.model else []
     args.worker_argv = ["--device", args.device, *model, *shlex.split(args.worker_args)]
     args.worker_argv += launch_transfer_args(args.worker_argv)  # as `pd-serve launch` does
+    if args.profile:
+        _check_profile(p, args)
     args.gateway_argv = [*model, *shlex.split(args.gateway_args)]
     args.output_dir = args.output_dir or Path(f"phase-ratio-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     return args
+
+
+def _check_profile(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--profile must come from this device type (an error otherwise) and, when --model is
+    given, should be of that model (a warning otherwise: a renamed folder may still match)."""
+    from pd_serve.planner.costs import load_profile
+    try:
+        profile = load_profile(args.profile)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    if profile.get("device_type") != args.device:
+        p.error(f"--profile {args.profile} was recorded on {profile.get('device_type')}, this sweep "
+                f"runs on {args.device}: record one here (pd-serve profile --device {args.device})")
+    if args.model and Path(args.model).name != profile.get("model"):
+        log(f"warning: --profile {args.profile} is of model {profile.get('model')!r}, the sweep "
+            f"serves {Path(args.model).name!r}")
 
 
 def device_info(args: argparse.Namespace) -> dict:

@@ -56,6 +56,14 @@ def test_rates_from_the_planner(capsys):
         with pytest.raises(SystemExit):
             parse_args([*flags, *bad])
     assert "--rate-sweep plan and --profile go together" in capsys.readouterr().err
+    gpu_profile = REPO_ROOT / "bench" / "results" / "profile-h200-llama3-8b.json"
+    for bad, why in ((gpu_profile, "was recorded on cuda, this sweep runs on cpu"),
+                     (REPO_ROOT / "no-such-profile.json", "no such file")):
+        with pytest.raises(SystemExit):
+            parse_args([*flags, "--rate-sweep", "plan", "--profile", str(bad)])
+        assert why in capsys.readouterr().err
+    parse_args([*flags, "--rate-sweep", "plan", "--profile", str(profile), "--model", "/models/other"])
+    assert "is of model 'SmolLM2" in capsys.readouterr().err  # a warning: the sweep may go on
 
 
 def row(config: str, rate: float, goodput: float, attainment: float, num_slots: int = 2) -> dict:
