@@ -138,10 +138,10 @@ def planned_capacity(args: argparse.Namespace) -> dict[str, float]:
     """Each configuration's requests/s with every prompt sent at once, as the planner's
     simulator predicts it on --profile for this workload and the workers' limits."""
     from bench.planner_check import spec_of, worker_limits
-    from pd_serve.planner.costs import CostModel, load_profile
+    from pd_serve.planner.costs import CostModel
     from pd_serve.planner.plan import evaluate, workload, workload_args
 
-    profile = load_profile(args.profile)
+    profile = args.profile_data
     costs = CostModel.from_profile(profile)
     wl_args = workload_args(argparse.Namespace(**args.serving), profile.get("max_model_len"))
     requests, limits = workload(wl_args, math.inf), worker_limits(args.worker_argv)
@@ -443,16 +443,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model = ["--model", args.model] if args.model else []
     args.worker_argv = ["--device", args.device, *model, *shlex.split(args.worker_args)]
     args.worker_argv += launch_transfer_args(args.worker_argv)  # as `pd-serve launch` does
-    if args.profile:
-        _check_profile(p, args)
+    args.profile_data = _checked_profile(p, args) if args.profile else None
     args.gateway_argv = [*model, *shlex.split(args.gateway_args)]
     args.output_dir = args.output_dir or Path(f"phase-ratio-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     return args
 
 
-def _check_profile(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--profile must come from this device type (an error otherwise) and, when --model is
-    given, should be of that model (a warning otherwise: a renamed folder may still match)."""
+def _checked_profile(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """--profile, loaded: it must come from this device type (an error otherwise) and, when
+    --model is given, should be of that model (a warning otherwise: a renamed folder may still
+    match)."""
     from pd_serve.planner.costs import load_profile
     try:
         profile = load_profile(args.profile)
@@ -464,6 +464,7 @@ def _check_profile(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if args.model and Path(args.model).name != profile.get("model"):
         log(f"warning: --profile {args.profile} is of model {profile.get('model')!r}, the sweep "
             f"serves {Path(args.model).name!r}")
+    return profile
 
 
 def device_info(args: argparse.Namespace) -> dict:

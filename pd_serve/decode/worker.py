@@ -120,10 +120,7 @@ class DecodeWorker(Worker):
     def _results(self) -> list[tuple[int, TransferResult]]:
         results = [(0, r) for r in self.receiver.poll()]
         if self.core.tp_results is not None:
-            theirs = drain(self.core.tp_results)
-            for _, result in theirs:  # the followers' parts count in this worker's /metrics
-                self.receiver.stats.record(result)
-            results += theirs
+            results += drain(self.core.tp_results, self.receiver.stats)
         return results
 
     def tick(self) -> None:

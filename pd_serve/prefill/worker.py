@@ -111,10 +111,7 @@ class PrefillWorker(Worker):
     def _results(self) -> list[TransferResult]:
         results = self.sender.poll()
         if self.core.tp_results is not None:
-            theirs = [result for _, result in drain(self.core.tp_results)]
-            for result in theirs:  # the followers' parts count in this worker's /metrics
-                self.sender.stats.record(result)
-            results += theirs
+            results += [result for _, result in drain(self.core.tp_results, self.sender.stats)]
         return results
 
     def tick(self) -> None:

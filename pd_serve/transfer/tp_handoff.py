@@ -162,9 +162,10 @@ class Follower:
         self.half.close()
 
 
-def drain(results, limit: int = 4096) -> list[tuple[int, TransferResult]]:
+def drain(results, stats, limit: int = 4096) -> list[tuple[int, TransferResult]]:
     """Rank 0: the (rank, result) of every transfer the followers finished since the last
-    call (without waiting)."""
+    call (without waiting); each is also recorded in `stats`, so the followers' parts count in
+    the worker's /metrics."""
     out = []
     while len(out) < limit:
         try:
@@ -172,4 +173,5 @@ def drain(results, limit: int = 4096) -> list[tuple[int, TransferResult]]:
         except queue.Empty:
             break
         out.append((rank, TransferResult(*fields)))
+        stats.record(out[-1][1])
     return out
