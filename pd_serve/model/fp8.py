@@ -13,9 +13,10 @@ statically, by the checkpoint's `input_scale`. Then
 
     y[t, n] = s_t * weight_scale[n] * sum_k q[t, k] * weight[n, k]
 
-`fp8_linear` runs that as `torch._scaled_mm` (row-wise scales, float32 accumulation) on CUDA
-GPUs with FP8 tensor cores (compute capability 8.9+, bf16 activations, K and N multiples of
-16); everywhere else it runs `fp8_linear_ref`: x quantized and dequantized per token, times
+`fp8_linear` runs one row on CUDA GPUs as kernels/gemv.py's GEMV (the same arithmetic, the
+weight read at the memory rate); more rows as `torch._scaled_mm` (row-wise scales, float32
+accumulation) on CUDA GPUs with FP8 tensor cores (compute capability 8.9+, bf16 activations,
+K and N multiples of 16); everywhere else it runs `fp8_linear_ref`: x quantized and dequantized per token, times
 the dequantized weight, so CPU numbers carry the FP8 error of weights and activations alike.
 
 Checkpoints (what vLLM and SGLang load): config.json's `quantization_config` with
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.gemv import gemv
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -154,7 +157,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     [..., N] in x's dtype.
     """
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
-    if dense is None and _use_scaled_mm(x2, weight):
+    if dense is None and x2.shape[0] == 1 and x2.is_cuda:  # decode at batch 1: the GEMV
+        out = gemv(x2, weight, weight_scale, input_scale, bias)
+    elif dense is None and _use_scaled_mm(x2, weight):
         out = fp8_linear_scaled_mm(x2, weight, weight_scale, input_scale, bias)
     else:
         out = fp8_linear_ref(x2, weight, weight_scale, input_scale, bias, dense=dense)

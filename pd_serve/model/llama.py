@@ -4,7 +4,8 @@ The forward pass takes flat tokens of a whole batch (input_ids [T], positions [T
 attention backend already planned for that batch; it knows nothing of requests or pages.
 Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (see loader.py).
 Norms, RoPE and SiLU-and-mul call kernels/: Triton on GPU, their torch references on CPU (which
-reproduce Hugging Face's arithmetic). The residual stream is carried beside the hidden states so
+reproduce Hugging Face's arithmetic); linear layers of one row (decode at batch 1) run
+kernels/gemv.py's GEMV on GPU, cuBLAS otherwise. The residual stream is carried beside the hidden states so
 the residual add fuses into the next norm. Nothing here syncs with the host: CUDA graphs
 capture the whole forward.
 """
@@ -12,10 +13,10 @@ capture the whole forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
+from kernels.gemv import linear
 from kernels.norm import rms_norm
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
@@ -33,13 +34,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose one-row calls run the GEMV kernel on GPU (kernels/gemv.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -61,8 +69,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -103,7 +111,7 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tp = None  # a tensor-parallel shard's TPGroup (model/parallel.py): logits are gathered
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
@@ -122,7 +130,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = linear(hidden, weight)
         if self.tp is not None:  # this rank's slice of the vocabulary
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import linear
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
 from pd_serve.model.quant import QuantLinear
@@ -88,7 +89,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

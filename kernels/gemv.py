@@ -1,0 +1,172 @@
+"""GEMV: `x @ W.T (+ bias)` for one row of x, the shape of every linear layer at decode batch 1.
+
+One row reads each weight once and does two FLOPs per weight element, so the layer is a read
+of W at the memory rate or it is slow. cuBLAS picks GEMM tiles for it (128 x 8 outputs, with a
+split-K reduce kernel after the narrow layers) that read Llama-3.1-8B's q/k/v and o weights at
+only 3.1 and 2.5 TB/s on an H200. Here a program owns BLOCK_N output channels and walks the
+whole K range in BLOCK_K steps, loading a [BLOCK_N, BLOCK_K] weight tile per step and keeping
+float32 products in a tile of the same shape, summed over K once at the end: no split-K, no
+second kernel, and BLOCK_N small enough that every SM has programs in flight.
+
+FP8 weights (float8_e4m3fn [N, K] with a float32 per-channel weight_scale [N]) take the same
+arithmetic as `pd_serve.model.fp8.fp8_linear`: x is rounded to FP8 per token by its own scale
+max|x| / 448 (dynamic, computed by each program from the whole row, which sits in L2) or by
+the static input_scale, the FP8 products are summed in float32, and
+
+    y[n] = acc[n] * x_scale * weight_scale[n]      (rounded to x's dtype, then + bias)
+
+Block sizes are a fixed choice by K (no autotuning), from timings under CUDA graphs over 32
+distinct copies of each Llama-3.1-8B layer on an H200 (bf16, us per call, cuBLAS / here):
+q/k/v 16.3 / 13.9, o 13.5 / 10.7, gate/up 55.1 / 54.4, down 31.6 / 28.7, LM head 243 / 235.
+From two rows up cuBLAS wins (its tiles share the weight read between rows; this kernel's
+do not), so `linear` takes this path for one row only.
+
+`linear` runs the kernel for one-row CUDA inputs (or CPU ones when PD_SERVE_TRITON_CPU=1,
+Triton's interpreter, how the tests exercise it) and `F.linear` otherwise. Triton is imported
+lazily, so importing this module never imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import lazy_kernel
+
+# Kernel launches so far; the tests read it to confirm the Triton path really ran.
+triton_launches = 0
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale (as pd_serve.model.fp8)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+tl = None  # triton.language, bound when _kernel is first built
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; one-row inputs [1, K] on the GPU run the GEMV kernel.
+
+    Parameters
+    ----------
+    x : [T, K] (or [K]) float16/bfloat16/float32.
+    weight : [N, K] in x's dtype.
+    bias : [N] in x's dtype, or None.
+
+    Returns
+    -------
+    [T, N] (or [N]) in x's dtype.
+    """
+    if (x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype and x.dtype in _DTYPES
+            and _kernel.runs_on(x)):
+        return gemv(x, weight, bias=bias)
+    return F.linear(x, weight, bias)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+         input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One row through a linear layer, on the Triton kernel.
+
+    Parameters
+    ----------
+    x : [1, K] float16/bfloat16/float32 (any strides).
+    weight : [N, K], contiguous: x's dtype, or float8_e4m3fn with weight_scale.
+    weight_scale : float32 [N] for an FP8 weight (W[n] = weight[n] * weight_scale[n]); else None.
+    input_scale : float32 [1]: an FP8 layer's static activation scale; None: dynamic (per token).
+    bias : [N] in x's dtype, or None.
+
+    Returns
+    -------
+    [1, N], new and contiguous, in x's dtype.
+    """
+    _check(x, weight, weight_scale, input_scale, bias)
+    global triton_launches
+    kernel = _kernel.load()
+    x = x.contiguous()
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    fp8 = weight_scale is not None
+    block_n, block_k, num_warps, num_stages = _block_config(k, fp8)
+    kernel[(-(-n // block_n),)](
+        x, weight, out, weight_scale if fp8 else weight, input_scale if input_scale is not None else x,
+        bias if bias is not None else x, n, k, FP8=fp8, STATIC_SCALE=input_scale is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages)
+    triton_launches += 1
+    return out
+
+
+def _block_config(k: int, fp8: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) by the layer's K (see the module docstring).
+
+    FP8 layers take 16 channels a program whatever K: each program reads the whole x row once
+    more for its scale, which two channels a program would multiply many times over."""
+    if k >= 8192 or fp8:
+        return 16, 1024, 8, 4
+    return 2, 1024, 4, 2
+
+
+@lazy_kernel("the GEMV")
+def _kernel(triton):
+    """The jitted GEMV kernel."""
+    @triton.jit
+    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, N, K,
+                    FP8: tl.constexpr, STATIC_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
+        rk = tl.arange(0, BLOCK_K)
+        n_mask = rn < N
+        rows = rn.to(tl.int64)[:, None] * K  # [BN, 1] weight row starts
+        if FP8:
+            if STATIC_SCALE:
+                x_scale = tl.load(in_scale_ptr).to(tl.float32)
+            else:  # max |x| over the whole row, in float32
+                amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    xs = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(xs))
+                x_scale = tl.maximum(tl.reduce(amax, 0, tl.standard._elementwise_max) / 448.0, 1e-12)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_mask = kk < K
+            xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            if FP8:  # x rounded to FP8 as fp8_linear does: x / scale, saturated
+                xs = tl.minimum(tl.maximum(xs / x_scale, -448.0), 448.0)
+                xs = xs.to(tl.float8e4nv).to(tl.float32)
+            w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            acc += w.to(tl.float32) * xs[None, :]
+        # tl.reduce with Triton's add combiner, not tl.sum (see kernels/norm.py: the interpreter)
+        y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]
+        if FP8:
+            y = y * x_scale * tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
+        y = y.to(out_ptr.dtype.element_ty)
+        if HAS_BIAS:
+            y = (y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rn, y, mask=n_mask)
+
+    return gemv_kernel
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+           input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be [1, K] float16/bfloat16/float32, got {x.dtype} {tuple(x.shape)}")
+    k = x.shape[1]
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous [N, {k}], got {tuple(weight.shape)}")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (weight_scale is not None):
+        raise ValueError(f"a {weight.dtype} weight {'needs' if fp8 else 'takes no'} weight_scale")
+    if not fp8 and weight.dtype != x.dtype:
+        raise ValueError(f"weight is {weight.dtype}, x {x.dtype}")
+    if input_scale is not None and not fp8:
+        raise ValueError("input_scale belongs to FP8 weights")
+    n = weight.shape[0]
+    for name, t, shape in (("weight_scale", weight_scale, (n,)), ("input_scale", input_scale, (1,))):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape):
+            raise ValueError(f"{name} must be float32 {list(shape)}, got {t.dtype} {tuple(t.shape)}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be {x.dtype} [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    for t in (weight, weight_scale, input_scale, bias):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"all tensors must be on {x.device}; one is on {t.device}")

@@ -1,0 +1,148 @@
+"""The one-row GEMV kernel against F.linear and against the FP8 layer's reference.
+
+On CPU the kernel runs in Triton's interpreter (fp16/fp32: its bf16 arithmetic is wrong); on a
+CUDA machine the cuda-parametrised tests compile it at Llama-3.1-8B layer shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import gemv
+from pd_serve.model import fp8
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # of max |ref|
+# (N, K): ragged ones leave partial channel and K blocks; K >= 8192 takes the wide-block config
+SHAPES = [(64, 256), (70, 1030), (24, 8200)]
+
+
+@contextlib.contextmanager
+def expect_launches(n: int):
+    before = gemv.triton_launches
+    yield
+    assert gemv.triton_launches - before == n, "the Triton path did not run as expected"
+
+
+def random(shape, dtype, device, seed, scale=1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(device, dtype)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape and out.is_contiguous()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= TOLERANCE[dtype] * ref.float().abs().max().item(), err
+
+
+def run_dense(device, dtype, n, k, with_bias):
+    x = random((1, k), dtype, device, 1)
+    w = random((n, k), dtype, device, 2, 0.05)
+    bias = random((n,), dtype, device, 3) if with_bias else None
+    with expect_launches(1):
+        out = gemv.linear(x, w, bias)
+    ref = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+    assert_close(out, ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_dense_matches_linear(dtype, n, k, with_bias):
+    run_dense("cpu", dtype, n, k, with_bias)
+
+
+@needs_triton
+def test_strided_row_and_other_shapes_fall_back():
+    """A strided row is copied first; two rows (and [K] vectors) go to F.linear."""
+    w = random((64, 256), torch.float32, "cpu", 2, 0.05)
+    x = random((1, 512), torch.float32, "cpu", 1)[:, ::2]
+    with expect_launches(1):
+        assert_close(gemv.linear(x, w), F.linear(x, w), torch.float32)
+    two = random((2, 256), torch.float32, "cpu", 1)
+    with expect_launches(0):
+        assert torch.equal(gemv.linear(two, w), F.linear(two, w))
+        assert torch.equal(gemv.linear(two[0], w), F.linear(two[0], w))
+
+
+def test_cpu_without_interpreter_is_f_linear(monkeypatch):
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU")
+    x, w = random((1, 256), torch.float32, "cpu", 1), random((64, 256), torch.float32, "cpu", 2)
+    with expect_launches(0):
+        assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+
+
+def run_fp8(device, dtype, n, k, static, with_bias, exact_x=False):
+    x = random((1, k), dtype, device, 1)
+    x[0, 3] = 9.0  # one outlier sets the dynamic scale
+    if exact_x:  # x = q * 2**-5 with q in FP8 and max |q| = 448: x / scale is exact either way
+        q = (x.float() * 20).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        q[0, 3] = 448.0
+        x = (q * 2 ** -5).to(dtype)
+    weight, weight_scale = fp8.quantize_weight(random((n, k), torch.float32, device, 2, 0.05))
+    input_scale = torch.tensor([2 ** -5 if exact_x else 0.02], device=device) if static else None
+    bias = random((n,), dtype, device, 3) if with_bias else None
+    with expect_launches(1):
+        out = gemv.gemv(x, weight, weight_scale, input_scale, bias)
+    ref = fp8.fp8_linear_ref(x.float(), weight, weight_scale, input_scale)  # float32 math
+    ref = ref.to(dtype) if bias is None else (ref.to(dtype) + bias)
+    assert_close(out, ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("n,k", SHAPES[:2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_fp8_matches_reference(dtype, n, k, static, with_bias):
+    """x exactly representable after scaling: Triton's interpreter rounds float32 to FP8
+    wrongly (ties away from zero, 31.0 to 16.0, subnormals), so the rounding itself is
+    tested on the GPU (test_cuda_fp8, random x) and the rest of the arithmetic here."""
+    run_fp8("cpu", dtype, n, k, static, with_bias, exact_x=True)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(x=torch.zeros(2, 8)), r"x must be \[1, K\]"),
+    (dict(w=torch.zeros(4, 16)), r"weight must be contiguous \[N, 8\]"),
+    (dict(w=torch.zeros(8, 4).t()), "weight must be contiguous"),
+    (dict(w=torch.zeros(4, 8, dtype=torch.float16)), "weight is torch.float16"),
+    (dict(w=torch.zeros(4, 8, dtype=torch.float8_e4m3fn)), "needs weight_scale"),
+    (dict(scale=torch.ones(4)), "takes no weight_scale"),
+    (dict(w=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), scale=torch.ones(3)),
+     r"weight_scale must be float32 \[4\]"),
+    (dict(bias=torch.zeros(5)), r"bias must be torch.float32 \[4\]"),
+])
+def test_bad_input_is_a_clear_error(bad, match):
+    x = bad.get("x", torch.zeros(1, 8))
+    w = bad.get("w", torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=match):
+        gemv.gemv(x, w, bad.get("scale"), None, bad.get("bias"))
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("device", ["cuda"])
+def test_cuda_dense(device, dtype, n, k):
+    run_dense(device, dtype, n, k, with_bias=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("device", ["cuda"])
+def test_cuda_fp8(device, n, k, static):
+    run_fp8(device, torch.bfloat16, n, k, static, with_bias=False)
