@@ -1,6 +1,7 @@
-"""The flashinfer backend on batches that mix decode rows with prompt chunks, against the torch
-backend on the same pool (skipped without CUDA or flashinfer): such batches run flashinfer's
-FA2 prefill kernels, prompt-only batches its default ones (flashinfer_backend.py says why)."""
+"""The flashinfer backend against the torch backend on the same pool (skipped without CUDA or
+flashinfer): batches that mix decode rows with prompt chunks run flashinfer's FA2 prefill
+kernels, prompt-only batches its default ones, decode batches its decode wrapper and a single
+decode row our Triton kernel (flashinfer_backend.py says why)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def batch(rows: list[tuple[int, int]], num_pages: int, seed: int) -> AttentionMe
 @pytest.mark.parametrize("rows, wrapper", [
     ([(1, 700), (300, 500), (1, 1500), (50, 50), (1, 17)], "mixed_wrapper"),  # decodes + prompts
     ([(300, 500), (50, 50), (16, 16)], "prefill_wrapper"),                     # prompts only
+    ([(1, 700), (1, 17)], "decode_wrapper"),
+    ([(1, 700)], "one_row"),                                                    # Triton's decode
 ])
 def test_flashinfer_matches_torch_on_mixed_batches(rows, wrapper):
     layout = KVLayout(1, PAGE, NUM_KV_HEADS, HEAD_DIM, "bfloat16")
@@ -52,8 +55,10 @@ def test_flashinfer_matches_torch_on_mixed_batches(rows, wrapper):
         backend = create_backend(name, pool, NUM_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
         backend.plan(meta)
         outs[name] = backend.run(0, q, k, v).float()
-        if name == "flashinfer":
-            assert backend.wrapper is getattr(backend, wrapper)
+        if name == "flashinfer" and wrapper == "one_row":
+            assert backend.delegate is backend.one_row
+        elif name == "flashinfer":
+            assert backend.delegate is None and backend.wrapper is getattr(backend, wrapper)
     ref, ours = outs["torch"], outs["flashinfer"]
     assert torch.isfinite(ours).all()
     rel_error = ((ours - ref).norm() / ref.norm()).item()

@@ -16,6 +16,12 @@ tensor-core decode reads the same 128 x 2048 contexts in 8.4 ms); on FA2 that st
 CUDA graphs use one decode wrapper per captured batch size, each in flashinfer's CUDA-graph
 mode over fixed page-table buffers shared by all sizes; plan_cuda_graph() refills them.
 
+Decode of a single row runs our Triton kernel instead (kernels/paged_attention.py, through a
+TritonAttentionBackend over the same pool): on an H200 with Llama-3.1-8B's heads, per layer
+under a CUDA graph, 8.5 / 12.1 / 15.7 us at 1k / 4k / 8k context against 10.4 / 14.4 / 18.4 us
+for flashinfer's tensor-core decode and its state merge (two launches where one suffices);
+both latency-bound at batch 1 (bench/results/probe-bs1-attention-h200.json).
+
 FP8 pools: plan() passes the pool's dtype as kv_data_type (q stays bf16/fp16) and run() passes
 the layer's k_scale / v_scale, which flashinfer folds into sm_scale and multiplies onto the
 output (v_scale only when it is not 1). The prefill wrapper is pinned to the FA2 kernels then:
@@ -32,6 +38,7 @@ import torch
 from kernels.kv_store import store_kv
 from pd_serve.cache.pool import KVPool
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
 
 WORKSPACE_BYTES = 256 * 2**20  # split-k partial results; flashinfer recommends 128 MiB or more
 TENSOR_CORES_ENV = "PD_SERVE_FLASHINFER_TENSOR_CORES"
@@ -75,7 +82,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.graph_wrappers: dict[int, object] = {}
+        self.one_row = TritonAttentionBackend(pool, num_heads, head_dim, scale, dtype)
         self.wrapper = None  # the one run() uses, chosen by the last plan*()
+        self.delegate: TritonAttentionBackend | None = None  # set for one-row decode: runs it
         self.is_prefill = False
 
     # ---- planning ---------------------------------------------------------------------------
@@ -108,6 +117,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         self.slot_mapping = meta.slot_mapping
         self.is_prefill = any(n != 1 for n in meta.query_lens)
+        self.delegate = None
+        if meta.query_lens == [1]:
+            self.one_row.plan(meta)
+            self.delegate = self.one_row
+            return
         if not self.is_prefill:
             self._plan_decode(self.decode_wrapper, meta)
             self.wrapper = self.decode_wrapper
@@ -129,8 +143,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.graph_indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=device)
         self.graph_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.one_row.init_cuda_graph(1, max_pages_per_seq)
 
     def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
+        if bs == 1:
+            self.one_row.plan_cuda_graph(1, meta)
+            self.delegate = self.one_row
+            self.is_prefill = False
+            return
+        self.delegate = None
         wrapper = self.graph_wrappers.get(bs)
         if wrapper is None:
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -146,6 +167,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- per layer --------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.delegate is not None:
+            return self.delegate.run(layer_id, q, k, v)
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)  # [P, S, Hkv, D]
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
         store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)

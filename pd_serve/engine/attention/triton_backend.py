@@ -47,8 +47,14 @@ class TritonAttentionBackend(AttentionBackend):
             flat += row + [0] * (width - len(row))
         return flat
 
+    def _host(self, values: list[int]) -> torch.Tensor:
+        """int32 values on the host, page-locked when they go to a GPU: copies from there queue
+        without waiting for the step in flight (a blocking one would undo the overlap schedule)."""
+        host = torch.tensor(values, dtype=torch.int32)
+        return host.pin_memory() if self.device.type == "cuda" else host
+
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=self.device)  # one H2D copy
+        return self._host(values).to(self.device, non_blocking=True)  # one H2D copy
 
     def plan(self, meta: AttentionMetadata) -> None:
         num_rows = len(meta.query_lens)
@@ -83,9 +89,9 @@ class TritonAttentionBackend(AttentionBackend):
                 or any(n != 1 for n in meta.query_lens)):
             raise ValueError(f"a graph batch is {bs} <= {max_bs} rows of one new token each, got "
                              f"query_lens {meta.query_lens}")
-        host_table = torch.tensor(self._page_rows(meta, width), dtype=torch.int32)
-        self.graph_page_table[:bs].copy_(host_table.view(bs, width))  # in place: graphs hold it
-        self.graph_seq_lens[:bs].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32))
+        host_table = self._host(self._page_rows(meta, width)).view(bs, width)
+        self.graph_page_table[:bs].copy_(host_table, non_blocking=True)  # in place: graphs hold it
+        self.graph_seq_lens[:bs].copy_(self._host(meta.seq_lens), non_blocking=True)
         self.page_table = self.graph_page_table[:bs]
         self.seq_lens = self.graph_seq_lens[:bs]
         self.decode = True
