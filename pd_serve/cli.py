@@ -39,6 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=d_engine.cuda_graph_max_bs,
                    help="largest decode batch replayed through a CUDA graph")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
+    g.add_argument("--enable-batch1-kernels", action="store_true",
+                   help="GPU: decode steps of one request run a Triton GEMV for each linear layer "
+                        "and Triton paged attention (faster at batch 1, but such a step rounds "
+                        "differently from a batched one, so a request's greedy output can depend "
+                        "on whether it decoded alone)")
     g.add_argument("--tp", type=int, default=1,
                    help="tensor parallel size: this engine's ranks, one process and one GPU each "
                         "(cuda:0..tp-1 of the visible ones); colocated workers and the Python "
@@ -69,7 +74,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
                 "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
-                "disable_overlap_schedule", "tp", "quantization", "page_size", "max_total_tokens",
+                "disable_overlap_schedule", "enable_batch1_kernels", "tp", "quantization", "page_size", "max_total_tokens",
                 "mem_fraction_static", "cpu_kv_cache_gb",
                 "kv_cache_dtype", "max_running_requests", "chunked_prefill_size", "schedule_policy")
 

@@ -58,6 +58,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # GPU: plan step N+1 while step N runs unless set
+    # GPU: one-row decode steps run Triton GEMVs and Triton attention (faster; rounds differently
+    # from batched steps, so greedy output may depend on the batch: off by default)
+    enable_batch1_kernels: bool = False
     tp: int = 1  # tensor parallel size: ranks (processes, one GPU each) of this engine
     quantization: str | None = None  # fp8 / gptq; None: the checkpoint's (pd_serve/model/quant.py)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -34,6 +34,7 @@ from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput, needs
 from pd_serve.engine.scheduler import Scheduler, SchedulerOutput
 from pd_serve.launch import free_port
 from pd_serve.model.config import ModelConfig, resolve_dtype
+from pd_serve.model.llama import use_batch1_kernels
 from pd_serve.model.loader import load_model
 from pd_serve.model.parallel import shard_model
 from pd_serve.model.tokenizer import Tokenizer
@@ -102,7 +103,9 @@ class EngineCore:
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype,
                                                       mc.head_dim)
         attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
-                              mc.head_dim ** -0.5, self.dtype)
+                              mc.head_dim ** -0.5, self.dtype, batch1_kernels=cfg.enable_batch1_kernels)
+        if cfg.enable_batch1_kernels:
+            use_batch1_kernels(self.model)
         self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
         if self.tp is not None and self.tp.rank == 0:
             self.runner.on_launch = lambda plan: tp_group.broadcast(

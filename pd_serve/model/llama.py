@@ -4,8 +4,8 @@ The forward pass takes flat tokens of a whole batch (input_ids [T], positions [T
 attention backend already planned for that batch; it knows nothing of requests or pages.
 Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (see loader.py).
 Norms, RoPE and SiLU-and-mul call kernels/: Triton on GPU, their torch references on CPU (which
-reproduce Hugging Face's arithmetic); linear layers of one row (decode at batch 1) run
-kernels/gemv.py's GEMV on GPU, cuBLAS otherwise. The residual stream is carried beside the hidden states so
+reproduce Hugging Face's arithmetic). Linear layers run cuBLAS on GPU; `use_batch1_kernels`
+(--enable-batch1-kernels) gives one-row inputs (decode at batch 1) kernels/gemv.py's GEMV. The residual stream is carried beside the hidden states so
 the residual add fuses into the next norm. Nothing here syncs with the host: CUDA graphs
 capture the whole forward.
 """
@@ -13,6 +13,7 @@ capture the whole forward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
@@ -35,10 +36,12 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose one-row calls run the GEMV kernel on GPU (kernels/gemv.py)."""
+    """nn.Linear; with batch1_kernels set, one-row calls run the GEMV kernel on GPU."""
+
+    batch1_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return (linear if self.batch1_kernels else F.linear)(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -113,6 +116,7 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tp = None  # a tensor-parallel shard's TPGroup (model/parallel.py): logits are gathered
+        self.batch1_kernels = False  # see use_batch1_kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 after_layer=None) -> torch.Tensor:
@@ -130,7 +134,16 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = linear(hidden, weight)
+        logits = (linear if self.batch1_kernels else F.linear)(hidden, weight)
         if self.tp is not None:  # this rank's slice of the vocabulary
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()
+
+
+def use_batch1_kernels(model: nn.Module) -> None:
+    """Give every linear layer of `model` (and its LM head) that has the switch the one-row GEMV
+    (kernels/gemv.py): faster decode at batch 1 on GPU, but a row computed alone then rounds
+    differently from the same row in a batch, so greedy output can depend on the batch."""
+    for module in model.modules():
+        if hasattr(module, "batch1_kernels"):
+            module.batch1_kernels = True

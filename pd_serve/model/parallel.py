@@ -87,9 +87,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = tp
+        self.batch1_kernels = False  # see llama.use_batch1_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = self.tp.all_reduce((linear if self.batch1_kernels else F.linear)(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -193,6 +193,7 @@ class Fp8Linear(QuantLinear):
     at run time, as vLLM does)."""
 
     required = ("weight", "weight_scale")
+    batch1_kernels = False  # one-row calls on the GEMV kernel (llama.use_batch1_kernels)
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
                  config: fp8.Fp8Config):
@@ -241,7 +242,7 @@ class Fp8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias,
-                              dense=self.dense)
+                              dense=self.dense, gemv_one_row=self.batch1_kernels)
 
     @classmethod
     @torch.no_grad()

@@ -1,7 +1,7 @@
 """The flashinfer backend against the torch backend on the same pool (skipped without CUDA or
 flashinfer): batches that mix decode rows with prompt chunks run flashinfer's FA2 prefill
-kernels, prompt-only batches its default ones, decode batches its decode wrapper and a single
-decode row our Triton kernel (flashinfer_backend.py says why)."""
+kernels, prompt-only batches its default ones, decode batches its decode wrapper, and a single
+decode row our Triton kernel under --enable-batch1-kernels (flashinfer_backend.py says why)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def test_flashinfer_matches_torch_on_mixed_batches(rows, wrapper):
             for _ in range(2))
     outs = {}
     for name in ("torch", "flashinfer"):  # both store the same new K/V, then attend
-        backend = create_backend(name, pool, NUM_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+        backend = create_backend(name, pool, NUM_HEADS, HEAD_DIM, HEAD_DIM ** -0.5,
+                                 batch1_kernels=wrapper == "one_row")
         backend.plan(meta)
         outs[name] = backend.run(0, q, k, v).float()
         if name == "flashinfer" and wrapper == "one_row":

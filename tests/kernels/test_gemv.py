@@ -146,3 +146,18 @@ def test_cuda_dense(device, dtype, n, k):
 @pytest.mark.parametrize("device", ["cuda"])
 def test_cuda_fp8(device, n, k, static):
     run_fp8(device, torch.bfloat16, n, k, static, with_bias=False)
+
+
+def test_model_switch_turns_the_gemv_on():
+    """Linear layers run F.linear until llama.use_batch1_kernels (--enable-batch1-kernels)."""
+    from torch import nn
+
+    from pd_serve.model.llama import Linear, use_batch1_kernels
+    layer = Linear(256, 64)
+    model = nn.Sequential(layer)
+    x = random((1, 256), torch.float32, "cpu", 1)
+    with torch.no_grad(), expect_launches(0):
+        assert torch.equal(model(x), F.linear(x, layer.weight, layer.bias))
+    use_batch1_kernels(model)
+    with torch.no_grad(), expect_launches(1):
+        assert_close(model(x), F.linear(x, layer.weight, layer.bias), torch.float32)

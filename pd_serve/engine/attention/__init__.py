@@ -52,12 +52,13 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
 
 
 def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int, scale: float,
-                   dtype: torch.dtype | None = None) -> AttentionBackend:
+                   dtype: torch.dtype | None = None, batch1_kernels: bool = False) -> AttentionBackend:
     """Instantiate a resolved backend name (see resolve_backend_name); dtype: the activations'
-    (default the pool's; pass it when the KV cache is FP8)."""
+    (default the pool's; pass it when the KV cache is FP8); batch1_kernels: flashinfer hands
+    one-row decode to the Triton kernel (--enable-batch1-kernels)."""
     if name == "flashinfer":
         from pd_serve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
-        return FlashInferAttentionBackend(pool, num_heads, head_dim, scale, dtype)
+        return FlashInferAttentionBackend(pool, num_heads, head_dim, scale, dtype, batch1_kernels)
     if name == "triton":
         from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend(pool, num_heads, head_dim, scale, dtype)

@@ -16,8 +16,9 @@ tensor-core decode reads the same 128 x 2048 contexts in 8.4 ms); on FA2 that st
 CUDA graphs use one decode wrapper per captured batch size, each in flashinfer's CUDA-graph
 mode over fixed page-table buffers shared by all sizes; plan_cuda_graph() refills them.
 
-Decode of a single row runs our Triton kernel instead (kernels/paged_attention.py, through a
-TritonAttentionBackend over the same pool): on an H200 with Llama-3.1-8B's heads, per layer
+With batch1_kernels (--enable-batch1-kernels), decode of a single row runs our Triton kernel
+instead (kernels/paged_attention.py, through a TritonAttentionBackend over the same pool),
+which rounds differently from flashinfer's batched decode: on an H200 with Llama-3.1-8B's heads, per layer
 under a CUDA graph, 8.5 / 12.1 / 15.7 us at 1k / 4k / 8k context against 10.4 / 14.4 / 18.4 us
 for flashinfer's tensor-core decode and its state merge (two launches where one suffices);
 both latency-bound at batch 1 (bench/results/probe-bs1-attention-h200.json).
@@ -63,7 +64,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, batch1_kernels: bool = False):
         super().__init__(pool, num_heads, head_dim, scale, dtype)  # self.dtype: q's
         import flashinfer
 
@@ -82,9 +83,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.graph_wrappers: dict[int, object] = {}
-        self.one_row = TritonAttentionBackend(pool, num_heads, head_dim, scale, dtype)
+        self.one_row = (TritonAttentionBackend(pool, num_heads, head_dim, scale, dtype)
+                        if batch1_kernels else None)
         self.wrapper = None  # the one run() uses, chosen by the last plan*()
-        self.delegate: TritonAttentionBackend | None = None  # set for one-row decode: runs it
+        self.delegate: TritonAttentionBackend | None = None  # one_row, when it runs this batch
         self.is_prefill = False
 
     # ---- planning ---------------------------------------------------------------------------
@@ -118,7 +120,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.slot_mapping = meta.slot_mapping
         self.is_prefill = any(n != 1 for n in meta.query_lens)
         self.delegate = None
-        if meta.query_lens == [1]:
+        if self.one_row is not None and meta.query_lens == [1]:
             self.one_row.plan(meta)
             self.delegate = self.one_row
             return
@@ -143,10 +145,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.graph_indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=device)
         self.graph_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.one_row.init_cuda_graph(1, max_pages_per_seq)
+        if self.one_row is not None:
+            self.one_row.init_cuda_graph(1, max_pages_per_seq)
 
     def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
-        if bs == 1:
+        if self.one_row is not None and bs == 1:
             self.one_row.plan_cuda_graph(1, meta)
             self.delegate = self.one_row
             self.is_prefill = False
