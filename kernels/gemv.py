@@ -23,6 +23,10 @@ gate/up 58.7 / 40.9, down 57.2 / 21.0: 2.0-3.0 TB/s of FP8 weight, short of bf16
 scale's pass over x comes first in every program). From two rows up cuBLAS wins (its tiles share the weight read between rows; this kernel's
 do not), so `linear` takes this path for one row only.
 
+The model's layers call it only under --enable-batch1-kernels (pd_serve/model/llama.py's
+use_batch1_kernels): a row computed here rounds differently from the same row in a cuBLAS
+GEMM, so with it a request's greedy output can depend on whether it decoded alone.
+
 `linear` runs the kernel for one-row CUDA inputs (or CPU ones when PD_SERVE_TRITON_CPU=1,
 Triton's interpreter, how the tests exercise it) and `F.linear` otherwise. Triton is imported
 lazily, so importing this module never imports it.

@@ -19,7 +19,7 @@
 # and a 1P(TP2)-1D(TP1) cluster sharing GPU 0, with its transfer rate); e2e
 # (default: tests onebatch e2e, in that order). Carry .whl and .gpu-model.
 # TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
-# ONEBATCH_ARGS adds flags to the one-batch run (e.g. --profile).
+# ONEBATCH_ARGS adds flags to the one-batch and fp8 runs (e.g. --profile, --enable-batch1-kernels).
 # PROFILE: the profile the phase-ratio steps take their rates from (default: this run's, from the
 # profile step); PR_TIMEOUT: seconds per phase-ratio step (default 570). Each step gets SIGINT at
 # its timeout, so a benchmark still writes what it measured.
@@ -96,7 +96,7 @@ for s in $steps; do
              --output "$OUT/one-batch-h200-llama3-8b.json" ${ONEBATCH_ARGS:-} ;;
     fp8) step fp8 420 python3 -m bench.one_batch --preset llama3-8b --quantization fp8 \
            --batch-sizes 1,64 --contexts 1024 --prefill-grid 4x2048 \
-           --output "$OUT/one-batch-h200-llama3-8b-fp8.json" ;;
+           --output "$OUT/one-batch-h200-llama3-8b-fp8.json" ${ONEBATCH_ARGS:-} ;;
     offline) step offline 420 python3 bench/offline.py --preset llama3-8b --quantization fp8 \
            --num-prompts 1000 --input-len 1000 --output-len 1000 \
            --output "$OUT/offline-h200-llama3-8b-fp8.json" ;;
