@@ -42,8 +42,6 @@ from kernels._triton import lazy_kernel
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale (as pd_serve.model.fp8)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 tl = None  # triton.language, bound when _kernel is first built
 
@@ -131,14 +129,16 @@ def _kernel(triton):
                 for k0 in range(0, K, BLOCK_K):
                     xs = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
                     amax = tl.maximum(amax, tl.abs(xs))
-                x_scale = tl.maximum(tl.reduce(amax, 0, tl.standard._elementwise_max) / 448.0, 1e-12)
+                amax = tl.reduce(amax, 0, tl.standard._elementwise_max)
+                x_scale = tl.maximum(tl.math.div_rn(amax, tl.full((), 448.0, tl.float32)), 1e-12)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
             xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            if FP8:  # x rounded to FP8 as fp8_linear does: x / scale, saturated
-                xs = tl.minimum(tl.maximum(xs / x_scale, -448.0), 448.0)
+            if FP8:  # x rounded to FP8 as kernels/fp8_quant.py does: x / scale (IEEE), saturated
+                xs = tl.minimum(tl.maximum(tl.math.div_rn(xs, x_scale + tl.zeros_like(xs)), -448.0),
+                                448.0)
                 xs = xs.to(tl.float8e4nv).to(tl.float32)
             w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_quant import quantize_per_token
 from kernels.gemv import gemv
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -120,15 +121,11 @@ def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None = None
     as _scaled_mm's row-wise scales must be).
 
     Dynamic (input_scale None): each token's own scale, max |x_t| / 448. Static: the scalar
-    input_scale [1] for every token. No host syncs (CUDA-graph safe).
+    input_scale [1] for every token. No host syncs (CUDA-graph safe). One Triton kernel on
+    GPU (kernels/fp8_quant.py), its torch reference elsewhere: the same bits either way.
     """
-    xf = x.float()
-    if input_scale is None:
-        amax = torch.linalg.vector_norm(xf, float("inf"), dim=-1, keepdim=True)  # [T, 1]
-        scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-    else:
-        scale = input_scale.float().reshape(1, 1).expand(xf.shape[0], 1).contiguous()
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return quantize_per_token(x, None if input_scale is None else input_scale.float())
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
