@@ -15,24 +15,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from _graph_time import graph_time  # noqa: E402 (bench/probes/)
 
 dev = "cuda"
 out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
 
-def graph_time(fn, reps=20):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b))
-    ts.sort(); return ts[len(ts) // 2]
 
 # ceilings
 big = torch.empty(1 << 29, dtype=torch.bfloat16, device=dev).normal_()  # 1 GiB

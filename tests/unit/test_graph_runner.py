@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pd_serve import Engine, SamplingParams
+from pd_serve.cli import build_parser, engine_config_from_args
 from pd_serve.engine.runner import ModelRunner, graph_batch_sizes
 
 pytestmark = [
@@ -64,3 +65,22 @@ def test_graph_decode_equals_eager(monkeypatch, tiny_checkpoints):
         assert got == want
         assert EagerGraph.replays >= params.max_tokens - 1  # decode steps went through the graphs
         assert graphed.allocator.num_used_pages == 0
+
+
+def test_batch1_kernels_flag_runs_the_gemv_and_keeps_greedy_tokens(monkeypatch, tiny_checkpoints):
+    """--enable-batch1-kernels: one-row decode steps go through kernels/gemv.py (Triton's
+    interpreter here), and in float32 the greedy tokens stay those of cuBLAS-style F.linear."""
+    from kernels import gemv
+    monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
+    model = tiny_checkpoints["llama3"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [list(range(7, 25))]
+    want = Engine(model, device="cpu", attention_backend="torch", max_total_tokens=1024)
+    args = build_parser().parse_args(["chat", "hi", "--enable-batch1-kernels"])
+    assert engine_config_from_args(args).enable_batch1_kernels
+    fast = Engine(model, device="cpu", attention_backend="torch", max_total_tokens=1024,
+                  enable_batch1_kernels=True)
+    before = gemv.triton_launches
+    got = fast.generate(prompt, params)[0].token_ids
+    assert gemv.triton_launches - before >= params.max_tokens - 1  # each decode step's layers
+    assert got == want.generate(prompt, params)[0].token_ids
