@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kernels._triton import interpret_requested
 from pd_serve.cache.allocator import PageAllocator
 from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
 from pd_serve.cache.pool import KVLayout, KVPool
@@ -106,6 +107,9 @@ class EngineCore:
                               mc.head_dim ** -0.5, self.dtype, batch1_kernels=cfg.enable_batch1_kernels)
         if cfg.enable_batch1_kernels:
             use_batch1_kernels(self.model)
+            if self.device.type != "cuda" and not interpret_requested():
+                logger.warning("--enable-batch1-kernels has no effect on %s: its kernels run on "
+                               "GPUs", self.device)
         self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
         if self.tp is not None and self.tp.rank == 0:
             self.runner.on_launch = lambda plan: tp_group.broadcast(

@@ -84,3 +84,11 @@ def test_batch1_kernels_flag_runs_the_gemv_and_keeps_greedy_tokens(monkeypatch, 
     got = fast.generate(prompt, params)[0].token_ids
     assert gemv.triton_launches - before >= params.max_tokens - 1  # each decode step's layers
     assert got == want.generate(prompt, params)[0].token_ids
+
+
+def test_batch1_kernels_flag_on_cpu_says_it_does_nothing(monkeypatch, tiny_checkpoints, caplog):
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
+    with caplog.at_level("WARNING"):
+        Engine(tiny_checkpoints["llama3"], device="cpu", max_total_tokens=256,
+               enable_batch1_kernels=True)
+    assert "--enable-batch1-kernels has no effect on cpu" in caplog.text
