@@ -20,8 +20,9 @@ distinct copies of each Llama-3.1-8B layer on an H200 (bf16, us per call, cuBLAS
 q/k/v 16.3 / 13.9, o 13.5 / 10.7, gate/up 55.1 / 54.4, down 31.6 / 28.7, LM head 243 / 235.
 FP8 (dynamic activation scales; `torch._scaled_mm` / here): q/k/v 30.8 / 12.3, o 26.5 / 8.2,
 gate/up 58.7 / 40.9, down 57.2 / 21.0: 2.0-3.0 TB/s of FP8 weight, short of bf16's rate (the
-scale's pass over x comes first in every program). From two rows up cuBLAS wins (its tiles share the weight read between rows; this kernel's
-do not), so `linear` takes this path for one row only.
+scale's pass over x comes first in every program). From two rows up cuBLAS wins (its tiles
+share the weight read between rows; this kernel's do not), so `linear` takes this path for one
+row only.
 
 The model's layers call it only under --enable-batch1-kernels (pd_serve/model/llama.py's
 use_batch1_kernels): a row computed here rounds differently from the same row in a cuBLAS
@@ -90,8 +91,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     fp8 = weight_scale is not None
     block_n, block_k, num_warps, num_stages = _block_config(k, fp8)
     kernel[(-(-n // block_n),)](
-        x, weight, out, weight_scale if fp8 else weight, input_scale if input_scale is not None else x,
-        bias if bias is not None else x, n, k, FP8=fp8, STATIC_SCALE=input_scale is not None,
+        x, weight, out, weight_scale if fp8 else weight,
+        input_scale if input_scale is not None else x, bias if bias is not None else x, n, k,
+        FP8=fp8, STATIC_SCALE=input_scale is not None,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         num_stages=num_stages)
     triton_launches += 1
@@ -158,7 +160,8 @@ def _kernel(triton):
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
            input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in _DTYPES:
-        raise ValueError(f"x must be [1, K] float16/bfloat16/float32, got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"x must be [1, K] float16/bfloat16/float32, got {x.dtype} "
+                         f"{tuple(x.shape)}")
     k = x.shape[1]
     if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [N, {k}], got {tuple(weight.shape)}")
@@ -170,9 +173,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     if input_scale is not None and not fp8:
         raise ValueError("input_scale belongs to FP8 weights")
     n = weight.shape[0]
-    for name, t, shape in (("weight_scale", weight_scale, (n,)), ("input_scale", input_scale, (1,))):
+    for name, t, shape in (("weight_scale", weight_scale, (n,)),
+                           ("input_scale", input_scale, (1,))):
         if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape):
-            raise ValueError(f"{name} must be float32 {list(shape)}, got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(f"{name} must be float32 {list(shape)}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be {x.dtype} [{n}], got {bias.dtype} {tuple(bias.shape)}")
     for t in (weight, weight_scale, input_scale, bias):

@@ -74,8 +74,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
                 "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
-                "disable_overlap_schedule", "enable_batch1_kernels", "tp", "quantization", "page_size", "max_total_tokens",
-                "mem_fraction_static", "cpu_kv_cache_gb",
+                "disable_overlap_schedule", "enable_batch1_kernels", "tp", "quantization",
+                "page_size", "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb",
                 "kv_cache_dtype", "max_running_requests", "chunked_prefill_size", "schedule_policy")
 
 

@@ -104,7 +104,8 @@ class EngineCore:
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype,
                                                       mc.head_dim)
         attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
-                              mc.head_dim ** -0.5, self.dtype, batch1_kernels=cfg.enable_batch1_kernels)
+                              mc.head_dim ** -0.5, self.dtype,
+                              batch1_kernels=cfg.enable_batch1_kernels)
         if cfg.enable_batch1_kernels:
             use_batch1_kernels(self.model)
             if self.device.type != "cuda" and not interpret_requested():

@@ -14,10 +14,11 @@ statically, by the checkpoint's `input_scale`. Then
     y[t, n] = s_t * weight_scale[n] * sum_k q[t, k] * weight[n, k]
 
 `fp8_linear` runs one row on CUDA GPUs as kernels/gemv.py's GEMV when asked (gemv_one_row:
---enable-batch1-kernels; the same arithmetic, the weight read at the memory rate); else `torch._scaled_mm` (row-wise scales, float32
-accumulation) on CUDA GPUs with FP8 tensor cores (compute capability 8.9+, bf16 activations,
-K and N multiples of 16); everywhere else it runs `fp8_linear_ref`: x quantized and dequantized per token, times
-the dequantized weight, so CPU numbers carry the FP8 error of weights and activations alike.
+--enable-batch1-kernels; the same arithmetic, the weight read at the memory rate); else
+`torch._scaled_mm` (row-wise scales, float32 accumulation) on CUDA GPUs with FP8 tensor cores
+(compute capability 8.9+, bf16 activations, K and N multiples of 16); everywhere else it runs
+`fp8_linear_ref`: x quantized and dequantized per token, times the dequantized weight, so CPU
+numbers carry the FP8 error of weights and activations alike.
 
 Checkpoints (what vLLM and SGLang load): config.json's `quantization_config` with
 quant_method "fp8" (`activation_scheme` dynamic or static; per-tensor `weight_scale`) or

@@ -5,8 +5,9 @@ attention backend already planned for that batch; it knows nothing of requests o
 Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (see loader.py).
 Norms, RoPE and SiLU-and-mul call kernels/: Triton on GPU, their torch references on CPU (which
 reproduce Hugging Face's arithmetic). Linear layers run cuBLAS on GPU; `use_batch1_kernels`
-(--enable-batch1-kernels) gives one-row inputs (decode at batch 1) kernels/gemv.py's GEMV. The residual stream is carried beside the hidden states so
-the residual add fuses into the next norm. Nothing here syncs with the host: CUDA graphs
+(--enable-batch1-kernels) gives one-row inputs (decode at batch 1) kernels/gemv.py's GEMV.
+The residual stream is carried beside the hidden states so the residual add fuses into the
+next norm. Nothing here syncs with the host: CUDA graphs
 capture the whole forward.
 """
 

@@ -52,7 +52,8 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype,
 
 
 def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int, scale: float,
-                   dtype: torch.dtype | None = None, batch1_kernels: bool = False) -> AttentionBackend:
+                   dtype: torch.dtype | None = None,
+                   batch1_kernels: bool = False) -> AttentionBackend:
     """Instantiate a resolved backend name (see resolve_backend_name); dtype: the activations'
     (default the pool's; pass it when the KV cache is FP8); batch1_kernels: flashinfer hands
     one-row decode to the Triton kernel (--enable-batch1-kernels)."""

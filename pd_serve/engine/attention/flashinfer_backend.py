@@ -18,10 +18,10 @@ mode over fixed page-table buffers shared by all sizes; plan_cuda_graph() refill
 
 With batch1_kernels (--enable-batch1-kernels), decode of a single row runs our Triton kernel
 instead (kernels/paged_attention.py, through a TritonAttentionBackend over the same pool),
-which rounds differently from flashinfer's batched decode: on an H200 with Llama-3.1-8B's heads, per layer
-under a CUDA graph, 8.5 / 12.1 / 15.7 us at 1k / 4k / 8k context against 10.4 / 14.4 / 18.4 us
-for flashinfer's tensor-core decode and its state merge (two launches where one suffices);
-both latency-bound at batch 1 (bench/results/probe-bs1-attention-h200.json).
+which rounds differently from flashinfer's batched decode. On an H200 with Llama-3.1-8B's
+heads, per layer under a CUDA graph: 8.5 / 12.1 / 15.7 us at 1k / 4k / 8k context against
+10.4 / 14.4 / 18.4 us for flashinfer's tensor-core decode and its state merge, both
+latency-bound at batch 1 (bench/results/probe-bs1-attention-h200.json).
 
 FP8 pools: plan() passes the pool's dtype as kv_data_type (q stays bf16/fp16) and run() passes
 the layer's k_scale / v_scale, which flashinfer folds into sm_scale and multiplies onto the
