@@ -8,6 +8,7 @@
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
 # Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000)
+# offline-fp8kv (the same with an FP8 KV cache and 512 running requests)
 # w4a16 (W4A16 GEMM vs bf16 GEMM, Llama-3.1-8B layer shapes); on two GPUs (nvidia-h200-x2),
 # for the phase-ratio issue: profile (pd-serve profile of a dummy Llama-3.1-8B-shaped model),
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
@@ -100,6 +101,10 @@ for s in $steps; do
     offline) step offline 420 python3 bench/offline.py --preset llama3-8b --quantization fp8 \
            --num-prompts 1000 --input-len 1000 --output-len 1000 \
            --output "$OUT/offline-h200-llama3-8b-fp8.json" ;;
+    offline-fp8kv) step offline-fp8kv 420 python3 bench/offline.py --preset llama3-8b \
+           --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-running-requests 512 \
+           --num-prompts 1000 --input-len 1000 --output-len 1000 \
+           --output "$OUT/offline-h200-llama3-8b-fp8-fp8kv.json" ;;
     profile) step profile 420 python3 -m pd_serve.cli profile --model "$big" --load-format dummy \
            --device cuda --transfer-gbps 200 --transfer-latency-ms 2 \
            --decode-batches 1,8,32,64,128,256 --decode-contexts 256,1024,2304 \
