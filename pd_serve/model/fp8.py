@@ -33,12 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import fp8_quant
 from kernels.fp8_quant import quantize_per_token
 from kernels.gemv import gemv
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-MIN_SCALE = 1e-12  # an all-zero row or token still gets a finite scale
+# float8_e4m3fn, its largest value (448), the smallest scale (an all-zero row still gets a
+# finite one): the activation kernel's, shared by the weights here
+FP8_DTYPE, FP8_MAX, MIN_SCALE = fp8_quant.FP8_DTYPE, fp8_quant.FP8_MAX, fp8_quant.MIN_SCALE
 
 
 @dataclass(frozen=True)
