@@ -31,7 +31,6 @@ imports it.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -154,6 +153,70 @@ def copy_pages(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor,
             src_page_ids.numel(), src_heads, dst_heads)
 
 
+def copy_pages_counted(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, layer_start: int,
+                       layer_end: int, src_heads: tuple[int, int] | None = None,
+                       dst_heads: tuple[int, int] | None = None, programs: int = 0) -> None:
+    """`copy_pages` with the page ids and their count in one int32 tensor on dst's device:
+    [n, src ids (n), dst ids (n), anything]. The launch does not depend on n, so a CUDA graph
+    can hold it and be replayed for any n up to (len(ids) - 1) // 2 (`CopyGraph`). `programs`
+    stride over the rows (default: 8 per SM of dst's GPU). The ids are not checked.
+    """
+    _check_pool(src, None, layer_start, layer_end)
+    _check_pool(dst, None, layer_start, layer_end)
+    _check_pools(src, dst, layer_start, layer_end, src_heads, dst_heads)
+    if ids.dim() != 1 or ids.dtype != torch.int32 or ids.device != dst.device or not len(ids):
+        raise ValueError(f"ids must be a non-empty 1-D int32 tensor on {dst.device}, got "
+                         f"{ids.dtype} of shape {tuple(ids.shape)} on {ids.device}")
+    if not _kernel.runs_on(dst):
+        n = int(ids[0])
+        copy_pages_ref(src, ids[1:1 + n].long(), dst, ids[1 + n:1 + 2 * n].long(), layer_start,
+                       layer_end, src_heads, dst_heads)
+        return
+    if not programs:
+        programs = 8 * torch.cuda.get_device_properties(dst.device).multi_processor_count if dst.is_cuda else 4
+    _launch(src[layer_start:layer_end], ids, dst[layer_start:layer_end], ids, 0, src_heads,
+            dst_heads, programs)
+
+
+class CopyGraph:
+    """`copy_pages_counted` between two pools for fixed layers and heads, held in a CUDA graph.
+
+    A copy is then one host-to-device copy of the ids into the graph's buffer and one graph
+    launch, both on the current stream (so copies queued on one stream run in order): on the
+    H200 host a Triton launch costs ~75 us of host time, a replay a fraction of it
+    (bench/results/probe-flush-h200.json).
+    """
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer_end: int,
+                 src_heads: tuple[int, int] | None = None,
+                 dst_heads: tuple[int, int] | None = None):
+        self.capacity = dst.shape[2]  # destination ids are distinct: no copy moves more pages
+        self.ids = torch.zeros(1 + 2 * self.capacity, dtype=torch.int32, device=dst.device)
+
+        def copy():
+            copy_pages_counted(src, dst, self.ids, layer_start, layer_end, src_heads, dst_heads)
+
+        with torch.cuda.device(dst.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                copy()  # compiles the kernel outside the capture (n = 0: moves nothing)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads of the process (an engine) may use CUDA meanwhile.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                copy()
+
+    def __call__(self, host_ids: torch.Tensor) -> None:
+        """Copy the pages `host_ids` names, [n, src ids (n), dst ids (n)] int32 in page-locked
+        memory, which must stay unchanged until the current stream has read it."""
+        if host_ids.numel() > self.ids.numel():
+            raise ValueError(f"{(host_ids.numel() - 1) // 2} pages in one copy; the destination "
+                             f"pool has {self.capacity}")
+        self.ids[:host_ids.numel()].copy_(host_ids, non_blocking=True)
+        self.graph.replay()
+
+
 # ----------------------------------------------------------------------------- Triton kernel
 
 @lazy_kernel("CUDA KV page copies")
@@ -161,39 +224,52 @@ def _kernel(triton):
     """The jitted copy kernel."""
     @triton.jit
     def copy_pages_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, src_pages, dst_pages,
-                          num_ids, chunk, src_row_len, dst_row_len, src_tok, dst_tok, src_off,
-                          dst_off, BLOCK: tl.constexpr, SEG: tl.constexpr, SRC_IDS: tl.constexpr,
-                          DST_IDS: tl.constexpr):
-        # Both pointers start at layer a. Row = ((layer - a) * 2 + kv) * num_ids + i; a side
-        # with ids reads page ids[i] of its `pages`, a staging side is page i of num_ids. A
-        # row's `chunk` elements are runs of SEG (one per token), `tok` apart on each side,
-        # from `off` (the first head's) on: whole pages are one run of the whole row.
-        row = tl.program_id(0).to(tl.int64)
-        group = row // num_ids
-        i = row % num_ids
-        if SRC_IDS:
-            src_row = group * src_pages + tl.load(src_ids_ptr + i).to(tl.int64)
+                          num_ids, num_groups, chunk, src_row_len, dst_row_len, src_tok, dst_tok,
+                          src_off, dst_off, BLOCK: tl.constexpr, SEG: tl.constexpr,
+                          SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr, COUNTED: tl.constexpr):
+        # Both pointers start at layer a. Row = ((layer - a) * 2 + kv) * n + i; a side with
+        # ids reads page ids[i] of its `pages`, a staging side is page i of n. A row's `chunk`
+        # elements are runs of SEG (one per token), `tok` apart on each side, from `off` (the
+        # first head's) on: whole pages are one run of the whole row. Programs stride over the
+        # rows. COUNTED: src_ids_ptr holds [n, src ids (n), dst ids (n)], so the launch does not
+        # depend on n and a CUDA graph can replay it; otherwise n = num_ids, one row a program.
+        if COUNTED:
+            n = tl.load(src_ids_ptr).to(tl.int64)
+            src_ids = src_ids_ptr + 1
+            dst_ids = src_ids_ptr + 1 + n
         else:
-            src_row = row
-        if DST_IDS:
-            dst_row = group * dst_pages + tl.load(dst_ids_ptr + i).to(tl.int64)
-        else:
-            dst_row = row
+            n = num_ids
+            src_ids = src_ids_ptr
+            dst_ids = dst_ids_ptr
         cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < chunk
         tok = cols // SEG
         col = cols - tok * SEG
-        vals = tl.load(src_ptr + src_row * src_row_len + tok * src_tok + src_off + col, mask=mask)
-        tl.store(dst_ptr + dst_row * dst_row_len + tok * dst_tok + dst_off + col, vals, mask=mask)
+        for row in range(tl.program_id(0).to(tl.int64), num_groups * n, tl.num_programs(0)):
+            group = row // n
+            i = row % n
+            if SRC_IDS:
+                src_row = group * src_pages + tl.load(src_ids + i).to(tl.int64)
+            else:
+                src_row = row
+            if DST_IDS:
+                dst_row = group * dst_pages + tl.load(dst_ids + i).to(tl.int64)
+            else:
+                dst_row = row
+            vals = tl.load(src_ptr + src_row * src_row_len + tok * src_tok + src_off + col,
+                           mask=mask)
+            tl.store(dst_ptr + dst_row * dst_row_len + tok * dst_tok + dst_off + col, vals,
+                     mask=mask)
 
     return copy_pages_kernel
 
 
 def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
             dst_ids: torch.Tensor | None, num_ids: int, src_heads: tuple[int, int] | None = None,
-            dst_heads: tuple[int, int] | None = None) -> None:
+            dst_heads: tuple[int, int] | None = None, programs: int = 0) -> None:
     """Copy on dst's device. src and dst start at the first layer copied; a side without ids
-    is a staging tensor (all its heads)."""
+    is a staging tensor (all its heads). programs > 0: src_ids is [n, src ids, dst ids] and
+    that many programs stride over the rows (the counted form; num_ids unused)."""
     global triton_launches
     num_groups = dst.shape[0] * 2  # (layer, kv) pairs
     page_size, head_dim = dst.shape[3], dst.shape[5]
@@ -201,13 +277,13 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
     dst_h0 = (dst_heads or (0, dst.shape[4]))[0]
     seg = (src_h1 - src_h0) * head_dim  # elements per token copied
     chunk = page_size * seg
-    if num_ids == 0 or chunk == 0:
+    if (num_ids == 0 and not programs) or chunk == 0:
         return
     whole = src.shape[4] == dst.shape[4] == src_h1 - src_h0
     kernel = _kernel.load()
     ids = src_ids if src_ids is not None else dst_ids
     block = min(_MAX_BLOCK, 1 << (chunk - 1).bit_length())
-    grid = (num_groups * num_ids, -(-chunk // block))
+    grid = (programs or num_groups * num_ids, -(-chunk // block))
     # 8 warps for a 16 KiB row: 64 MiB of pages pulled over NVLink ran at 284 GB/s against
     # 233 GB/s with 4096-element blocks of 4 warps (H200 pair, probe of 2026-11-30).
     num_warps = 8 if block >= 8192 else 4
@@ -215,10 +291,11 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
     with torch.cuda.device(dst.device) if elsewhere else contextlib.nullcontext():
         kernel[grid](_as_int(src), _as_int(dst), ids if src_ids is None else src_ids,
                      ids if dst_ids is None else dst_ids, src.shape[2], dst.shape[2], num_ids,
-                     chunk, page_size * src.shape[4] * head_dim, page_size * dst.shape[4] * head_dim,
-                     src.shape[4] * head_dim, dst.shape[4] * head_dim, src_h0 * head_dim,
-                     dst_h0 * head_dim, BLOCK=block, SEG=chunk if whole else seg,
-                     SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None, num_warps=num_warps)
+                     num_groups, chunk, page_size * src.shape[4] * head_dim,
+                     page_size * dst.shape[4] * head_dim, src.shape[4] * head_dim,
+                     dst.shape[4] * head_dim, src_h0 * head_dim, dst_h0 * head_dim, BLOCK=block,
+                     SEG=chunk if whole else seg, SRC_IDS=src_ids is not None,
+                     DST_IDS=dst_ids is not None, COUNTED=programs > 0, num_warps=num_warps)
     triton_launches += 1
 
 
@@ -248,8 +325,8 @@ def _num_heads(buffer: torch.Tensor, heads: tuple[int, int] | None) -> int:
     return h1 - h0
 
 
-def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, layer_end: int,
-                unique: bool = False, ids_device: torch.device | None = None) -> None:
+def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor | None, layer_start: int,
+                layer_end: int, unique: bool = False, ids_device: torch.device | None = None) -> None:
     if buffer.dim() != 6 or buffer.shape[1] != 2:
         raise ValueError(f"buffer must be [L, 2, P, S, H, D], got shape {tuple(buffer.shape)}")
     if not buffer.is_contiguous():
@@ -260,6 +337,8 @@ def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int, 
     if not 0 <= layer_start < layer_end <= num_layers:
         raise ValueError(f"layer range [{layer_start}, {layer_end}) is not a non-empty range "
                          f"inside [0, {num_layers})")
+    if page_ids is None:
+        return
     if page_ids.dim() != 1 or page_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"page_ids must be a 1-D int64 or int32 tensor, got "
                          f"{page_ids.dtype} of shape {tuple(page_ids.shape)}")
@@ -281,15 +360,20 @@ def _check_copy(src: torch.Tensor, src_page_ids: torch.Tensor, dst: torch.Tensor
                 dst_heads: tuple[int, int] | None = None) -> None:
     _check_pool(src, src_page_ids, layer_start, layer_end, ids_device=dst.device)
     _check_pool(dst, dst_page_ids, layer_start, layer_end, unique=True)
+    _check_pools(src, dst, layer_start, layer_end, src_heads, dst_heads)
+    if src_page_ids.numel() != dst_page_ids.numel():
+        raise ValueError(f"{src_page_ids.numel()} source pages but {dst_page_ids.numel()} "
+                         f"destination pages")
+
+
+def _check_pools(src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer_end: int,
+                 src_heads: tuple[int, int] | None, dst_heads: tuple[int, int] | None) -> None:
     if (src.dtype != dst.dtype or src.shape[:2] != dst.shape[:2] or src.shape[3] != dst.shape[3]
             or src.shape[5] != dst.shape[5]
             or _num_heads(src, src_heads) != _num_heads(dst, dst_heads)):
         raise ValueError(f"pools differ: src {src.dtype} {tuple(src.shape)} heads {src_heads}, "
                          f"dst {dst.dtype} {tuple(dst.shape)} heads {dst_heads} (only the page "
                          "count and the head count outside the ranges may differ)")
-    if src_page_ids.numel() != dst_page_ids.numel():
-        raise ValueError(f"{src_page_ids.numel()} source pages but {dst_page_ids.numel()} "
-                         f"destination pages")
 
 
 def _check_staging(staging: torch.Tensor, buffer: torch.Tensor, page_ids: torch.Tensor,

@@ -94,13 +94,52 @@ def _scales_mismatch(key: str, theirs: tuple, ours: tuple) -> str:
             "--model on both)")
 
 
-def page_index(page_ids: list[int], device: torch.device) -> torch.Tensor:
-    """Page ids as an int32 tensor on `device`, without a host sync: a pageable host-to-device
-    copy would wait for all queued GPU work and stop chunks from pipelining. On CUDA the copy
-    is queued on the current stream."""
-    if device.type != "cuda":
-        return torch.tensor(page_ids, dtype=torch.int64)
-    return torch.tensor(page_ids, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+class PageIds:
+    """Page ids to a device without a host sync and without page-locked memory allocated per
+    call (a fresh pinned tensor cost 20-330 us of host time on the H200 host, growing with the
+    ids; bench/results/probe-flush-h200.json). On CUDA the ids are written into one of `slots`
+    reused page-locked buffers, which a non-blocking copy on the current stream reads; a buffer
+    is written again only once that copy has run, so at most `slots` uploads are in flight."""
+
+    def __init__(self, device: torch.device, slots: int = 16):
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+
+    def stage(self, *parts: list[int]) -> torch.Tensor:
+        """The parts back to back in a page-locked int32 tensor (CUDA only); call `sent()` once
+        the copy that reads it is queued on the current stream."""
+        slot = self._next
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()  # its last copy has run
+        size = sum(len(p) for p in parts)
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < size:
+            buffer = self._buffers[slot] = torch.empty(max(size, 1024), dtype=torch.int32,
+                                                       pin_memory=True)
+        values, start = buffer.numpy(), 0
+        for part in parts:
+            values[start:start + len(part)] = part
+            start += len(part)
+        return buffer[:size]
+
+    def sent(self) -> None:
+        slot = self._next
+        if self._events[slot] is None:
+            self._events[slot] = torch.cuda.Event()
+        self._events[slot].record(torch.cuda.current_stream(self.device))
+        self._next = (slot + 1) % len(self._buffers)
+
+    def to_device(self, page_ids: list[int]) -> torch.Tensor:
+        """The ids as a tensor on the device (int32 on CUDA, queued on the current stream;
+        int64 on CPU)."""
+        if self.device.type != "cuda":
+            return torch.tensor(page_ids, dtype=torch.int64)
+        out = self.stage(page_ids).to(self.device, non_blocking=True)
+        self.sent()
+        return out
 
 
 def on_stream(stream: torch.cuda.Stream | None):
@@ -132,6 +171,7 @@ class ReceiverPlane(ABC):
         self.timeout_s = timeout_s
         self.device = pool.buffer.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.page_ids = PageIds(self.device)
 
     def peer_error(self, hello_info: dict) -> str:
         """Why this backend cannot pair with the sender that sent hello_info ("" if it can)."""
@@ -186,6 +226,7 @@ class SenderPlane(ABC):
         self.timeout_s = timeout_s
         self.device = pool.buffer.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.page_ids = PageIds(self.device)
 
     def hello_info(self) -> dict:
         return {"device_uuid": device_uuid(self.device)}

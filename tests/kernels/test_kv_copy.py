@@ -213,6 +213,54 @@ def test_copy_reads_a_pool_on_a_peer_gpu(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("heads", [None, (1, 3)], ids=["all-heads", "heads-1-3"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_counted_copy_reads_its_page_count_from_memory(device, heads):
+    """The counted form a CUDA graph replays: count, source ids and destination ids in one
+    tensor with room to spare (junk after them), and fewer programs than rows, so each program
+    strides over several; n = 0 moves nothing."""
+    a, b = 1, L
+    src = random_bits((L, 2, P, 16, 4, D), torch.bfloat16, device, seed=9)
+    dst = poisoned_pool(7, 16, torch.bfloat16, device).repeat(1, 1, 1, 1, 1 if heads else 2, 1)
+    src_ids, dst_ids = PAGE_IDS["random"], [6, 0, 4, 1, 5, 2]
+    ids = torch.tensor([len(src_ids), *src_ids, *dst_ids, 99, 99, 99], dtype=torch.int32,
+                       device=device)
+    expected = dst.clone()
+    kv_copy.copy_pages_ref(src, torch.tensor(src_ids, device=device), expected,
+                           torch.tensor(dst_ids, device=device), a, b, heads, None)
+    with expect_launches(1):
+        kv_copy.copy_pages_counted(src, dst, ids, a, b, src_heads=heads, programs=5)
+    assert torch.equal(bits(dst), bits(expected))
+    untouched = dst.clone()
+    with expect_launches(1):
+        kv_copy.copy_pages_counted(src, dst, torch.zeros(3, dtype=torch.int32, device=device), a,
+                                   b, src_heads=heads, programs=5)
+    assert torch.equal(bits(dst), bits(untouched))
+
+
+@needs_cuda
+@needs_triton
+def test_copy_graph_replays_for_any_page_count(monkeypatch):
+    """CopyGraph: captured once, replayed for copies of different page counts (ids from
+    page-locked memory), each landing exactly as the reference's."""
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
+    src = random_bits((L, 2, P, 16, H, D), torch.bfloat16, "cuda", seed=10)
+    dst = poisoned_pool(7, 16, torch.bfloat16, "cuda")
+    graph = kv_copy.CopyGraph(src, dst, 0, L)
+    expected = dst.clone()
+    for src_ids, dst_ids in (([3], [5]), (PAGE_IDS["random"], [6, 0, 4, 1, 5, 2]), ([9, 1], [2, 3])):
+        host = torch.tensor([len(src_ids), *src_ids, *dst_ids], dtype=torch.int32, pin_memory=True)
+        with expect_launches(0):
+            graph(host)
+        kv_copy.copy_pages_ref(src, torch.tensor(src_ids, device="cuda"), expected,
+                               torch.tensor(dst_ids, device="cuda"), 0, L)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(dst), bits(expected))
+    with pytest.raises(ValueError, match="7"):
+        graph(torch.zeros(1 + 2 * 8, dtype=torch.int32, pin_memory=True))
+
+
+@needs_triton
 def test_no_pages_launches_nothing():
     pool = random_bits((L, 2, P, 4, H, D), torch.float16, "cpu", seed=4)
     before = pool.clone()
@@ -269,6 +317,9 @@ def _bad_calls():
     yield "empty head range", lambda: kv_copy.gather_pages(pool, ids, 0, L, heads=(1, 1))
     yield "staging of other heads", lambda: kv_copy.scatter_pages(pool, ids, staging, 0, L,
                                                                   heads=(0, 1))
+    yield "counted: int64 ids", lambda: kv_copy.copy_pages_counted(pool, pool.clone(), ids, 0, L)
+    yield "counted: no ids", lambda: kv_copy.copy_pages_counted(
+        pool, pool.clone(), torch.empty(0, dtype=torch.int32), 0, L)
     yield "copy: head counts differ", lambda: kv_copy.copy_pages(pool, ids, pool.clone(), ids, 0, L,
                                                                  src_heads=(0, 1))
 

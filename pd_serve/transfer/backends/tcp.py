@@ -9,7 +9,7 @@ import torch
 from kernels.kv_copy import gather_pages, scatter_pages
 from pd_serve.protocol import KVChunk
 from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, head_range, on_stream,
-                                    page_index, staging_shape)
+                                    staging_shape)
 
 
 class TcpSenderPlane(SenderPlane):
@@ -21,7 +21,7 @@ class TcpSenderPlane(SenderPlane):
         with on_stream(self.stream):
             if ready is not None:
                 self.stream.wait_event(ready)
-            index = page_index(src_page_ids, buf.device)
+            index = self.page_ids.to_device(src_page_ids)
             staging = gather_pages(buf, index, chunk.layer_start, chunk.layer_end,
                                    heads=head_range(chunk.src_heads))
             if staging.is_cuda:
@@ -50,5 +50,5 @@ class TcpReceiverPlane(ReceiverPlane):
         with on_stream(self.stream):
             # From pageable memory .to() returns once the frame is read, so the frame may go.
             staging = flat.view(self.pool.buffer.dtype).view(shape).to(self.device)
-            scatter_pages(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
+            scatter_pages(self.pool.buffer, self.page_ids.to_device(dst_page_ids), staging,
                           chunk.layer_start, chunk.layer_end, heads)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from kernels.kv_copy import gather_pages, scatter_pages
 from pd_serve.protocol import KVChunk
 from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, device_uuid, head_range,
-                                    on_stream, page_index, staging_shape)
+                                    on_stream, staging_shape)
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 NUM_STAGING = 4  # staging tensors in flight per side
@@ -98,7 +98,7 @@ class TorchReceiverPlane(ReceiverPlane):
         scattered = None
         with on_stream(self.stream):
             if dst_page_ids is not None:
-                scatter_pages(self.pool.buffer, page_index(dst_page_ids, self.device), staging,
+                scatter_pages(self.pool.buffer, self.page_ids.to_device(dst_page_ids), staging,
                               chunk.layer_start, chunk.layer_end, heads)
             if self.stream is not None:
                 scattered = self.stream.record_event()
@@ -133,7 +133,7 @@ class TorchSenderPlane(SenderPlane):
             if len(self._in_flight) >= NUM_STAGING:  # its memory may come back to this stream
                 _, work = self._in_flight.popleft()
                 _wait(work, self.stream, self.timeout_s)
-            staging = gather_pages(buf, page_index(src_page_ids, buf.device), chunk.layer_start,
+            staging = gather_pages(buf, self.page_ids.to_device(src_page_ids), chunk.layer_start,
                                    chunk.layer_end, heads=head_range(chunk.src_heads))
             work = self._groups[peer].send([staging], RECEIVER_RANK, 0)
         if self.stream is None:
