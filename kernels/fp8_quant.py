@@ -40,7 +40,9 @@ def quantize_per_token_ref(x: torch.Tensor, input_scale: torch.Tensor | None = N
     xf = x.float()
     if input_scale is None:
         amax = torch.linalg.vector_norm(xf, float("inf"), dim=-1, keepdim=True)  # [T, 1]
-        scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+        # A tensor divisor: torch on CUDA divides by a Python scalar as a multiplication by
+        # its reciprocal, which rounds differently from the kernel's (and CPU torch's) division.
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     else:
         scale = input_scale.float().reshape(1, 1).expand(xf.shape[0], 1).contiguous()
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

@@ -201,10 +201,17 @@ MESSAGES = {cls.__name__: cls for cls in (
     AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest)}
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def fields_of(msg) -> dict:
     """A shallow field dict: fields are plain values, and asdict's deep copy of long page-id
-    lists costs more than the send."""
-    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    lists costs more than the send. (Field names are looked up once per class: this runs per
+    KV chunk on the transfer path.)"""
+    names = _FIELD_NAMES.get(type(msg))
+    if names is None:
+        names = _FIELD_NAMES[type(msg)] = tuple(f.name for f in dataclasses.fields(msg))
+    return {name: getattr(msg, name) for name in names}
 
 
 def encode(msg) -> bytes:

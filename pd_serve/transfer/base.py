@@ -55,13 +55,15 @@ class TransferStats:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
             registry=self.registry).labels(**labels)
 
-    def record(self, result: TransferResult) -> None:
-        if result.ok:
-            self.transfers.inc()
-            self.bytes.inc(result.num_bytes)
-            self.seconds.observe(result.seconds)
-        else:
-            self.failures.inc()
+    def record(self, results: list[TransferResult]) -> None:
+        ok = [r for r in results if r.ok]
+        if ok:
+            self.transfers.inc(len(ok))
+            self.bytes.inc(sum(r.num_bytes for r in ok))
+            for r in ok:
+                self.seconds.observe(r.seconds)
+        if len(ok) < len(results):
+            self.failures.inc(len(results) - len(ok))
 
 
 _SETTINGS = {"dtype": "the KV cache dtype: start both with the same --kv-cache-dtype (and --dtype)",

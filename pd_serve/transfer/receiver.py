@@ -22,7 +22,8 @@ from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
                                TransferWelcome)
 from pd_serve.transfer.backends import make_receiver_plane
-from pd_serve.transfer.base import TransferResult, TransferStats, layout_mismatch, now, trace
+from pd_serve.transfer.base import (TRACE, TransferResult, TransferStats, layout_mismatch, now,
+                                    trace)
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,8 @@ class KVReceiver:
                     self.plane.drop_sender(sender_id)
                     self._fail_locked(request_id, f"receive failed: {e}")
                 return
-        trace("batch", f"{len(batch)}-chunks", taken, flushed=flushed, marked=now())
+        if TRACE:
+            trace("batch", f"{len(batch)}-chunks", taken, flushed=flushed, marked=now())
         if last_chunks:
             self._landing.append(_Landing(event, last_chunks, now()))
 
@@ -200,21 +202,24 @@ class KVReceiver:
             landing = self._landing.popleft()
             landed = now()
             acks: dict[bytes, list[list]] = {}  # one message per sender
-            for identity, request_id in landing.requests:
-                with self._lock:
+            with self._lock:
+                done = []
+                for identity, request_id in landing.requests:
                     incoming = self._expected.get(request_id)
-                    expected = incoming is not None
-                    if expected:
+                    if incoming is not None:
                         incoming.landed += 1
                         if incoming.landed == incoming.parts:
-                            self._finish(request_id, ok=True)
-                # not expected: cancelled or timed out here while landing
-                acks.setdefault(identity, []).append(
-                    [request_id, True, ""] if expected else [request_id, False, "cancelled by the receiver"])
+                            done.append(self._result(request_id, ok=True))
+                    # not expected: cancelled or timed out here while landing
+                    acks.setdefault(identity, []).append(
+                        [request_id, True, ""] if incoming is not None
+                        else [request_id, False, "cancelled by the receiver"])
+                self._publish(done)
             for identity, triples in acks.items():
                 self._send(identity, TransferAcks(triples))
-            for _, request_id in landing.requests:
-                trace("land", request_id, landing.marked, landed=landed, acked=now())
+            if TRACE:
+                for _, request_id in landing.requests:
+                    trace("land", request_id, landing.marked, landed=landed, acked=now())
 
     def _welcome(self, sender: bytes, sender_id: str, hello: TransferHello) -> None:
         error = ""
@@ -270,7 +275,8 @@ class KVReceiver:
             refused.append([chunk.request_id, False, error])
         elif not chunk.last:
             self._spin_until = now() + self.spin_s  # the next chunk is on its way
-        trace("recv", chunk.request_id, arrived, checked=checked, queued=queued)
+        if TRACE:
+            trace("recv", chunk.request_id, arrived, checked=checked, queued=queued)
         return not error
 
     @staticmethod
@@ -327,7 +333,13 @@ class KVReceiver:
         self.plane.synchronize()
 
     def _finish(self, request_id: str, ok: bool, error: str = "") -> None:
+        self._publish([self._result(request_id, ok, error)])
+
+    def _result(self, request_id: str, ok: bool, error: str = "") -> TransferResult:
         incoming = self._expected.pop(request_id)
-        result = TransferResult(request_id, ok, error, incoming.num_bytes, now() - incoming.started)
-        self.stats.record(result)
-        self._results.append(result)
+        return TransferResult(request_id, ok, error, incoming.num_bytes, now() - incoming.started)
+
+    def _publish(self, results: list[TransferResult]) -> None:
+        if results:
+            self.stats.record(results)
+            self._results.extend(results)

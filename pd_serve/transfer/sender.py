@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import socket
 import threading
 import uuid
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -23,7 +23,8 @@ from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
                                TransferWelcome)
 from pd_serve.transfer.backends import make_sender_plane
-from pd_serve.transfer.base import TransferError, TransferResult, TransferStats, now, trace
+from pd_serve.transfer.base import (TRACE, TransferError, TransferResult, TransferStats, now,
+                                    trace)
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class KVSender:
         self.stats = stats or TransferStats("send", backend)
         self.plane = make_sender_plane(backend, pool, timeout_s)
         self._ctx = zmq.Context.instance()
-        self._jobs: queue.Queue = queue.Queue(maxsize=max_queued)
+        self.max_queued = max_queued
+        self._jobs: deque = deque()  # appended by callers, taken by the I/O thread
         self._lock = threading.Lock()
         self._has_results = threading.Condition(self._lock)
         self._results: list[TransferResult] = []
@@ -93,8 +95,10 @@ class KVSender:
         self._socks: dict[str, zmq.Socket] = {}
         self._addresses: dict[zmq.Socket, str] = {}
         self._stop = threading.Event()
-        # A byte on this socket pair wakes the I/O thread when work is queued, so it can sleep
-        # in one poll over its peers' sockets and the queue together.
+        # A byte on this socket pair wakes the I/O thread when work is queued while it sleeps
+        # (`_sleeping`), so it can sleep in one poll over its peers' sockets and the queue.
+        self._sleeping = False
+        self._next_expiry = 0.0
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
@@ -180,11 +184,11 @@ class KVSender:
         self.plane.close()
 
     def _put(self, job) -> None:
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise TransferError(f"transfer queue full ({self._jobs.maxsize} jobs)") from None
-        self._wake_w.send(b"\0")
+        if len(self._jobs) >= self.max_queued:
+            raise TransferError(f"transfer queue full ({self.max_queued} jobs)")
+        self._jobs.append(job)
+        if self._sleeping:  # set before the I/O thread last looked at the queue
+            self._wake_w.send(b"\0")
 
     # ---- I/O thread -----------------------------------------------------------------------
     def _serve(self) -> None:
@@ -194,18 +198,19 @@ class KVSender:
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                spin = bool(self._outgoing) and now() < self._spin_until
-                for sock, _ in poller.poll(0 if spin else 50):
+                timeout = 0 if self._jobs or (self._outgoing and now() < self._spin_until) else 50
+                if timeout:
+                    self._sleeping = True  # from here on, send() wakes us
+                    timeout = 0 if self._jobs else timeout
+                for sock, _ in poller.poll(timeout):
                     if isinstance(sock, int):  # the wake-up socket's fd
                         self._drain_wakeups()
                     else:
                         self._on_message(self._addresses[sock], protocol.decode(sock.recv()))
+                self._sleeping = False
                 sends: list[_SendJob] = []  # queued sends go out together, per receiver
-                while True:
-                    try:
-                        job = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
+                while self._jobs:
+                    job = self._jobs.popleft()
                     if job[0] == "send":
                         sends.extend(job[1])
                     else:  # in order: what was queued before it goes first
@@ -315,18 +320,22 @@ class KVSender:
             out = self._outgoing[(job.request_id, address)]
             out.num_bytes += job.chunk.nbytes
             out.last_sent = job.chunk.last
-            prepared, sent = marks[id(job)]
-            trace("send", job.request_id, job.queued, picked=picked, prepared=prepared,
-                  header_sent=sent, finished=now())
+            if TRACE:
+                prepared, sent = marks[id(job)]
+                trace("send", job.request_id, job.queued, picked=picked, prepared=prepared,
+                      header_sent=sent, finished=now())
         self._spin_until = now() + self.spin_s
 
     def _on_message(self, address: str, msg) -> None:
         if isinstance(msg, TransferAcks):
+            results = []
             for request_id, ok, error in msg.acks:
                 key = (request_id, address)
                 if key in self._outgoing:
-                    trace("ack", request_id, self._outgoing[key].started, acked=now())
-                    self._finish(key, ok=ok, error=error)
+                    if TRACE:
+                        trace("ack", request_id, self._outgoing[key].started, acked=now())
+                    results.append(self._result(key, ok, error))
+            self._publish(results)
 
     def _abort(self, request_id: str, reason: str) -> None:
         for key in [k for k in self._outgoing if k[0] == request_id]:
@@ -340,6 +349,9 @@ class KVSender:
 
     def _expire(self) -> None:
         t = now()
+        if t < self._next_expiry:
+            return
+        self._next_expiry = t + 0.005
         for key in [k for k, o in self._outgoing.items() if o.deadline < t]:
             self._abort_one(key, f"no acknowledgement within {self.timeout_s} s")
 
@@ -352,9 +364,17 @@ class KVSender:
         self.plane.drop_peer(address)
 
     def _finish(self, key: tuple[str, str], ok: bool, error: str = "") -> None:
+        self._publish([self._result(key, ok, error)])
+
+    def _result(self, key: tuple[str, str], ok: bool, error: str) -> TransferResult:
         out = self._outgoing.pop(key)
-        result = TransferResult(key[0], ok, error, out.num_bytes, now() - out.started)
-        self.stats.record(result)
+        return TransferResult(key[0], ok, error, out.num_bytes, now() - out.started)
+
+    def _publish(self, results: list[TransferResult]) -> None:
+        """Results to the caller (one wake-up for all of them) and the stats."""
+        if not results:
+            return
+        self.stats.record(results)
         with self._has_results:
-            self._results.append(result)
+            self._results.extend(results)
             self._has_results.notify_all()

@@ -173,5 +173,5 @@ def drain(results, stats, limit: int = 4096) -> list[tuple[int, TransferResult]]
         except queue.Empty:
             break
         out.append((rank, TransferResult(*fields)))
-        stats.record(out[-1][1])
+        stats.record([out[-1][1]])
     return out
