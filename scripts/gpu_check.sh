@@ -14,7 +14,8 @@
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
 # colocated x2 and x1, rates from the profile's predicted capacities, SLOs ttft=2000 ms and
 # tpot=15 ms (prefill-heavy) or 8 ms (decode-heavy; 10 ms at 461f0eb stressed nothing).
-# transfer (GPU transfer tests + bench/transfer.py; two GPUs: kind nvidia-h200-x2), transfer-fp8
+# transfer (GPU transfer tests + bench/transfer.py over torch and ipc with 32 requests in flight,
+# then ipc with 8 / 32 / 128 in flight; two GPUs: kind nvidia-h200-x2), transfer-fp8
 # (the same bench with an FP8 KV cache: the quantization issue's half-the-bytes check); tp (two
 # GPUs: TP 2 vs TP 1 in bf16, teacher-forced; bench/tp_handoff.py: 8k-token prefill TP 2 vs TP 1
 # and a 1P(TP2)-1D(TP1) cluster sharing GPU 0, with its transfer rate); e2e
@@ -124,8 +125,13 @@ for s in $steps; do
            --backends ipc,torch --in-flight-max-mib 1024 --output "$OUT/transfer-2xh200-fp8.json" ;;
     w4a16) step w4a16 180 python3 bench/w4a16.py --batch-sizes 1,16,64 --output "$OUT/w4a16-h200.json" ;;
     transfer) step transfertests 240 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_transfer_gpu.py
-              step transfer 420 python3 bench/transfer.py --in-flight-max-mib 1024 \
-                --output "$OUT/transfer-2xh200.json" ${TRANSFER_ARGS:-} ;;
+              step transfer 420 python3 bench/transfer.py --backends torch,ipc --in-flight 32 \
+                --in-flight-max-mib 1024 --output "$OUT/transfer-2xh200.json" ${TRANSFER_ARGS:-}
+              for k in 8 32 128; do  # ipc with more or fewer requests in flight (1 GiB x 128: too big)
+                step transfer-inflight$k 240 python3 bench/transfer.py --backends ipc --in-flight $k \
+                  --sizes-mib $([ $k -le 32 ] && echo 8,64,256,1024 || echo 8,64) --latency-tokens 1024 \
+                  --in-flight-max-mib 1024 --output "$OUT/transfer-2xh200-ipc-inflight$k.json"
+              done ;;
     tp) PD_SERVE_RESULTS=$OUT/tp-agreement-2xh200.json step tpgpu 300 \
           python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py
         step tpbench 570 python3 bench/tp_handoff.py --preset llama3-8b --prefill-tokens 8192 \

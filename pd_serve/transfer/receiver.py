@@ -59,13 +59,14 @@ class KVReceiver:
     The I/O thread takes every message waiting (up to `max_batch`), queues the writes of all
     their chunks (the plane may merge them into one copy), and acknowledges a request once the
     writes of its last chunk have landed, checked without blocking, so chunks arriving
-    meanwhile are taken at once. Between the chunks of a request, and while writes are landing,
-    it busy-polls (for up to `spin_s` after a chunk; 0: never).
+    meanwhile are taken at once. While writes are landing it busy-polls; between the chunks of
+    a request too for up to `spin_s` after a chunk (default 0: never; a spinning thread holds
+    the GIL that the process's other threads, a decode engine's, need).
     """
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None,
-                 spin_s: float = 0.002, max_batch: int = 64, model_layout: KVLayout | None = None):
+                 spin_s: float = 0.0, max_batch: int = 64, model_layout: KVLayout | None = None):
         """model_layout: the layout senders must announce, with every KV head of the model (a
         tensor-parallel rank's pool holds some of them); default: the pool's."""
         self.pool = pool

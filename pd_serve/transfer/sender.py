@@ -64,14 +64,16 @@ class KVSender:
     The chunks the I/O thread finds queued for one receiver travel in one message (cut after
     `chunk_bytes` of frame data, so tcp data still moves while later chunks are gathered), and
     the receiver acknowledges together the requests whose writes landed together.
-    While a transfer awaits its ack, the I/O thread busy-polls for up to `spin_s` after its last
-    chunk went out (0: never), trading a core for the wake-up latency of a sleeping thread.
+    While a transfer awaits its ack, the I/O thread may busy-poll for up to `spin_s` after its
+    last chunk went out, trading a core for the wake-up latency of a sleeping thread. Default 0
+    (never): a spinning thread holds the GIL the caller's thread needs, and on 2 x H200 spinning
+    for 2 ms cut 32 pipelined 64 MiB ipc transfers from 85-93 % of the link to 71-78 %.
     """
 
     def __init__(self, pool: KVPool, backend: str = "tcp", sender_id: str | None = None,
                  timeout_s: float = 30.0, max_queued: int = 4096, stats: TransferStats | None = None,
                  chunk_bytes: int = 64 * 2**20, max_chunk_bytes: int = 512 * 2**20,
-                 spin_s: float = 0.002, model_layout: KVLayout | None = None):
+                 spin_s: float = 0.0, model_layout: KVLayout | None = None):
         """model_layout: the layout announced to receivers, with every KV head of the model
         (a tensor-parallel rank's pool holds some of them); default: the pool's."""
         self.pool = pool
