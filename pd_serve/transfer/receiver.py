@@ -56,13 +56,16 @@ class KVReceiver:
     with some of the KV heads; their chunks say how many): it is ok once every part has landed,
     each sender acknowledged for its own part.
 
-    The I/O thread takes every message waiting (up to `max_batch`), queues the writes of all
-    their chunks (the plane may merge them into one copy), and acknowledges a request once the
-    writes of its last chunk have landed, checked without blocking, so chunks arriving
-    meanwhile are taken at once. While writes are landing it busy-polls; between the chunks of
+    The I/O thread takes every message waiting (up to `max_batch` at a time), queues the writes
+    of all their chunks together (the plane may merge them into one copy; while QUEUED_BATCHES
+    such batches are still landing, new chunks wait and join the next), and acknowledges a
+    request once the writes of its last chunk have landed, checked without blocking, so chunks
+    arriving meanwhile are taken at once. While writes are landing it busy-polls; between the chunks of
     a request too for up to `spin_s` after a chunk (default 0: never; a spinning thread holds
     the GIL that the process's other threads, a decode engine's, need).
     """
+
+    QUEUED_BATCHES = 2  # batches of writes queued on the device at a time
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None,
@@ -90,6 +93,8 @@ class KVReceiver:
         self._expected: dict[str, _Incoming] = {}
         self._results: list[TransferResult] = []
         self._landing: deque[_Landing] = deque()  # I/O thread only
+        self._batch: list[tuple[str, str]] = []  # (sender id, request id): writes not yet queued
+        self._batch_last: list[tuple[bytes, str]] = []  # (sender identity, request id)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
         self._thread.start()
@@ -139,6 +144,7 @@ class KVReceiver:
                 elif self._landing:
                     time.sleep(0)  # let other threads of the process run while we wait
                 self._land()
+                self._queue_batch()
                 if now() >= next_expiry:
                     next_expiry = now() + 0.005
                     with self._lock:
@@ -147,10 +153,7 @@ class KVReceiver:
             self._sock.close()
 
     def _take_messages(self) -> None:
-        """Handle every message waiting, in order; the writes of all their chunks are queued
-        together, then the batch's last chunks wait in `_landing` for their writes."""
-        last_chunks: list[tuple[bytes, str]] = []
-        batch: list[tuple[str, str]] = []  # (sender id, request id) of chunks queued for writing
+        """Handle every message waiting, in order; their chunks' writes join the pending batch."""
         for _ in range(self.max_batch):
             try:
                 identity, header, *frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -171,15 +174,24 @@ class KVReceiver:
                 refused = []
                 for chunk, chunk_frames in chunks:
                     if self._on_chunk(sender_id, chunk, chunk_frames, arrived, refused):
-                        batch.append((sender_id, chunk.request_id))
+                        self._batch.append((sender_id, chunk.request_id))
                         if chunk.last:
-                            last_chunks.append((identity, chunk.request_id))
+                            self._batch_last.append((identity, chunk.request_id))
                 if refused:
                     self._send(identity, TransferAcks(refused))
             elif isinstance(msg, TransferAbort):
                 self._fail(msg.request_id, f"sender aborted: {msg.reason}")
-        if not batch:
+
+    def _queue_batch(self) -> None:
+        """Queue the pending batch's writes together (the plane may merge them into one copy);
+        its last chunks then wait in `_landing` for their writes. Only while fewer than
+        QUEUED_BATCHES batches are landing: chunks that come meanwhile join the batch, so when
+        the GPU is the bottleneck the copies grow instead of queueing up one per message (each
+        copy costs a launch and a ramp of the link)."""
+        if not self._batch or len(self._landing) >= self.QUEUED_BATCHES:
             return
+        batch, last_chunks = self._batch, self._batch_last
+        self._batch, self._batch_last = [], []
         taken = now()
         with self._lock:
             try:
