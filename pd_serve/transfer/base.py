@@ -221,6 +221,9 @@ class SenderPlane(ABC):
     """
 
     sends_src_page_ids = False  # does the receiver need the source page ids (ipc)?
+    # Must the pages' compute be done before the header goes (ipc: the receiver reads them at
+    # once)? Then the sender waits on the host, once a group, and prepare() gets ready=None.
+    waits_on_host = False
     chunked = True  # a request goes out in chunks, so moving one overlaps preparing the next
 
     def __init__(self, pool: KVPool, timeout_s: float):

@@ -45,6 +45,7 @@ class _SendJob:
     src_page_ids: list[int]
     chunk: KVChunk
     ready: torch.cuda.Event | None  # the compute that wrote the pages (GPU)
+    stream: int  # the CUDA stream (handle) `ready` was recorded on
     first: bool  # the request's first chunk
     queued: float = field(default_factory=now)
 
@@ -129,10 +130,11 @@ class KVSender:
             raise ValueError(f"{len(src_page_ids)} source pages but {len(dst_page_ids)} destination pages")
         if not 0 <= layer_start < layer_end <= layout.num_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {layout.num_layers})")
-        ready = None
+        ready, stream = None, 0
         if self.pool.buffer.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
+            current = torch.cuda.current_stream(self.pool.buffer.device)
+            ready, stream = torch.cuda.Event(), current.cuda_stream
+            ready.record(current)
         src_heads, dst_heads = [], []
         page_bytes = (layer_end - layer_start) * layout.bytes_per_page // layout.num_layers
         if heads is not None:
@@ -149,7 +151,7 @@ class KVSender:
                             (end - start) * page_bytes, last and end == num_pages,
                             src if self.plane.sends_src_page_ids else [], src_heads, dst_heads,
                             parts)
-            jobs.append(_SendJob(request_id, address, src, chunk, ready,
+            jobs.append(_SendJob(request_id, address, src, chunk, ready, stream,
                                  first=layer_start == 0 and start == 0))
         self._put(("send", jobs))
 
@@ -290,10 +292,17 @@ class KVSender:
         marks: dict[int, tuple[float, float]] = {}  # id(job) -> (prepared, header sent)
         try:
             self._connect(address, poller)
+            if self.plane.waits_on_host:
+                # Events of one stream pass in order: waiting for each stream's newest covers
+                # the group (one host wait instead of one a chunk).
+                newest = {job.stream: job.ready for job in going if job.ready is not None}
+                for event in newest.values():
+                    event.synchronize()
             message: list[_SendJob] = []
             headers, counts, frames, frame_bytes = [], [], [], 0
             for i, job in enumerate(going):
-                chunk_frames = self.plane.prepare(address, job.chunk, job.src_page_ids, job.ready)
+                chunk_frames = self.plane.prepare(address, job.chunk, job.src_page_ids,
+                                                  None if self.plane.waits_on_host else job.ready)
                 message.append(job)
                 headers.append(protocol.fields_of(job.chunk))
                 counts.append(len(chunk_frames))

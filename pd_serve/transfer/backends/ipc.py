@@ -65,6 +65,7 @@ def import_cuda_tensor(description: list, device: torch.device | None = None) ->
 
 class IpcSenderPlane(SenderPlane):
     sends_src_page_ids = True
+    waits_on_host = True  # the receiver reads the pages as soon as it has the header
     chunked = False  # the receiver reads the pages in place: nothing to overlap here
 
     def __init__(self, pool, timeout_s: float):
@@ -78,9 +79,9 @@ class IpcSenderPlane(SenderPlane):
 
     def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
                 ready: torch.cuda.Event | None) -> list:
-        if ready is not None:
-            ready.synchronize()  # the receiver reads the pages once it has the header
-        return []  # it reads them in place; they stay allocated until its ack
+        # The sender waited for `ready` already (waits_on_host). The receiver reads the pages in
+        # place; they stay allocated until its ack.
+        return []
 
 
 class IpcReceiverPlane(ReceiverPlane):
