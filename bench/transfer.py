@@ -329,11 +329,10 @@ class Pair:
         deadline = time.monotonic() + self.timeout_s + 5
         start = time.perf_counter()
         while len(acked) < total:
-            with self.sender.batch():  # what the acks just freed goes out together
-                while sent < total and (sent < k or parts[sent - k][0] in acked):
-                    request_id, s, d = parts[sent]
-                    self.sender.send(request_id, self.receiver.address, s, d)
-                    sent += 1
+            while sent < total and (sent < k or parts[sent - k][0] in acked):
+                request_id, s, d = parts[sent]
+                self.sender.send(request_id, self.receiver.address, s, d)
+                sent += 1
             if (left := deadline - time.monotonic()) <= 0:
                 raise TransferError(f"{total - len(acked)} of {total} requests unanswered")
             for result in self.sender.poll(timeout_s=left):

@@ -6,7 +6,6 @@ All sockets and data-plane calls live on one I/O thread; the caller's methods on
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import socket
@@ -103,7 +102,6 @@ class KVSender:
         # (`_sleeping`), so it can sleep in one poll over its peers' sockets and the queue.
         self._sleeping = False
         self._next_expiry = 0.0
-        self._local = threading.local()  # batch(): the caller's pending jobs and their event
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
@@ -132,10 +130,11 @@ class KVSender:
             raise ValueError(f"{len(src_page_ids)} source pages but {len(dst_page_ids)} destination pages")
         if not 0 <= layer_start < layer_end <= layout.num_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {layout.num_layers})")
-        batched = getattr(self._local, "jobs", None)  # inside batch()
-        ready, stream = getattr(self._local, "ready", None) or self._ready()
-        if batched is not None:
-            self._local.ready = (ready, stream)
+        ready, stream = None, 0
+        if self.pool.buffer.is_cuda:
+            current = torch.cuda.current_stream(self.pool.buffer.device)
+            ready, stream = torch.cuda.Event(), current.cuda_stream
+            ready.record(current)
         src_heads, dst_heads = [], []
         page_bytes = (layer_end - layer_start) * layout.bytes_per_page // layout.num_layers
         if heads is not None:
@@ -154,36 +153,7 @@ class KVSender:
                             parts)
             jobs.append(_SendJob(request_id, address, src, chunk, ready, stream,
                                  first=layer_start == 0 and start == 0))
-        if batched is not None:
-            batched.extend(jobs)
-        else:
-            self._put(("send", jobs))
-
-    @contextlib.contextmanager
-    def batch(self):
-        """`with sender.batch(): sender.send(...) ...`: the sends inside share one CUDA event
-        (recorded at the first; the pages must all be written before the block, none inside it)
-        and reach the I/O thread together as the block ends: cheaper than one at a time. Per
-        calling thread; blocks do not nest."""
-        if getattr(self._local, "jobs", None) is not None:
-            raise RuntimeError("KVSender.batch() blocks do not nest")
-        self._local.jobs, self._local.ready = [], None
-        try:
-            yield
-        finally:
-            jobs, self._local.jobs, self._local.ready = self._local.jobs, None, None
-            if jobs:
-                self._put(("send", jobs))
-
-    def _ready(self) -> tuple[torch.cuda.Event | None, int]:
-        """An event after the work queued so far on the current stream, and that stream's
-        handle; (None, 0) on CPU."""
-        if not self.pool.buffer.is_cuda:
-            return None, 0
-        current = torch.cuda.current_stream(self.pool.buffer.device)
-        ready = torch.cuda.Event()
-        ready.record(current)
-        return ready, current.cuda_stream
+        self._put(("send", jobs))
 
     def _chunk_bounds(self, num_pages: int, page_bytes: int) -> list[tuple[int, int]]:
         """[start, end) page ranges of the chunks; a page larger than a chunk travels alone, and

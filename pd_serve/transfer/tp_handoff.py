@@ -81,10 +81,6 @@ class PrefillRank:
         ends = sorted(self.group_ends)
         start = 0 if layer == ends[0] else ends[ends.index(layer) - 1] + 1
         last = layer == ends[-1]
-        with self.sender.batch():  # one event and one hand-over to the I/O thread for them all
-            self._send_group(sends, start, layer, last)
-
-    def _send_group(self, sends: list[Send], start: int, layer: int, last: bool) -> None:
         for send in sends:
             routes = self.routes(len(send.addresses))
             dst_heads = max(1, self.num_kv_heads // len(send.addresses))

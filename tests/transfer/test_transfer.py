@@ -427,32 +427,3 @@ def test_a_malformed_chunk_message_is_dropped_and_the_receiver_keeps_serving():
     rogue.close()
     sender.close()
     receiver.close()
-
-
-def test_a_batch_of_sends_goes_out_together_and_each_request_gets_its_result():
-    """sender.batch(): the sends inside reach the I/O thread only as the block ends (one event,
-    one hand-over), and each request still ends in its own result, its pages bit-exact."""
-    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
-    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
-    try:
-        sender.connect(receiver.address)
-        plan = {f"b{i}": ([i, i + 4], [NUM_PAGES - 1 - i, i]) for i in range(4)}
-        for rid, (_, dst) in plan.items():
-            receiver.expect(rid, dst)
-        with sender.batch():
-            for rid, (src, dst) in plan.items():
-                sender.send(rid, receiver.address, src, dst)
-            assert not sender._jobs, "a send inside batch() reached the I/O thread early"
-        assert len(sender._jobs) <= 1  # one hand-over (unless already taken)
-        results = wait_results(sender, 4, 10)
-        assert sorted(r.request_id for r in results if r.ok) == sorted(plan)
-        expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
-        for src, dst in plan.values():
-            assert torch.equal(bits(receiver.pool.buffer[:, :, dst]), bits(expected[:, :, src]))
-        with pytest.raises(RuntimeError, match="nest"):
-            with sender.batch():
-                with sender.batch():
-                    pass
-    finally:
-        sender.close()
-        receiver.close()
