@@ -55,3 +55,25 @@ def test_gpu_transfer_bit_exact(backend, chunk_bytes, peers):
     rest = [p for p in range(NUM_PAGES) if p not in used]
     assert (got[:, :, rest].float() == POISON).all()
     receiver.close()
+
+
+def test_ipc_sender_back_under_its_old_id_is_read_from_its_new_pool(monkeypatch):
+    """A prefill worker restarted under the same id pairs again with a new pool: the receiver's
+    copy graphs (which hold the old pool's address) must go, so the copies read the new one.
+    (Mapping over IPC needs two processes; here the 'mapped' pool is the tensor itself.)"""
+    from pd_serve.protocol import KVChunk
+    from pd_serve.transfer.backends import ipc
+    monkeypatch.setattr(ipc, "import_cuda_tensor", lambda description, device: description)
+    pool = poisoned_pool(GPU_LAYOUT, NUM_PAGES, "cuda:0")
+    plane = ipc.IpcReceiverPlane(pool, 10.0, "127.0.0.1")
+    for seed in (SEED, SEED + 1):
+        source = seeded_pool(GPU_LAYOUT, NUM_PAGES, seed, "cuda:0")
+        plane.after_welcome("prefill-0", {"pool": source.buffer})
+        chunk = KVChunk("r", [5, 6], 0, GPU_LAYOUT.num_layers, 2 * GPU_LAYOUT.bytes_per_page,
+                        True, [1, 2])
+        with torch.cuda.stream(plane.stream):
+            plane.receive("prefill-0", chunk, [], [5, 6])
+            plane.flush()
+        plane.synchronize()
+        assert torch.equal(pool.buffer[:, :, [5, 6]].view(torch.int16),
+                           source.buffer[:, :, [1, 2]].view(torch.int16)), f"seed {seed}"

@@ -99,6 +99,7 @@ class IpcReceiverPlane(ReceiverPlane):
         self._graphs: dict[tuple, CopyGraph] = {}
 
     def after_welcome(self, sender_id: str, hello_info: dict) -> None:
+        self.drop_sender(sender_id)  # a sender back under its old id: its graphs read the old pool
         self._remote[sender_id] = import_cuda_tensor(hello_info["pool"], self.device)
 
     def receive(self, sender_id: str, chunk: KVChunk, frames: list,
