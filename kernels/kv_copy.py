@@ -172,8 +172,9 @@ def copy_pages_counted(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, 
         copy_pages_ref(src, ids[1:1 + n].long(), dst, ids[1 + n:1 + 2 * n].long(), layer_start,
                        layer_end, src_heads, dst_heads)
         return
-    if not programs:
-        programs = 8 * torch.cuda.get_device_properties(dst.device).multi_processor_count if dst.is_cuda else 4
+    if not programs:  # 8 a streaming multiprocessor (4 in the interpreter)
+        programs = (8 * torch.cuda.get_device_properties(dst.device).multi_processor_count
+                    if dst.is_cuda else 4)
     _launch(src[layer_start:layer_end], ids, dst[layer_start:layer_end], ids, 0, src_heads,
             dst_heads, programs)
 

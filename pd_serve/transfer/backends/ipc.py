@@ -17,8 +17,8 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from kernels.kv_copy import CopyGraph
 from pd_serve.protocol import KVChunk
-from pd_serve.transfer.base import (ReceiverPlane, SenderPlane, head_range, now, on_stream,
-                                    trace)
+from pd_serve.transfer.base import (TRACE, ReceiverPlane, SenderPlane, head_range, now,
+                                    on_stream, trace)
 
 # The only classes a description may name when it is rebuilt.
 _CLASSES = {c.__module__ + "." + c.__qualname__: c for c in
@@ -129,7 +129,8 @@ class IpcReceiverPlane(ReceiverPlane):
                 staged = now()
                 graph(ids)
                 self.page_ids.sent()
-            trace("flush", f"{len(src)}-pages", start, staged=staged, launched=now())
+            if TRACE:
+                trace("flush", f"{len(src)}-pages", start, staged=staged, launched=now())
 
     def _graph(self, key: tuple) -> CopyGraph:
         sender_id, layer_start, layer_end, src_heads, dst_heads = key
