@@ -14,14 +14,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit() -> str:
-    """HEAD, or $PD_SERVE_COMMIT where the tree has no .git (the device machine gets a copy)."""
+    """$PD_SERVE_COMMIT when set (the device machine gets a copy of the tree, whose .git may be
+    stale), else HEAD, with "-dirty" when tracked files differ from it (so a stale or edited
+    tree never passes for a commit)."""
     if os.environ.get("PD_SERVE_COMMIT"):
         return os.environ["PD_SERVE_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        head = _git("rev-parse", "HEAD")
+        return head + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def device_name(device: torch.device) -> str:
