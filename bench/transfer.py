@@ -16,8 +16,11 @@ second. Sizes up to --in-flight-max-mib are also sent as --in-flight-requests re
 --in-flight K of them in flight at any time (all expected first; K sent back to back, then one
 more as each is acknowledged; timed until the last is acknowledged): the steady rate of a
 prefill worker that always has K requests finishing, as bandwidth tests measure a link
-(`pipelined_gbps`); one request alone (`median_gbps`) pays the fixed cost per request in full. The raw link rate is one process's plain 1 GiB `dst.copy_(src)` between the two
-devices: GPU0 -> GPU1 (P2P) on two GPUs, within the GPU on one, host memory on CPU.
+(`pipelined_gbps`), with the wall time and the CPU time of the sender's and the receiver's
+processes (every thread) per request (`pipelined_*_us`); one request alone (`median_gbps`)
+pays the fixed cost per request in full. The raw link rate is one process's plain 1 GiB
+`dst.copy_(src)` between the two devices: GPU0 -> GPU1 (P2P) on two GPUs, within the GPU on
+one, host memory on CPU.
 """
 
 from __future__ import annotations
@@ -200,6 +203,8 @@ def serve_receiver(args: argparse.Namespace) -> None:
                     sync(device)
                 receiver.expect(cmd["request_id"], cmd["page_ids"])
                 say({"failed": failed})
+            elif cmd["op"] == "cpu":  # this process's CPU seconds so far, every thread
+                say({"cpu_s": time.process_time()})
             elif cmd["op"] == "checksum":
                 say(page_checksum(pool.buffer, cmd["page_ids"]))
             elif cmd["op"] == "close":
@@ -309,12 +314,13 @@ class Pair:
                 self.results[result.request_id] = result
         raise TransferError(f"no result for {request_id} within {self.timeout_s + 5} s")
 
-    def pipelined(self, num_pages: int, k: int, total: int) -> float:
+    def pipelined(self, num_pages: int, k: int, total: int) -> tuple[float, float, float]:
         """Seconds for `total` requests of `num_pages` pages each with at most k in flight: k
         sent back to back, then the next each time the one that used its pages last is
         acknowledged (k disjoint page sets in turn), until the last is acknowledged. The rate a
         prefill worker that always has k requests finishing sustains. The receiver expects them
-        all before the clock starts."""
+        all before the clock starts. Also the CPU seconds the sender's and the receiver's
+        processes spent meanwhile (every thread: where host time per request goes)."""
         src = self.rng.sample(range(self.pool.num_pages), k * num_pages)
         dst = self.rng.sample(range(self.pool.num_pages), k * num_pages)
         sets = [(src[i * num_pages:(i + 1) * num_pages], dst[i * num_pages:(i + 1) * num_pages])
@@ -327,6 +333,8 @@ class Pair:
         acked: set[str] = set()
         sent = 0
         deadline = time.monotonic() + self.timeout_s + 5
+        receiver_cpu = self.receiver.call("cpu")["cpu_s"]
+        sender_cpu = time.process_time()
         start = time.perf_counter()
         while len(acked) < total:
             while sent < total and (sent < k or parts[sent - k][0] in acked):
@@ -339,7 +347,9 @@ class Pair:
                 if not result.ok:
                     raise TransferError(f"{result.request_id} ({num_pages} pages) failed: {result.error}")
                 acked.add(result.request_id)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        sender_cpu = time.process_time() - sender_cpu
+        return seconds, sender_cpu, self.receiver.call("cpu")["cpu_s"] - receiver_cpu
 
     def timed(self, num_pages: int, repeats: int) -> list[float]:
         self.transfer(num_pages)  # warm-up
@@ -380,16 +390,22 @@ def run_backend(backend: str, pool: KVPool, raw_gbps: float, args: argparse.Name
                 num_pages = size_mib * MiB // layout.bytes_per_page
                 total = args.in_flight_requests
                 pair.pipelined(num_pages, args.in_flight, total)  # warm-up
-                piped = [total * size_mib * MiB / pair.pipelined(num_pages, args.in_flight, total) / 1e9
-                         for _ in range(args.repeats)]
+                runs = [pair.pipelined(num_pages, args.in_flight, total) for _ in range(args.repeats)]
+                piped = [total * size_mib * MiB / seconds / 1e9 for seconds, _, _ in runs]
+                per_request = [[1e6 * v / total for v in run] for run in runs]  # us a request
                 row.update(in_flight=args.in_flight, in_flight_requests=total,
                            pipelined_gbps=statistics.median(piped),
-                           pipelined_ratio_to_raw=statistics.median(piped) / raw_gbps)
+                           pipelined_ratio_to_raw=statistics.median(piped) / raw_gbps,
+                           pipelined_us_per_request=statistics.median(r[0] for r in per_request),
+                           pipelined_sender_cpu_us=statistics.median(r[1] for r in per_request),
+                           pipelined_receiver_cpu_us=statistics.median(r[2] for r in per_request))
             out["sizes"].append(row)
             log(f"{backend:>5} {size_mib:>6} MiB  median {row['median_gbps']:8.2f} GB/s  "
                 f"best {row['best_gbps']:8.2f} GB/s  {row['ratio_to_raw']:6.1%} of raw"
                 + (f"  {row['in_flight']} in flight {row['pipelined_gbps']:8.2f} GB/s "
-                   f"({row['pipelined_ratio_to_raw']:.1%})" if "pipelined_gbps" in row else ""))
+                   f"({row['pipelined_ratio_to_raw']:.1%}; {row['pipelined_us_per_request']:.0f} us "
+                   f"a request, CPU sender {row['pipelined_sender_cpu_us']:.0f} us, receiver "
+                   f"{row['pipelined_receiver_cpu_us']:.0f} us)" if "pipelined_gbps" in row else ""))
         for tokens in args.latency_tokens:
             num_pages = -(-tokens // layout.page_size)
             seconds = pair.timed(num_pages, args.repeats)

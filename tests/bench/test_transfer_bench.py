@@ -1,5 +1,6 @@
-"""bench/transfer.py --quick on the CPU: every size, the steady-state rate and a bit-exact check
-land in its JSON; with an FP8 KV cache the same tokens move half the bytes of bf16."""
+"""bench/transfer.py --quick on the CPU: every size, the steady-state rate (with its host time a
+request) and a bit-exact check land in its JSON; with an FP8 KV cache the same tokens move half
+the bytes of bf16."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def test_quick_run_and_fp8_halves_the_bytes_per_token(tmp_path):
         assert tcp["verify"]["ok"] and "error" not in tcp
         assert [row["size_mib"] for row in tcp["sizes"]] == [1, 4]
         assert all(row["pipelined_gbps"] > 0 and row["in_flight_requests"] == 8 for row in tcp["sizes"])
+        for row in tcp["sizes"]:  # host time a request: wall, and each side's process CPU
+            assert row["pipelined_us_per_request"] > 0
+            assert 0 < row["pipelined_sender_cpu_us"] and 0 < row["pipelined_receiver_cpu_us"]
     assert fp8["layout"]["dtype"] == "float8_e4m3fn"
     assert fp8["layout"]["page_size"] == 2 * bf16["layout"]["page_size"]  # 1 MiB pages either way
     (bf16_row,), (fp8_row,) = bf16["backends"][0]["latency"], fp8["backends"][0]["latency"]
