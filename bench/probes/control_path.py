@@ -1,0 +1,125 @@
+"""Host cost of the KV-transfer control path alone: KVSender and KVReceiver (each in its own
+process, as in serving) with data planes that move nothing, `--requests` requests of 8 pages
+with `--in-flight` of them in flight (as bench/transfer.py's pipelined rate). Prints and
+writes wall time per request and the CPU time per request of each thread: the sender's caller
+thread, its I/O thread (the two share one GIL) and the receiver's I/O thread.
+
+    python bench/probes/control_path.py --in-flight 32 --output bench/results/probe-control-path-cpu.json
+"""
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from _common import device_name, git_commit, write_json  # noqa: E402
+from pd_serve.cache.pool import KVLayout, KVPool  # noqa: E402
+from pd_serve.transfer import receiver as receiver_module  # noqa: E402
+from pd_serve.transfer import sender as sender_module  # noqa: E402
+from pd_serve.transfer.base import ReceiverPlane, SenderPlane  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=2, page_size=1, num_kv_heads=1, head_dim=4, dtype="float32")
+PAGES = 8  # per request
+
+
+class NullReceiverPlane(ReceiverPlane):
+    def receive(self, sender_id, chunk, frames, dst_page_ids) -> None:
+        pass
+
+
+class NullSenderPlane(SenderPlane):
+    sends_src_page_ids = True  # as ipc: one chunk a request, page ids in the header
+    chunked = False
+
+    def prepare(self, peer, chunk, src_page_ids, ready) -> list:
+        return []
+
+
+def _io_cpu(cls):
+    """cls with its I/O thread's CPU seconds kept in `io_cpu_s` when the thread ends."""
+    class Timed(cls):
+        io_cpu_s = 0.0
+
+        def _serve(self):
+            start = time.thread_time()
+            try:
+                super()._serve()
+            finally:
+                self.io_cpu_s = time.thread_time() - start
+    return Timed
+
+
+def run_receiver(requests: int, in_flight: int, to_parent, from_parent) -> None:
+    receiver_module.make_receiver_plane = lambda backend, pool, timeout, host: NullReceiverPlane(pool, timeout)
+    pool = KVPool(LAYOUT, in_flight * PAGES, torch.device("cpu"))
+    receiver = _io_cpu(receiver_module.KVReceiver)(pool, "tcp", timeout_s=600)
+    for i in range(requests):
+        j = i % in_flight
+        receiver.expect(f"r{i}", list(range(j * PAGES, (j + 1) * PAGES)))
+    to_parent.put(receiver.address)
+    from_parent.get()  # the sender is done
+    receiver.close()
+    to_parent.put(receiver.io_cpu_s)
+
+
+def run(requests: int, in_flight: int) -> dict:
+    sender_module.make_sender_plane = lambda backend, pool, timeout: NullSenderPlane(pool, timeout)
+    ctx = mp.get_context("spawn")
+    to_parent, from_parent = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=run_receiver, args=(requests, in_flight, to_parent, from_parent))
+    child.start()
+    address = to_parent.get(timeout=120)
+    sender = _io_cpu(sender_module.KVSender)(KVPool(LAYOUT, in_flight * PAGES, torch.device("cpu")),
+                                             "tcp", timeout_s=600)
+    sender.connect(address)
+    acked, sent = set(), 0
+    start, caller_cpu = time.perf_counter(), time.thread_time()
+    while len(acked) < requests:
+        while sent < requests and (sent < in_flight or f"r{sent - in_flight}" in acked):
+            pages = list(range((sent % in_flight) * PAGES, (sent % in_flight + 1) * PAGES))
+            sender.send(f"r{sent}", address, pages, pages)
+            sent += 1
+        for result in sender.poll(timeout_s=30):
+            if not result.ok:
+                raise RuntimeError(f"{result.request_id}: {result.error}")
+            acked.add(result.request_id)
+    wall, caller_cpu = time.perf_counter() - start, time.thread_time() - caller_cpu
+    sender.close()
+    from_parent.put("done")
+    receiver_io = to_parent.get(timeout=60)
+    child.join(timeout=30)
+    us = 1e6 / requests
+    return {"wall_us": wall * us, "sender_caller_cpu_us": caller_cpu * us,
+            "sender_io_cpu_us": sender.io_cpu_s * us, "receiver_io_cpu_us": receiver_io * us}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--in-flight", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+    runs = []
+    for i in range(args.repeats):
+        runs.append(run(args.requests, args.in_flight))
+        print(f"run {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items()), flush=True)
+    medians = {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
+    print("median: " + ", ".join(f"{k} {v}" for k, v in medians.items()))
+    if args.output:
+        write_json(args.output, {
+            "probe": "KV-transfer control path with data planes that move nothing (us a request)",
+            "device": device_name(torch.device("cpu")), "git_commit": git_commit(),
+            "requests": args.requests, "in_flight": args.in_flight, "pages_per_request": PAGES,
+            "runs": runs, "median": medians})
+
+
+if __name__ == "__main__":
+    main()
