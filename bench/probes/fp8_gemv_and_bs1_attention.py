@@ -16,7 +16,7 @@ import torch
 
 from kernels import gemv
 from pd_serve.model import fp8
-from _graph_time import graph_time  # noqa: E402 (bench/probes/)
+from _graph_time import flashinfer_decode_one_row, graph_time  # noqa: E402 (bench/probes/)
 
 dev = "cuda"
 out = {"device": torch.cuda.get_device_name()}
@@ -52,7 +52,6 @@ for name, (N, K) in shapes.items():
 gemv._block_config = orig
 out["fp8_gemv"] = res
 
-import flashinfer
 
 from kernels.paged_attention import paged_decode_attention
 
@@ -63,13 +62,7 @@ for ctx in (1024, 4096, 8192):
     kc = [torch.randn(P, S, Hkv, D, dtype=torch.bfloat16, device=dev) for _ in range(L)]
     vc = [torch.randn(P, S, Hkv, D, dtype=torch.bfloat16, device=dev) for _ in range(L)]
     q = torch.randn(1, Hq, D, dtype=torch.bfloat16, device=dev)
-    ws_buf = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    indptr = torch.tensor([0, P], dtype=torch.int32, device=dev)
-    indices = torch.arange(P, dtype=torch.int32, device=dev)
-    last = torch.tensor([S], dtype=torch.int32, device=dev)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws_buf, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-        paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-    w.plan(indptr.cpu(), indices, last.cpu(), Hq, Hkv, D, S, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    w = flashinfer_decode_one_row(P, S, Hq, Hkv, D, tensor_cores=True, workspace_mib=256, device=dev)
     def fi():
         for i in range(L): w.run(q, (kc[i], vc[i]))
     fi(); torch.cuda.synchronize()

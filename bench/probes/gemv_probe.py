@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from _graph_time import graph_time  # noqa: E402 (bench/probes/)
+from _graph_time import flashinfer_decode_one_row, graph_time  # noqa: E402 (bench/probes/)
 
 dev = "cuda"
 out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
@@ -104,7 +104,6 @@ out["gemv"] = res
 
 # bs1 decode attention, 1k context, 32 layers cycled
 try:
-    import flashinfer
     L, P, S, Hq, Hkv, D = 32, 64 * 2, 16, 32, 8, 128
     ctx = 1024
     kc = [torch.randn(P, S, Hkv, D, dtype=torch.bfloat16, device=dev) for _ in range(L)]
@@ -112,13 +111,8 @@ try:
     q = torch.randn(1, Hq, D, dtype=torch.bfloat16, device=dev)
     att = []
     for tc in (True, False):
-        ws_buf = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-        indptr = torch.tensor([0, ctx // S], dtype=torch.int32, device=dev)
-        indices = torch.arange(ctx // S, dtype=torch.int32, device=dev)
-        last = torch.tensor([S], dtype=torch.int32, device=dev)
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws_buf, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
-            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-        w.plan(indptr.cpu(), indices, last.cpu(), Hq, Hkv, D, S, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        w = flashinfer_decode_one_row(ctx // S, S, Hq, Hkv, D, tensor_cores=tc, workspace_mib=128,
+                                      device=dev)
         def fi():
             for i in range(L): w.run(q, (kc[i], vc[i]))
         fi(); torch.cuda.synchronize()
