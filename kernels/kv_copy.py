@@ -184,7 +184,7 @@ class CopyGraph:
 
     A copy is then one host-to-device copy of the ids into the graph's buffer and one graph
     launch, both on the current stream (so copies queued on one stream run in order): on the
-    H200 host a Triton launch costs ~75 us of host time, a replay a fraction of it
+    H200 host a Triton launch costs 52-77 us of host time, a replay a fraction of it
     (bench/results/probe-flush-h200.json).
     """
 
