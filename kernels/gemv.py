@@ -24,6 +24,12 @@ scale's pass over x comes first in every program). From two rows up cuBLAS wins 
 share the weight read between rows; this kernel's do not), so `linear` takes this path for one
 row only.
 
+`linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
+GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
+up half, rounds both to x's dtype (what the separate GEMV would store) and writes
+`silu(gate) * up` with kernels/activation.py's arithmetic, so it is bit for bit that GEMV
+followed by `silu_and_mul`, with one launch fewer and no [1, 2I] intermediate.
+
 The model's layers call it only under --enable-batch1-kernels (pd_serve/model/llama.py's
 use_batch1_kernels): a row computed here rounds differently from the same row in a cuBLAS
 GEMM, so with it a request's greedy output can depend on whether it decoded alone.
@@ -39,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import lazy_kernel
+from kernels import activation
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -66,8 +73,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul(F.linear(x, weight))` for a fused [gate | up] weight [2I, K]; one-row
+    inputs [1, K] on the GPU run the GEMV with the activation in its epilogue.
+
+    Returns
+    -------
+    [T, I] in x's dtype.
+    """
+    if (x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype and x.dtype in _DTYPES
+            and _kernel.runs_on(x)):
+        return gemv(x, weight, silu_and_mul=True)
+    return activation.silu_and_mul(F.linear(x, weight))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-         input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+         input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+         silu_and_mul: bool = False) -> torch.Tensor:
     """One row through a linear layer, on the Triton kernel.
 
     Parameters
@@ -77,24 +99,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     weight_scale : float32 [N] for an FP8 weight (W[n] = weight[n] * weight_scale[n]); else None.
     input_scale : float32 [1]: an FP8 layer's static activation scale; None: dynamic (per token).
     bias : [N] in x's dtype, or None.
+    silu_and_mul : weight is [gate | up] (N = 2I): return silu(gate) * up, [1, I] (no bias).
 
     Returns
     -------
-    [1, N], new and contiguous, in x's dtype.
+    [1, N] (or [1, N / 2] with silu_and_mul), new and contiguous, in x's dtype.
     """
-    _check(x, weight, weight_scale, input_scale, bias)
+    _check(x, weight, weight_scale, input_scale, bias, silu_and_mul)
     global triton_launches
     kernel = _kernel.load()
     x = x.contiguous()
     n, k = weight.shape
+    if silu_and_mul:
+        n //= 2
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     fp8 = weight_scale is not None
     block_n, block_k, num_warps, num_stages = _block_config(k, fp8)
+    if silu_and_mul:  # the same weight rows a program: half of them gate, half up
+        block_n = max(1, block_n // 2)
     kernel[(-(-n // block_n),)](
         x, weight, out, weight_scale if fp8 else weight,
         input_scale if input_scale is not None else x, bias if bias is not None else x, n, k,
-        FP8=fp8, STATIC_SCALE=input_scale is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        FP8=fp8, STATIC_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
+        GLU=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         num_stages=num_stages)
     triton_launches += 1
     return out
@@ -118,11 +145,13 @@ def _kernel(triton):
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, N, K,
                     FP8: tl.constexpr, STATIC_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # N: output channels (with GLU, the gate rows; the up rows are N further down).
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
         rows = rn.to(tl.int64)[:, None] * K  # [BN, 1] weight row starts
+        up_rows = rows + N.to(tl.int64) * K  # GLU's up rows
         if FP8:
             if STATIC_SCALE:
                 x_scale = tl.load(in_scale_ptr).to(tl.float32)
@@ -134,6 +163,7 @@ def _kernel(triton):
                 amax = tl.reduce(amax, 0, tl.standard._elementwise_max)
                 x_scale = tl.maximum(tl.math.div_rn(amax, tl.full((), 448.0, tl.float32)), 1e-12)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GLU only
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
@@ -145,11 +175,23 @@ def _kernel(triton):
             w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
             acc += w.to(tl.float32) * xs[None, :]
+            if GLU:
+                w = tl.load(w_ptr + up_rows + kk[None, :],
+                            mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc_up += w.to(tl.float32) * xs[None, :]
         # tl.reduce with Triton's add combiner, not tl.sum (see kernels/norm.py: the interpreter)
         y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]
         if FP8:
             y = y * x_scale * tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
         y = y.to(out_ptr.dtype.element_ty)
+        if GLU:  # silu(gate) * up as kernels/activation.py rounds it, from the rounded halves
+            up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
+            if FP8:
+                up = up * x_scale * tl.load(w_scale_ptr + N + rn, mask=n_mask, other=0.0)
+            up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            gate = y.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+            y = (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty)
         if HAS_BIAS:
             y = (y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rn, y, mask=n_mask)
@@ -158,7 +200,8 @@ def _kernel(triton):
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-           input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+           input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+           silu_and_mul: bool = False) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in _DTYPES:
         raise ValueError(f"x must be [1, K] float16/bfloat16/float32, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -173,6 +216,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     if input_scale is not None and not fp8:
         raise ValueError("input_scale belongs to FP8 weights")
     n = weight.shape[0]
+    if silu_and_mul and (n % 2 or bias is not None):
+        raise ValueError(f"silu_and_mul needs a [gate | up] weight of an even N and no bias, got "
+                         f"N = {n}{' and a bias' if bias is not None else ''}")
     for name, t, shape in (("weight_scale", weight_scale, (n,)),
                            ("input_scale", input_scale, (1,))):
         if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape):

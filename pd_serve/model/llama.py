@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.gemv import linear
+from kernels.gemv import linear, linear_silu_and_mul
 from kernels.norm import rms_norm
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
@@ -77,7 +77,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, Linear) and gate_up.batch1_kernels:  # activation in the GEMV
+            return self.down_proj(linear_silu_and_mul(x, gate_up.weight))
+        return self.down_proj(silu_and_mul(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

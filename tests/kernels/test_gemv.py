@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemv
+from kernels import activation, gemv
 from pd_serve.model import fp8
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -109,6 +109,49 @@ def test_fp8_matches_reference(dtype, n, k, static, with_bias):
     run_fp8("cpu", dtype, n, k, static, with_bias, exact_x=True)
 
 
+def run_silu_and_mul(device, dtype, inner, k, fp8_weight):
+    """The activation in the epilogue is bit for bit the GEMV followed by silu_and_mul."""
+    x = random((1, k), dtype, device, 1)
+    scale = None
+    if fp8_weight:  # x exact in FP8 after scaling (see test_fp8_matches_reference)
+        q = (x.float() * 20).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        q[0, 3] = 448.0
+        x = (q * 2 ** -5).to(dtype)
+        w, scale = fp8.quantize_weight(random((2 * inner, k), torch.float32, device, 2, 0.05))
+    else:
+        w = random((2 * inner, k), dtype, device, 2, 0.05)
+    with expect_launches(1):
+        fused = gemv.gemv(x, w, scale, silu_and_mul=True)
+    with expect_launches(1):
+        dense = gemv.gemv(x, w, scale)
+    assert fused.shape == (1, inner) and fused.is_contiguous()
+    assert torch.equal(fused, activation.silu_and_mul(dense))
+    if not fp8_weight:
+        ref = activation.silu_and_mul_ref(F.linear(x.float(), w.float()).to(dtype))
+        assert_close(fused, ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp8_weight", [False, True], ids=["dense", "fp8"])
+@pytest.mark.parametrize("inner,k", [(32, 256), (35, 1030), (12, 8200)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_silu_and_mul_epilogue(dtype, inner, k, fp8_weight):
+    run_silu_and_mul("cpu", dtype, inner, k, fp8_weight)
+
+
+@needs_triton
+def test_linear_silu_and_mul_takes_the_gemv_for_one_row_only():
+    w = random((64, 256), torch.float32, "cpu", 2, 0.05)
+    x = random((1, 256), torch.float32, "cpu", 1)
+    with expect_launches(1):
+        one = gemv.linear_silu_and_mul(x, w)
+    assert torch.equal(one, gemv.gemv(x, w, silu_and_mul=True))
+    two = random((2, 256), torch.float32, "cpu", 3)
+    with expect_launches(0):
+        assert torch.equal(gemv.linear_silu_and_mul(two, w),
+                           activation.silu_and_mul(F.linear(two, w)))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(x=torch.zeros(2, 8)), r"x must be \[1, K\]"),
     (dict(w=torch.zeros(4, 16)), r"weight must be contiguous \[N, 8\]"),
@@ -119,12 +162,14 @@ def test_fp8_matches_reference(dtype, n, k, static, with_bias):
     (dict(w=torch.zeros(4, 8, dtype=torch.float8_e4m3fn), scale=torch.ones(3)),
      r"weight_scale must be float32 \[4\]"),
     (dict(bias=torch.zeros(5)), r"bias must be torch.float32 \[4\]"),
+    (dict(w=torch.zeros(5, 8), glu=True), "silu_and_mul needs a .* even N"),
+    (dict(bias=torch.zeros(4), glu=True), "and no bias"),
 ])
 def test_bad_input_is_a_clear_error(bad, match):
     x = bad.get("x", torch.zeros(1, 8))
     w = bad.get("w", torch.zeros(4, 8))
     with pytest.raises(ValueError, match=match):
-        gemv.gemv(x, w, bad.get("scale"), None, bad.get("bias"))
+        gemv.gemv(x, w, bad.get("scale"), None, bad.get("bias"), silu_and_mul=bad.get("glu", False))
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -138,6 +183,13 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("device", ["cuda"])
 def test_cuda_dense(device, dtype, n, k):
     run_dense(device, dtype, n, k, with_bias=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8_weight", [False, True], ids=["dense", "fp8"])
+@pytest.mark.parametrize("device", ["cuda"])
+def test_cuda_silu_and_mul_epilogue(device, fp8_weight):
+    run_silu_and_mul(device, torch.bfloat16, 14336, 4096, fp8_weight)
 
 
 @needs_cuda
@@ -161,3 +213,21 @@ def test_model_switch_turns_the_gemv_on():
     use_batch1_kernels(model)
     with torch.no_grad(), expect_launches(1):
         assert_close(model(x), F.linear(x, layer.weight, layer.bias), torch.float32)
+
+
+def test_model_mlp_runs_its_activation_in_the_gemv():
+    """Under use_batch1_kernels a one-row MLP is two GEMV launches (gate/up with the
+    activation, down) and gives what the separate kernels give."""
+    from types import SimpleNamespace
+
+    from pd_serve.model.llama import MLP, use_batch1_kernels
+    mlp = MLP(SimpleNamespace(hidden_size=256, intermediate_size=96))
+    x = random((1, 256), torch.float32, "cpu", 1)
+    with torch.no_grad():
+        separate = mlp.down_proj(activation.silu_and_mul(mlp.gate_up_proj(x)))
+        use_batch1_kernels(mlp)
+        with expect_launches(2):
+            fused = mlp(x)
+        gated = activation.silu_and_mul(gemv.gemv(x, mlp.gate_up_proj.weight))
+        assert torch.equal(fused, gemv.gemv(gated, mlp.down_proj.weight))
+    assert_close(fused, separate, torch.float32)
