@@ -13,12 +13,17 @@ tile is read once for all the heads that share it. Decode is the case BLOCK_Q = 
 
 Decode is split-K (flash-decoding): NUM_SPLITS programs share a (row, KV head), each taking an
 equal run of whole key tiles of that row's context (sized in the kernel from the row's own
-seq_len), and write a partial output and its log-sum-exp; a second small kernel merges them.
+seq_len), and write a partial output and its log-sum-exp to float32 buffers allocated per call
+(inside a graph capture they come from the graph's memory pool, at fixed addresses). Each then
+counts itself done on an int32 counter of its (row, KV head) (an acquire-release atomic at GPU
+scope, after a barrier over the program's stores); the program that counts last merges the
+splits' partials and resets the counter to zero. So decode is one launch whatever the splits
+(a second merge kernel cost about 2.7 us a layer at batch 1 on an H200, plus its launch gap).
+The counters live in one zeroed buffer per device that every launch leaves zeroed: launches that
+share a device must not run at the same time (one stream per device, as the engine runs them).
 NUM_SPLITS comes from shapes only (rows, KV heads, the page table's width, the SM count), never
 from tensor values: no host sync, and a CUDA graph captured for one batch replays for another
-of the same shape. With one split the kernel writes the output directly (one launch); with
-more, the partial results go to float32 buffers allocated per call (inside a graph capture they
-come from the graph's memory pool, at fixed addresses).
+of the same shape.
 
 Measured on an H200 (Llama-3-8B heads: Hq 32, Hkv 8, D 128, page 16, bf16; one CUDA graph over
 many layers' caches, per-layer times): decode reads K/V at 4.2-4.4 TB/s from batch 32 up (the
@@ -60,6 +65,9 @@ _PROGRAMS_PER_SM = 4  # decode splits fill one wave of this many programs per SM
 _MAX_SPLITS = 64
 _MIN_TILES_PER_SPLIT = 2  # a split reads at least this many key tiles of the widest row
 _CPU_SMS = 132  # split rule's SM count when there is no GPU (the interpreter): an H200's
+_MERGE_ELEMENTS = 4096  # partial-output elements the merging program loads at a time
+_COUNTERS = 1 << 16  # split counters per device: rows x KV heads of one decode launch
+_counters: dict[torch.device, torch.Tensor] = {}  # device -> int32 [_COUNTERS], zero between launches
 tl = None  # triton.language, bound when _kernels is first built
 
 
@@ -210,16 +218,16 @@ def _cdiv(a: int, b: int) -> int:
 
 @lazy_kernel("CUDA paged attention")
 def _kernels(triton):
-    """(attention kernel, split-merge kernel)."""
+    """The jitted attention kernel."""
     @triton.jit
     def attention_kernel(
-            q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qo_indptr_ptr, page_table_ptr,
-            seq_lens_ptr, qk_scale, v_scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-            k_stride_p, k_stride_s, k_stride_h, v_stride_p, v_stride_s, v_stride_h, table_stride,
-            HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+            q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, qo_indptr_ptr,
+            page_table_ptr, seq_lens_ptr, qk_scale, v_scale, q_stride_t, q_stride_h, o_stride_t,
+            o_stride_h, k_stride_p, k_stride_s, k_stride_h, v_stride_p, v_stride_s, v_stride_h,
+            table_stride, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
             GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            DECODE: tl.constexpr, PRECISION: tl.constexpr):
+            SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr):
         # Grid: (query blocks, rows, KV heads x splits). The last query blocks see the most
         # keys, so they go first.
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -291,28 +299,40 @@ def _kernels(triton):
             mid = (t_idx * num_q_heads + head) * NUM_SPLITS + split  # [M]
             tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
             tl.store(mid_lse_ptr + mid, lse, mask=row_ok)
+            # Decode only (BLOCK_Q = 1): the last split of this (row, KV head) to finish merges.
+            tl.debug_barrier()  # every thread's stores before the release below
+            token = row.to(tl.int64)  # decode: row b's token is token b
+            counter = counter_ptr + token * (num_q_heads // GROUP) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.store(counter, 0)  # zero again for the next launch
+                g = tl.arange(0, GROUP_PAD)
+                g_ok = g < GROUP
+                base = (token * num_q_heads + kv_head * GROUP + g) * NUM_SPLITS  # [G]
+                m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                den = tl.zeros([GROUP_PAD], tl.float32)
+                num = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+                for s0 in range(0, NUM_SPLITS, SPLIT_BLOCK):  # out = sum w_i o_i / sum w_i
+                    sp = s0 + tl.arange(0, SPLIT_BLOCK)
+                    gs_ok = g_ok[:, None] & (sp < NUM_SPLITS)[None, :]  # [G, S]
+                    idx = base[:, None] + sp[None, :]
+                    part_lse = tl.load(mid_lse_ptr + idx, mask=gs_ok, other=float("-inf"),
+                                       cache_modifier=".cg")
+                    part_o = tl.load(mid_o_ptr + (idx * HEAD_DIM)[:, :, None] + d[None, None, :],
+                                     mask=gs_ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                                     cache_modifier=".cg")  # [G, S, BLOCK_D]
+                    m_new = tl.maximum(m_all, tl.max(part_lse, 1))
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_all - m_ref)
+                    w = tl.exp2(part_lse - m_ref[:, None])  # [G, S]
+                    den = den * alpha + tl.sum(w, 1)
+                    num = num * alpha[:, None] + tl.sum(part_o * w[:, :, None], 1)
+                    m_all = m_new
+                o_off = token * o_stride_t + (kv_head * GROUP + g) * o_stride_h
+                tl.store(out_ptr + o_off[:, None] + d[None, :],
+                         (num / den[:, None]).to(out_ptr.dtype.element_ty),
+                         mask=g_ok[:, None] & d_ok[None, :])
 
-    @triton.jit
-    def merge_splits_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, o_stride_t, o_stride_h,
-                            HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                            SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-        # Grid: (tokens, query heads). out = sum_i w_i o_i / sum_i w_i, w_i = exp2(lse_i - max).
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        base = (token * tl.num_programs(1) + head) * NUM_SPLITS
-        s = tl.arange(0, SPLITS_PAD)
-        s_ok = s < NUM_SPLITS
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        lse = tl.load(mid_lse_ptr + base + s, mask=s_ok, other=float("-inf"))  # [SPLITS_PAD]
-        w = tl.exp2(lse - tl.max(lse, 0))
-        o = tl.load(mid_o_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [SPLITS_PAD, BLOCK_D]
-        o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d,
-                 o.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-    return attention_kernel, merge_splits_kernel
+    return attention_kernel
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -327,7 +347,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, page_size, num_kv_heads, _ = k_cache.shape
     if num_tokens == 0 or num_rows == 0 or max_q_len == 0:
         return
-    attention_kernel, merge_splits_kernel = _kernels.load()
+    attention_kernel = _kernels.load()
     decode = qo_indptr is None
     group = num_heads // num_kv_heads
     group_pad = _pow2(group)
@@ -339,32 +359,42 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_n, num_warps, num_stages = _PREFILL_BLOCK_N, _PREFILL_WARPS, _PREFILL_STAGES
     block_m = max(16, block_q * group_pad)  # tl.dot wants 16 rows or more
     block_d = max(16, _pow2(head_dim))
-    if num_splits > 1:
+    if num_splits > 1:  # decode only
         mid_o = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                             device=q.device)  # [T, Hq, splits, D] partial outputs
         mid_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
                               device=q.device)  # [T, Hq, splits] their log2-sum-exp2
+        counters = _split_counters(q.device, num_rows * num_kv_heads)
     else:
-        mid_o = mid_lse = out  # unused
+        mid_o = mid_lse = counters = out  # unused
+    split_block = min(_pow2(num_splits), max(1, _MERGE_ELEMENTS // (group_pad * block_d)))
     grid = (_cdiv(max_q_len, block_q), num_rows, num_kv_heads * num_splits)
     elsewhere = q.is_cuda and q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if elsewhere else contextlib.nullcontext():
         attention_kernel[grid](
-            q, k_cache, v_cache, out, mid_o, mid_lse,
+            q, k_cache, v_cache, out, mid_o, mid_lse, counters,
             qo_indptr if qo_indptr is not None else seq_lens, page_table, seq_lens,
             scale * _LOG2E, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0),
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, DECODE=decode,
+            NUM_SPLITS=num_splits, SPLIT_BLOCK=split_block, DECODE=decode,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
             num_stages=num_stages)
         triton_launches += 1
-        if num_splits > 1:
-            merge_splits_kernel[(num_tokens, num_heads)](
-                mid_o, mid_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-                NUM_SPLITS=num_splits, SPLITS_PAD=_pow2(num_splits), BLOCK_D=block_d)
-            triton_launches += 1
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's zeroed split counters (made on first use, outside any graph capture)."""
+    if needed > _COUNTERS:
+        raise ValueError(f"a decode launch of {needed} (row, KV head) pairs exceeds the "
+                         f"{_COUNTERS} split counters")
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split counters must exist before a CUDA graph capture: run "
+                               "one decode attention call eagerly first")
+        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def _pow2(n: int) -> int:

@@ -110,9 +110,28 @@ def test_decode_matches_reference(device, heads, dtype, page_size):
     scale = head_dim ** -0.5
     ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, scale)
     for num_splits in (None, 1, 3):  # the shape rule, one split (one launch), several
-        out = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale,
-                                        num_splits=num_splits)
+        with expect_launches(1):  # the last split to finish merges, in the same launch
+            out = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale,
+                                            num_splits=num_splits)
         assert_close(out, ref, dtype)
+    assert not pa._counters.get(k_cache.device, torch.zeros(1)).any(), "counters left non-zero"
+
+
+@needs_triton
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_decode_merges_splits_in_chunks(device, monkeypatch):
+    """The merging program loads the partials a few splits at a time (a ragged last chunk
+    here), rescaling as it goes; and a second launch finds the counters zeroed again."""
+    monkeypatch.setattr(pa, "_MERGE_ELEMENTS", 2 * 4 * 16)  # 2 splits a chunk: group 4, D 16
+    lens = [1, 17, 200, 64]
+    k_cache, v_cache, table, seq_lens = make_paged_context(lens, 4, 2, 16, torch.float32,
+                                                           device, seed=7)
+    q = random_q(len(lens), 8, 16, torch.float32, device, seed=8)
+    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, 0.25)
+    for _ in range(2):
+        out = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.25, num_splits=5)
+        assert_close(out, ref, torch.float32)
+    assert not pa._counters[k_cache.device].any()
 
 
 @needs_triton
@@ -149,7 +168,7 @@ def test_views_in_and_out(device):
     buffer = torch.full((3, 2 * num_heads, head_dim), float("nan"), device=device)
     out = buffer[:, num_heads:]
     ref = pa.paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, table, seq_lens, 0.3)
-    with expect_launches(2):  # attention + merge of 2 splits
+    with expect_launches(1):  # 2 splits, merged by the last of them
         returned = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.3, out=out,
                                              num_splits=2)
     assert returned is out
