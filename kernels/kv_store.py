@@ -13,20 +13,29 @@ the reference does). One program per token writes its K and V rows ([H, D] tiles
 arbitrary, so k and v may be views into the fused qkv output). Offsets are 64-bit: a pool may
 pass 2**31 elements.
 
-`store_kv` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1 (Triton's
-interpreter; how the tests exercise the kernel); otherwise `store_kv_ref`. Triton is imported
-lazily, so importing this module never imports it.
+`rope_store_kv` is the same store with kernels/rope.py's rotation in front, in one launch: it
+rotates q in place and stores the rotated k (k itself is left as it was) and v. Rounding as the
+two kernels in turn: the rotation rounds to k's dtype, then the store casts (or scales) that.
+Its grid is tokens x (1 + q head blocks): block 0 takes the token's K and V, the others its
+query heads, BLOCK_H at a time.
+
+`store_kv` and `rope_store_kv` run the kernels on CUDA tensors, or on CPU tensors when
+PD_SERVE_TRITON_CPU=1 (Triton's interpreter; how the tests exercise the kernels); otherwise
+`store_kv_ref` (and `rope.apply_rope_ref_`). Triton is imported lazily, so importing this
+module never imports it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import rope as _rope
 from kernels._triton import lazy_kernel
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
 
+_ROPE_BLOCK_ELEMENTS = 1024  # elements of q per program of rope_store_kv (heads x head_dim)
 tl = None  # triton.language, bound when _kernel is first built
 
 
@@ -89,7 +98,30 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _launch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-# ----------------------------------------------------------------------------- Triton kernel
+def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> None:
+    """RoPE on q (in place) and k, then `store_kv` of the rotated k and v; one launch.
+
+    positions, q, k, cos, sin as kernels/rope.py's `apply_rope_` takes them; k, v, the caches,
+    slot_mapping and the scales as `store_kv` takes them. k is not modified.
+    """
+    _rope._check(positions, q, k, cos, sin)
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
+    if not _rope_kernel.runs_on(k_cache):
+        rotated = k.clone()
+        _rope.apply_rope_ref_(positions, q, rotated, cos, sin)
+        store_kv_ref(rotated, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    if k.shape[0] > 0:
+        _launch_rope(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale,
+                     v_scale)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
 
 @lazy_kernel("CUDA KV stores")
 def _kernel(triton):
@@ -138,6 +170,97 @@ def _launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                           QUANT=fp8 or k_scale != 1.0 or v_scale != 1.0,
                           FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
                           num_warps=num_warps)
+    triton_launches += 1
+
+
+@lazy_kernel("CUDA RoPE + KV stores")
+def _rope_kernel(triton):
+    """The jitted RoPE-then-store kernel."""
+    @triton.jit
+    def rope_store_kv_kernel(
+            pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+            q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
+            v_head_stride, table_stride, num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
+            HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+            BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
+        dims = tl.arange(0, BLOCK_D)  # within one half
+        dim_mask = dims < HALF
+        pos = tl.load(pos_ptr + token).to(tl.int64)
+        cos1 = tl.load(cos_ptr + pos * table_stride + dims, mask=dim_mask, other=0.0)[None, :]
+        cos2 = tl.load(cos_ptr + pos * table_stride + HALF + dims, mask=dim_mask,
+                       other=0.0)[None, :]
+        sin1 = tl.load(sin_ptr + pos * table_stride + dims, mask=dim_mask, other=0.0)[None, :]
+        sin2 = tl.load(sin_ptr + pos * table_stride + HALF + dims, mask=dim_mask,
+                       other=0.0)[None, :]
+        if block == 0:  # this token's K (rotated) and V into its slot; none for slot < 0
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            heads = tl.arange(0, BLOCK_KV)
+            mask = (heads < tl.where(slot >= 0, num_kv_heads, 0))[:, None] & dim_mask[None, :]
+            k_first = k_ptr + token * k_token_stride + heads[:, None] * k_head_stride + dims[None, :]
+            x1 = tl.load(k_first, mask=mask, other=0.0)
+            x2 = tl.load(k_first + HALF, mask=mask, other=0.0)
+            dtype = x1.dtype
+            x1 = x1.to(tl.float32)
+            x2 = x2.to(tl.float32)
+            k1 = (x1 * cos1 - x2 * sin1).to(dtype).to(tl.float32)  # rounded as apply_rope_ does
+            k2 = (x2 * cos2 + x1 * sin2).to(dtype).to(tl.float32)
+            v_first = v_ptr + token * v_token_stride + heads[:, None] * v_head_stride + dims[None, :]
+            v1 = tl.load(v_first, mask=mask, other=0.0).to(tl.float32)
+            v2 = tl.load(v_first + HALF, mask=mask, other=0.0).to(tl.float32)
+            if QUANT:  # as store_kv_kernel: x * (1 / scale) in float32, clamped for FP8
+                k1 = k1 * k_inv_scale
+                k2 = k2 * k_inv_scale
+                v1 = v1 * v_inv_scale
+                v2 = v2 * v_inv_scale
+                if FP8_MAX > 0:
+                    k1 = tl.minimum(tl.maximum(k1, -FP8_MAX), FP8_MAX)
+                    k2 = tl.minimum(tl.maximum(k2, -FP8_MAX), FP8_MAX)
+                    v1 = tl.minimum(tl.maximum(v1, -FP8_MAX), FP8_MAX)
+                    v2 = tl.minimum(tl.maximum(v2, -FP8_MAX), FP8_MAX)
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            dst = (slot * num_kv_heads + heads[:, None]) * (2 * HALF) + dims[None, :]  # int64
+            tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
+            tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=mask)
+        else:  # query heads [(block - 1) * BLOCK_H, block * BLOCK_H), rotated in place
+            heads = (block - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            mask = (heads < num_q_heads)[:, None] & dim_mask[None, :]
+            first = (q_ptr + token * q_token_stride + heads[:, None].to(tl.int64) * q_head_stride
+                     + dims[None, :])
+            x1 = tl.load(first, mask=mask, other=0.0)
+            x2 = tl.load(first + HALF, mask=mask, other=0.0)
+            dtype = x1.dtype
+            x1 = x1.to(tl.float32)
+            x2 = x2.to(tl.float32)
+            tl.store(first, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
+            tl.store(first + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+
+    return rope_store_kv_kernel
+
+
+def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float,
+                 v_scale: float) -> None:
+    global triton_launches
+    kernel = _rope_kernel.load()
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    block_d = 1 << (half - 1).bit_length()
+    block_h = min(1 << (num_q_heads - 1).bit_length(),
+                  max(1, _ROPE_BLOCK_ELEMENTS // (2 * block_d)))
+    fp8 = _is_fp8(k_cache.dtype)
+    grid = (num_tokens, 1 + -(-num_q_heads // block_h))
+    kernel[grid](positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q.stride(0),
+                 q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+                 num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale, HALF=half,
+                 BLOCK_H=block_h, BLOCK_KV=1 << (num_kv_heads - 1).bit_length(), BLOCK_D=block_d,
+                 QUANT=fp8 or k_scale != 1.0 or v_scale != 1.0,
+                 FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4)
     triton_launches += 1
 
 

@@ -65,8 +65,8 @@ class Attention(nn.Module):
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        out = attn.run(self.layer_id, q, k, v)  # [T, Hq, D]
+        # RoPE happens in the backend, in the kernel that stores K and V.
+        out = attn.run(self.layer_id, q, k, v, rope=(positions, rope.cos, rope.sin))  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
 

@@ -6,8 +6,6 @@ import math
 
 import torch
 
-from kernels.rope import apply_rope_
-
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, after the checkpoint's rope scaling."""
@@ -30,7 +28,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for every position up to max_positions, built once."""
+    """cos/sin tables for every position up to max_positions, built once; the attention
+    backends apply them (kernels/kv_store.py's rope_store_kv)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
         super().__init__()
@@ -39,8 +38,3 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] (views allowed) -> (q, k) rotated in place."""
-        apply_rope_(positions, q, k, self.cos, self.sin)
-        return q, k

@@ -291,6 +291,83 @@ def test_store_kv_writes_only_valid_slots(device, new_dtype, cache_dtype, shape)
                            bits(new[valid.to(device)].to(cache_dtype)))
 
 
+ROPE_KV_CASES = [  # (device, dtype, cache dtype, k_scale)
+    pytest.param("cpu", torch.float32, torch.float32, 1.0, id="cpu-float32"),
+    pytest.param("cpu", torch.float16, torch.float16, 1.0, id="cpu-float16"),
+    pytest.param("cpu", torch.float16, torch.float32, 0.5, id="cpu-float16-to-float32-scaled"),
+    *[pytest.param("cuda", new, cache, scale, marks=needs_cuda,
+                   id=f"cuda-{str(new)[6:]}-to-{str(cache)[6:]}")
+      for new, cache, scale in [(torch.bfloat16, torch.bfloat16, 1.0),
+                                (torch.float16, torch.float16, 1.0),
+                                (torch.bfloat16, torch.float8_e4m3fn, 0.05)]],
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+@pytest.mark.parametrize("device, dtype, cache_dtype, k_scale", ROPE_KV_CASES)
+def test_rope_store_kv_is_rope_then_store(device, dtype, cache_dtype, k_scale, shape):
+    """One launch gives what apply_rope_ then store_kv give: q rotated in place, rotated k
+    and v in the valid slots only (padding rows skipped), k itself unchanged."""
+    num_tokens, num_q_heads, num_k_heads, head_dim = ROPE_SHAPES[shape]
+    num_pages, page_size = 8, 8
+    cos, sin = (t.to(device) for t in llama3_tables(head_dim))
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,),
+                              generator=torch.Generator().manual_seed(21)).to(device)
+    qkv = fused_qkv(num_tokens, num_q_heads, num_k_heads, head_dim, dtype, device, seed=22)
+    v = qkv[:, (num_q_heads + num_k_heads) * head_dim:-3].view(num_tokens, num_k_heads, head_dim)
+    slots = slots_with_padding(num_tokens, num_pages * page_size, device)
+    cache_shape = (num_pages, page_size, num_k_heads, head_dim)
+    k_cache, v_cache = (poisoned_cache(cache_shape, cache_dtype, device) for _ in range(2))
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    separate = qkv.clone()
+    q_sep, k_sep = qk_views(separate, num_q_heads, num_k_heads, head_dim)
+    rope.apply_rope_(positions, q_sep, k_sep, cos, sin)
+    kv_store.store_kv(k_sep, v, k_expected, v_expected, slots, k_scale, 2 * k_scale)
+    before = qkv.clone()
+    q, k = qk_views(qkv, num_q_heads, num_k_heads, head_dim)
+    with expect_launches(kv_store, 1):
+        kv_store.rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots, k_scale,
+                               2 * k_scale)
+    q_end = num_q_heads * head_dim
+    assert torch.equal(qkv[:, q_end:], before[:, q_end:]), "k or v modified"
+    if device == "cpu":  # the same float32 ops in the same order
+        assert torch.equal(qkv[:, :q_end], separate[:, :q_end])
+        assert torch.equal(bits(k_cache), bits(k_expected))
+        assert torch.equal(bits(v_cache), bits(v_expected))
+        return
+    assert_within_ulps(qkv[:, :q_end], separate[:, :q_end], 2)  # FMA contraction may differ
+    valid = slots[slots >= 0]
+    for got, expected in ((k_cache, k_expected), (v_cache, v_expected)):
+        got, expected = (c.view(-1, num_k_heads, head_dim)[valid].float() for c in (got, expected))
+        tolerance = 0.125 if cache_dtype == torch.float8_e4m3fn else 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=device)
+    untouched[valid] = False
+    for cache in (k_cache, v_cache):
+        rows = bits(cache).view(-1, num_k_heads, head_dim)[untouched]
+        assert bool((rows == POISON[cache.element_size()]).all())
+
+
+def test_rope_store_kv_without_interpreter_is_the_references(monkeypatch):
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
+    cos, sin = llama3_tables(64)
+    positions = torch.tensor([3, 700, 5])
+    qkv = fused_qkv(3, 4, 2, 64, torch.float32, "cpu", seed=23)
+    q, k = qk_views(qkv, 4, 2, 64)
+    v = qkv[:, 6 * 64:-3].view(3, 2, 64)
+    slots = torch.tensor([5, -1, 0])
+    caches = [poisoned_cache((2, 4, 2, 64), torch.float32, "cpu") for _ in range(4)]
+    q_ref, k_ref = q.clone(), k.clone()
+    rope.apply_rope_ref_(positions, q_ref, k_ref, cos, sin)
+    kv_store.store_kv_ref(k_ref, v, caches[2], caches[3], slots)
+    with expect_launches(kv_store, 0):
+        kv_store.rope_store_kv(positions, q, k, v, cos, sin, caches[0], caches[1], slots)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(bits(caches[0]), bits(caches[2]))
+    assert torch.equal(bits(caches[1]), bits(caches[3]))
+
+
 FP8_CACHES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_store import rope_store_kv, store_kv
 from pd_serve.cache.pool import KVPool
+
+# RoPE still to apply to q and k: (positions [T], cos [max_pos, D], sin [max_pos, D]), as
+# kernels/rope.py's apply_rope_ takes them.
+Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -33,7 +38,9 @@ class AttentionBackend(ABC):
     """Paged attention over a KVPool.
 
     Invariant: run() first stores the new tokens' K and V into the pool at slot_mapping, then
-    attends causally over each sequence's whole context (cached prefix + new tokens). A pool
+    attends causally over each sequence's whole context (cached prefix + new tokens). Given
+    `rope`, q and k are not yet rotated: run() rotates q in place and stores the rotated k, in
+    the same kernel as the store on GPU (k itself is left as it was). A pool
     whose layout has K/V scales (FP8) holds k / k_scale and v / v_scale; run() returns the
     attention over the dequantised values.
 
@@ -57,8 +64,22 @@ class AttentionBackend(ABC):
         """Build this batch's index tensors; called once before the forward pass."""
 
     @abstractmethod
-    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            rope: Rope | None = None) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> attention output [T, Hq, D]."""
+
+    def store(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rope: Rope | None) -> None:
+        """The new tokens' K and V into the pool at slot_mapping (with rope: q rotated in place
+        and k rotated on the way, kernels/kv_store.py's rope_store_kv)."""
+        k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
+        k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
+        if rope is None:
+            store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
+        else:
+            positions, cos, sin = rope
+            rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, self.slot_mapping,
+                          k_scale, v_scale)
 
     # CUDA graphs (decode batches only). A backend that supports them keeps every tensor run()
     # reads in buffers allocated once by init_cuda_graph(); plan_cuda_graph() refills them, so a

@@ -36,9 +36,8 @@ import os
 
 import torch
 
-from kernels.kv_store import store_kv
 from pd_serve.cache.pool import KVPool
-from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
 
 WORKSPACE_BYTES = 256 * 2**20  # split-k partial results; flashinfer recommends 128 MiB or more
@@ -169,11 +168,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.wrapper = wrapper
 
     # ---- per layer --------------------------------------------------------------------------
-    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            rope: Rope | None = None) -> torch.Tensor:
         if self.delegate is not None:
-            return self.delegate.run(layer_id, q, k, v)
+            return self.delegate.run(layer_id, q, k, v, rope)
+        self.store(layer_id, q, k, v, rope)
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)  # [P, S, Hkv, D]
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
         return self.wrapper.run(q.contiguous(), (k_cache, v_cache), k_scale=k_scale,
                                 v_scale=None if v_scale == 1.0 else v_scale)  # [T, Hq, D]

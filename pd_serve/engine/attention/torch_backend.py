@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_store import store_kv_ref
-from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
+from kernels.rope import apply_rope_ref_
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 
 
 @dataclass
@@ -57,9 +58,13 @@ class TorchAttentionBackend(AttentionBackend):
                                 < lens[:, None])[:, None, None, :]  # [B, 1, 1, Lmax]
             self.decode_index = torch.tensor(self.decode_token_ids, device=device)
 
-    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            rope: Rope | None = None) -> torch.Tensor:
         num_kv_heads = k.shape[1]
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
+        if rope is not None:  # q in place, k on a copy (as rope_store_kv leaves k)
+            k = k.clone()
+            apply_rope_ref_(rope[0], q, k, rope[1], rope[2])
         store_kv_ref(k, v, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
                      self.slot_mapping, k_scale, v_scale)
         k_cache = self.pool.k_cache(layer_id).view(-1, num_kv_heads, self.head_dim)  # [slots, H, D]

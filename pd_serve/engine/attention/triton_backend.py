@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_store import store_kv
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from pd_serve.cache.pool import KVPool
-from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -99,11 +98,12 @@ class TritonAttentionBackend(AttentionBackend):
         self.out = self.graph_out[:bs]
 
     # ---- per layer ------------------------------------------------------------------------------
-    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            rope: Rope | None = None) -> torch.Tensor:
+        self.store(layer_id, q, k, v, rope)
         k_cache = self.pool.k_cache(layer_id)  # [P, S, Hkv, D]
         v_cache = self.pool.v_cache(layer_id)
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
         out = self.out if self.out is not None and self.out.dtype == q.dtype else None
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.page_table, self.seq_lens,
