@@ -137,6 +137,7 @@ class Worker:
                     self.send(self.status())
                     self._next_heartbeat = time.monotonic() + self.config.heartbeat_s
         finally:
+            self._stop = True  # (the heartbeat thread stops watching the TP followers)
             self.core.close()  # a TP group's followers
 
     def send(self, msg) -> None:
@@ -144,13 +145,24 @@ class Worker:
 
     def _heartbeat(self) -> None:
         """Liveness on a socket of its own, so a long step never looks like a dead worker.
-        (The full WorkerStatus, with load and metrics, goes out between steps.)"""
+        (The full WorkerStatus, with load and metrics, goes out between steps.)
+
+        It also watches a TP group's followers: the group cannot serve without every rank, and
+        on GPU rank 0 would wait inside its next NCCL collective until the group's timeout, so
+        when a follower has exited the worker process ends at once (status 1) and the gateway
+        and the prefill side see a dead worker."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.config.gateway)
         beat = protocol.encode(Heartbeat(self.worker_id))
         while not self._stop:
+            gone = self.core.exited_tp_ranks()
+            if gone and not self._stop:
+                logger.error("tensor-parallel rank(s) %s exited; %s cannot serve without them: "
+                             "exiting", gone, self.worker_id)
+                logging.shutdown()
+                os._exit(1)
             sock.send(beat)
             time.sleep(self.config.heartbeat_s)
 

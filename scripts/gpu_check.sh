@@ -67,7 +67,9 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tai
   shift 2
   echo "== $name: $*"
   timeout -s INT -k 30 "$limit" "$@" >"$OUT/$name.log" 2>&1  # INT: benches write what they have
-  echo "== $name rc=$? in $((SECONDS - start)) s"
+  local rc=$?
+  echo "== $name rc=$rc in $((SECONDS - start)) s"
+  [ $rc -eq 0 ] || echo "$name rc=$rc" >>"$OUT/failed-steps.txt"  # (steps run side by side too)
   tail -n 15 "$OUT/$name.log"
 }
 
@@ -140,3 +142,7 @@ for s in $steps; do
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
+if [ -s "$OUT/failed-steps.txt" ]; then  # the script's status says whether every step passed
+  echo "== failed: $(tr '\n' ' ' <"$OUT/failed-steps.txt")"
+  exit 1
+fi

@@ -140,6 +140,10 @@ class EngineCore:
         if self.device.type == "cuda":
             self.device = torch.device("cuda", rank)
 
+    def exited_tp_ranks(self) -> list[int]:
+        """Ranks of this (rank 0) engine's tensor-parallel followers that have exited."""
+        return [rank for rank, p in enumerate(self._tp_followers, 1) if p.exitcode is not None]
+
     def close(self) -> None:
         """End a tensor-parallel group's followers (a no-op without TP); the engine is unusable after."""
         if self.tp is None or self.tp.rank != 0:
