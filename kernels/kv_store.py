@@ -14,7 +14,8 @@ arbitrary, so k and v may be views into the fused qkv output). Offsets are 64-bi
 pass 2**31 elements.
 
 `rope_store_kv` is the same store with kernels/rope.py's rotation in front, in one launch: it
-rotates q in place and stores the rotated k (k itself is left as it was) and v. Rounding as the
+rotates q (in place, or into a given q_out: flashinfer wants q contiguous, and this spares a
+copy) and stores the rotated k (k itself is left as it was) and v. Rounding as the
 two kernels in turn: the rotation rounds to k's dtype, then the store casts (or scales) that.
 Its grid is tokens x (1 + q head blocks): block 0 takes the token's K and V, the others its
 query heads, BLOCK_H at a time.
@@ -101,24 +102,34 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                  v_scale: float = 1.0) -> None:
-    """RoPE on q (in place) and k, then `store_kv` of the rotated k and v; one launch.
+                  v_scale: float = 1.0, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE on q and k, then `store_kv` of the rotated k and v; one launch.
 
     positions, q, k, cos, sin as kernels/rope.py's `apply_rope_` takes them; k, v, the caches,
-    slot_mapping and the scales as `store_kv` takes them. k is not modified.
+    slot_mapping and the scales as `store_kv` takes them. k is not modified. q_out: where the
+    rotated q goes (q's shape and dtype, last dim contiguous); default q itself, in place.
+    Returns the rotated q (q_out, or q).
     """
     _rope._check(positions, q, k, cos, sin)
     _check(k, v, k_cache, v_cache, slot_mapping)
     if not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
+    if q_out is None:
+        q_out = q
+    elif q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.stride(2) != 1:
+        raise ValueError(f"q_out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim, "
+                         f"got {q_out.dtype} {tuple(q_out.shape)} strides {q_out.stride()}")
     if not _rope_kernel.runs_on(k_cache):
         rotated = k.clone()
-        _rope.apply_rope_ref_(positions, q, rotated, cos, sin)
+        if q_out is not q:
+            q_out.copy_(q)
+        _rope.apply_rope_ref_(positions, q_out, rotated, cos, sin)
         store_kv_ref(rotated, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return
+        return q_out
     if k.shape[0] > 0:
         _launch_rope(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale,
-                     v_scale)
+                     v_scale, q_out)
+    return q_out
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -178,9 +189,9 @@ def _rope_kernel(triton):
     """The jitted RoPE-then-store kernel."""
     @triton.jit
     def rope_store_kv_kernel(
-            pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-            q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
-            v_head_stride, table_stride, num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
+            pos_ptr, q_ptr, q_out_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+            slot_ptr, q_token_stride, q_head_stride, qo_token_stride, qo_head_stride,
+            k_token_stride, k_head_stride, v_token_stride, v_head_stride, table_stride, num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
             BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
@@ -225,18 +236,19 @@ def _rope_kernel(triton):
             tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
             tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=mask)
             tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=mask)
-        else:  # query heads [(block - 1) * BLOCK_H, block * BLOCK_H), rotated in place
-            heads = (block - 1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        else:  # query heads [(block - 1) * BLOCK_H, block * BLOCK_H), rotated into q_out
+            heads = ((block - 1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
             mask = (heads < num_q_heads)[:, None] & dim_mask[None, :]
-            first = (q_ptr + token * q_token_stride + heads[:, None].to(tl.int64) * q_head_stride
-                     + dims[None, :])
+            first = q_ptr + token * q_token_stride + heads[:, None] * q_head_stride + dims[None, :]
             x1 = tl.load(first, mask=mask, other=0.0)
             x2 = tl.load(first + HALF, mask=mask, other=0.0)
             dtype = x1.dtype
             x1 = x1.to(tl.float32)
             x2 = x2.to(tl.float32)
-            tl.store(first, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
-            tl.store(first + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+            out = (q_out_ptr + token * qo_token_stride + heads[:, None] * qo_head_stride
+                   + dims[None, :])
+            tl.store(out, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
+            tl.store(out + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
 
     return rope_store_kv_kernel
 
@@ -244,7 +256,7 @@ def _rope_kernel(triton):
 def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float,
-                 v_scale: float) -> None:
+                 v_scale: float, q_out: torch.Tensor) -> None:
     global triton_launches
     kernel = _rope_kernel.load()
     num_tokens, num_q_heads, head_dim = q.shape
@@ -255,8 +267,9 @@ def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   max(1, _ROPE_BLOCK_ELEMENTS // (2 * block_d)))
     fp8 = _is_fp8(k_cache.dtype)
     grid = (num_tokens, 1 + -(-num_q_heads // block_h))
-    kernel[grid](positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q.stride(0),
-                 q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+    kernel[grid](positions, q, q_out, k, v, cos, sin, k_cache, v_cache, slot_mapping, q.stride(0),
+                 q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1),
+                 v.stride(0), v.stride(1), cos.stride(0),
                  num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale, HALF=half,
                  BLOCK_H=block_h, BLOCK_KV=1 << (num_kv_heads - 1).bit_length(), BLOCK_D=block_d,
                  QUANT=fp8 or k_scale != 1.0 or v_scale != 1.0,

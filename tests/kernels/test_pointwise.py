@@ -349,6 +349,32 @@ def test_rope_store_kv_is_rope_then_store(device, dtype, cache_dtype, k_scale, s
         assert bool((rows == POISON[cache.element_size()]).all())
 
 
+@needs_triton
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"),
+                                    pytest.param("cuda", marks=needs_cuda, id="cuda")])
+def test_rope_store_kv_into_q_out(device):
+    """With q_out the rotated q lands there (contiguous), q and k stay as they were, and the
+    values equal the in-place call's."""
+    cos, sin = (t.to(device) for t in llama3_tables(128))
+    positions = torch.tensor([9, 4000, 17], device=device)
+    qkv = fused_qkv(3, 32, 8, 128, torch.float16, device, seed=24)
+    v = qkv[:, 40 * 128:-3].view(3, 8, 128)
+    slots = torch.tensor([3, 0, 9], device=device)
+    caches = [poisoned_cache((2, 8, 8, 128), torch.float16, device) for _ in range(4)]
+    before = qkv.clone()
+    q, k = qk_views(qkv, 32, 8, 128)
+    q_out = torch.empty(3, 32, 128, dtype=torch.float16, device=device)
+    with expect_launches(kv_store, 1):
+        got = kv_store.rope_store_kv(positions, q, k, v, cos, sin, caches[0], caches[1], slots,
+                                     q_out=q_out)
+    assert got is q_out and torch.equal(qkv, before)
+    in_place = kv_store.rope_store_kv(positions, q, k, v, cos, sin, caches[2], caches[3], slots)
+    assert in_place is q
+    assert torch.equal(q_out, q)
+    assert torch.equal(bits(caches[0]), bits(caches[2]))
+    assert torch.equal(bits(caches[1]), bits(caches[3]))
+
+
 def test_rope_store_kv_without_interpreter_is_the_references(monkeypatch):
     monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     cos, sin = llama3_tables(64)

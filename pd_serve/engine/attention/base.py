@@ -69,17 +69,18 @@ class AttentionBackend(ABC):
         """q [T, Hq, D], k and v [T, Hkv, D] -> attention output [T, Hq, D]."""
 
     def store(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rope: Rope | None) -> None:
-        """The new tokens' K and V into the pool at slot_mapping (with rope: q rotated in place
-        and k rotated on the way, kernels/kv_store.py's rope_store_kv)."""
+              rope: Rope | None, q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The new tokens' K and V into the pool at slot_mapping; with rope, k rotated on the
+        way and q rotated in place or into q_out (kernels/kv_store.py's rope_store_kv).
+        Returns q as attention reads it: q, or q_out."""
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
         if rope is None:
             store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
-        else:
-            positions, cos, sin = rope
-            rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, self.slot_mapping,
-                          k_scale, v_scale)
+            return q if q_out is None else q_out.copy_(q)
+        positions, cos, sin = rope
+        return rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, self.slot_mapping,
+                             k_scale, v_scale, q_out)
 
     # CUDA graphs (decode batches only). A backend that supports them keeps every tensor run()
     # reads in buffers allocated once by init_cuda_graph(); plan_cuda_graph() refills them, so a

@@ -172,8 +172,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             rope: Rope | None = None) -> torch.Tensor:
         if self.delegate is not None:
             return self.delegate.run(layer_id, q, k, v, rope)
-        self.store(layer_id, q, k, v, rope)
+        # flashinfer reads q contiguous (q is a view into qkv): the rotation writes it so.
+        q = self.store(layer_id, q, k, v, rope, torch.empty(q.shape, dtype=q.dtype, device=q.device))
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)  # [P, S, Hkv, D]
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
-        return self.wrapper.run(q.contiguous(), (k_cache, v_cache), k_scale=k_scale,
+        return self.wrapper.run(q, (k_cache, v_cache), k_scale=k_scale,
                                 v_scale=None if v_scale == 1.0 else v_scale)  # [T, Hq, D]

@@ -100,7 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
     # ---- per layer ------------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rope: Rope | None = None) -> torch.Tensor:
-        self.store(layer_id, q, k, v, rope)
+        q = self.store(layer_id, q, k, v, rope)
         k_cache = self.pool.k_cache(layer_id)  # [P, S, Hkv, D]
         v_cache = self.pool.v_cache(layer_id)
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
