@@ -13,7 +13,7 @@ the reference does). One program per token writes its K and V rows ([H, D] tiles
 arbitrary, so k and v may be views into the fused qkv output). Offsets are 64-bit: a pool may
 pass 2**31 elements.
 
-`rope_store_kv` is the same store with kernels/rope.py's rotation in front, in one launch: it
+`rope_store_kv` is the same store with kernels/rope.py's rotation in front (its arithmetic), in one launch: it
 rotates q (in place, or into a given q_out: flashinfer wants q contiguous, and this spares a
 copy) and stores the rotated k (k itself is left as it was) and v. Rounding as the
 two kernels in turn: the rotation rounds to k's dtype, then the store casts (or scales) that.
@@ -105,12 +105,12 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                   v_scale: float = 1.0, q_out: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE on q and k, then `store_kv` of the rotated k and v; one launch.
 
-    positions, q, k, cos, sin as kernels/rope.py's `apply_rope_` takes them; k, v, the caches,
+    positions, q, k, cos, sin as kernels/rope.py's `apply_rope_ref_` takes them; k, v, the caches,
     slot_mapping and the scales as `store_kv` takes them. k is not modified. q_out: where the
     rotated q goes (q's shape and dtype, last dim contiguous); default q itself, in place.
     Returns the rotated q (q_out, or q).
     """
-    _rope._check(positions, q, k, cos, sin)
+    _rope.check(positions, q, k, cos, sin)
     _check(k, v, k_cache, v_cache, slot_mapping)
     if not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")

@@ -163,29 +163,6 @@ def qk_views(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, head_dim: in
     return q, k
 
 
-@needs_triton
-@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
-@pytest.mark.parametrize("device, dtype", CASES)
-def test_rope_matches_reference_on_fused_views(device, dtype, shape):
-    num_tokens, num_q_heads, num_k_heads, head_dim = ROPE_SHAPES[shape]
-    cos, sin = (t.to(device) for t in llama3_tables(head_dim))
-    g = torch.Generator().manual_seed(9)
-    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=g).to(device)
-    qkv = fused_qkv(num_tokens, num_q_heads, num_k_heads, head_dim, dtype, device, seed=10)
-    expected = qkv.clone()
-    rope.apply_rope_ref_(positions, *qk_views(expected, num_q_heads, num_k_heads, head_dim),
-                         cos, sin)
-    with expect_launches(rope, 1):
-        q, k = qk_views(qkv, num_q_heads, num_k_heads, head_dim)
-        assert rope.apply_rope_(positions, q, k, cos, sin) is None
-    if device == "cpu":
-        assert torch.equal(qkv, expected)  # same float32 ops in the same order; v untouched
-    else:
-        # The GPU contracts x1 * c - x2 * s into an FMA: one rounding fewer, so the float32
-        # result may differ by a unit, and a dtype rounding by one.
-        assert_within_ulps(qkv, expected, 2)
-
-
 def test_rope_reference_rotates_like_the_model_formula():
     """The reference is HF's x * cos + rotate_half(x) * sin, here in float32."""
     cos, sin = llama3_tables(64)
@@ -307,8 +284,8 @@ ROPE_KV_CASES = [  # (device, dtype, cache dtype, k_scale)
 @pytest.mark.parametrize("shape", list(ROPE_SHAPES))
 @pytest.mark.parametrize("device, dtype, cache_dtype, k_scale", ROPE_KV_CASES)
 def test_rope_store_kv_is_rope_then_store(device, dtype, cache_dtype, k_scale, shape):
-    """One launch gives what apply_rope_ then store_kv give: q rotated in place, rotated k
-    and v in the valid slots only (padding rows skipped), k itself unchanged."""
+    """One launch gives what the reference rotation then store_kv give: q rotated in place,
+    rotated k and v in the valid slots only (padding rows skipped), k itself unchanged."""
     num_tokens, num_q_heads, num_k_heads, head_dim = ROPE_SHAPES[shape]
     num_pages, page_size = 8, 8
     cos, sin = (t.to(device) for t in llama3_tables(head_dim))
@@ -322,7 +299,7 @@ def test_rope_store_kv_is_rope_then_store(device, dtype, cache_dtype, k_scale, s
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     separate = qkv.clone()
     q_sep, k_sep = qk_views(separate, num_q_heads, num_k_heads, head_dim)
-    rope.apply_rope_(positions, q_sep, k_sep, cos, sin)
+    rope.apply_rope_ref_(positions, q_sep, k_sep, cos, sin)
     kv_store.store_kv(k_sep, v, k_expected, v_expected, slots, k_scale, 2 * k_scale)
     before = qkv.clone()
     q, k = qk_views(qkv, num_q_heads, num_k_heads, head_dim)
@@ -331,12 +308,14 @@ def test_rope_store_kv_is_rope_then_store(device, dtype, cache_dtype, k_scale, s
                                2 * k_scale)
     q_end = num_q_heads * head_dim
     assert torch.equal(qkv[:, q_end:], before[:, q_end:]), "k or v modified"
-    if device == "cpu":  # the same float32 ops in the same order
+    if device == "cpu":  # the same float32 ops in the same order as the reference's
         assert torch.equal(qkv[:, :q_end], separate[:, :q_end])
         assert torch.equal(bits(k_cache), bits(k_expected))
         assert torch.equal(bits(v_cache), bits(v_expected))
         return
-    assert_within_ulps(qkv[:, :q_end], separate[:, :q_end], 2)  # FMA contraction may differ
+    # The GPU contracts x1 * c - x2 * s into an FMA: one rounding fewer, so the float32 result
+    # may differ by a unit, and a dtype rounding by one.
+    assert_within_ulps(qkv[:, :q_end], separate[:, :q_end], 2)
     valid = slots[slots >= 0]
     for got, expected in ((k_cache, k_expected), (v_cache, v_expected)):
         got, expected = (c.view(-1, num_k_heads, head_dim)[valid].float() for c in (got, expected))
@@ -480,20 +459,15 @@ def test_without_interpreter_cpu_uses_the_references(monkeypatch):
     monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     x = randn(5, 2 * 72, dtype=torch.float16, device="cpu", seed=20)
     weight = randn(144, dtype=torch.float16, device="cpu", seed=21)
-    cos, sin = llama3_tables(64)
     qkv = fused_qkv(5, 2, 1, 64, torch.float16, "cpu", seed=22)
-    q, k = qk_views(qkv, 2, 1, 64)
-    q_ref, k_ref = qk_views(qkv.clone(), 2, 1, 64)
+    _, k = qk_views(qkv, 2, 1, 64)
     cache = torch.zeros(2, 4, 1, 64, dtype=torch.float16)
     expected_cache = cache.clone()
     slots = torch.tensor([3, -1, 0, 7, 5])
-    modules = (norm, rope, activation, kv_store)
+    modules = (norm, activation, kv_store)
     before = [m.triton_launches for m in modules]
     assert torch.equal(norm.rms_norm(x, weight, 1e-6), norm.rms_norm_ref(x, weight, 1e-6))
     assert torch.equal(activation.silu_and_mul(x), activation.silu_and_mul_ref(x))
-    rope.apply_rope_(torch.arange(5), q, k, cos, sin)
-    rope.apply_rope_ref_(torch.arange(5), q_ref, k_ref, cos, sin)
-    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
     kv_store.store_kv(k, k, cache, cache.clone(), slots)
     kv_store.store_kv_ref(k, k, expected_cache, expected_cache.clone(), slots)
     assert torch.equal(cache, expected_cache)
@@ -514,14 +488,18 @@ def _bad_calls():
     cos, sin = llama3_tables(64)
     q, k = torch.zeros(3, 4, 64), torch.zeros(3, 2, 64)
     pos = torch.arange(3)
-    yield "rope: position too large", lambda: rope.apply_rope_(pos + MAX_POSITIONS - 1, q, k, cos,
-                                                               sin)
-    yield "rope: token counts", lambda: rope.apply_rope_(pos, q, k[:2], cos, sin)
-    yield "rope: float positions", lambda: rope.apply_rope_(pos.float(), q, k, cos, sin)
-    yield "rope: half tables", lambda: rope.apply_rope_(pos, q, k, cos.half(), sin.half())
-    yield "rope: table width", lambda: rope.apply_rope_(pos, q[..., :32], k[..., :32], cos, sin)
-    yield "rope: dtypes differ", lambda: rope.apply_rope_(pos, q, k.half(), cos, sin)
     cache = torch.zeros(2, 4, 2, 64)
+
+    def rope_store(positions, q, k, cos, sin):
+        return kv_store.rope_store_kv(positions, q, k, k, cos, sin, cache, cache.clone(), pos)
+    yield "rope: position too large", lambda: rope_store(pos + MAX_POSITIONS - 1, q, k, cos, sin)
+    yield "rope: token counts", lambda: rope_store(pos, q, k[:2], cos, sin)
+    yield "rope: float positions", lambda: rope_store(pos.float(), q, k, cos, sin)
+    yield "rope: half tables", lambda: rope_store(pos, q, k, cos.half(), sin.half())
+    yield "rope: table width", lambda: rope_store(pos, q[..., :32], k[..., :32], cos, sin)
+    yield "rope: dtypes differ", lambda: rope_store(pos, q, k.half(), cos, sin)
+    yield "rope: q_out shape", lambda: kv_store.rope_store_kv(pos, q, k, k, cos, sin, cache,
+                                                              cache.clone(), pos, q_out=k)
     yield "kv: slot too large", lambda: kv_store.store_kv(k, k, cache, cache.clone(),
                                                           torch.tensor([0, 1, 8]))
     yield "kv: repeated slot", lambda: kv_store.store_kv(k, k, cache, cache.clone(),
@@ -535,7 +513,7 @@ def _bad_calls():
 
 @pytest.mark.parametrize("call", [pytest.param(c, id=name) for name, c in _bad_calls()])
 def test_rejects_bad_inputs(call):
-    modules = (norm, rope, activation, kv_store)
+    modules = (norm, activation, kv_store)
     before = [m.triton_launches for m in modules]
     with pytest.raises(ValueError):
         call()

@@ -11,7 +11,7 @@ from kernels.kv_store import rope_store_kv, store_kv
 from pd_serve.cache.pool import KVPool
 
 # RoPE still to apply to q and k: (positions [T], cos [max_pos, D], sin [max_pos, D]), as
-# kernels/rope.py's apply_rope_ takes them.
+# kernels/rope.py's apply_rope_ref_ takes them.
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
