@@ -191,9 +191,12 @@ def _rope_kernel(triton):
     def rope_store_kv_kernel(
             pos_ptr, q_ptr, q_out_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
             slot_ptr, q_token_stride, q_head_stride, qo_token_stride, qo_head_stride,
-            k_token_stride, k_head_stride, v_token_stride, v_head_stride, table_stride, num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
+            k_token_stride, k_head_stride, v_token_stride, v_head_stride, table_stride,
+            num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
             BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+        # Grid: (tokens, 1 + q head blocks). The two arms of the `if` below share no names:
+        # compiled Triton requires a name set in both arms of a runtime `if` to keep one type.
         token = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         dims = tl.arange(0, BLOCK_D)  # within one half
@@ -207,19 +210,22 @@ def _rope_kernel(triton):
                        other=0.0)[None, :]
         if block == 0:  # this token's K (rotated) and V into its slot; none for slot < 0
             slot = tl.load(slot_ptr + token).to(tl.int64)
-            heads = tl.arange(0, BLOCK_KV)
-            mask = (heads < tl.where(slot >= 0, num_kv_heads, 0))[:, None] & dim_mask[None, :]
-            k_first = k_ptr + token * k_token_stride + heads[:, None] * k_head_stride + dims[None, :]
-            x1 = tl.load(k_first, mask=mask, other=0.0)
-            x2 = tl.load(k_first + HALF, mask=mask, other=0.0)
-            dtype = x1.dtype
-            x1 = x1.to(tl.float32)
-            x2 = x2.to(tl.float32)
-            k1 = (x1 * cos1 - x2 * sin1).to(dtype).to(tl.float32)  # rounded as apply_rope_ does
-            k2 = (x2 * cos2 + x1 * sin2).to(dtype).to(tl.float32)
-            v_first = v_ptr + token * v_token_stride + heads[:, None] * v_head_stride + dims[None, :]
-            v1 = tl.load(v_first, mask=mask, other=0.0).to(tl.float32)
-            v2 = tl.load(v_first + HALF, mask=mask, other=0.0).to(tl.float32)
+            kv_heads = tl.arange(0, BLOCK_KV)
+            kv_mask = ((kv_heads < tl.where(slot >= 0, num_kv_heads, 0))[:, None]
+                       & dim_mask[None, :])
+            k_first = (k_ptr + token * k_token_stride + kv_heads[:, None] * k_head_stride
+                       + dims[None, :])
+            k_x1 = tl.load(k_first, mask=kv_mask, other=0.0)
+            k_x2 = tl.load(k_first + HALF, mask=kv_mask, other=0.0)
+            # rotated and rounded to k's dtype, as the reference rounds it before the store
+            k1 = (k_x1.to(tl.float32) * cos1 - k_x2.to(tl.float32) * sin1).to(k_x1.dtype)
+            k2 = (k_x2.to(tl.float32) * cos2 + k_x1.to(tl.float32) * sin2).to(k_x1.dtype)
+            k1 = k1.to(tl.float32)
+            k2 = k2.to(tl.float32)
+            v_first = (v_ptr + token * v_token_stride + kv_heads[:, None] * v_head_stride
+                       + dims[None, :])
+            v1 = tl.load(v_first, mask=kv_mask, other=0.0).to(tl.float32)
+            v2 = tl.load(v_first + HALF, mask=kv_mask, other=0.0).to(tl.float32)
             if QUANT:  # as store_kv_kernel: x * (1 / scale) in float32, clamped for FP8
                 k1 = k1 * k_inv_scale
                 k2 = k2 * k_inv_scale
@@ -230,25 +236,24 @@ def _rope_kernel(triton):
                     k2 = tl.minimum(tl.maximum(k2, -FP8_MAX), FP8_MAX)
                     v1 = tl.minimum(tl.maximum(v1, -FP8_MAX), FP8_MAX)
                     v2 = tl.minimum(tl.maximum(v2, -FP8_MAX), FP8_MAX)
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            dst = (slot * num_kv_heads + heads[:, None]) * (2 * HALF) + dims[None, :]  # int64
-            tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
-            tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
-            tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=mask)
-            tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=mask)
+            dst = (slot * num_kv_heads + kv_heads[:, None]) * (2 * HALF) + dims[None, :]  # int64
+            tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
         else:  # query heads [(block - 1) * BLOCK_H, block * BLOCK_H), rotated into q_out
-            heads = ((block - 1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-            mask = (heads < num_q_heads)[:, None] & dim_mask[None, :]
-            first = q_ptr + token * q_token_stride + heads[:, None] * q_head_stride + dims[None, :]
-            x1 = tl.load(first, mask=mask, other=0.0)
-            x2 = tl.load(first + HALF, mask=mask, other=0.0)
-            dtype = x1.dtype
-            x1 = x1.to(tl.float32)
-            x2 = x2.to(tl.float32)
-            out = (q_out_ptr + token * qo_token_stride + heads[:, None] * qo_head_stride
+            q_heads = ((block - 1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+            q_mask = (q_heads < num_q_heads)[:, None] & dim_mask[None, :]
+            q_first = (q_ptr + token * q_token_stride + q_heads[:, None] * q_head_stride
+                       + dims[None, :])
+            q_x1 = tl.load(q_first, mask=q_mask, other=0.0)
+            q_x2 = tl.load(q_first + HALF, mask=q_mask, other=0.0)
+            out = (q_out_ptr + token * qo_token_stride + q_heads[:, None] * qo_head_stride
                    + dims[None, :])
-            tl.store(out, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
-            tl.store(out + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+            tl.store(out, (q_x1.to(tl.float32) * cos1 - q_x2.to(tl.float32) * sin1)
+                     .to(q_x1.dtype), mask=q_mask)
+            tl.store(out + HALF, (q_x2.to(tl.float32) * cos2 + q_x1.to(tl.float32) * sin2)
+                     .to(q_x1.dtype), mask=q_mask)
 
     return rope_store_kv_kernel
 
