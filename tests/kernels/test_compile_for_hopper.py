@@ -1,0 +1,139 @@
+"""Every Triton kernel compiles for a Hopper GPU (sm_90), on a machine without one.
+
+Triton's interpreter, which runs the kernels in CPU CI, does not check what the compiler
+checks: a kernel that passed every CPU test once failed to compile on an H200 (a name set in
+both arms of a runtime `if` with two types). Here each case calls a dispatch function on CPU
+tensors with Triton's launch replaced by a recorder, and compiles every recorded launch, with
+its real arguments and constexprs, for sm_90 down to a cubin (Triton ships ptxas).
+
+It runs in a subprocess: this test process has TRITON_INTERPRET=1 (tests/conftest.py, no GPU),
+under which triton.jit builds interpreted functions that do not compile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+
+
+def _t(*shape, dtype=torch.bfloat16):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def _cases():
+    """(name, call): each call launches the kernel(s) of one configuration."""
+    import pd_serve  # noqa: F401  (first: kernels.w4a16 imported on its own meets an import cycle)
+    from kernels import activation, fp8_quant, gemv, kv_copy, kv_store, norm, paged_attention, w4a16
+    bf16, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
+    e4m3 = torch.float8_e4m3fn
+    yield "rms_norm", lambda: norm.rms_norm(_t(3, 4096), _t(4096), 1e-5)
+    yield "rms_norm + residual", lambda: norm.rms_norm(_t(3, 4096), _t(4096), 1e-5, _t(3, 4096))
+    yield "silu_and_mul", lambda: activation.silu_and_mul(_t(3, 2 * 14336))
+    caches = lambda dtype: (_t(4, 16, 8, 128, dtype=dtype), _t(4, 16, 8, 128, dtype=dtype))  # noqa: E731
+    slots = torch.tensor([0, -1, 5])
+    yield "store_kv", lambda: kv_store.store_kv(_t(3, 8, 128), _t(3, 8, 128), *caches(bf16), slots)
+    yield "store_kv fp8", lambda: kv_store.store_kv(_t(3, 8, 128), _t(3, 8, 128), *caches(e4m3),
+                                                    slots, 0.5, 0.25)
+    qkv = _t(3, 48 * 128)
+    q, k, v = (qkv[:, :4096].view(3, 32, 128), qkv[:, 4096:5120].view(3, 8, 128),
+               qkv[:, 5120:].view(3, 8, 128))
+    tables = (_t(64, 128, dtype=f32), _t(64, 128, dtype=f32))
+    positions = torch.tensor([1, 2, 3])
+    yield "rope_store_kv", lambda: kv_store.rope_store_kv(positions, q, k, v, *tables, *caches(bf16),
+                                                          slots)
+    yield "rope_store_kv fp8 into q_out", lambda: kv_store.rope_store_kv(
+        positions, q, k, v, *tables, *caches(e4m3), slots, 0.5, 0.25, q_out=_t(3, 32, 128))
+    table, lens = torch.zeros(3, 4, dtype=i32), torch.tensor([40, 1, 64], dtype=i32)
+    for splits in (1, 3):
+        yield f"decode attention, {splits} splits", lambda s=splits: (
+            paged_attention.paged_decode_attention(_t(3, 32, 128), *caches(bf16), table, lens,
+                                                   0.1, num_splits=s))
+    yield "decode attention fp8", lambda: paged_attention.paged_decode_attention(
+        _t(3, 32, 128), *caches(e4m3), table, lens, 0.1, num_splits=2, k_scale=0.5, v_scale=2.0)
+    indptr = torch.tensor([0, 30, 31, 64], dtype=i32)
+    yield "prefill attention", lambda: paged_attention.paged_prefill_attention(
+        _t(64, 32, 128), *caches(bf16), indptr, table, lens, 0.1, max_q_len=33)
+    for k_dim in (4096, 14336):
+        yield f"gemv K={k_dim}", lambda kd=k_dim: gemv.gemv(_t(1, kd), _t(64, kd), bias=_t(64))
+    yield "gemv + silu_and_mul", lambda: gemv.gemv(_t(1, 4096), _t(128, 4096), silu_and_mul=True)
+    w8, s8 = _t(128, 4096, dtype=e4m3), _t(128, dtype=f32)
+    yield "gemv fp8", lambda: gemv.gemv(_t(1, 4096), w8, s8)
+    yield "gemv fp8 static + silu_and_mul", lambda: gemv.gemv(
+        _t(1, 4096), w8, s8, _t(1, dtype=f32), silu_and_mul=True)
+    yield "fp8 quantize", lambda: fp8_quant.quantize_per_token(_t(3, 4096))
+    yield "fp8 quantize static", lambda: fp8_quant.quantize_per_token(_t(3, 4096), _t(1, dtype=f32))
+    qweight, qzeros = _t(512, 256, dtype=i32), _t(32, 32, dtype=i32)
+    yield "w4a16", lambda: w4a16.w4a16_matmul(_t(16, 4096, dtype=torch.float16), qweight, qzeros,
+                                              _t(32, 256, dtype=torch.float16))
+    pool = lambda: _t(2, 2, 6, 16, 8, 128)  # noqa: E731  [L, 2, P, S, H, D]
+    ids = torch.tensor([4, 1], dtype=i64)
+    yield "gather_pages", lambda: kv_copy.gather_pages(pool(), ids, 0, 2, heads=(2, 6))
+    yield "scatter_pages", lambda: kv_copy.scatter_pages(pool(), ids, _t(2, 2, 2, 16, 8, 128), 0, 2)
+    yield "copy_pages", lambda: kv_copy.copy_pages(pool(), ids, pool(), ids.flip(0), 0, 2)
+    yield "copy_pages_counted", lambda: kv_copy.copy_pages_counted(
+        pool(), pool(), torch.tensor([2, 4, 1, 0, 3], dtype=i32), 0, 2, programs=16)
+
+
+def _compile(fn, args: tuple, kwargs: dict) -> None:
+    """triton.compile one recorded launch of JITFunction `fn` for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = inspect.signature(fn.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    signature, constexprs = {}, {}
+    for i, param in enumerate(fn.params):
+        value = bound.arguments[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+        else:
+            signature[param.name] = mangle_type(value)
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main() -> int:
+    """Run every case, compile what it launched; print one line per case; 1 if any failed."""
+    import triton.runtime.jit as jit
+    launches = []
+    jit.JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append(
+        (self, args, kwargs))
+    failed = 0
+    for name, call in _cases():
+        launches.clear()
+        try:
+            call()
+            if not launches:
+                raise AssertionError("no kernel launched")
+            for fn, args, kwargs in launches:
+                _compile(fn, args, dict(kwargs))
+            print(f"ok   {name} ({len(launches)} launch(es))")
+        except Exception as e:  # report every case, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[-1500:]}")
+    return 1 if failed else 0
+
+
+@needs_triton
+def test_every_kernel_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PD_SERVE_TRITON_CPU="1", PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, "-c", "import sys; from tests.kernels."
+                           "test_compile_for_hopper import main; sys.exit(main())"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
