@@ -33,7 +33,6 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def _cases():
     """(name, call): each call launches the kernel(s) of one configuration."""
-    import pd_serve  # noqa: F401  (first: kernels.w4a16 imported on its own meets an import cycle)
     from kernels import activation, fp8_quant, gemv, kv_copy, kv_store, norm, paged_attention, w4a16
     bf16, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     e4m3 = torch.float8_e4m3fn
