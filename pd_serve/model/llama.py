@@ -3,9 +3,11 @@
 The forward pass takes flat tokens of a whole batch (input_ids [T], positions [T]) and an
 attention backend already planned for that batch; it knows nothing of requests or pages.
 Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (see loader.py).
-Norms, RoPE and SiLU-and-mul call kernels/: Triton on GPU, their torch references on CPU (which
-reproduce Hugging Face's arithmetic). Linear layers run cuBLAS on GPU; `use_batch1_kernels`
-(--enable-batch1-kernels) gives one-row inputs (decode at batch 1) kernels/gemv.py's GEMV.
+Norms and SiLU-and-mul call kernels/: Triton on GPU, their torch references on CPU (which
+reproduce Hugging Face's arithmetic); RoPE is the attention backend's, applied as it stores K
+and V (kernels/kv_store.py's rope_store_kv). Linear layers run cuBLAS on GPU;
+`use_batch1_kernels` (--enable-batch1-kernels) gives one-row inputs (decode at batch 1)
+kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue.
 The residual stream is carried beside the hidden states so the residual add fuses into the
 next norm. Nothing here syncs with the host: CUDA graphs
 capture the whole forward.
