@@ -60,6 +60,10 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     model = shard_model(load_model(model_dir, torch.float32, "cpu"), TPGroup(rank, world))
     torch.save(greedy(model), Path(out) / f"rank{rank}.pt")
+    # Every rank done before any tears down: rank 0 holds the group's TCP store, and leaving it
+    # while another rank still talks to it aborted rank 0 once in CI (exit -6, "terminate
+    # called without an active exception").
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
