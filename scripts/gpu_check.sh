@@ -7,6 +7,8 @@
 #                  httpx2 httpcore2 truststore idna anyio typing-extensions h11  (versions as the CPU venv)
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
+#                ($OUT/summary.json: each step's status and pytest summary, with the commit, GPUs
+#                and versions; the script exits 1 when a step failed)
 # Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000)
 # offline-fp8kv (the same with an FP8 KV cache and 512 running requests)
 # w4a16 (W4A16 GEMM vs bf16 GEMM, Llama-3.1-8B layer shapes); on two GPUs (nvidia-h200-x2),
@@ -70,6 +72,10 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tai
   local rc=$?
   echo "== $name rc=$rc in $((SECONDS - start)) s"
   [ $rc -eq 0 ] || echo "$name rc=$rc" >>"$OUT/failed-steps.txt"  # (steps run side by side too)
+  # one line per step for summary.json: name, rc, seconds, pytest's last summary line if any
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" \
+    "$(grep -E '[0-9]+ (passed|failed|error)' "$OUT/$name.log" | tail -n 1 | tr -d '=' | xargs)" \
+    >>"$OUT/steps.tsv"
   tail -n 15 "$OUT/$name.log"
 }
 
@@ -142,6 +148,26 @@ for s in $steps; do
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
+python3 - "$OUT" <<'EOF'  # $OUT/summary.json: what ran, where, on which commit, and how it went
+import json, os, sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+out = Path(sys.argv[1])
+def ver(name):
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+lines = (out / "steps.tsv").read_text().splitlines() if (out / "steps.tsv").exists() else []
+steps = [dict(zip(("step", "rc", "seconds", "summary"), line.split("\t"))) for line in lines]
+for s in steps:
+    s["rc"], s["seconds"] = int(s["rc"]), int(s["seconds"])
+json.dump({"commit": os.environ.get("PD_SERVE_COMMIT"),
+           "gpus": (out / "gpu.txt").read_text().splitlines(),
+           "versions": {n: ver(n) for n in ("torch", "triton", "flashinfer-python")},
+           "steps": steps, "failed": [s["step"] for s in steps if s["rc"]]},
+          open(out / "summary.json", "w"), indent=1)
+EOF
 if [ -s "$OUT/failed-steps.txt" ]; then  # the script's status says whether every step passed
   echo "== failed: $(tr '\n' ' ' <"$OUT/failed-steps.txt")"
   exit 1
