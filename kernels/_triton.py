@@ -12,15 +12,42 @@ Triton is imported when a kernel is first needed, so importing a kernels module 
 
     if not _kernel.runs_on(q): ...  # torch reference
     kernel = _kernel.load()         # the jitted kernel, or a RuntimeError
+
+Programmatic dependent launch (PDL, Hopper and later), an experiment: with PD_SERVE_PDL=1 the
+kernels of the batch-1 decode path (GEMV, RMSNorm, RoPE + KV store, decode attention) launch
+with `launch_pdl` where `pdl(x)` says so. Such a kernel may be scheduled while the kernel
+before it in the stream is finishing; it starts with `gdc_wait()` (the previous kernel done and
+its writes visible) before it touches memory, then `gdc_launch_dependents()` so the next one
+may be scheduled early in turn: the gap between kernels shrinks. Off by default; not yet
+measured or run on a GPU (2026-11-30).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """Launch x's kernel with programmatic dependent launch: PD_SERVE_PDL=1 and x on a GPU of
+    compute capability 9 or more."""
+    if not x.is_cuda or os.environ.get("PD_SERVE_PDL", "0") != "1":
+        return False
+    return _capability(x.device.index) >= 9
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def launch_options(use_pdl: bool) -> dict:
+    """Launch keywords for a kernel with a PDL constexpr: launch_pdl only when it is on."""
+    return {"PDL": use_pdl, **({"launch_pdl": True} if use_pdl else {})}
 
 
 def interpret_requested() -> bool:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import lazy_kernel
+from kernels._triton import launch_options, lazy_kernel, pdl
 from kernels import activation
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
@@ -122,7 +122,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         input_scale if input_scale is not None else x, bias if bias is not None else x, n, k,
         FP8=fp8, STATIC_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
         GLU=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **launch_options(pdl(x)))
     triton_launches += 1
     return out
 
@@ -145,8 +145,12 @@ def _kernel(triton):
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, N, K,
                     FP8: tl.constexpr, STATIC_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
         # N: output channels (with GLU, the gate rows; the up rows are N further down).
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N

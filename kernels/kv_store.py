@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from kernels import rope as _rope
-from kernels._triton import lazy_kernel
+from kernels._triton import launch_options, lazy_kernel, pdl
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -194,7 +194,11 @@ def _rope_kernel(triton):
             k_token_stride, k_head_stride, v_token_stride, v_head_stride, table_stride,
             num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-            BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+            BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+            PDL: tl.constexpr):
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # Grid: (tokens, 1 + q head blocks). The two arms of the `if` below share no names:
         # compiled Triton requires a name set in both arms of a runtime `if` to keep one type.
         token = tl.program_id(0).to(tl.int64)
@@ -278,7 +282,8 @@ def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                  num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale, HALF=half,
                  BLOCK_H=block_h, BLOCK_KV=1 << (num_kv_heads - 1).bit_length(), BLOCK_D=block_d,
                  QUANT=fp8 or k_scale != 1.0 or v_scale != 1.0,
-                 FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4)
+                 FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4,
+                 **launch_options(pdl(k_cache)))
     triton_launches += 1
 
 

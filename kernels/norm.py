@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import lazy_kernel
+from kernels._triton import launch_options, lazy_kernel, pdl
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -111,7 +111,10 @@ def _kernel(triton):
     def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_rows, hidden, eps,
                         x_inner, x_stride_a, x_stride_b, res_inner, res_stride_a, res_stride_b,
                         BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                        HAS_RESIDUAL: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # A [BLOCK_ROWS, BLOCK] tile: whole rows. Inputs are found through their row layouts,
         # the outputs are contiguous.
         rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
@@ -158,7 +161,7 @@ def _launch(x: torch.Tensor, x_layout: tuple[int, int, int], residual: torch.Ten
     kernel[(-(-num_rows // block_rows),)](
         x, residual, weight, out, s if s is not None else out, num_rows, hidden, eps, *x_layout,
         *res_layout, BLOCK_ROWS=block_rows, BLOCK=block, HAS_RESIDUAL=s is not None,
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_options(pdl(out)))
     triton_launches += 1
 
 

@@ -48,7 +48,7 @@ import functools
 
 import torch
 
-from kernels._triton import lazy_kernel
+from kernels._triton import launch_options, lazy_kernel, pdl
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -227,7 +227,11 @@ def _kernels(triton):
             table_stride, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
             GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr):
+            SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
+            PDL: tl.constexpr):
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # Grid: (query blocks, rows, KV heads x splits). The last query blocks see the most
         # keys, so they go first.
         q_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -380,7 +384,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, SPLIT_BLOCK=split_block, DECODE=decode,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
-            num_stages=num_stages)
+            num_stages=num_stages, **launch_options(pdl(q)))
         triton_launches += 1
 
 

@@ -90,7 +90,7 @@ def _compile(fn, args: tuple, kwargs: dict) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     bound = inspect.signature(fn.fn).bind(*args, **kwargs)
     bound.apply_defaults()
     signature, constexprs = {}, {}
@@ -105,14 +105,35 @@ def _compile(fn, args: tuple, kwargs: dict) -> None:
                    target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def _with_pdl():
+    """The cases whose kernels take programmatic dependent launch (kernels/_triton.py), again
+    with it on, as PD_SERVE_PDL=1 on a Hopper GPU has them."""
+    from kernels import gemv, kv_store, norm, paged_attention
+    pdl_modules = (gemv, kv_store, norm, paged_attention)
+    for name, call in _cases():
+        def with_pdl(call=call):
+            saved = [m.pdl for m in pdl_modules]
+            for m in pdl_modules:
+                m.pdl = lambda x: True
+            try:
+                call()
+            finally:
+                for m, f in zip(pdl_modules, saved):
+                    m.pdl = f
+        if name.split()[0] in ("rms_norm", "rope_store_kv", "decode", "prefill", "gemv"):
+            yield f"{name}, PDL", with_pdl
+
+
 def main() -> int:
     """Run every case, compile what it launched; print one line per case; 1 if any failed."""
+    import itertools
+
     import triton.runtime.jit as jit
     launches = []
     jit.JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append(
         (self, args, kwargs))
     failed = 0
-    for name, call in _cases():
+    for name, call in itertools.chain(_cases(), _with_pdl()):
         launches.clear()
         try:
             call()
@@ -136,3 +157,16 @@ def test_every_kernel_compiles_for_sm90():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+def test_pdl_only_when_asked_and_on_a_gpu(monkeypatch):
+    """Programmatic dependent launch is off unless PD_SERVE_PDL=1, and never for CPU tensors;
+    launch_pdl is passed only when it is on (so Triton builds without it launch as before)."""
+    from kernels import _triton
+    x = torch.zeros(2)
+    monkeypatch.delenv("PD_SERVE_PDL", raising=False)
+    assert not _triton.pdl(x)
+    monkeypatch.setenv("PD_SERVE_PDL", "1")
+    assert not _triton.pdl(x)  # CPU
+    assert _triton.launch_options(False) == {"PDL": False}
+    assert _triton.launch_options(True) == {"PDL": True, "launch_pdl": True}
