@@ -13,9 +13,9 @@ the reference does). One program per token writes its K and V rows ([H, D] tiles
 arbitrary, so k and v may be views into the fused qkv output). Offsets are 64-bit: a pool may
 pass 2**31 elements.
 
-`rope_store_kv` is the same store with kernels/rope.py's rotation in front (its arithmetic), in one launch: it
-rotates q (in place, or into a given q_out: flashinfer wants q contiguous, and this spares a
-copy) and stores the rotated k (k itself is left as it was) and v. Rounding as the
+`rope_store_kv` is the same store with kernels/rope.py's rotation (its arithmetic) in front, in
+one launch: it rotates q (in place, or into a given q_out: flashinfer wants q contiguous, and
+this spares a copy) and stores the rotated k (k itself is left as it was) and v. Rounding as the
 two kernels in turn: the rotation rounds to k's dtype, then the store casts (or scales) that.
 Its grid is tokens x (1 + q head blocks): block 0 takes the token's K and V, the others its
 query heads, BLOCK_H at a time.
@@ -90,8 +90,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         caches clamp to the format's range). A CUDA graph keeps the values it was captured with.
     """
     _check(k, v, k_cache, v_cache, slot_mapping)
-    if not (k_scale > 0 and v_scale > 0):
-        raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
+    _check_scales(k_scale, v_scale)
     if not _kernel.runs_on(k_cache):
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
@@ -112,8 +111,7 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """
     _rope.check(positions, q, k, cos, sin)
     _check(k, v, k_cache, v_cache, slot_mapping)
-    if not (k_scale > 0 and v_scale > 0):
-        raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
+    _check_scales(k_scale, v_scale)
     if q_out is None:
         q_out = q
     elif q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.stride(2) != 1:
@@ -288,6 +286,11 @@ def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 # ----------------------------------------------------------------------------- validation
+
+def _check_scales(k_scale: float, v_scale: float) -> None:
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
+
 
 def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            slot_mapping: torch.Tensor) -> None:

@@ -67,7 +67,8 @@ _MIN_TILES_PER_SPLIT = 2  # a split reads at least this many key tiles of the wi
 _CPU_SMS = 132  # split rule's SM count when there is no GPU (the interpreter): an H200's
 _MERGE_ELEMENTS = 4096  # partial-output elements the merging program loads at a time
 _COUNTERS = 1 << 16  # split counters per device: rows x KV heads of one decode launch
-_counters: dict[torch.device, torch.Tensor] = {}  # device -> int32 [_COUNTERS], zero between launches
+# device -> its int32 [_COUNTERS] split counters, zero between launches
+_counters: dict[torch.device, torch.Tensor] = {}
 tl = None  # triton.language, bound when _kernels is first built
 
 

@@ -80,13 +80,19 @@ def test_cpu_without_interpreter_is_f_linear(monkeypatch):
         assert torch.equal(gemv.linear(x, w), F.linear(x, w))
 
 
+def exact_in_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x [1, K] made q * 2**-5 with q in FP8 and max |q| = 448 (at column 3): x / scale is exact
+    whether the scale is dynamic or the static 2**-5."""
+    q = (x.float() * 20).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    q[0, 3] = 448.0
+    return (q * 2 ** -5).to(x.dtype)
+
+
 def run_fp8(device, dtype, n, k, static, with_bias, exact_x=False):
     x = random((1, k), dtype, device, 1)
     x[0, 3] = 9.0  # one outlier sets the dynamic scale
-    if exact_x:  # x = q * 2**-5 with q in FP8 and max |q| = 448: x / scale is exact either way
-        q = (x.float() * 20).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        q[0, 3] = 448.0
-        x = (q * 2 ** -5).to(dtype)
+    if exact_x:
+        x = exact_in_fp8(x)
     weight, weight_scale = fp8.quantize_weight(random((n, k), torch.float32, device, 2, 0.05))
     input_scale = torch.tensor([2 ** -5 if exact_x else 0.02], device=device) if static else None
     bias = random((n,), dtype, device, 3) if with_bias else None
@@ -113,10 +119,8 @@ def run_silu_and_mul(device, dtype, inner, k, fp8_weight):
     """The activation in the epilogue is bit for bit the GEMV followed by silu_and_mul."""
     x = random((1, k), dtype, device, 1)
     scale = None
-    if fp8_weight:  # x exact in FP8 after scaling (see test_fp8_matches_reference)
-        q = (x.float() * 20).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        q[0, 3] = 448.0
-        x = (q * 2 ** -5).to(dtype)
+    if fp8_weight:  # (see test_fp8_matches_reference)
+        x = exact_in_fp8(x)
         w, scale = fp8.quantize_weight(random((2 * inner, k), torch.float32, device, 2, 0.05))
     else:
         w = random((2 * inner, k), dtype, device, 2, 0.05)
