@@ -11,7 +11,7 @@
 #                and versions; the script exits 1 when a step failed)
 # Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000)
 # offline-fp8kv (the same with an FP8 KV cache and 512 running requests), pdl (decode at batch 1
-# and 64 with PD_SERVE_PDL=0 then 1: programmatic dependent launch, kernels/_triton.py)
+# and 64 with PD_SERVE_PDL=0 then 1, or PDL_VALUES: programmatic dependent launch, kernels/_triton.py)
 # w4a16 (W4A16 GEMM vs bf16 GEMM, Llama-3.1-8B layer shapes); on two GPUs (nvidia-h200-x2),
 # for the phase-ratio issue: profile (pd-serve profile of a dummy Llama-3.1-8B-shaped model),
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
@@ -33,8 +33,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/pd-serve-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+# (once per machine: a second run of this script, side by side, must not rewrite what the
+# first one imports)
+[ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; } || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 PD_SERVE_COMMIT=${PD_SERVE_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
@@ -145,7 +147,7 @@ for s in $steps; do
           python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_gpu.py
         step tpbench 570 python3 bench/tp_handoff.py --preset llama3-8b --prefill-tokens 8192 \
           --model "$big" --load-format dummy --output "$OUT/tp-handoff-2xh200.json" ;;
-    pdl) for v in 0 1; do  # programmatic dependent launch off / on (kernels/_triton.py)
+    pdl) for v in ${PDL_VALUES:-0 1}; do  # programmatic dependent launch off / on (kernels/_triton.py)
            PD_SERVE_PDL=$v step onebatch-pdl$v 300 python3 -m bench.one_batch --preset llama3-8b \
              --enable-batch1-kernels --batch-sizes 1,64 --contexts 1024 --prefill-grid 1x512 \
              --no-hf --profile --output "$OUT/one-batch-h200-llama3-8b-pdl$v.json"

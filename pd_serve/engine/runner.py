@@ -1,13 +1,16 @@
 """Executes a scheduler plan: builds the flat batch, runs the model, samples. Never mutates requests.
 
 On GPU, batches of one new token per row (decode) replay CUDA graphs captured at bucketed batch
-sizes: the batch is padded to the next bucket (padded rows store no KV: slot -1), the inputs
-are copied into fixed buffers, the attention backend refills its fixed page-table buffers, and
-the graph runs the whole forward and the LM head. All buckets share one memory pool.
+sizes: the batch is padded to the next bucket (padded rows store no KV: slot -1); its token
+ids, positions and slots and the attention backend's page table go to a fixed device buffer
+in one host->device copy; the graph runs the whole forward, the LM head and the argmax. All
+buckets share one memory pool. A step whose rows are all greedy (no logprobs, no penalties)
+takes its tokens from the graph's argmax; any other goes through the Sampler.
 
 launch() queues a step and its sampling without waiting for the device; a token still pending
 from the step before (Request.token_at gives -1 - row) is read on the device from that step's
-sampled tokens, so the host can plan step N+1 while step N runs (the overlap schedule).
+sampled tokens (kernels/pending.py; in the graph, from its fixed token buffer), so the host can
+plan step N+1 while step N runs (the overlap schedule).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 
 import torch
 
+from kernels.pending import fill_pending_
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
 from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput
 from pd_serve.engine.scheduler import SchedulerOutput
@@ -97,7 +101,7 @@ class ModelRunner:
         # One host->device copy for the three index tensors.
         ids, positions, slots = self._to_device(torch.stack([ids, positions, slots]))
         if pending:
-            _fill_pending(ids, prev_tokens)
+            fill_pending_(ids, _prev(prev_tokens))
         self.attn.plan(self._metadata(plan, slots))
         self._record_inputs_copied()
         hidden = self.model(ids, positions, self.attn, after_layer)  # [T, hidden]
@@ -114,9 +118,15 @@ class ModelRunner:
         start = time.perf_counter()
         sizes = graph_batch_sizes(max_bs)
         self.attn.init_cuda_graph(max_bs, max_pages_per_seq)
-        # Rows: token ids, positions, cache slots.
-        self.graph_inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device)
         on_cuda = self.device.type == "cuda"  # (CPU: only where a test stands in for _capture)
+        # A step's host->device inputs, one int32 buffer copied at once. For bucket bs: token ids
+        # [bs], positions [bs], cache slots [bs], then the backend's bs * graph_input_width(bs).
+        size = max(bs * (3 + self.attn.graph_input_width(bs)) for bs in sizes)
+        self.graph_host = torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda)
+        self.graph_device = torch.zeros(size, dtype=torch.int32, device=self.device)
+        # The sampled tokens of the step before, where the graph resolves pending ids; the graph
+        # then writes its rows' argmax here.
+        self.graph_tokens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         pool = torch.cuda.graph_pool_handle() if on_cuda else None
         for bs in reversed(sizes):
             self._plan_graph(bs, [], [], [])  # every row is padding
@@ -137,22 +147,28 @@ class ModelRunner:
         return graph
 
     def _graph_forward(self, bs: int) -> torch.Tensor:
-        ids, positions = self.graph_inputs[0, :bs], self.graph_inputs[1, :bs]
-        return self.model.compute_logits(self.model(ids, positions, self.attn))  # [bs, V] float32
+        ids, positions = self.graph_device[:bs], self.graph_device[bs:2 * bs]
+        fill_pending_(ids, self.graph_tokens)
+        logits = self.model.compute_logits(self.model(ids, positions, self.attn))  # [bs, V] float32
+        torch.argmax(logits, dim=-1, out=self.graph_tokens[:bs])
+        return logits
 
     def _plan_graph(self, bs: int, ids: list[int], positions: list[int], slots: list[int],
                     seq_lens: list[int] | None = None, page_tables: list[list[int]] | None = None):
-        """Fill the fixed inputs for bucket bs; rows past len(ids) are padding (slot -1, a
-        one-token context in page 0)."""
+        """Fill the fixed inputs for bucket bs and queue their copy to the device; rows past
+        len(ids) are padding (slot -1, a one-token context in page 0)."""
         pad = bs - len(ids)
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad])
-        self.graph_inputs[:, :bs].copy_(_pinned(host), non_blocking=True)
+        host, device = self.graph_host, self.graph_device
+        host[:3 * bs] = torch.tensor(ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad,
+                                     dtype=torch.int32)
+        end = bs * (3 + self.attn.graph_input_width(bs))
         self.attn.plan_cuda_graph(bs, AttentionMetadata(
             query_lens=[1] * bs,
             seq_lens=(seq_lens or []) + [1] * pad,
             page_tables=(page_tables or []) + [[0]] * pad,
-            slot_mapping=self.graph_inputs[2, :bs],
-        ))
+            slot_mapping=device[2 * bs:3 * bs],
+        ), host[3 * bs:end], device[3 * bs:end])
+        device[:end].copy_(host[:end], non_blocking=True)
 
     def _launch_graph(self, plan: SchedulerOutput, prev_tokens: torch.Tensor | None) -> PendingSample:
         n = len(plan.chunks)
@@ -166,17 +182,25 @@ class ModelRunner:
             seq_lens.append(pos + 1)
         self._plan_graph(bs, ids, positions, slots, seq_lens, [c.request.page_ids for c in plan.chunks])
         if min(ids) < 0:
-            _fill_pending(self.graph_inputs[0, :n], prev_tokens)
+            prev = _prev(prev_tokens)
+            if prev.data_ptr() == self.graph_tokens.data_ptr():
+                pass  # the graph's own argmax, where it reads them
+            elif len(prev) <= len(self.graph_tokens):
+                self.graph_tokens[:len(prev)].copy_(prev)  # sampled outside the graph
+            else:  # an eager step sampled more rows than the buffer holds: resolve them here
+                fill_pending_(self.graph_device[:n], prev)
         self._record_inputs_copied()
         self.graphs[bs].replay()
-        sample_rows = [i for i, c in enumerate(plan.chunks) if c.sample]
-        if not sample_rows:
+        sampled = [c.request for c in plan.chunks if c.sample]
+        if not sampled:
             return self._nothing_sampled()
+        if len(sampled) == n and self.sampler.argmax_only(sampled):
+            return PendingSample(self.graph_tokens[:n], [r.sampling_params for r in sampled])
         logits = self.graph_logits[bs]
-        if len(sample_rows) < bs:
-            logits = logits[:n] if len(sample_rows) == n else logits[torch.tensor(sample_rows, device=self.device)]
-        return self.sampler.launch(logits, [c.request for c in plan.chunks if c.sample])
-
+        if len(sampled) < bs:
+            sample_rows = [i for i, c in enumerate(plan.chunks) if c.sample]
+            logits = logits[:n] if len(sampled) == n else logits[torch.tensor(sample_rows, device=self.device)]
+        return self.sampler.launch(logits, sampled)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         return (_pinned(host) if self.device.type == "cuda" else host).to(self.device, non_blocking=True)
@@ -206,9 +230,8 @@ def chunk_ids(request, start: int, end: int) -> list[int]:
     return ids
 
 
-def _fill_pending(ids: torch.Tensor, prev_tokens: torch.Tensor | None) -> None:
-    """Replace pending ids (-1 - row) in the device tensor ids by prev_tokens[row], in place."""
+def _prev(prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    """The sampled tokens of the step in flight, which a pending id needs."""
     if prev_tokens is None:
         raise RuntimeError("a planned token is pending but no step is in flight")
-    rows = (-1 - ids).clamp_min(0)
-    ids.copy_(torch.where(ids >= 0, ids, prev_tokens[rows]))
+    return prev_tokens

@@ -34,8 +34,9 @@ class PendingSample:
         on_cuda = tokens.device.type == "cuda"
         parts = (tokens,) + (logprob_parts or ())
         # Copies into pinned host memory, queued behind the sampling kernels; no wait here.
+        # (tokens may be a buffer the next step rewrites: the decode graph's.)
         self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
-                      for p in parts] if on_cuda else list(parts)
+                      if on_cuda else p.clone() for p in parts]
         self._event = torch.cuda.Event() if on_cuda else None
         if self._event is not None:
             self._event.record()
@@ -161,14 +162,20 @@ class Sampler:
         """
         return self.launch(logits, requests).result()
 
+    @staticmethod
+    def argmax_only(requests: list[Request]) -> bool:
+        """Whether each row's token is its logits' argmax alone: greedy, no logprobs, no
+        penalties (the decode CUDA graph computes it itself)."""
+        return (all(r.sampling_params.greedy and r.sampling_params.logprobs is None
+                    for r in requests) and not needs_penalties(requests))
+
     def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """Queue the sampling of one token per row on the logits' device; no host sync (the
         seeded noise of non-greedy rows is drawn on the host first)."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
-        all_greedy = all(p.greedy for p in params)
-        if all_greedy and not any(want_logprobs) and not needs_penalties(requests):
+        if self.argmax_only(requests):
             return PendingSample(logits.argmax(dim=-1), params)
 
         vocab_size = logits.shape[1]

@@ -33,7 +33,8 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def _cases():
     """(name, call): each call launches the kernel(s) of one configuration."""
-    from kernels import activation, fp8_quant, gemv, kv_copy, kv_store, norm, paged_attention, w4a16
+    from kernels import (activation, fp8_quant, gemv, kv_copy, kv_store, norm, paged_attention,
+                         pending, w4a16)
     bf16, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     e4m3 = torch.float8_e4m3fn
     yield "rms_norm", lambda: norm.rms_norm(_t(3, 4096), _t(4096), 1e-5)
@@ -77,6 +78,9 @@ def _cases():
                                               _t(32, 256, dtype=torch.float16))
     pool = lambda: _t(2, 2, 6, 16, 8, 128)  # noqa: E731  [L, 2, P, S, H, D]
     ids = torch.tensor([4, 1], dtype=i64)
+    for dtype in (i32, i64):
+        yield f"fill_pending {dtype}", lambda d=dtype: pending.fill_pending_(
+            torch.tensor([5, -1], dtype=d), torch.tensor([7], dtype=i64))
     yield "gather_pages", lambda: kv_copy.gather_pages(pool(), ids, 0, 2, heads=(2, 6))
     yield "scatter_pages", lambda: kv_copy.scatter_pages(pool(), ids, _t(2, 2, 2, 16, 8, 128), 0, 2)
     yield "copy_pages", lambda: kv_copy.copy_pages(pool(), ids, pool(), ids.flip(0), 0, 2)

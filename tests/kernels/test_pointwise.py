@@ -1,4 +1,4 @@
-"""RMSNorm, RoPE, SiLU-and-mul and KV-store kernels against their torch references.
+"""RMSNorm, RoPE, SiLU-and-mul, KV-store and pending-id kernels against their torch references.
 
 On CPU the kernels run in Triton's interpreter: an autouse fixture sets PD_SERVE_TRITON_CPU=1 for
 each CPU test (the modules import Triton lazily and jit their kernel on first use, which is
@@ -19,7 +19,7 @@ import importlib.util
 import pytest
 import torch
 
-from kernels import activation, kv_store, norm, rope
+from kernels import activation, kv_store, norm, pending, rope
 from pd_serve.model.rope import RotaryEmbedding
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -464,7 +464,7 @@ def test_without_interpreter_cpu_uses_the_references(monkeypatch):
     cache = torch.zeros(2, 4, 1, 64, dtype=torch.float16)
     expected_cache = cache.clone()
     slots = torch.tensor([3, -1, 0, 7, 5])
-    modules = (norm, activation, kv_store)
+    modules = (norm, activation, kv_store, pending)
     before = [m.triton_launches for m in modules]
     assert torch.equal(norm.rms_norm(x, weight, 1e-6), norm.rms_norm_ref(x, weight, 1e-6))
     assert torch.equal(activation.silu_and_mul(x), activation.silu_and_mul_ref(x))
@@ -509,12 +509,36 @@ def _bad_calls():
     yield "kv: strided cache", lambda: kv_store.store_kv(k, k, cache.transpose(0, 1),
                                                          cache.transpose(0, 1), pos)
     yield "kv: float slots", lambda: kv_store.store_kv(k, k, cache, cache.clone(), pos.float())
+    yield "pending: float ids", lambda: pending.fill_pending_(pos.float(), pos)
+    yield "pending: 2-d prev", lambda: pending.fill_pending_(pos, pos.view(1, 3))
 
 
 @pytest.mark.parametrize("call", [pytest.param(c, id=name) for name, c in _bad_calls()])
 def test_rejects_bad_inputs(call):
-    modules = (norm, activation, kv_store)
+    modules = (norm, activation, kv_store, pending)
     before = [m.triton_launches for m in modules]
     with pytest.raises(ValueError):
         call()
     assert [m.triton_launches for m in modules] == before
+
+
+PENDING_CASES = [pytest.param("cpu", id="cpu"),
+                 pytest.param("cuda", id="cuda", marks=needs_cuda)]
+
+
+@needs_triton
+@pytest.mark.parametrize("device", PENDING_CASES)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_fill_pending_resolves_only_the_pending_ids(device, ids_dtype):
+    # 300 ids (two programs), every third pending, pointing at rows of prev_tokens in any order.
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50_000, (300,), generator=g)
+    rows = torch.randint(0, 40, (300,), generator=g)
+    pending_at = torch.arange(300) % 3 == 0
+    ids = torch.where(pending_at, -1 - rows, ids).to(ids_dtype).to(device)
+    prev = torch.randint(0, 128_000, (40,), generator=g).to(device)
+    expected = pending.fill_pending_ref_(ids.clone(), prev)
+    assert torch.equal(expected.cpu()[pending_at], prev.cpu()[rows[pending_at]].to(ids_dtype))
+    with expect_launches(pending, 1):
+        out = pending.fill_pending_(ids, prev)
+    assert out is ids and torch.equal(ids.cpu(), expected.cpu())

@@ -67,6 +67,37 @@ def test_graph_decode_equals_eager(monkeypatch, tiny_checkpoints):
         assert graphed.allocator.num_used_pages == 0
 
 
+def test_graph_steps_resolve_tokens_from_every_kind_of_step(monkeypatch, tiny_checkpoints):
+    """Pending ids in a graph step come from the graph's own argmax (greedy rows), from the
+    Sampler's output copied into the graph's token buffer (seeded sampling, logprobs), or, after
+    an eager step that sampled more rows than the largest bucket, are resolved before the
+    replay: every token is the eager engine's."""
+    monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
+    monkeypatch.setattr(ModelRunner, "_capture", _capture)
+    model = tiny_checkpoints["llama3"]
+    prompts = [list(range(3 + n, 12 + 2 * n)) for n in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] * 2 + [
+        greedy, SamplingParams(temperature=0.8, seed=11, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=7, ignore_eos=True), greedy]
+    eager = Engine(model, device="cpu", attention_backend="torch", max_total_tokens=1024)
+    graphed = Engine(model, device="cpu", attention_backend="triton", max_total_tokens=1024,
+                     page_size=4)
+    graphed.runner.capture_cuda_graphs(4, 64)  # six rows run eagerly; four, in a graph
+    graphed.overlap = True  # (on by default on GPU only): ids are pending when planned
+    for batch, batch_params in ((prompts, params), (prompts[2:], [greedy] * 4)):
+        EagerGraph.replays = 0
+        want = eager.generate(batch, batch_params)
+        got = graphed.generate(batch, batch_params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert EagerGraph.replays >= 4
+        assert graphed.allocator.num_used_pages == 0
+        if batch is prompts:  # the logprobs row: its values as the eager engine's
+            ours, ref = got[4].logprobs, want[4].logprobs
+            assert len(ours) == len(ref) == 7 and all(len(lp.top) == 2 for lp in ours)
+            assert [lp.logprob for lp in ours] == pytest.approx([lp.logprob for lp in ref], abs=1e-4)
+
+
 def test_batch1_kernels_flag_runs_the_gemv_and_keeps_greedy_tokens(monkeypatch, tiny_checkpoints):
     """--enable-batch1-kernels: one-row decode steps go through kernels/gemv.py (Triton's
     interpreter here), and in float32 the greedy tokens stay those of cuBLAS-style F.linear."""

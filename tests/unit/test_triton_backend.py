@@ -125,47 +125,68 @@ def graph_batch(rows: list[tuple[int, int]], bs: int, slot_buffer: torch.Tensor,
     return padded, real
 
 
+def staging(backend, bs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runner's staging buffers for bucket bs: host int32 and its device copy."""
+    size = bs * backend.graph_input_width(bs)
+    return torch.zeros(size, dtype=torch.int32), torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def plan_graph(backend, bs: int, meta: AttentionMetadata, staged) -> None:
+    """plan_cuda_graph, then the runner's host->device copy of what it staged."""
+    host, device = staged
+    backend.plan_cuda_graph(bs, meta, host, device)
+    device.copy_(host)
+
+
 def test_graph_mode_fills_fixed_buffers():
     dtype = torch.float32
     pools = make_pools(dtype)
     triton_backend, torch_backend = backends(pools)
     triton_backend.init_cuda_graph(8, 6)
-    buffers = (triton_backend.graph_page_table, triton_backend.graph_seq_lens,
-               triton_backend.graph_out)
-    ptrs = [b.data_ptr() for b in buffers]
+    assert triton_backend.graph_input_width(4) == 1 + 6  # seq_len and 6 pages a row
+    staged = staging(triton_backend, 4, DEVICE)
+    out_ptr = triton_backend.graph_out.data_ptr()
     slot_buffer = torch.zeros(8, dtype=torch.int64, device=DEVICE)
     page0 = [pool.buffer[:, :, 0].clone() for pool in pools]
     for seed, rows in enumerate(([(1, 9), (1, 1), (1, 20)], [(1, 21), (1, 4), (1, 2)])):
         padded, real = graph_batch(rows, 4, slot_buffer, seed)
-        triton_backend.plan_cuda_graph(4, padded)
+        plan_graph(triton_backend, 4, padded, staged)
         assert triton_backend.slot_mapping.data_ptr() == slot_buffer.data_ptr()
+        # run() reads views of the staged device buffer: seq_lens, then the page table.
+        assert triton_backend.seq_lens.data_ptr() == staged[1].data_ptr()
+        assert triton_backend.page_table.data_ptr() == staged[1][4:].data_ptr()
         assert triton_backend.page_table.shape == (4, 6)
-        assert [b.data_ptr() for b in buffers] == ptrs, "plan_cuda_graph rebound a buffer"
-        assert triton_backend.page_table.data_ptr() == ptrs[0]
         assert triton_backend.seq_lens.tolist() == real.seq_lens + [1]
+        for row, (pages, n) in enumerate(zip(real.page_tables, real.seq_lens)):
+            used = -(-n // PAGE_SIZE)
+            assert triton_backend.page_table[row].tolist() == pages[:used] + [0] * (6 - used)
         ours = run_layers(triton_backend, padded, dtype, seed=seed, planned=True)
         assert all(out.shape == (4, NUM_HEADS, HEAD_DIM) for out in ours)
         refs = run_layers(torch_backend, real, dtype, seed=seed, drawn=4)
         assert_same([out[:3] for out in ours], refs, pools, dtype)  # ran the rows it was given
         for pool, page in zip(pools, page0):
             assert torch.equal(pool.buffer[:, :, 0], page), "the padded row stored its K/V"
-    # run() reads the fixed buffers themselves: the output is a view of graph_out.
+    # run() writes into the fixed output buffer itself.
     q = torch.randn(4, NUM_HEADS, HEAD_DIM, device=DEVICE)
     k = v = torch.randn(4, NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
-    assert triton_backend.run(0, q, k, v).data_ptr() == ptrs[2]
+    assert triton_backend.run(0, q, k, v).data_ptr() == out_ptr
 
 
 def test_graph_mode_rejects_batches_it_cannot_hold():
     triton_backend, _ = backends(make_pools(torch.float32))
     triton_backend.init_cuda_graph(4, 2)
     slots = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+
+    def plan(bs, meta, staged=None):
+        plan_graph(triton_backend, bs, meta, staged or staging(triton_backend, bs, DEVICE))
     with pytest.raises(ValueError):  # a prefill row
-        triton_backend.plan_cuda_graph(2, AttentionMetadata([2, 1], [2, 1], [[1], [2]], slots[:3]))
+        plan(2, AttentionMetadata([2, 1], [2, 1], [[1], [2]], slots[:3]))
     with pytest.raises(ValueError):  # more pages than the table is wide
-        triton_backend.plan_cuda_graph(1, AttentionMetadata([1], [9], [[1, 2, 3]], slots[:1]))
+        plan(1, AttentionMetadata([1], [9], [[1, 2, 3]], slots[:1]))
     with pytest.raises(ValueError):  # more rows than max_bs
-        triton_backend.plan_cuda_graph(5, AttentionMetadata([1] * 5, [1] * 5, [[0]] * 5,
-                                                            slots[:5]))
+        plan(5, AttentionMetadata([1] * 5, [1] * 5, [[0]] * 5, slots[:5]))
+    with pytest.raises(ValueError):  # staging sized for another bucket
+        plan(1, AttentionMetadata([1], [1], [[0]], slots[:1]), staging(triton_backend, 2, DEVICE))
 
 
 @needs_cuda
@@ -179,8 +200,9 @@ def test_cuda_graph_replays_after_new_plan(monkeypatch):
     slot_buffer = torch.zeros(8, dtype=torch.int64, device="cuda")
     q = torch.randn(4, num_heads, head_dim, dtype=dtype, device="cuda")
     k, v = (torch.randn(4, num_kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+    staged = staging(triton_backend, 4, "cuda")
     padded, real = graph_batch([(1, 3), (1, 30)], 4, slot_buffer, seed=0)
-    triton_backend.plan_cuda_graph(4, padded)
+    plan_graph(triton_backend, 4, padded, staged)
     triton_backend.run(0, q, k, v)  # compile outside the capture
     torch_backend.plan(real)
     torch_backend.run(0, q[:2], k[:2], v[:2])  # the same stores into the other pool
@@ -189,7 +211,7 @@ def test_cuda_graph_replays_after_new_plan(monkeypatch):
     with torch.cuda.graph(graph):
         out = triton_backend.run(0, q, k, v)
     padded, real = graph_batch([(1, 37), (1, 1), (1, 12)], 4, slot_buffer, seed=1)
-    triton_backend.plan_cuda_graph(4, padded)
+    plan_graph(triton_backend, 4, padded, staged)
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch_backend.plan(real)

@@ -83,19 +83,29 @@ class AttentionBackend(ABC):
                              k_scale, v_scale, q_out)
 
     # CUDA graphs (decode batches only). A backend that supports them keeps every tensor run()
-    # reads in buffers allocated once by init_cuda_graph(); plan_cuda_graph() refills them, so a
-    # graph captured after one plan_cuda_graph(bs, ...) replays correctly after another.
+    # reads in buffers allocated once by init_cuda_graph() or in the runner's fixed input buffer;
+    # plan_cuda_graph() refills them, so a graph captured after one plan_cuda_graph(bs, ...)
+    # replays correctly after another.
     supports_cuda_graph = False
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int) -> None:
         """Allocate the fixed buffers for decode batches of up to max_bs sequences."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
-        """Plan a decode batch of exactly bs rows (query_lens all 1) into the fixed buffers.
+    def graph_input_width(self, bs: int) -> int:
+        """int32 values per row that plan_cuda_graph(bs, ...) stages for the runner to copy to
+        the device (the page table, say); 0 when the backend copies its own inputs."""
+        return 0
 
-        meta.slot_mapping is a view of the runner's fixed slot buffer; padded rows have slot -1
+    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata, host: torch.Tensor,
+                        device: torch.Tensor) -> None:
+        """Plan a decode batch of exactly bs rows (query_lens all 1) for the bucket-bs graph.
+
+        meta.slot_mapping is a view of the runner's fixed input buffer; padded rows have slot -1
         (their K/V must not be stored) and a one-token context in page 0 (read, never written).
-        After this call run() executes the bucket-bs graph path until the next plan*() call.
+        host: pinned int32 [bs * graph_input_width(bs)] to fill with this batch's inputs; the
+        runner copies it into `device` (same shape, the same address for every plan of bucket
+        bs) in the step's one host->device copy, before the graph runs; run() may read views of
+        `device`. After this call run() executes the bucket-bs graph path until the next plan*().
         """
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -147,9 +147,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.one_row is not None:
             self.one_row.init_cuda_graph(1, max_pages_per_seq)
 
-    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
+    def graph_input_width(self, bs: int) -> int:
+        return self.one_row.graph_input_width(1) if self.one_row is not None and bs == 1 else 0
+
+    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata, host: torch.Tensor,
+                        device: torch.Tensor) -> None:
         if self.one_row is not None and bs == 1:
-            self.one_row.plan_cuda_graph(1, meta)
+            self.one_row.plan_cuda_graph(1, meta, host, device)
             self.delegate = self.one_row
             self.is_prefill = False
             return

@@ -7,9 +7,10 @@ kernel for the whole batch (chunked prefill and decode rows mixed in). FP8 pools
 quantises (k / k_scale, saturated) and the attention kernels dequantise in registers (FP8 tiles
 cast to q's dtype, k_scale folded into the softmax scale, v_scale onto the output).
 
-CUDA graphs: init_cuda_graph() allocates a fixed page table [max_bs, max_pages_per_seq], seq_lens
-[max_bs] and an output buffer; plan_cuda_graph(bs, ...) copies into their first bs rows, and
-run() reads views [:bs]. The decode launch depends on (bs, max_pages_per_seq) alone, so one
+CUDA graphs: init_cuda_graph() allocates the output buffer [max_bs, Hq, D]; plan_cuda_graph(bs,
+...) writes seq_lens [bs] and a page table [bs, max_pages_per_seq] into the runner's staging
+buffer, which the runner copies to the device with the step's other inputs, and run() reads
+views of the device copy. The decode launch depends on (bs, max_pages_per_seq) alone, so one
 graph per bucket replays for any lengths and pages.
 """
 
@@ -72,27 +73,30 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int) -> None:
-        self.graph_page_table = torch.zeros(max_bs, max_pages_per_seq, dtype=torch.int32,
-                                            device=self.device)  # [max_bs, max_pages]
-        self.graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)  # [max_bs]
+        self.graph_max_bs, self.graph_pages = max_bs, max_pages_per_seq
         # The graph path's output, overwritten by each run(): the model consumes it (o_proj)
         # before the next layer's attention. In the activations' dtype (not an FP8 pool's).
         self.graph_out = torch.empty(max_bs, self.num_heads, self.head_dim,
                                      dtype=self.dtype, device=self.device)
 
-    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata) -> None:
+    def graph_input_width(self, bs: int) -> int:
+        return 1 + self.graph_pages  # the row's seq_len, then its page table row
+
+    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata, host: torch.Tensor,
+                        device: torch.Tensor) -> None:
         if self.graph_out is None:
             raise RuntimeError("plan_cuda_graph() before init_cuda_graph()")
-        max_bs, width = self.graph_page_table.shape
-        if (not 0 < bs <= max_bs or len(meta.query_lens) != bs
+        if (not 0 < bs <= self.graph_max_bs or len(meta.query_lens) != bs
                 or any(n != 1 for n in meta.query_lens)):
-            raise ValueError(f"a graph batch is {bs} <= {max_bs} rows of one new token each, got "
-                             f"query_lens {meta.query_lens}")
-        host_table = self._host(self._page_rows(meta, width)).view(bs, width)
-        self.graph_page_table[:bs].copy_(host_table, non_blocking=True)  # in place: graphs hold it
-        self.graph_seq_lens[:bs].copy_(self._host(meta.seq_lens), non_blocking=True)
-        self.page_table = self.graph_page_table[:bs]
-        self.seq_lens = self.graph_seq_lens[:bs]
+            raise ValueError(f"a graph batch is {bs} <= {self.graph_max_bs} rows of one new token "
+                             f"each, got query_lens {meta.query_lens}")
+        if host.numel() != bs * self.graph_input_width(bs) or device.shape != host.shape:
+            raise ValueError(f"the staging buffers hold {host.numel()} and {device.numel()} "
+                             f"values; bucket {bs} needs {bs * self.graph_input_width(bs)}")
+        host[:bs] = torch.tensor(meta.seq_lens, dtype=torch.int32)
+        host[bs:] = torch.tensor(self._page_rows(meta, self.graph_pages), dtype=torch.int32)
+        self.seq_lens = device[:bs]
+        self.page_table = device[bs:].view(bs, self.graph_pages)
         self.decode = True
         self.slot_mapping = meta.slot_mapping
         self.out = self.graph_out[:bs]
