@@ -11,7 +11,7 @@
 #                and versions; the script exits 1 when a step failed)
 # Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000)
 # offline-fp8kv (the same with an FP8 KV cache and 512 running requests), pdl (decode at batch 1
-# and 64 with PD_SERVE_PDL=0 then 1, or PDL_VALUES: programmatic dependent launch, kernels/_triton.py)
+# and 64 with PD_SERVE_PDL=0 then 1, or PDL_VALUES: programmatic dependent launch off / on, kernels/_triton.py)
 # w4a16 (W4A16 GEMM vs bf16 GEMM, Llama-3.1-8B layer shapes); on two GPUs (nvidia-h200-x2),
 # for the phase-ratio issue: profile (pd-serve profile of a dummy Llama-3.1-8B-shaped model),
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,

@@ -111,7 +111,7 @@ def _compile(fn, args: tuple, kwargs: dict) -> None:
 
 def _with_pdl():
     """The cases whose kernels take programmatic dependent launch (kernels/_triton.py), again
-    with it on, as PD_SERVE_PDL=1 on a Hopper GPU has them."""
+    with it on, as a Hopper GPU has them (unless PD_SERVE_PDL=0)."""
     from kernels import gemv, kv_store, norm, paged_attention
     pdl_modules = (gemv, kv_store, norm, paged_attention)
     for name, call in _cases():
@@ -163,14 +163,17 @@ def test_every_kernel_compiles_for_sm90():
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
-def test_pdl_only_when_asked_and_on_a_gpu(monkeypatch):
-    """Programmatic dependent launch is off unless PD_SERVE_PDL=1, and never for CPU tensors;
+def test_pdl_on_by_default_on_a_gpu_only(monkeypatch):
+    """Programmatic dependent launch is on unless PD_SERVE_PDL=0, and never for CPU tensors;
     launch_pdl is passed only when it is on (so Triton builds without it launch as before)."""
     from kernels import _triton
     x = torch.zeros(2)
     monkeypatch.delenv("PD_SERVE_PDL", raising=False)
-    assert not _triton.pdl(x)
-    monkeypatch.setenv("PD_SERVE_PDL", "1")
-    assert not _triton.pdl(x)  # CPU
+    assert _triton.pdl_enabled() and not _triton.pdl(x)  # CPU
+    monkeypatch.setenv("PD_SERVE_PDL", "0")
+    assert not _triton.pdl_enabled()
+    monkeypatch.setenv("PD_SERVE_PDL", "yes")
+    with pytest.raises(ValueError, match="PD_SERVE_PDL must be 0 or 1"):
+        _triton.pdl_enabled()
     assert _triton.launch_options(False) == {"PDL": False}
     assert _triton.launch_options(True) == {"PDL": True, "launch_pdl": True}
