@@ -14,9 +14,9 @@ Triton is imported when a kernel is first needed, so importing a kernels module 
     kernel = _kernel.load()         # the jitted kernel, or a RuntimeError
 
 Programmatic dependent launch (PDL, Hopper and later), on by default (PD_SERVE_PDL=0 turns it
-off): the kernels of the batch-1 decode path (GEMV, RMSNorm, RoPE + KV store, decode attention)
-launch with `launch_pdl` where `pdl(x)` says so. Such a kernel may be scheduled while the kernel
-before it in the stream is finishing; it starts with `gdc_wait()` (the previous kernel done and
+off): the GEMV, RMSNorm, RoPE + KV store and paged-attention kernels launch with `launch_pdl`
+where `pdl(x)` says so (the batch-1 decode path is made of them). Such a kernel may be
+scheduled while the kernel before it in the stream is finishing; it starts with `gdc_wait()` (the previous kernel done and
 its writes visible) before it touches memory, then `gdc_launch_dependents()` so the next one
 may be scheduled early in turn: the gap between kernels shrinks. CUDA graphs keep it. On one
 H200 at 91373a0 (Llama-3.1-8B shape, --enable-batch1-kernels, same run): decode bs 1 at 1k
