@@ -115,9 +115,8 @@ class EngineCore:
         if self.tp is not None and self.tp.rank == 0:
             self.runner.on_launch = lambda plan: tp_group.broadcast(
                 self.tp, plan, self.step_extra(plan) if self.step_extra else None)
-        # Under TP every rank captures the same buckets in the same order (the warm-up runs
-        # before each capture meet in their collectives), and the NCCL collectives are captured.
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph:
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph \
+                and self.tp is None:
             max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
             self.runner.capture_cuda_graphs(max_bs, -(-self.max_model_len // layout.page_size))
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)

@@ -5,9 +5,7 @@ broadcasts the step's inputs (per chunk: positions, token ids, KV pages, whether
 a gloo group. Every rank then runs the same forward on its shard (model/parallel.py) and its own
 KV pool (its KV heads; the same page ids on every rank: the pool size is the smallest any rank
 can hold), meeting in the all-reduces and the logits all-gather; rank 0 alone samples.
-Decode steps replay CUDA graphs on every rank (the same bucket, as every rank runs the same
-plan), with the NCCL collectives captured in them. The overlap schedule is off under TP: the
-followers do not sample, so they could not read a pending token.
+CUDA graphs and the overlap schedule are off under TP for now.
 
 A prefill or decode worker's followers also hold their half of the KV hand-off
 (transfer/tp_handoff.py): a step's broadcast carries what the step's forward sends (prefill),
@@ -137,10 +135,6 @@ def mirror_plan(steps) -> SchedulerOutput:
 
 class _NoSampler:
     """Followers compute logits (the all-gather needs every rank) but do not sample."""
-
-    @staticmethod
-    def argmax_only(requests) -> bool:
-        return False  # (the runner's graph path would hand out its argmax: nothing to hand out)
 
     def launch(self, logits: torch.Tensor, requests) -> PendingSample:
         return PendingSample(torch.empty(0, dtype=torch.long, device=logits.device), [])
