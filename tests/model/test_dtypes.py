@@ -40,8 +40,22 @@ def test_half_precision_agrees_with_transformers(default_model_dir, dtype):
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=dtype).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    agreement = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    # A position where either side's top two logits are within one unit in the last place of
+    # the dtype is a tie at that precision, not a disagreement (two rounds of the same sum can
+    # land on either side; this text has 1 such position of 36 in float16, 2 in bfloat16 on
+    # the 2026-11-30 CI machine). The ties must stay few, and every other position must agree.
+    decided = _decided(ours, dtype) & _decided(ref, dtype)
+    assert decided.float().mean().item() >= 0.85, f"{(~decided).sum()} ties in {dtype}"
+    agreement = (ours.argmax(-1) == ref.argmax(-1))[decided].float().mean().item()
     assert agreement >= 0.95, f"top-1 agreement {agreement:.3f} in {dtype}"
     full = our_logits(default_model_dir, torch.float32, ids)
     rel = ((ours - full).norm() / full.norm()).item()
     assert rel < 5e-2, f"{dtype} logits differ from float32 by {rel:.3e} (relative)"
+
+
+def _decided(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose top logit beats the runner-up by more than one unit in the last place of
+    `dtype` at the top logit's magnitude."""
+    top2 = logits.float().topk(2, dim=-1).values  # [T, 2]
+    ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(top2[:, 0].abs())))
+    return top2[:, 0] - top2[:, 1] > ulp
