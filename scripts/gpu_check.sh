@@ -8,7 +8,7 @@
 #                mkdir -p .gpu-model/tok && cp <SmolLM2 folder>/{tokenizer.json,tokenizer_config.json,generation_config.json} .gpu-model/tok/
 # There:         OUT=... PD_SERVE_COMMIT=<sha> bash scripts/gpu_check.sh [step ...]
 #                ($OUT/summary.json: each step's status and pytest summary, with the commit, GPUs
-#                and versions; the script exits 1 when a step failed)
+#                and versions; $OUT/all.tgz: all of $OUT; the script exits 1 when a step failed)
 # Steps: tests (kernels + gputests) gputests onebatch fp8 (FP8 weights) offline (FP8, 1000 x 1000)
 # offline-fp8kv (the same with an FP8 KV cache and 512 running requests), pdl (decode at batch 1
 # and 64 with PD_SERVE_PDL=0 then 1, or PDL_VALUES: programmatic dependent launch off / on, kernels/_triton.py)
@@ -176,6 +176,8 @@ json.dump({"commit": os.environ.get("PD_SERVE_COMMIT"),
            "steps": steps, "failed": [s["step"] for s in steps if s["rc"]]},
           open(out / "summary.json", "w"), indent=1)
 EOF
+# Everything in $OUT in one file too: the device tool brings back at most 8 files a call.
+bundle=$(mktemp) && tar czf "$bundle" -C "$OUT" --exclude all.tgz . && mv "$bundle" "$OUT/all.tgz"
 if [ -s "$OUT/failed-steps.txt" ]; then  # the script's status says whether every step passed
   echo "== failed: $(tr '\n' ' ' <"$OUT/failed-steps.txt")"
   exit 1
