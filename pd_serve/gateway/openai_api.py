@@ -1,13 +1,16 @@
 """OpenAI HTTP handlers: /v1/completions, /v1/chat/completions (stream and not), /v1/models, /health.
 
-A request is parsed (openai_protocol), handed to a TokenSource as a GenerateSpec, and its
-TokenEvents become text (openai_text: detokenization and stop strings) and OpenAI JSON. Every
-exit path closes the source iterator, which aborts the request wherever it runs: a stop
-string, a client gone mid-stream (a failed write or a cancelled handler), an error.
+A request is parsed (openai_protocol), handed to a TokenSource as one GenerateSpec per choice
+(n choices per prompt; a /v1/completions batch has several prompts), and its TokenEvents become
+text (openai_text: detokenization and stop strings) and OpenAI JSON; the choices run side by
+side, their chunks interleaved as they come. Every exit path closes the source iterators, which
+aborts the requests wherever they run: a stop string (that choice alone), a client gone
+mid-stream (a failed write or a cancelled handler), an error (every choice).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -85,11 +88,13 @@ class OpenAIServer:
             return _error_response(e)
         request_id = self.new_request_id(id_prefix)
         shape = shape_cls(request_id, info.name, self.tokenizer)
-        spec = GenerateSpec(request_id, parsed.prompt_token_ids, parsed.params, parsed.priority)
-        deltas = self._run(spec, parsed)
+        choices = parsed.choices()
+        specs = [GenerateSpec(request_id if len(choices) == 1 else f"{request_id}-{i}", ids,
+                              params, parsed.priority) for i, (ids, params) in enumerate(choices)]
+        deltas = _merged([self._run(spec, parsed) for spec in specs])
         if parsed.stream:
-            return await self._stream(request, deltas, shape, parsed)
-        return await self._complete(request, deltas, shape, parsed)
+            return await self._stream(request, deltas, shape, parsed, len(specs))
+        return await self._complete(request, deltas, shape, parsed, len(specs))
 
     async def _run(self, spec: GenerateSpec, parsed: ParsedRequest) -> AsyncIterator[_Delta]:
         """The source's events as text deltas; ends at the first finish (stop string included)."""
@@ -114,32 +119,36 @@ class OpenAIServer:
             if aclose is not None:
                 await aclose()
 
-    async def _complete(self, request: web.Request, deltas: AsyncIterator[_Delta], shape,
-                        parsed: ParsedRequest) -> web.Response:
-        texts, token_ids, logprobs, offsets, finish, timings = [], [], [], [], None, {}
+    async def _complete(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]],
+                        shape, parsed: ParsedRequest, num_choices: int) -> web.Response:
+        texts = [[] for _ in range(num_choices)]
+        token_ids, logprobs, offsets = ([[] for _ in range(num_choices)] for _ in range(3))
+        finish, timings = [None] * num_choices, [{} for _ in range(num_choices)]
         try:
             async with aclosing(deltas):
-                async for d in deltas:
-                    texts.append(d.text)
-                    token_ids += d.token_ids
-                    logprobs += d.logprobs or []
-                    offsets += d.text_offsets
-                    finish = d.finish_reason
-                    timings = d.timings or timings
+                async for i, d in deltas:
+                    texts[i].append(d.text)
+                    token_ids[i] += d.token_ids
+                    logprobs[i] += d.logprobs or []
+                    offsets[i] += d.text_offsets
+                    finish[i] = d.finish_reason
+                    timings[i] = d.timings or timings[i]
                     if _client_gone(request):
                         logger.info("%s: client gone; request aborted", shape.id)
                         return web.Response(status=499)
         except Exception as e:
             return _error_response(_api_error(e, shape.id))
-        usage = _usage(len(parsed.prompt_token_ids), len(token_ids))
-        lp = shape.logprobs(logprobs, offsets, parsed.logprobs) if parsed.logprobs is not None else None
-        body = shape.response("".join(texts), lp, finish, usage)
-        if timings:  # pd-serve's extension: where the time went (queue, prefill, transfer, ...)
-            body["timings"] = timings
+        usage = _usage(sum(map(len, parsed.prompts)), sum(map(len, token_ids)))
+        choices = [shape.choice(i, "".join(texts[i]), shape.logprobs(logprobs[i], offsets[i], parsed.logprobs)
+                                if parsed.logprobs is not None else None, finish[i])
+                   for i in range(num_choices)]
+        body = shape.response(choices, usage)
+        if timings[0]:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
+            body["timings"] = timings[0]
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, deltas: AsyncIterator[_Delta], shape,
-                      parsed: ParsedRequest) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]], shape,
+                      parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         extra = {"usage": None} if parsed.include_usage else {}
         num_tokens = 0
@@ -147,17 +156,18 @@ class OpenAIServer:
             await response.prepare(request)
             try:
                 async with aclosing(deltas):
-                    for chunk in shape.opening_chunks():
-                        await _send(response, chunk | extra)
-                    async for d in deltas:
+                    for i in range(num_choices):
+                        for chunk in shape.opening_chunks(i):
+                            await _send(response, chunk | extra)
+                    async for i, d in deltas:
                         num_tokens += len(d.token_ids)
                         if not (d.text or d.logprobs or d.finish_reason):
                             continue  # nothing visible yet (held back or a partial character)
                         lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs) \
                             if parsed.logprobs is not None else None
-                        await _send(response, shape.chunk(d.text, lp, d.finish_reason) | extra)
+                        await _send(response, shape.chunk(i, d.text, lp, d.finish_reason) | extra)
                 if parsed.include_usage:
-                    usage = _usage(len(parsed.prompt_token_ids), num_tokens)
+                    usage = _usage(sum(map(len, parsed.prompts)), num_tokens)
                     await _send(response, shape.usage_chunk(usage))
             except ConnectionResetError:
                 raise
@@ -167,6 +177,38 @@ class OpenAIServer:
         except ConnectionResetError:  # the client left; closing `deltas` aborted the request
             logger.info("%s: client gone mid-stream; request aborted", shape.id)
         return response
+
+
+async def _merged(streams: list[AsyncIterator[_Delta]]) -> AsyncIterator[tuple[int, _Delta]]:
+    """(choice index, delta) from every stream as they come, each stream pumped by its own task
+    through a bounded queue. The first error is raised here; closing this (or an error) closes
+    every stream, which aborts what is still running."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(index: int, stream: AsyncIterator[_Delta]) -> None:
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    await queue.put((index, delta, None))
+            await queue.put((index, None, None))  # this stream is done
+        except Exception as e:  # (a cancellation passes through)
+            await queue.put((index, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                running -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ---- response shapes -----------------------------------------------------------------------
@@ -182,11 +224,14 @@ class _Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def opening_chunks(self) -> list[dict]:
+    def opening_chunks(self, index: int) -> list[dict]:
         return []
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._head(self.chunk_object) | {"choices": [], "usage": usage}
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        return self._head(self.object) | {"choices": choices, "usage": usage}
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -195,12 +240,11 @@ class _Shape:
 class _CompletionShape(_Shape):
     object = chunk_object = "text_completion"
 
-    def chunk(self, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._head(self.object) | {"choices": [choice]}
+    def chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return self._head(self.object) | {"choices": [self.choice(index, text, logprobs, finish_reason)]}
 
-    def response(self, text: str, logprobs: dict | None, finish_reason: str | None, usage: dict) -> dict:
-        return self.chunk(text, logprobs, finish_reason) | {"usage": usage}
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def logprobs(self, entries: list[dict], offsets: list[int], num_top: int) -> dict:
         """OpenAI's legacy format: parallel lists, top alternatives as {token: logprob}."""
@@ -214,19 +258,18 @@ class _CompletionShape(_Shape):
 class _ChatShape(_Shape):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def opening_chunks(self) -> list[dict]:
-        return [self.chunk(None, None, None, role=True)]
+    def opening_chunks(self, index: int) -> list[dict]:
+        return [self.chunk(index, None, None, None, role=True)]
 
-    def chunk(self, text: str | None, logprobs: dict | None, finish_reason: str | None,
-              role: bool = False) -> dict:
+    def chunk(self, index: int, text: str | None, logprobs: dict | None,
+              finish_reason: str | None, role: bool = False) -> dict:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._head(self.chunk_object) | {"choices": [choice]}
 
-    def response(self, text: str, logprobs: dict | None, finish_reason: str | None, usage: dict) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._head(self.object) | {"choices": [choice], "usage": usage}
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
 
     def logprobs(self, entries: list[dict], offsets: list[int], num_top: int) -> dict:
         return {"content": [self._entry(e["token_id"], e["logprob"])

@@ -7,6 +7,7 @@ OpenAI API, with vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Message keys passed through to the chat template besides role and content.
 _MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "tool_call_id")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 128  # choices in one request: prompts (a completions batch) x n
 _PARAMS_ERROR = re.compile(r"^SamplingParams\.(\w+)=(.*)$", re.S)
 
 
@@ -52,15 +54,30 @@ class ModelInfo:
 class ParsedRequest:
     """One validated completion or chat request.
 
+    prompts: one prompt's token ids, or a /v1/completions batch's. Each prompt gets n choices.
     logprobs: None, or N top alternatives per token (chat's top_logprobs, completions' logprobs).
     """
 
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]
     params: SamplingParams  # stop strings included; the HTTP layer applies them
+    n: int
     stream: bool
     include_usage: bool
     logprobs: int | None
     priority: int
+
+    def choices(self) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt, params) of each choice, in the response's order (choice index prompt * n + i).
+        With a seed, choice i of a prompt samples with seed + i (vLLM's rule), so its n choices
+        differ and the first is what n=1 gives."""
+        out = []
+        for prompt in self.prompts:
+            for i in range(self.n):
+                seed = self.params.seed
+                params = self.params if seed is None or i == 0 else dataclasses.replace(
+                    self.params, seed=_wrap_seed(seed + i))
+                out.append((prompt, params))
+        return out
 
 
 def parse_completion(body, model: ModelInfo) -> ParsedRequest:
@@ -68,7 +85,7 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     body = _check_common(body, model)
     if "prompt" not in body:
         raise ApiError("'prompt' is a required field", "prompt")
-    prompt_ids = _prompt_token_ids(body["prompt"], model.tokenizer)
+    prompts = _prompts(body["prompt"], model.tokenizer)
     if _opt(body, "echo", bool):
         raise ApiError("echo=true is not supported", "echo")
     best_of = _opt(body, "best_of", int)
@@ -79,8 +96,9 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     given = max_tokens is not None
     params = _sampling_params(body, max_tokens if given else _COMPLETIONS_DEFAULT_MAX_TOKENS,
                               logprobs, {"logprobs": "logprobs"})
-    _check_context(len(prompt_ids), params.max_tokens, given, model.max_model_len, "prompt")
-    return _parsed(body, prompt_ids, params, logprobs)
+    for ids in prompts:
+        _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
+    return _parsed(body, prompts, params, logprobs)
 
 
 def parse_chat(body, model: ModelInfo) -> ParsedRequest:
@@ -110,7 +128,7 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
     params = _sampling_params(body, max_tokens, logprobs,
                               {"logprobs": "top_logprobs", "max_tokens": max_field})
     _check_context(len(prompt_ids), params.max_tokens, given, model.max_model_len, "messages")
-    return _parsed(body, prompt_ids, params, logprobs)
+    return _parsed(body, [prompt_ids], params, logprobs)
 
 
 # ---- shared pieces -------------------------------------------------------------------------
@@ -126,13 +144,17 @@ def _check_common(body, model: ModelInfo) -> dict:
         raise ApiError(f"The model `{name}` does not exist. This server serves `{model.name}`.",
                        "model", status=404, type="NotFoundError", code="model_not_found")
     n = _opt(body, "n", int)
-    if n is not None and n != 1:
-        raise ApiError(f"n={n} is not supported: this server returns one choice per request (n=1)", "n")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise ApiError(f"n={n} must be in [1, {MAX_CHOICES}]", "n")
     return body
 
 
-def _parsed(body: dict, prompt_ids: list[int], params: SamplingParams,
+def _parsed(body: dict, prompts: list[list[int]], params: SamplingParams,
             logprobs: int | None) -> ParsedRequest:
+    n = _opt(body, "n", int) or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most "
+                       f"{MAX_CHOICES} per request", "n")
     stream = _opt(body, "stream", bool) or False
     options = _opt(body, "stream_options", dict)
     include_usage = False
@@ -141,7 +163,7 @@ def _parsed(body: dict, prompt_ids: list[int], params: SamplingParams,
             raise ApiError("stream_options is only allowed with stream=true", "stream_options")
         include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage") or False
     priority = _opt(body, "priority", int)
-    return ParsedRequest(prompt_ids, params, stream, include_usage, logprobs, priority or 0)
+    return ParsedRequest(prompts, params, n, stream, include_usage, logprobs, priority or 0)
 
 
 def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
@@ -191,27 +213,36 @@ def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
                    f"{what} or completion.", what)
 
 
-def _prompt_token_ids(prompt, tokenizer: Tokenizer) -> list[int]:
-    """A string, a list of token ids, or a list holding one string (or one list of ids)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > 1:
-            raise ApiError(f"batched prompts are not supported: got {len(prompt)} prompts; "
-                           "send one request per prompt", "prompt")
-        prompt = prompt[0]
+def _prompts(prompt, tokenizer: Tokenizer) -> list[list[int]]:
+    """A string or a list of token ids (one prompt), or a list of those (a batch)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise ApiError(f"{len(prompt)} prompts; at most {MAX_CHOICES} per request", "prompt")
+        return [_prompt_token_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt_token_ids(prompt, tokenizer, "prompt")]
+
+
+def _prompt_token_ids(prompt, tokenizer: Tokenizer, where: str) -> list[int]:
+    """A string or a list of token ids."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = prompt
         bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
-            raise ApiError(f"prompt token id {bad} is outside the vocabulary "
+            raise ApiError(f"{where}: token id {bad} is outside the vocabulary "
                            f"[0, {tokenizer.vocab_size})", "prompt")
     else:
-        raise ApiError("'prompt' must be a string, a list of token ids or a list with one string, "
-                       f"got {_json_type(prompt)}", "prompt")
+        raise ApiError(f"'{where}' must be a string, a list of token ids, or a list of those, got "
+                       f"{_json_type(prompt)}", "prompt")
     if not ids:
-        raise ApiError("the prompt is empty", "prompt")
+        raise ApiError(f"{where} is empty", "prompt")
     return ids
+
+
+def _wrap_seed(seed: int) -> int:
+    """seed + i kept in the 64-bit range _sampling_params allows."""
+    return seed - 2**64 if seed >= 2**64 else seed
 
 
 def _messages(messages) -> list[dict]:

@@ -87,6 +87,21 @@ def test_seeded_sampling_equals_colocated(cluster_1p1d, reference):
     assert out.choices[0].text == want.text
 
 
+def test_n_choices_and_batched_prompts_through_the_cluster(cluster_1p1d, reference):
+    """n=2 over two prompts: four requests through prefill and decode side by side, each
+    choice the colocated engine's (seed + i per choice), and every page free after."""
+    params = dict(temperature=0.9, seed=77, max_tokens=16)
+    client = client_for(cluster_1p1d)
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[4:6],
+                                    n=2, extra_body={"ignore_eos": True}, **params)
+    want = [reference.generate([prompt], SamplingParams(**(params | {"seed": 77 + i}),
+                                                        ignore_eos=True))[0].text
+            for prompt in PROMPTS[4:6] for i in range(2)]
+    assert [(c.index, c.text) for c in out.choices] == list(enumerate(want))
+    assert out.usage.completion_tokens == 4 * 16
+    assert all(used == 0 for used, _ in wait_idle(cluster_1p1d).values())
+
+
 def test_timings_metrics_and_idle_pages(cluster_1p1d):
     client = client_for(cluster_1p1d)
     model = client.models.list().data[0].id

@@ -300,6 +300,50 @@ def test_stop_string_cuts_text_and_aborts(client, ref, engines):
     wait_idle(engines[0])
 
 
+def test_n_seeded_choices_are_the_engine_s_with_seed_plus_i(client, engines):
+    """n=3 with a seed: choice i samples with seed + i (vLLM's rule), so choice 0 is what n=1
+    gives; the choices run side by side and their tokens add up in the usage."""
+    params = dict(temperature=1.0, max_tokens=12, seed=5, extra_body={"ignore_eos": True})
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, n=3, **params)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    reference = engines[1]
+    want = [reference.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=5 + i,
+                                                      ignore_eos=True))[0].text for i in range(3)]
+    assert [c.text for c in resp.choices] == want and len(set(want)) == 3
+    assert resp.usage.prompt_tokens == len(engines[0].tokenizer.encode(PROMPT))
+    assert resp.usage.completion_tokens == 36
+    wait_idle(engines[0])
+
+
+def test_chat_stream_n_2_interleaves_both_choices(client, ref, engines):
+    ids = chat_ids(engines[0], MESSAGES)
+    expected = ref(ids, 16)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16,
+                                                 temperature=0, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    assert [c.choices[0].index for c in chunks[:2]] == [0, 1]
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks[2:-1] if c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == expected.text
+        assert mine[-1].finish_reason == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == 2 * len(expected.token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_batched_prompts_give_n_choices_each_in_order(client, ref, engines):
+    prompts = [PROMPT, "Once upon a time"]
+    resp = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=10,
+                                     temperature=0)
+    want = [ref(p, 10).text for p in prompts]
+    assert [(c.index, c.text) for c in resp.choices] == [
+        (0, want[0]), (1, want[0]), (2, want[1]), (3, want[1])]
+    tok = engines[0].tokenizer
+    assert resp.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert resp.usage.completion_tokens == sum(2 * len(ref(p, 10).token_ids) for p in prompts)
+    wait_idle(engines[0])
+
+
 # ---- bad requests --------------------------------------------------------------------------
 LONG = [28] * 8192  # token ids: as long as the whole context
 
@@ -309,8 +353,12 @@ BAD_REQUESTS = {
     "missing_prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt", "'prompt' is a required"),
     "prompt_is_a_dict": ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt",
                          "must be a string"),
-    "batched_prompts": ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt",
-                        "batched prompts are not supported"),
+    "too_many_prompts": ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 129}, 400, "prompt",
+                         "129 prompts; at most 128 per request"),
+    "too_many_choices": ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 65}, 400,
+                         "n", "2 prompts x n=65 is 130 choices; at most 128"),
+    "empty_prompt_in_a_batch": ("/v1/completions", {"model": MODEL, "prompt": ["a", []]}, 400,
+                                "prompt", "prompt[1] is empty"),
     "missing_model": ("/v1/completions", {"prompt": "hi"}, 400, "model", "'model' is a required"),
     "max_tokens_0": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400,
                      "max_tokens", "max_tokens=0 must be >= 1"),
@@ -330,8 +378,8 @@ BAD_REQUESTS = {
                             "maximum context length is 8192 tokens"),
     "unknown_model": ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model",
                       "The model `gpt-4` does not exist"),
-    "n_2": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n",
-            "n=2 is not supported"),
+    "n_0": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 0}, 400, "n",
+            "n=0 must be in [1, 128]"),
     "missing_messages": ("/v1/chat/completions", {"model": MODEL}, 400, "messages",
                          "'messages' is a required"),
     "bad_role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "bot", "content": "x"}]},
@@ -362,8 +410,8 @@ def test_bad_request(server, engines, case):
 
 
 def test_openai_client_sees_errors(client):
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n=500 must be in \[1, 128\]"):
+        client.completions.create(model=MODEL, prompt="hi", n=500)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
 
@@ -468,6 +516,25 @@ def test_disconnect_closes_the_source(server):
     deadline = time.monotonic() + 5
     while request_id not in source.closed:
         assert time.monotonic() < deadline, "the source was never closed after the client left"
+        time.sleep(0.01)
+
+
+def test_a_stop_string_ends_its_choice_alone_and_an_error_ends_all(server):
+    """n=2 over the scripted source: the stop string cuts each choice and closes its source; a
+    failing prompt beside a good one in a batch fails the request and closes both sources."""
+    port, source = server.ports["scripted"], server.scripted
+    code, resp = post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2,
+                                                "max_tokens": 100, "stop": "STOP"})
+    assert code == 200 and [c["text"] for c in resp["choices"]] == [" one two three "] * 2
+    ids = [spec.request_id for spec in source.specs[-2:]]
+    assert ids == [resp["id"] + "-0", resp["id"] + "-1"] and all(i in source.closed for i in ids)
+    code, resp = post(port, "/v1/completions", {"model": MODEL, "prompt": [[1, 2], FAIL_PROMPT],
+                                                "max_tokens": 1000})
+    assert code == 500 and "decode worker 3 died" in resp["error"]["message"]
+    ids = [spec.request_id for spec in source.specs[-2:]]
+    deadline = time.monotonic() + 5
+    while not all(i in source.closed for i in ids):
+        assert time.monotonic() < deadline, "a choice's source was left open after the error"
         time.sleep(0.01)
 
 
