@@ -8,21 +8,24 @@ whole K range in BLOCK_K steps, loading a [BLOCK_N, BLOCK_K] weight tile per ste
 float32 products in a tile of the same shape, summed over K once at the end: no split-K, no
 second kernel, and BLOCK_N small enough that every SM has programs in flight.
 
-FP8 weights (float8_e4m3fn [N, K] with a float32 per-channel weight_scale [N]) take the same
-arithmetic as `pd_serve.model.fp8.fp8_linear`: x is rounded to FP8 per token by its own scale
-max|x| / 448 (dynamic, computed by each program from the whole row, which sits in L2) or by
-the static input_scale, the FP8 products are summed in float32, and
+FP8 weights (float8_e4m3fn [N, K] with a float32 per-channel weight_scale [N]) run weight-only
+(W8A16): the weight tile is widened to float32 in registers and multiplied by x as it is, and
 
-    y[n] = acc[n] * x_scale * weight_scale[n]      (rounded to x's dtype, then + bias)
+    y[n] = acc[n] * weight_scale[n]      (rounded to x's dtype, then + bias)
+
+x is not rounded to FP8 (which `pd_serve.model.fp8.fp8_linear` does on tensor cores for two
+rows and more): at one row the layer is a read of the weight, and an activation scale would
+cost a pass over x and a division per x element in every program. Until 2026-11-30 this kernel
+did round x (dynamic per-token or static scale, the tensor-core path's arithmetic) and read FP8
+weight at only 2.0-3.0 TB/s (`torch._scaled_mm` / here, us: q/k/v 30.8 / 12.3, o 26.5 / 8.2,
+gate/up 58.7 / 40.9, down 57.2 / 21.0); the weight-only form is not yet measured.
 
 Block sizes are a fixed choice by K (no autotuning), from timings under CUDA graphs over 32
 distinct copies of each Llama-3.1-8B layer on an H200 (bf16, us per call, cuBLAS / here):
 q/k/v 16.3 / 13.9, o 13.5 / 10.7, gate/up 55.1 / 54.4, down 31.6 / 28.7, LM head 243 / 235.
-FP8 (dynamic activation scales; `torch._scaled_mm` / here): q/k/v 30.8 / 12.3, o 26.5 / 8.2,
-gate/up 58.7 / 40.9, down 57.2 / 21.0: 2.0-3.0 TB/s of FP8 weight, short of bf16's rate (the
-scale's pass over x comes first in every program). From two rows up cuBLAS wins (its tiles
-share the weight read between rows; this kernel's do not), so `linear` takes this path for one
-row only.
+FP8 layers take the bf16 configurations with twice the K per tile (the same bytes per tile),
+an unmeasured choice. From two rows up cuBLAS wins (its tiles share the weight read between
+rows; this kernel's do not), so `linear` takes this path for one row only.
 
 `linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
@@ -88,8 +91,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-         input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-         silu_and_mul: bool = False) -> torch.Tensor:
+         bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """One row through a linear layer, on the Triton kernel.
 
     Parameters
@@ -97,7 +99,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     x : [1, K] float16/bfloat16/float32 (any strides).
     weight : [N, K], contiguous: x's dtype, or float8_e4m3fn with weight_scale.
     weight_scale : float32 [N] for an FP8 weight (W[n] = weight[n] * weight_scale[n]); else None.
-    input_scale : float32 [1]: an FP8 layer's static activation scale; None: dynamic (per token).
     bias : [N] in x's dtype, or None.
     silu_and_mul : weight is [gate | up] (N = 2I): return silu(gate) * up, [1, I] (no bias).
 
@@ -105,7 +106,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     -------
     [1, N] (or [1, N / 2] with silu_and_mul), new and contiguous, in x's dtype.
     """
-    _check(x, weight, weight_scale, input_scale, bias, silu_and_mul)
+    _check(x, weight, weight_scale, bias, silu_and_mul)
     global triton_launches
     kernel = _kernel.load()
     x = x.contiguous()
@@ -118,35 +119,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     if silu_and_mul:  # the same weight rows a program: half of them gate, half up
         block_n = max(1, block_n // 2)
     kernel[(-(-n // block_n),)](
-        x, weight, out, weight_scale if fp8 else weight,
-        input_scale if input_scale is not None else x, bias if bias is not None else x, n, k,
-        FP8=fp8, STATIC_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
-        GLU=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages, **launch_options(pdl(x)))
+        x, weight, out, weight_scale if fp8 else weight, bias if bias is not None else x, n, k,
+        FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl(x)))
     triton_launches += 1
     return out
 
 
 def _block_config(k: int, fp8: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) by the layer's K (see the module docstring).
-
-    FP8 layers take 8 channels a program whatever K: each program reads the whole x row once
-    more for its scale, which two channels a program would multiply many times over."""
-    if fp8:
-        return 8, 1024, 4, 2
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) by the layer's K (see the module docstring):
+    FP8 weights take twice the K per tile, and at K >= 8192 half the channels (the float32
+    product tile stays within the registers)."""
     if k >= 8192:
-        return 16, 1024, 8, 4
-    return 2, 1024, 4, 2
+        return (8, 2048, 8, 4) if fp8 else (16, 1024, 8, 4)
+    return (2, 2048, 4, 2) if fp8 else (2, 1024, 4, 2)
 
 
 @lazy_kernel("the GEMV")
 def _kernel(triton):
     """The jitted GEMV kernel."""
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, in_scale_ptr, bias_ptr, N, K,
-                    FP8: tl.constexpr, STATIC_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
+    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, bias_ptr, N, K, FP8: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # N: output channels (with GLU, the gate rows; the up rows are N further down).
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
@@ -156,26 +151,12 @@ def _kernel(triton):
         n_mask = rn < N
         rows = rn.to(tl.int64)[:, None] * K  # [BN, 1] weight row starts
         up_rows = rows + N.to(tl.int64) * K  # GLU's up rows
-        if FP8:
-            if STATIC_SCALE:
-                x_scale = tl.load(in_scale_ptr).to(tl.float32)
-            else:  # max |x| over the whole row, in float32
-                amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    xs = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-                    amax = tl.maximum(amax, tl.abs(xs))
-                amax = tl.reduce(amax, 0, tl.standard._elementwise_max)
-                x_scale = tl.maximum(tl.math.div_rn(amax, tl.full((), 448.0, tl.float32)), 1e-12)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GLU only
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
             xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            if FP8:  # x rounded to FP8 as kernels/fp8_quant.py does: x / scale (IEEE), saturated
-                xs = tl.minimum(tl.maximum(tl.math.div_rn(xs, x_scale + tl.zeros_like(xs)), -448.0),
-                                448.0)
-                xs = xs.to(tl.float8e4nv).to(tl.float32)
             w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
             acc += w.to(tl.float32) * xs[None, :]
@@ -186,12 +167,12 @@ def _kernel(triton):
         # tl.reduce with Triton's add combiner, not tl.sum (see kernels/norm.py: the interpreter)
         y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]
         if FP8:
-            y = y * x_scale * tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
+            y = y * tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
         y = y.to(out_ptr.dtype.element_ty)
         if GLU:  # silu(gate) * up as kernels/activation.py rounds it, from the rounded halves
             up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
             if FP8:
-                up = up * x_scale * tl.load(w_scale_ptr + N + rn, mask=n_mask, other=0.0)
+                up = up * tl.load(w_scale_ptr + N + rn, mask=n_mask, other=0.0)
             up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
             gate = y.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
@@ -204,8 +185,7 @@ def _kernel(triton):
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-           input_scale: torch.Tensor | None, bias: torch.Tensor | None,
-           silu_and_mul: bool = False) -> None:
+           bias: torch.Tensor | None, silu_and_mul: bool = False) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in _DTYPES:
         raise ValueError(f"x must be [1, K] float16/bfloat16/float32, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -217,19 +197,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
         raise ValueError(f"a {weight.dtype} weight {'needs' if fp8 else 'takes no'} weight_scale")
     if not fp8 and weight.dtype != x.dtype:
         raise ValueError(f"weight is {weight.dtype}, x {x.dtype}")
-    if input_scale is not None and not fp8:
-        raise ValueError("input_scale belongs to FP8 weights")
     n = weight.shape[0]
     if silu_and_mul and (n % 2 or bias is not None):
         raise ValueError(f"silu_and_mul needs a [gate | up] weight of an even N and no bias, got "
                          f"N = {n}{' and a bias' if bias is not None else ''}")
-    for name, t, shape in (("weight_scale", weight_scale, (n,)),
-                           ("input_scale", input_scale, (1,))):
-        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape):
-            raise ValueError(f"{name} must be float32 {list(shape)}, got {t.dtype} "
-                             f"{tuple(t.shape)}")
+    if weight_scale is not None and (weight_scale.dtype != torch.float32
+                                     or tuple(weight_scale.shape) != (n,)):
+        raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be {x.dtype} [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    for t in (weight, weight_scale, input_scale, bias):
+    for t in (weight, weight_scale, bias):
         if t is not None and t.device != x.device:
             raise ValueError(f"all tensors must be on {x.device}; one is on {t.device}")

@@ -14,7 +14,8 @@ statically, by the checkpoint's `input_scale`. Then
     y[t, n] = s_t * weight_scale[n] * sum_k q[t, k] * weight[n, k]
 
 `fp8_linear` runs one row on CUDA GPUs as kernels/gemv.py's GEMV when asked (gemv_one_row:
---enable-batch1-kernels; the same arithmetic, the weight read at the memory rate); else
+--enable-batch1-kernels): weight-only, x not rounded to FP8 (the GEMV's docstring says why);
+else
 `torch._scaled_mm` (row-wise scales, float32 accumulation) on CUDA GPUs with FP8 tensor cores
 (compute capability 8.9+, bf16 activations, K and N multiples of 16); everywhere else it runs
 `fp8_linear_ref`: x quantized and dequantized per token, times the dequantized weight, so CPU
@@ -148,7 +149,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x : [..., K] in the model dtype.
     weight : float8_e4m3fn [N, K]; weight_scale float32 [N]; input_scale float32 [1] or None.
     bias : [N] in the model dtype, or None.
-    gemv_one_row : run a one-row x on CUDA through kernels/gemv.py (--enable-batch1-kernels).
+    gemv_one_row : run a one-row x on CUDA through kernels/gemv.py (--enable-batch1-kernels),
+        weight-only (x is not quantized there).
     dense : the layer's dequantized weight [N, K] in x's dtype, if the caller keeps one (the
         CPU does): the reference then skips dequantizing the weight on every call.
 
@@ -158,7 +160,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
     if gemv_one_row and dense is None and x2.shape[0] == 1 and x2.is_cuda:  # decode at batch 1
-        out = gemv(x2, weight, weight_scale, input_scale, bias)
+        out = gemv(x2, weight, weight_scale, bias)  # weight-only: no input scale
     elif dense is None and _use_scaled_mm(x2, weight):
         out = fp8_linear_scaled_mm(x2, weight, weight_scale, input_scale, bias)
     else:

@@ -69,8 +69,9 @@ def _cases():
     yield "gemv + silu_and_mul", lambda: gemv.gemv(_t(1, 4096), _t(128, 4096), silu_and_mul=True)
     w8, s8 = _t(128, 4096, dtype=e4m3), _t(128, dtype=f32)
     yield "gemv fp8", lambda: gemv.gemv(_t(1, 4096), w8, s8)
-    yield "gemv fp8 static + silu_and_mul", lambda: gemv.gemv(
-        _t(1, 4096), w8, s8, _t(1, dtype=f32), silu_and_mul=True)
+    yield "gemv fp8 + silu_and_mul", lambda: gemv.gemv(_t(1, 4096), w8, s8, silu_and_mul=True)
+    yield "gemv fp8 K=14336", lambda: gemv.gemv(_t(1, 14336), _t(64, 14336, dtype=e4m3),
+                                                _t(64, dtype=f32))
     yield "fp8 quantize", lambda: fp8_quant.quantize_per_token(_t(3, 4096))
     yield "fp8 quantize static", lambda: fp8_quant.quantize_per_token(_t(3, 4096), _t(1, dtype=f32))
     qweight, qzeros = _t(512, 256, dtype=i32), _t(32, 32, dtype=i32)
