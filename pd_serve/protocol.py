@@ -221,7 +221,7 @@ def encode(msg) -> bytes:
 def decode(data: bytes):
     """Bytes -> message dataclass. Unknown types or fields raise ValueError."""
     try:
-        name, fields = msgpack.unpackb(data, raw=False)
+        name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias ids
         return MESSAGES[name](**fields)
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
         raise ValueError(f"undecodable message ({type(e).__name__}: {e})") from None

@@ -225,7 +225,7 @@ class ColocatedWorker(Worker):
         if isinstance(msg, Generate):
             try:
                 request = make_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.priority)
-                self.core.check_prompt(request.prompt_token_ids)
+                self.core.check_request(request.prompt_token_ids, request.sampling_params)
             except (ValueError, TypeError) as e:
                 self.fail(msg.request_id, str(e))
                 return

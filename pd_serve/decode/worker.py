@@ -92,7 +92,7 @@ class DecodeWorker(Worker):
     def _admit(self, msg: Admit) -> AdmitReply:
         try:
             request = make_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.priority)
-            self.core.check_prompt(request.prompt_token_ids)
+            self.core.check_request(request.prompt_token_ids, request.sampling_params)
         except (ValueError, TypeError) as e:
             return AdmitReply(msg.request_id, ok=False, error=str(e))
         sched = self.core.scheduler

@@ -32,6 +32,7 @@ from pd_serve.engine.attention import create_backend, resolve_backend_name
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.runner import ModelRunner
 from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput, needs_penalties
+from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.engine.scheduler import Scheduler, SchedulerOutput
 from pd_serve.launch import free_port
 from pd_serve.model.config import ModelConfig, resolve_dtype
@@ -162,7 +163,6 @@ class EngineCore:
     def warmup(self, num_tokens: int = 16) -> None:
         """One throwaway prefill and decode, so the first real request does not pay for lazy
         initialisation (kernel selection, allocator growth). Leaves every page free."""
-        from pd_serve.engine.sampling_params import SamplingParams
 
         request = Request(list(range(1, num_tokens + 1)), SamplingParams(temperature=0, max_tokens=2,
                                                                           ignore_eos=True))
@@ -172,8 +172,8 @@ class EngineCore:
         self.scheduler.finish(request, FinishReason.ABORT)
         self.drain()
 
-    def check_prompt(self, token_ids: list[int]) -> None:
-        """Raise ValueError (one line, naming the limit) for a prompt this worker cannot take."""
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (one line, naming the limit) for a request this worker cannot take."""
         if not token_ids:
             raise ValueError("prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -183,6 +183,9 @@ class EngineCore:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
 
     def step(self, on_layer=None) -> tuple[SchedulerOutput, list[Request]]:
         """One batch. Returns a plan and the requests that got a new token from it (appended):

@@ -48,7 +48,7 @@ class Engine(EngineCore):
         if self.tokenizer is None and params.stop:
             raise ValueError(f"{self.model_dir} has no tokenizer.json: stop strings need one")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_prompt(token_ids)
+        self.check_request(token_ids, params)
         request = Request(token_ids, params, priority=priority)
         if request_id is not None:
             if request_id in self._trackers:

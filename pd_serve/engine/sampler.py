@@ -1,6 +1,6 @@
 """Turns one step's logits into one token per request, with vLLM's sampling semantics.
 
-Order of work per row: raw logprobs (if asked) -> penalties -> greedy argmax, or
+Order of work per row: raw logprobs (if asked) -> logit_bias -> penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential-race sample.
 Random numbers come from the request's own generator when it has a seed, else from the
 sampler's, and are drawn on CPU per row so a seeded row's token never depends on the batch.
@@ -101,6 +101,24 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     return logits
 
 
+def _with_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits [B, V] with each row's logit_bias added, as a new float32 tensor; the input itself
+    when no row has one."""
+    rows, cols, values = [], [], []
+    for i, request in enumerate(requests):
+        for token, bias in (request.sampling_params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(float(bias))
+    if not rows:
+        return logits
+    device = logits.device
+    biased = logits.float().clone()
+    biased.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                      torch.tensor(values, device=device), accumulate=True)
+    return biased
+
+
 def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Mask to -inf what min_p, top_k and top_p drop; logits [B, V] already temperature-scaled."""
     params = [r.sampling_params for r in requests]
@@ -165,9 +183,10 @@ class Sampler:
     @staticmethod
     def argmax_only(requests: list[Request]) -> bool:
         """Whether each row's token is its logits' argmax alone: greedy, no logprobs, no
-        penalties (the decode CUDA graph computes it itself)."""
+        logit_bias, no penalties (the decode CUDA graph computes it itself)."""
         return (all(r.sampling_params.greedy and r.sampling_params.logprobs is None
-                    for r in requests) and not needs_penalties(requests))
+                    and not r.sampling_params.logit_bias for r in requests)
+                and not needs_penalties(requests))
 
     def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """Queue the sampling of one token per row on the logits' device; no host sync (the
@@ -181,6 +200,7 @@ class Sampler:
         vocab_size = logits.shape[1]
         device = logits.device
         raw_logprobs = logits.float().log_softmax(dim=-1) if any(want_logprobs) else None  # [B, V]
+        logits = _with_logit_bias(logits, requests)
         if needs_penalties(requests):
             logits = apply_penalties(logits, requests)  # [B, V] float32
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -15,6 +16,8 @@ class SamplingParams:
     tokens present in the output; frequency_penalty subtracts it once per occurrence in the output.
     logprobs: None for none, N >= 0 for the sampled token's logprob plus the top N alternatives
     (log-softmax of the raw model logits, before penalties and temperature, as vLLM v1 returns).
+    logit_bias: token id -> a value in [-100, 100] added to that token's logit before anything
+    else (penalties, temperature, filters); OpenAI's field. The logprobs stay the raw model's.
     """
 
     max_tokens: int = 16
@@ -31,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +60,10 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative token ids"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
+                and -100 <= b <= 100 for t, b in self.logit_bias.items())), "logit_bias",
+             "must map token ids to values in [-100, 100]"),
         ]
         for ok, name, rule in checks:
             if not ok:

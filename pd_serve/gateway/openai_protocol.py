@@ -95,7 +95,7 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     max_tokens = _opt(body, "max_tokens", int)
     given = max_tokens is not None
     params = _sampling_params(body, max_tokens if given else _COMPLETIONS_DEFAULT_MAX_TOKENS,
-                              logprobs, {"logprobs": "logprobs"})
+                              logprobs, {"logprobs": "logprobs"}, model.tokenizer.vocab_size)
     for ids in prompts:
         _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
     return _parsed(body, prompts, params, logprobs)
@@ -126,7 +126,8 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
         limit = model.max_model_len
         max_tokens = max(1, limit - len(prompt_ids)) if limit else _COMPLETIONS_DEFAULT_MAX_TOKENS
     params = _sampling_params(body, max_tokens, logprobs,
-                              {"logprobs": "top_logprobs", "max_tokens": max_field})
+                              {"logprobs": "top_logprobs", "max_tokens": max_field},
+                              model.tokenizer.vocab_size)
     _check_context(len(prompt_ids), params.max_tokens, given, model.max_model_len, "messages")
     return _parsed(body, [prompt_ids], params, logprobs)
 
@@ -167,7 +168,7 @@ def _parsed(body: dict, prompts: list[list[int]], params: SamplingParams,
 
 
 def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
-                     field_names: dict[str, str]) -> SamplingParams:
+                     field_names: dict[str, str], vocab_size: int) -> SamplingParams:
     """SamplingParams from the body's fields; its ValueError becomes a 400 naming the body field."""
     kwargs = {"max_tokens": max_tokens, "logprobs": logprobs}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -187,6 +188,7 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
     if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
         raise ApiError("'stop_token_ids' must be a list of integers", "stop_token_ids")
     kwargs["stop_token_ids"] = stop_ids
+    kwargs["logit_bias"] = _logit_bias(body, vocab_size)
     seed = kwargs["seed"]
     if seed is not None and not -2**63 <= seed < 2**64:
         raise ApiError(f"seed={seed} is out of range (a 64-bit integer)", "seed")
@@ -198,6 +200,24 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
             raise ApiError(str(e))
         field = field_names.get(match.group(1), match.group(1))
         raise ApiError(f"{field}={match.group(2)}", field)
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} with ids in the vocabulary and biases in [-100, 100]."""
+    bias = _opt(body, "logit_bias", dict)
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else None
+        if token is None or token >= vocab_size:
+            raise ApiError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                           "logit_bias")
+        if not (_is_int(value) or isinstance(value, float)) or not -100 <= value <= 100:
+            raise ApiError(f"logit_bias[{key!r}]={value!r} must be a number in [-100, 100]",
+                           "logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,

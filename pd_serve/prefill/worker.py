@@ -69,7 +69,7 @@ class PrefillWorker(Worker):
         if isinstance(msg, Prefill):
             try:
                 request = make_request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.priority)
-                self.core.check_prompt(request.prompt_token_ids)
+                self.core.check_request(request.prompt_token_ids, request.sampling_params)
                 needed = -(-request.num_prompt_tokens // self.core.kv_pool.layout.page_size)
                 if needed != len(msg.dst_page_ids):
                     raise ValueError(f"decode reserved {len(msg.dst_page_ids)} pages, the prompt needs {needed}")

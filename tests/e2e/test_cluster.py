@@ -87,9 +87,10 @@ def test_seeded_sampling_equals_colocated(cluster_1p1d, reference):
     assert out.choices[0].text == want.text
 
 
-def test_n_choices_and_batched_prompts_through_the_cluster(cluster_1p1d, reference):
+def test_n_choices_batched_prompts_and_logit_bias_through_the_cluster(cluster_1p1d, reference):
     """n=2 over two prompts: four requests through prefill and decode side by side, each
-    choice the colocated engine's (seed + i per choice), and every page free after."""
+    choice the colocated engine's (seed + i per choice), and every page free after; and a
+    logit_bias that forces a token through both workers."""
     params = dict(temperature=0.9, seed=77, max_tokens=16)
     client = client_for(cluster_1p1d)
     out = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[4:6],
@@ -99,6 +100,12 @@ def test_n_choices_and_batched_prompts_through_the_cluster(cluster_1p1d, referen
             for prompt in PROMPTS[4:6] for i in range(2)]
     assert [(c.index, c.text) for c in out.choices] == list(enumerate(want))
     assert out.usage.completion_tokens == 4 * 16
+    # logit_bias crosses to the workers (int keys in the msgpack map)
+    token = reference.tokenizer.encode(" yes")[0]
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[4],
+                                    max_tokens=3, temperature=0, logit_bias={str(token): 100},
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == reference.tokenizer.decode([token] * 3)
     assert all(used == 0 for used, _ in wait_idle(cluster_1p1d).values())
 
 

@@ -331,6 +331,14 @@ def test_chat_stream_n_2_interleaves_both_choices(client, ref, engines):
     assert chunks[-1].usage.prompt_tokens == len(ids)
 
 
+def test_logit_bias_forces_a_token(client, engines):
+    token = engines[0].tokenizer.encode(" Paris")[0]
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                     logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == engines[0].tokenizer.decode([token] * 4)
+    wait_idle(engines[0])
+
+
 def test_batched_prompts_give_n_choices_each_in_order(client, ref, engines):
     prompts = [PROMPT, "Once upon a time"]
     resp = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=10,
@@ -390,6 +398,14 @@ BAD_REQUESTS = {
     "top_logprobs_without_logprobs": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
                                                                "top_logprobs": 2}, 400, "top_logprobs",
                                       "requires logprobs=true"),
+    "logit_bias_key": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}},
+                       400, "logit_bias", "logit_bias key 'x' is not a token id"),
+    "logit_bias_outside_vocab": ("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                     "logit_bias": {"49152": 1}}, 400,
+                                 "logit_bias", "not a token id in [0, 49152)"),
+    "logit_bias_value": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                                  "logit_bias": {"5": 101}}, 400, "logit_bias",
+                         "must be a number in [-100, 100]"),
     "token_id_outside_vocab": ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt",
                                "outside the vocabulary"),
 }

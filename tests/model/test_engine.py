@@ -159,6 +159,13 @@ def test_context_length_ends_generation(default_model_dir):
         engine.add_request(list(range(100, 130)))
 
 
+def test_logit_bias_outside_the_vocabulary_is_refused(smol):
+    vocab = smol.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocabulary"):
+        smol.add_request([1, 2, 3], SamplingParams(logit_bias={vocab: 1.0}))
+    assert not smol.has_unfinished()
+
+
 def test_async_stream_deltas_add_up_and_early_exit_aborts(default_model_dir, smol, prompts):
     engine = Engine(default_model_dir, device="cpu", max_total_tokens=2048)
     final = smol.generate([prompts[2]], GREEDY)[0]

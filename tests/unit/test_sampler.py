@@ -199,3 +199,26 @@ def test_higher_temperature_spreads_distribution():
     warm = entropy(draw_many(row, 4000, temperature=1.0))
     hot = entropy(draw_many(row, 4000, temperature=3.0))
     assert cold < warm < hot
+
+
+def test_logit_bias_moves_greedy_and_sampled_tokens_but_not_logprobs():
+    """+100 forces a token, -100 removes the argmax (greedy then takes the runner-up), in
+    greedy and sampled rows alike; the returned logprobs are the unbiased model's."""
+    logits = logits_from_probs([0.1, 0.6, 0.25, 0.05]).unsqueeze(0).expand(3, -1)  # [3, V]
+    requests = [make_request(temperature=0, logit_bias={3: 100.0}),
+                make_request(temperature=0, logit_bias={1: -100.0}, logprobs=1),
+                make_request(temperature=1.0, seed=4, logit_bias={0: 100.0})]
+    assert not Sampler.argmax_only(requests[:1])
+    out = Sampler(seed=0)(logits, requests)
+    assert out.token_ids == [3, 2, 0]
+    assert out.logprobs[1].logprob == pytest.approx(math.log(0.25), abs=1e-5)
+    assert out.logprobs[1].top[0] == (1, pytest.approx(math.log(0.6), abs=1e-5))
+    counts = draw_many(logits[0], 200, logit_bias={1: -100.0})
+    assert counts[1] == 0 and set(counts) <= {0, 2, 3}
+
+
+def test_logit_bias_is_checked():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
