@@ -68,8 +68,8 @@ class ParsedRequest:
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, in the response's order (choice index prompt * n + i).
-        With a seed, choice i of a prompt samples with seed + i (vLLM's rule), so its n choices
-        differ and the first is what n=1 gives."""
+        With a seed, choice i of a prompt samples with seed + i (vLLM's rule): its n samples
+        differ, and the first is what n=1 gives."""
         out = []
         for prompt in self.prompts:
             for i in range(self.n):
@@ -209,7 +209,7 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else None
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
         if token is None or token >= vocab_size:
             raise ApiError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
                            "logit_bias")
