@@ -183,12 +183,10 @@ class ModelRunner:
         self._plan_graph(bs, ids, positions, slots, seq_lens, [c.request.page_ids for c in plan.chunks])
         if min(ids) < 0:
             prev = _prev(prev_tokens)
-            if prev.data_ptr() == self.graph_tokens.data_ptr():
-                pass  # the graph's own argmax, where it reads them
-            elif len(prev) <= len(self.graph_tokens):
-                self.graph_tokens[:len(prev)].copy_(prev)  # sampled outside the graph
-            else:  # an eager step sampled more rows than the buffer holds: resolve them here
+            if len(prev) > len(self.graph_tokens):  # an eager step sampled more rows than it holds
                 fill_pending_(self.graph_device[:n], prev)
+            elif prev.data_ptr() != self.graph_tokens.data_ptr():  # not the graph's own argmax
+                self.graph_tokens[:len(prev)].copy_(prev)
         self._record_inputs_copied()
         self.graphs[bs].replay()
         sampled = [c.request for c in plan.chunks if c.sample]

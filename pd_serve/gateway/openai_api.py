@@ -121,30 +121,27 @@ class OpenAIServer:
 
     async def _complete(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]],
                         shape, parsed: ParsedRequest, num_choices: int) -> web.Response:
-        texts = [[] for _ in range(num_choices)]
-        token_ids, logprobs, offsets = ([[] for _ in range(num_choices)] for _ in range(3))
-        finish, timings = [None] * num_choices, [{} for _ in range(num_choices)]
+        received: list[list[_Delta]] = [[] for _ in range(num_choices)]  # each choice's deltas
         try:
             async with aclosing(deltas):
                 async for i, d in deltas:
-                    texts[i].append(d.text)
-                    token_ids[i] += d.token_ids
-                    logprobs[i] += d.logprobs or []
-                    offsets[i] += d.text_offsets
-                    finish[i] = d.finish_reason
-                    timings[i] = d.timings or timings[i]
+                    received[i].append(d)
                     if _client_gone(request):
                         logger.info("%s: client gone; request aborted", shape.id)
                         return web.Response(status=499)
         except Exception as e:
             return _error_response(_api_error(e, shape.id))
-        usage = _usage(sum(map(len, parsed.prompts)), sum(map(len, token_ids)))
-        choices = [shape.choice(i, "".join(texts[i]), shape.logprobs(logprobs[i], offsets[i], parsed.logprobs)
-                                if parsed.logprobs is not None else None, finish[i])
-                   for i in range(num_choices)]
-        body = shape.response(choices, usage)
-        if timings[0]:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
-            body["timings"] = timings[0]
+        choices, num_tokens = [], 0
+        for i, ds in enumerate(received):  # every choice ended with a final delta
+            num_tokens += sum(len(d.token_ids) for d in ds)
+            lp = shape.logprobs([e for d in ds for e in d.logprobs or []],
+                                [o for d in ds for o in d.text_offsets], parsed.logprobs) \
+                if parsed.logprobs is not None else None
+            choices.append(shape.choice(i, "".join(d.text for d in ds), lp, ds[-1].finish_reason))
+        body = shape.response(choices, _usage(sum(map(len, parsed.prompts)), num_tokens))
+        timings = next((d.timings for d in reversed(received[0]) if d.timings), None)
+        if timings:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
+            body["timings"] = timings
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]], shape,
