@@ -24,7 +24,8 @@ Per (configuration, rate): goodput (completed requests/s meeting every SLO, as b
 counts it), SLO attainment (requests meeting every SLO / requests sent; failures are misses),
 request and output throughput, TTFT and TPOT p50/p90/p99, and in results.json every request's
 TTFT / TPOT / E2E (`latencies_ms`), so goodput under other SLOs can be counted afterwards
-(bench/planner_check.py --slo). --output-dir gets results.json,
+(bench/planner_check.py --slo), and the p50 / p90 of each phase the gateway timed
+(`server_timings_ms`: queue, prefill, prefill_step, transfer, first_token, ...). --output-dir gets results.json,
 results.csv and results.png (goodput and SLO attainment against rate, a line per configuration).
 """
 
@@ -196,7 +197,21 @@ def run_serving(args: argparse.Namespace, base_url: str, rate: float) -> dict:
         result = json.loads(out.read_text(encoding="utf-8"))
     errors = sorted({r["error"] for r in result["requests"] if r["error"]})
     records = [serving.RequestRecord(**r) for r in result["requests"]]
-    return result["metrics"] | {"errors": errors[:3], "latencies_ms": [_latencies(r) for r in records]}
+    return result["metrics"] | {"errors": errors[:3], "latencies_ms": [_latencies(r) for r in records],
+                                "server_timings_ms": server_phases(records)}
+
+
+def server_phases(records: list[serving.RequestRecord]) -> dict[str, dict[str, float]]:
+    """p50 / p90 in ms of each phase the gateway timed (queue, prefill, prefill_step, transfer,
+    first_token, ...) over the completed requests that carry timings: where TTFT went."""
+    timed = [r.server_timings for r in records if r.success and r.server_timings]
+    phases = sorted({k for t in timed for k, v in t.items()
+                     if isinstance(v, (int, float)) and not k.endswith("_bytes")})
+    out = {}
+    for phase in phases:
+        stats = serving.summarize_ms([t[phase] for t in timed if phase in t])
+        out[phase] = {"p50": round(stats["median"], 3), "p90": round(stats["p90"], 3)}
+    return out
 
 
 def _latencies(record: serving.RequestRecord) -> list[float | None] | None:
@@ -222,6 +237,7 @@ def make_row(deployment: Deployment, rate: float, metrics: dict) -> dict:
         **{f"{m}_{p}_ms": metrics[f"{m}_ms"][s] for m in ("ttft", "tpot") for p, s in stats.items()},
         "errors": metrics["errors"],
         "latencies_ms": metrics["latencies_ms"],  # per request, in send order (not in the CSV)
+        "server_timings_ms": metrics.get("server_timings_ms", {}),  # phase p50 / p90 (not in the CSV)
     }
 
 

@@ -126,6 +126,7 @@ class RequestRecord:
     num_output_tokens: int = 0       # usage.completion_tokens, else the number of content chunks
     num_prompt_tokens: int | None = None  # usage.prompt_tokens
     error: str | None = None
+    server_timings: dict | None = None  # pd-serve's `timings` on the finishing chunk (seconds)
 
     @property
     def success(self) -> bool:
@@ -227,6 +228,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict,
                     return
                 if event.get("choices") and _chunk_has_content(event["choices"][0]):
                     record.chunk_times.append(now)
+                if isinstance(event.get("timings"), dict):  # pd-serve's gateway: where the time went
+                    record.server_timings = event["timings"]
                 if usage := event.get("usage"):
                     record.num_output_tokens = usage.get("completion_tokens", 0)
                     record.num_prompt_tokens = usage.get("prompt_tokens")

@@ -162,7 +162,10 @@ class OpenAIServer:
                             continue  # nothing visible yet (held back or a partial character)
                         lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs) \
                             if parsed.logprobs is not None else None
-                        await _send(response, shape.chunk(i, d.text, lp, d.finish_reason) | extra)
+                        chunk = shape.chunk(i, d.text, lp, d.finish_reason) | extra
+                        if d.finish_reason and d.timings:  # pd-serve's extension, as in a whole reply
+                            chunk["timings"] = d.timings
+                        await _send(response, chunk)
                 if parsed.include_usage:
                     usage = _usage(sum(map(len, parsed.prompts)), num_tokens)
                     await _send(response, shape.usage_chunk(usage))

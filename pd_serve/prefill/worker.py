@@ -34,6 +34,7 @@ class _Job:
     dst_page_ids: list[int]
     arrived: float = field(default_factory=time.monotonic)
     computed: float = 0.0  # when token 1 was sampled
+    step_s: float = 0.0  # the step that computed the prompt's last chunk, token 1 included
     parts_left: int = 0  # transfers (one per head route) without a result yet
     errors: list[str] = field(default_factory=list)
     num_bytes: int = 0
@@ -130,11 +131,13 @@ class PrefillWorker(Worker):
                 self._done(job)
         if not self.core.scheduler.has_unfinished():
             return
+        start = time.monotonic()
         plan, sampled = self.core.step(on_layer=self._send_finished_layers)
         self.metrics.prompt_tokens.inc(plan.num_tokens)
         for request in sampled:  # token 1 is out; its KV is on its way
             job = self.jobs[request.request_id]
             job.computed = time.monotonic()
+            job.step_s = job.computed - start
             job.parts_left = len(self.rank.routes(len(job.decode_addresses)))
             self.core.scheduler.detach(request)
         for request in plan.finished:  # longer than this worker's whole KV pool
@@ -150,7 +153,7 @@ class PrefillWorker(Worker):
         request.page_ids = []
         lp = request.output_logprobs[0] if request.output_logprobs else None
         timings = {"prefill_queue": 0.0, "prefill": job.computed - job.arrived,
-                   "transfer": job.seconds, "transfer_bytes": job.num_bytes}
+                   "prefill_step": job.step_s, "transfer": job.seconds, "transfer_bytes": job.num_bytes}
         error = job.errors[0] if job.errors else ""
         self.send(PrefillDone(request.request_id, not job.errors, request.output_token_ids[0],
                               logprob_dict(lp), error, timings))

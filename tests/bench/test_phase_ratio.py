@@ -114,6 +114,11 @@ def test_sweep_two_cpu_configurations(tmp_path, capsys):
         latencies = r["latencies_ms"]  # per request: TTFT, TPOT, E2E
         assert len(latencies) == num_prompts and all(ttft <= e2e for ttft, _, e2e in latencies)
         assert max(ttft for ttft, _, _ in latencies) == pytest.approx(r["ttft_p99_ms"], rel=0.2)
+        phases = r["server_timings_ms"]  # the gateway's, from each stream's finishing chunk
+        assert {"queue", "first_token", "e2e"} <= set(phases) and "transfer_bytes" not in phases
+        assert (r["config"] == "1p1d") == ({"prefill", "prefill_step", "transfer"} <= set(phases))
+        assert all(0 <= p["p50"] <= p["p90"] for p in phases.values())
+        assert phases["first_token"]["p50"] <= r["ttft_p50_ms"]  # the client's clock starts first
     assert [(r["num_prefill"], r["num_decode"], r["num_colocated"]) for r in rows if r["config"] == "1p1d"] \
         == [(1, 1, 0)] * 2
 

@@ -114,9 +114,19 @@ def test_timings_metrics_and_idle_pages(cluster_1p1d):
     model = client.models.list().data[0].id
     out = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
     timings = out.model_extra["timings"]
-    for key in ("queue", "prefill", "transfer", "first_token", "decode", "e2e"):
+    for key in ("queue", "prefill", "prefill_step", "transfer", "first_token", "decode", "e2e"):
         assert key in timings
+    assert 0 < timings["prefill_step"] <= timings["prefill"] < timings["first_token"]
+    chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
+                                            stream=True))
+    [finishing] = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishing.model_extra["timings"].keys() == timings.keys()  # streamed: on the last chunk
+    assert all("timings" not in c.model_extra for c in chunks if c is not finishing)
+    deadline = time.monotonic() + 5  # workers' metrics reach the gateway with their heartbeat (1 s)
     m = metrics(cluster_1p1d.base_url)
+    while not any(n == "pd_serve:kv_transfers_total" for n, _ in m) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        m = metrics(cluster_1p1d.base_url)
     for name in ("pd_serve:time_to_first_token_seconds_count", "pd_serve:e2e_request_latency_seconds_count",
                  "pd_serve:request_queue_time_seconds_count", "pd_serve:inter_token_latency_seconds_count"):
         assert m[(name, "")] >= 1, name
