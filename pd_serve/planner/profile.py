@@ -3,15 +3,19 @@
     pd-serve profile --output bench/results/profile-cpu-smollm2.json --quick --device cpu
 
 Three grids, each point the least of --repeats timed `core.step()` calls (other load on the
-machine only ever adds time):
+machine only ever adds time), except where --sustain-s says otherwise:
   prefill  one step over batched prompts: total tokens 16, 32, ... up to --chunked-prefill-size
            (512 with --quick), each as several prompt mixes (1 prompt of T tokens, 4 of T/4, ...);
+           with --sustain-s (default 1 on GPU), the mean of the last --repeats of steps run back
+           to back for that long, as a busy prefill worker runs them: a GPU's clocks fall under
+           sustained load (an H200 ran a 2048-token step in 47.5 ms alone and 52-53 ms back to
+           back, bench/probes/prefill_sustained.py);
   decode   one step of `batch` requests with `context` tokens cached, KV pages allocated but not
            computed (the step's time does not depend on their values); where the engine runs the
            overlap schedule (GPU), the time per step of --repeats + 2 steps back to back instead,
            as a serving worker runs them (each launched before the last one's tokens are back);
   mixed    one step with a prompt chunk and a decode batch together (what a colocated worker
-           runs), so the planner can check how the two parts add up.
+           runs), so the planner can check how the two parts add up; --sustain-s as prefill.
 The KV transfer is not measured: bytes per token come from the KV layout, the rate and the
 per-transfer latency from --transfer-gbps / --transfer-latency-ms. costs.py fits the models.
 """
@@ -79,6 +83,10 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU: torch threads (default: torch's); bench/phase_ratio.py gives each "
                         "of N CPU workers cores // N")
+    g.add_argument("--sustain-s", type=float, default=None,
+                   help="time each prefill and mixed point over steps run back to back for this "
+                        "many seconds, the mean of the last --repeats (default: 1 on GPU, whose "
+                        "clocks fall under sustained load; 0 on CPU: the least of --repeats steps)")
     g.add_argument("--transfer-gbps", type=float, default=10.0,
                    help="KV transfer rate the planner assumes, GB/s (not measured; default: %(default)s)")
     g.add_argument("--transfer-latency-ms", type=float, default=1.0,
@@ -107,8 +115,9 @@ def measure(args: argparse.Namespace) -> dict:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    if repeats < 1 or args.transfer_gbps <= 0 or args.transfer_latency_ms < 0:
-        raise ValueError("--repeats must be >= 1, --transfer-gbps > 0, --transfer-latency-ms >= 0")
+    if repeats < 1 or args.transfer_gbps <= 0 or args.transfer_latency_ms < 0 or (args.sustain_s or 0) < 0:
+        raise ValueError("--repeats must be >= 1, --transfer-gbps > 0, --transfer-latency-ms >= 0, "
+                         "--sustain-s >= 0")
     # Room for the largest grid point; the limits the profile is for are recorded as given.
     page = config.cache.page_size
     decoding = lambda b, c: b * _pages(c + repeats + DECODE_SPARE, page) * page  # noqa: E731
@@ -121,7 +130,8 @@ def measure(args: argparse.Namespace) -> dict:
                                 max_running_requests=max(batches + args.prefill_mixes + [256]))
     core = _build_core(dataclasses.replace(config, cache=cache, scheduler=sched))
     _check_context(core.max_model_len, tokens, contexts, mixed, repeats)
-    t = _Timer(core, repeats)
+    sustain_s = args.sustain_s if args.sustain_s is not None else (1.0 if core.device.type == "cuda" else 0.0)
+    t = _Timer(core, repeats, sustain_s)
 
     prefill = [t.prefill([n // k] * k) for n in tokens for k in args.prefill_mixes if n >= k]
     decode = [[t.decode(b, c) for c in contexts] for b in batches]
@@ -141,6 +151,7 @@ def measure(args: argparse.Namespace) -> dict:
         "transfer": {"gbps": args.transfer_gbps, "latency_s": args.transfer_latency_ms / 1000,
                      "measured": False},
         "threads": _threads(core.device), "quick": args.quick, "repeats": repeats,
+        "sustain_s": sustain_s,
         "prefill": {"points": prefill},
         "decode": {"batch_sizes": batches, "context_lens": contexts, "time_s": decode},
         "mixed": {"points": mixed},
@@ -183,20 +194,30 @@ def warn_if_noisy(prefill: list[dict], decode: list[list[float]]) -> None:
 class _Timer:
     """Timed steps on a live EngineCore; every request it adds is finished (pages freed)."""
 
-    def __init__(self, core, repeats: int):
+    def __init__(self, core, repeats: int, sustain_s: float = 0.0):
         """Notes whether `core` runs the overlap schedule (decode points are then timed as a
         worker runs them), then turns it off: every other timed step is one whole step."""
         self.core, self.repeats, self.overlap = core, repeats, core.overlap
+        self.sustain_s = sustain_s
         core.overlap = False
 
     def prefill(self, prompt_lens: list[int]) -> dict:
-        times = []
-        for _ in range(self.repeats):
-            requests = [self._waiting(n) for n in prompt_lens]
-            times.append(self._step(sum(prompt_lens)))
-            self._finish(requests)
+        time_s = self._whole_steps(lambda: [self._waiting(n) for n in prompt_lens], sum(prompt_lens))
         return {"num_tokens": sum(prompt_lens), "prompt_lens": prompt_lens,
-                "attn_pairs": sum(n * n for n in prompt_lens), "time_s": min(times)}
+                "attn_pairs": sum(n * n for n in prompt_lens), "time_s": time_s}
+
+    def _whole_steps(self, add_requests, expected_tokens: int) -> float:
+        """The least of --repeats steps; with sustain_s, the mean of the last --repeats of
+        steps run back to back for that long."""
+        times: list[float] = []
+        started = time.perf_counter()
+        while len(times) < self.repeats or time.perf_counter() - started < self.sustain_s:
+            requests = add_requests()
+            times.append(self._step(expected_tokens))
+            self._finish(requests)
+        if self.sustain_s:
+            return sum(times[-self.repeats:]) / self.repeats
+        return min(times)
 
     def decode(self, batch: int, context: int) -> float:
         requests = [self._decoding(context) for _ in range(batch)]
@@ -209,13 +230,11 @@ class _Timer:
         return elapsed
 
     def mixed(self, prompt_len: int, batch: int, context: int) -> dict:
-        times = []
-        for _ in range(self.repeats):
-            requests = [self._decoding(context) for _ in range(batch)] + [self._waiting(prompt_len)]
-            times.append(self._step(prompt_len + batch))
-            self._finish(requests)
+        time_s = self._whole_steps(
+            lambda: [self._decoding(context) for _ in range(batch)] + [self._waiting(prompt_len)],
+            prompt_len + batch)
         return {"prefill_tokens": prompt_len, "attn_pairs": prompt_len * prompt_len,
-                "batch_size": batch, "context_len": context, "time_s": min(times)}
+                "batch_size": batch, "context_len": context, "time_s": time_s}
 
     def _waiting(self, num_tokens: int):
         request = _request(num_tokens)

@@ -256,3 +256,46 @@ def test_profile_times_decode_back_to_back_under_the_overlap_schedule(tmp_path, 
     assert result["decode"]["time_s"][0][0] > 0
     # prefill: 2 whole steps; decode: 2 untimed + repeats + 2 timed, overlapped; mixed: none fit
     assert calls == [False, False] + [True] * 6, calls
+
+
+def test_profile_sustains_prefill_and_mixed_steps(tmp_path, monkeypatch, tiny_checkpoints):
+    """--sustain-s: a prefill or mixed point runs steps back to back for that long and is the mean
+    of the last --repeats (a GPU's clocks fall under sustained load); without it, the least of
+    --repeats. Every page is free at the end."""
+    import argparse
+    import time as time_mod
+
+    from pd_serve.cli import add_engine_args
+    from pd_serve.planner import profile as profile_mod
+
+    built, steps = [], []
+    real_build = profile_mod._build_core
+
+    def build(config):
+        built.append(real_build(config))
+        return built[-1]
+
+    def fake_step(self, expected_tokens):  # step k takes "k seconds", 10 ms of real time
+        time_mod.sleep(0.01)
+        steps.append(expected_tokens)
+        return float(len(steps))
+
+    monkeypatch.setattr(profile_mod, "_build_core", build)
+    monkeypatch.setattr(profile_mod._Timer, "_step", fake_step)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    profile_mod.add_profile_args(parser)
+    base = ["--model", str(tiny_checkpoints["llama3"]), "--device", "cpu", "--output", str(tmp_path / "p.json"),
+            "--prefill-tokens", "8", "--prefill-mixes", "1", "--decode-batches", "1", "--decode-contexts", "8",
+            "--mixed-points", "8:1:8", "--repeats", "2"]
+    result = profile_mod.measure(parser.parse_args(base + ["--sustain-s", "0.2"]))
+    # steps in order: prefill (8 tokens), decode (1 token: 1 untimed + 2, no sustain), mixed (9)
+    num_prefill, num_decode, num_mixed = steps.count(8), steps.count(1), steps.count(9)
+    assert steps == [8] * num_prefill + [1] * num_decode + [9] * num_mixed and num_decode == 3
+    assert num_prefill >= 10 and num_mixed >= 10 and result["sustain_s"] == 0.2  # >= 0.2 s of 10 ms
+    assert result["prefill"]["points"][0]["time_s"] == num_prefill - 0.5  # mean of the last 2
+    assert result["mixed"]["points"][0]["time_s"] == len(steps) - 0.5
+    assert built[-1].allocator.num_used_pages == 0
+    steps.clear()
+    result = profile_mod.measure(parser.parse_args(base))  # CPU default: no sustain, the least
+    assert result["sustain_s"] == 0.0 and result["prefill"]["points"][0]["time_s"] == 1.0
