@@ -15,7 +15,10 @@ machine only ever adds time), except where --sustain-s says otherwise:
            overlap schedule (GPU), the time per step of --repeats + 2 steps back to back instead,
            as a serving worker runs them (each launched before the last one's tokens are back);
   mixed    one step with a prompt chunk and a decode batch together (what a colocated worker
-           runs), so the planner can check how the two parts add up; --sustain-s as prefill.
+           runs), so the planner can check how the two parts add up. Always the least of lone
+           steps: a colocated worker's mixed steps alternate with lighter decode steps, and
+           timing them back to back made the planner 25-31 % pessimistic for colocated x2 near
+           its knee (2 x H200 sweeps, bench/results/phase-ratio-h200x2-prefill*).
 The KV transfer is not measured: bytes per token come from the KV layout, the rate and the
 per-transfer latency from --transfer-gbps / --transfer-latency-ms. costs.py fits the models.
 """
@@ -84,9 +87,9 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
                    help="CPU: torch threads (default: torch's); bench/phase_ratio.py gives each "
                         "of N CPU workers cores // N")
     g.add_argument("--sustain-s", type=float, default=None,
-                   help="time each prefill and mixed point over steps run back to back for this "
-                        "many seconds, the mean of the last --repeats (default: 1 on GPU, whose "
-                        "clocks fall under sustained load; 0 on CPU: the least of --repeats steps)")
+                   help="time each prefill point over steps run back to back for this many "
+                        "seconds, the mean of the last --repeats (default: 1 on GPU, whose clocks "
+                        "fall under sustained load; 0 on CPU: the least of --repeats steps)")
     g.add_argument("--transfer-gbps", type=float, default=10.0,
                    help="KV transfer rate the planner assumes, GB/s (not measured; default: %(default)s)")
     g.add_argument("--transfer-latency-ms", type=float, default=1.0,
@@ -202,20 +205,21 @@ class _Timer:
         core.overlap = False
 
     def prefill(self, prompt_lens: list[int]) -> dict:
-        time_s = self._whole_steps(lambda: [self._waiting(n) for n in prompt_lens], sum(prompt_lens))
+        time_s = self._whole_steps(lambda: [self._waiting(n) for n in prompt_lens], sum(prompt_lens),
+                                   self.sustain_s)
         return {"num_tokens": sum(prompt_lens), "prompt_lens": prompt_lens,
                 "attn_pairs": sum(n * n for n in prompt_lens), "time_s": time_s}
 
-    def _whole_steps(self, add_requests, expected_tokens: int) -> float:
+    def _whole_steps(self, add_requests, expected_tokens: int, sustain_s: float = 0.0) -> float:
         """The least of --repeats steps; with sustain_s, the mean of the last --repeats of
         steps run back to back for that long."""
         times: list[float] = []
         started = time.perf_counter()
-        while len(times) < self.repeats or time.perf_counter() - started < self.sustain_s:
+        while len(times) < self.repeats or time.perf_counter() - started < sustain_s:
             requests = add_requests()
             times.append(self._step(expected_tokens))
             self._finish(requests)
-        if self.sustain_s:
+        if sustain_s:
             return sum(times[-self.repeats:]) / self.repeats
         return min(times)
 
