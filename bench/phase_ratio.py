@@ -25,8 +25,9 @@ counts it), SLO attainment (requests meeting every SLO / requests sent; failures
 request and output throughput, TTFT and TPOT p50/p90/p99, and in results.json every request's
 TTFT / TPOT / E2E (`latencies_ms`), so goodput under other SLOs can be counted afterwards
 (bench/planner_check.py --slo), and the p50 / p90 of each phase the gateway timed
-(`server_timings_ms`: queue, prefill, prefill_step, transfer, first_token, ...). --output-dir gets results.json,
-results.csv and results.png (goodput and SLO attainment against rate, a line per configuration).
+(`server_timings_ms`: queue, prefill, prefill_step, transfer, first_token, ...). --output-dir
+gets results.json, results.csv and results.png (goodput and SLO attainment against rate, a line
+per configuration).
 """
 
 from __future__ import annotations

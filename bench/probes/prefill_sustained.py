@@ -49,7 +49,8 @@ def main() -> None:
     hooked = run(lambda plan, layer: None)
     out = {"probe": "prefill_sustained", "device": device_name(core.device), "commit": git_commit(),
            "prompt_len": n, "steps": args.steps, "lone_min_s": lone,
-           "sustained_mean_s": statistics.mean(sustained), "sustained_last10_mean_s": statistics.mean(sustained[-10:]),
+           "sustained_mean_s": statistics.mean(sustained),
+           "sustained_last10_mean_s": statistics.mean(sustained[-10:]),
            "hooked_mean_s": statistics.mean(hooked), "hooked_last10_mean_s": statistics.mean(hooked[-10:])}
     print(out, flush=True)
     write_json(args.output, out)

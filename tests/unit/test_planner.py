@@ -285,9 +285,9 @@ def test_profile_sustains_prefill_steps(tmp_path, monkeypatch, tiny_checkpoints)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     profile_mod.add_profile_args(parser)
-    base = ["--model", str(tiny_checkpoints["llama3"]), "--device", "cpu", "--output", str(tmp_path / "p.json"),
-            "--prefill-tokens", "8", "--prefill-mixes", "1", "--decode-batches", "1", "--decode-contexts", "8",
-            "--mixed-points", "8:1:8", "--repeats", "2"]
+    base = ["--model", str(tiny_checkpoints["llama3"]), "--device", "cpu",
+            "--output", str(tmp_path / "p.json"), "--prefill-tokens", "8", "--prefill-mixes", "1",
+            "--decode-batches", "1", "--decode-contexts", "8", "--mixed-points", "8:1:8", "--repeats", "2"]
     result = profile_mod.measure(parser.parse_args(base + ["--sustain-s", "0.2"]))
     # steps in order: prefill (8 tokens), decode (1 token: 1 untimed + 2, no sustain), mixed (9)
     num_prefill, num_decode, num_mixed = steps.count(8), steps.count(1), steps.count(9)
