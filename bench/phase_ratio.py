@@ -20,8 +20,10 @@ largest capacity. --rate-sweep plan takes the capacities from `pd-serve plan`'s 
 --profile instead (the same workload and worker limits, all prompts at once): no probe runs, so
 each configuration starts once.
 
-Per (configuration, rate): goodput (completed requests/s meeting every SLO, as bench/serving.py
-counts it), SLO attainment (requests meeting every SLO / requests sent; failures are misses),
+Per configuration: its SLO capacity, the highest rate served with >= 90 % of requests meeting
+every SLO (DistServe's per-configuration goodput; linear between the swept rates, or a bound when
+the sweep does not reach the drop). Per (configuration, rate): goodput (completed requests/s
+meeting every SLO, as bench/serving.py counts it), SLO attainment (requests meeting every SLO / requests sent; failures are misses),
 request and output throughput, TTFT and TPOT p50/p90/p99, and in results.json every request's
 TTFT / TPOT / E2E (`latencies_ms`), so goodput under other SLOs can be counted afterwards
 (bench/planner_check.py --slo), and the p50 / p90 of each phase the gateway timed
@@ -62,6 +64,7 @@ AUTO_RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # of the largest measured ca
 SET_HERE = {"base_url": "--base-url", "request_rate": "--request-rate (use --request-rates)",
             "output": "--output (use --output-dir)", "save_requests": "--save-requests"}
 TIE_TOLERANCE = 0.02  # the best-configuration lines name others whose goodput is this close
+ATTAINMENT_TARGET = 0.9  # SLO capacity: the highest rate served at this attainment (DistServe's 90 %)
 LATENCY_COLUMNS = [f"{m}_{p}_ms" for m in ("ttft", "tpot") for p in ("p50", "p90", "p99")]
 CSV_COLUMNS = ["config", "num_prefill", "num_decode", "num_colocated", "num_slots", "request_rate",
                "num_requests", "completed", "failed", "num_good", "slo_attainment", "goodput",
@@ -282,6 +285,37 @@ def best_rows(rows: list[dict]) -> tuple[dict[float, dict], dict | None]:
         if row["request_rate"] not in per_rate or key(row) > key(per_rate[row["request_rate"]]):
             per_rate[row["request_rate"]] = row
     return dict(sorted(per_rate.items())), max(rows, key=key, default=None)
+
+
+def slo_capacity(rows: list[dict], target: float = ATTAINMENT_TARGET) -> dict[str, dict]:
+    """Per configuration, the highest request rate at which SLO attainment stays >= target
+    (DistServe's per-configuration goodput): linear between the swept rates around the first
+    drop below it. `bound` says how far the sweep pins it: "=" between two rates, ">=" when every
+    rate met the target (the rate is the highest swept), "<" when even the lowest missed it."""
+    out: dict[str, dict] = {}
+    for config in dict.fromkeys(r["config"] for r in rows):
+        points = sorted((r["request_rate"], r["slo_attainment"]) for r in rows if r["config"] == config)
+        slots = next(r["num_slots"] for r in rows if r["config"] == config)
+        if points[0][1] < target:
+            rate, bound = points[0][0], "<"
+        else:
+            rate, bound = points[-1][0], ">="
+            for (r0, a0), (r1, a1) in zip(points, points[1:]):
+                if a1 < target:
+                    rate, bound = r0 + (r1 - r0) * (a0 - target) / (a0 - a1), "="
+                    break
+        out[config] = {"rate": rate, "bound": bound, "per_slot": rate / slots, "target": target}
+    return out
+
+
+def format_capacity(capacity: dict[str, dict]) -> str:
+    def bound(c: dict) -> str:
+        return "" if c["bound"] == "=" else c["bound"]
+
+    items = [f"{name} {bound(c)}{c['rate']:.3g} req/s ({bound(c)}{c['per_slot']:.3g} per slot)"
+             for name, c in capacity.items()]
+    target = next(iter(capacity.values()))["target"] if capacity else ATTAINMENT_TARGET
+    return f"SLO capacity (highest rate at >= {target:.0%} attainment): " + ("; ".join(items) or "none")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -536,8 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         log(f"error: {e}")
         results["failures"].append({"config": None, "stage": "capacity", "error": str(e)})
+    results["slo_capacity"] = slo_capacity(results["rows"])
     print(format_table(results["rows"]))
     print(format_best(results["rows"]))
+    print(format_capacity(results["slo_capacity"]))
     write_outputs(results, args.output_dir)
     if interrupted:
         return 130

@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # `python bench/planner_check.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import git_commit, write_json  # noqa: E402
+from bench.phase_ratio import slo_capacity  # noqa: E402
 from bench.serving import parse_slo  # noqa: E402
 from pd_serve.planner.costs import CostModel, load_profile  # noqa: E402
 from pd_serve.planner.plan import evaluate, workload, workload_args  # noqa: E402
@@ -100,6 +101,41 @@ def check(profile: dict, results: dict, slo: dict[str, float] | None = None) -> 
     return out
 
 
+def capacity_check(rows: list[dict]) -> list[dict]:
+    """Per configuration, the SLO capacity (phase_ratio.slo_capacity: the highest rate at >= 90 %
+    attainment, linear between the swept rates) from the measured and from the predicted
+    attainments. error: relative to measured when the sweep pins both; when one is only a bound
+    (the sweep's rates never crossed the target), the error it implies at least; None when both
+    are the same bound."""
+    def capacity(key: str) -> dict[str, dict]:
+        return slo_capacity([{"config": r["config"], "request_rate": r["request_rate"],
+                              "slo_attainment": r[key], "num_slots": 1} for r in rows])
+
+    measured, predicted = capacity("measured_attainment"), capacity("predicted_attainment")
+    out = []
+    for config, m in measured.items():
+        p = predicted[config]
+        same_bound = m["bound"] == p["bound"] != "="
+        out.append({"config": config, "measured_rps": m["rate"], "measured_bound": m["bound"],
+                    "predicted_rps": p["rate"], "predicted_bound": p["bound"],
+                    "error": None if same_bound else (p["rate"] - m["rate"]) / m["rate"],
+                    "exact": m["bound"] == p["bound"] == "="})
+    return out
+
+
+def format_capacity(rows: list[dict]) -> str:
+    lines = ["SLO capacity (highest rate at >= 90% attainment), measured / predicted:"]
+    for c in rows:
+        m = ("" if c["measured_bound"] == "=" else c["measured_bound"]) + f"{c['measured_rps']:.3g}"
+        p = ("" if c["predicted_bound"] == "=" else c["predicted_bound"]) + f"{c['predicted_rps']:.3g}"
+        if c["error"] is None:
+            verdict = "both beyond the swept rates"
+        else:
+            verdict = f"{c['error']:+.0%}" + ("" if c["exact"] else " at least (a bound)")
+        lines.append(f"  {c['config']:<12}{m:>8} / {p:<8} {verdict}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'config':<12}{'rate':>6}{'measured':>10}{'predicted':>10}{'error':>9}"
              f"{'attain m/p':>13}{'TTFT p90 m/p':>16}{'TPOT p90 m/p':>15}"]
@@ -135,12 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = check(profile, results, args.slo)
     except ValueError as e:
         p.error(str(e))
+    capacity = capacity_check(rows)
     print(format_table(rows))
+    print(format_capacity(capacity))
     if args.output:
         write_json(args.output, {"profile": args.profile, "results": args.results,
                                  "results_commit": results.get("commit"), "git_commit": git_commit(),
                                  "slo_ms": args.slo or results["config"]["slo_ms"], "bar": BAR,
-                                 "rows": rows})
+                                 "rows": rows, "slo_capacity": capacity})
     return 0
 
 

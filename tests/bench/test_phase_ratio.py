@@ -15,8 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
 
 from bench.phase_ratio import (Deployment, auto_rates, best_rows, default_deployments,  # noqa: E402
-                               format_best, main, parse_args, parse_deployments, parse_rates,
-                               planned_capacity)
+                               format_best, format_capacity, main, parse_args, parse_deployments,
+                               parse_rates, planned_capacity, slo_capacity)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -83,6 +83,23 @@ def test_best_configuration():
     assert "1 req/s: colocated1" in text and "within 2%: colocated2" in text  # 1p1d is 5% behind
     assert "best overall: 1p1d at 4 req/s" in text
     assert best_rows([]) == ({}, None) and format_best([]) == "no results"
+
+
+def test_slo_capacity_interpolates_at_the_first_drop_and_bounds_the_rest():
+    """The highest rate at >= 90 % attainment: linear between the two rates around the first
+    drop below 90 % (a later recovery does not count); a bound when the sweep never crosses it."""
+    rows = [row("1p1d", 1, 1.0, 1.0), row("1p1d", 2, 1.9, 0.95), row("1p1d", 4, 2.0, 0.75),
+            row("1p1d", 6, 3.0, 0.95),
+            row("colocated2", 1, 1.0, 1.0), row("colocated2", 4, 3.9, 0.97),
+            row("colocated1", 1, 0.5, 0.5, num_slots=1), row("colocated1", 2, 0.2, 0.1, num_slots=1)]
+    cap = slo_capacity(rows)
+    assert cap["1p1d"]["bound"] == "=" and cap["1p1d"]["rate"] == pytest.approx(2 + 2 * 0.05 / 0.2)
+    assert cap["1p1d"]["per_slot"] == pytest.approx(cap["1p1d"]["rate"] / 2)
+    assert (cap["colocated2"]["bound"], cap["colocated2"]["rate"]) == (">=", 4)
+    assert (cap["colocated1"]["bound"], cap["colocated1"]["rate"]) == ("<", 1)
+    text = format_capacity(cap)
+    assert "1p1d 2.5 req/s (1.25 per slot)" in text and "colocated2 >=4 req/s (>=2 per slot)" in text
+    assert "colocated1 <1 req/s (<1 per slot)" in text and "90%" in text
 
 
 def test_sweep_two_cpu_configurations(tmp_path, capsys):

@@ -13,7 +13,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
 
-from bench.planner_check import check, main, worker_limits  # noqa: E402
+from bench.planner_check import capacity_check, check, main, worker_limits  # noqa: E402
 from pd_serve.planner.costs import load_profile  # noqa: E402
 from pd_serve.planner.simulator import PoolLimits  # noqa: E402
 
@@ -60,6 +60,25 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "goodput within 25%:" in text and "colocated2" in text
     saved = json.loads(out.read_text())
     assert saved["bar"] == 0.25 and len(saved["rows"]) == len(json.loads(RESULTS.read_text())["rows"])
+    assert "SLO capacity" in text and [c["config"] for c in saved["slo_capacity"]] == \
+        ["1p1d", "colocated2", "colocated1"]
+
+
+def test_capacity_check_compares_the_90_percent_rates():
+    """Measured and predicted SLO capacity, each interpolated over the swept rates; an error
+    only where both are pinned, a lower bound where one is, none where both are the same bound."""
+    def r(config, rate, measured, predicted):
+        return {"config": config, "request_rate": rate, "measured_attainment": measured,
+                "predicted_attainment": predicted}
+
+    rows = [r("1p1d", 1, 1.0, 1.0), r("1p1d", 2, 0.8, 0.875),       # 1.5 vs 1.8 (+20 %)
+            r("colocated2", 1, 1.0, 1.0), r("colocated2", 2, 0.5, 0.95),  # 1.2 vs >= 2
+            r("colocated1", 1, 0.5, 0.4), r("colocated1", 2, 0.1, 0.1)]   # both < 1
+    by_config = {c["config"]: c for c in capacity_check(rows)}
+    assert by_config["1p1d"]["exact"] and by_config["1p1d"]["error"] == pytest.approx(0.2)
+    c2 = by_config["colocated2"]
+    assert not c2["exact"] and c2["predicted_bound"] == ">=" and c2["error"] == pytest.approx(2 / 1.2 - 1)
+    assert by_config["colocated1"]["error"] is None and by_config["colocated1"]["measured_bound"] == "<"
 
 
 def test_other_slos_count_the_measured_requests_again(tmp_path, capsys):
