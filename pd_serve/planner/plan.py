@@ -9,6 +9,11 @@ The workload is bench/serving.py's: the same dataset flags and defaults, and wit
 (bench/phase_ratio.py). For every split, every combination of the limits grids is simulated
 (prefill: --chunk-sizes; decode: --max-running; colocated: both) and the best is kept: most
 goodput, then most SLO attainment, then lowest p90 latencies relative to their SLOs.
+With --capacity instead of rates: each split's SLO capacity (the highest rate at which its best
+limits keep >= 90 % of requests within the SLOs) and the split with the most.
+
+    pd-serve plan --profile bench/results/profile-cpu-smollm2-dense.json --num-gpus 2 \
+        --input-len 64 --output-len 16 --num-prompts 48 --capacity --slo ttft=1500,tpot=150
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import numpy as np
 from pd_serve.planner.costs import CostModel, load_profile
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits, metrics, simulate
 
+CAPACITY_TARGET = 0.9  # SLO attainment that defines a split's capacity (DistServe's 90 %)
+CAPACITY_PRECISION = 0.02  # bisection stops when the bracket is this narrow, relative
 DATASET_FLAGS = ("dataset", "input_len", "output_len", "range_ratio", "num_prompts", "seed",
                  "burstiness", "sharegpt_lengths", "max_model_len", "num_prefixes", "prefix_len",
                  "suffix_len")
@@ -44,8 +51,12 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--profile", required=True, help="a profile JSON from pd-serve profile")
     parser.add_argument("--num-gpus", type=int, default=2, help="devices to split (default: %(default)s)")
-    parser.add_argument("--request-rate", type=float_list, required=True,
+    parser.add_argument("--request-rate", type=float_list, default=None,
                         help="mean requests/s; a comma-separated list sweeps (inf: all at once)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="instead of --request-rate: each split's SLO capacity, the highest "
+                             f"rate at which its best limits keep >= {CAPACITY_TARGET:.0%} of "
+                             "requests within the SLOs (bisection), and the split with the most")
     parser.add_argument("--slo", required=True, help="SLOs in ms, e.g. ttft=500,tpot=50[,e2e=10000]")
     parser.add_argument("--chunk-sizes", type=int_list, default=[256, 512, 1024, 2048],
                         help="--chunked-prefill-size values to try (default: 256,512,1024,2048)")
@@ -79,9 +90,16 @@ def run(args: argparse.Namespace) -> None:
         overrides["transfer_gbps"] = args.transfer_gbps
     if args.transfer_latency_ms is not None:
         overrides["transfer_latency_s"] = args.transfer_latency_ms / 1000
+    if (args.request_rate is None) == (not args.capacity):
+        raise ValueError("give --request-rate (rates to plan for) or --capacity (find each split's "
+                         "highest rate within the SLOs), one of the two")
     profile = load_profile(args.profile)
     costs = CostModel.from_profile(profile, **overrides)
     wl_args = workload_args(args, profile.get("max_model_len"))
+    if args.capacity:
+        result = plan_capacity(costs, args.num_gpus, wl_args, slo, args.chunk_sizes, args.max_running)
+        print(json.dumps(result, indent=2, default=str) if args.json else format_capacity(result))
+        return
     results = [plan_rate(costs, args.num_gpus, workload(wl_args, rate), rate, slo,
                          args.chunk_sizes, args.max_running) for rate in args.request_rate]
     if args.json:
@@ -154,6 +172,57 @@ def plan_rate(costs: CostModel, num_gpus: int, requests, rate: float, slo: dict[
         rows.append(max((evaluate(s, costs, requests, slo) for s in specs), key=lambda r: _rank(r, slo)))
     best = max(rows, key=lambda r: _rank(r, slo))
     return {"request_rate": "inf" if math.isinf(rate) else rate, "configs": rows, "best": best}
+
+
+def plan_capacity(costs: CostModel, num_gpus: int, wl_args, slo: dict[str, float], chunk_sizes,
+                  max_running, target: float = CAPACITY_TARGET) -> dict:
+    """Every split's SLO capacity: the highest rate at which the best of its limits keeps
+    >= target attainment, found by bisection between a rate that meets the target and one that
+    does not (starting from twice the split's all-at-once throughput), to within 2 %
+    (`fails_at_rps`); `bound` ">=" when even that rate meets it, "<" when a 64th of it does not.
+    On a finite burst of requests attainment need not fall steadily with the rate, so this is a
+    rate where it crosses the target, not always the highest. The split with the most wins."""
+    rows = []
+    for specs in candidates(num_gpus, chunk_sizes, max_running).values():
+        def best_at(rate: float) -> dict:  # the limits that keep the most requests within the SLOs
+            requests = workload(wl_args, rate)
+            return max((evaluate(s, costs, requests, slo) for s in specs),
+                       key=lambda r: (r["slo_attainment"], round(r["goodput"], 6)))
+
+        hi = 2 * best_at(math.inf)["request_throughput"]
+        lo = hi / 64
+        best_hi, best_lo = best_at(hi), best_at(lo)
+        if best_hi["slo_attainment"] >= target:
+            rows.append(best_hi | {"capacity_rps": hi, "bound": ">="})
+            continue
+        if best_lo["slo_attainment"] < target:
+            rows.append(best_lo | {"capacity_rps": lo, "bound": "<"})
+            continue
+        while hi - lo > CAPACITY_PRECISION * lo:
+            mid = (lo + hi) / 2
+            row = best_at(mid)
+            if row["slo_attainment"] >= target:
+                lo, best_lo = mid, row
+            else:
+                hi = mid
+        rows.append(best_lo | {"capacity_rps": lo, "bound": "=", "fails_at_rps": hi})
+    best = max(rows, key=lambda r: (r["bound"] != "<", r["capacity_rps"]))
+    return {"target": target, "slo_ms": slo, "num_gpus": num_gpus, "configs": rows, "best": best}
+
+
+def format_capacity(result: dict) -> str:
+    n = result["num_gpus"]
+    lines = [f"SLO capacity: the highest rate with >= {result['target']:.0%} of requests within the SLOs",
+             f"{'config':<12}{'best limits':<24}{'req/s':>9}{'per GPU':>9}{'TTFT p90':>10}{'TPOT p90':>10}"]
+    for row in result["configs"]:
+        bound = "" if row["bound"] == "=" else row["bound"]
+        lines.append(f"{row['config']:<12}{describe_limits(row):<24}{bound + format(row['capacity_rps'], '.3g'):>9}"
+                     f"{bound + format(row['capacity_rps'] / n, '.3g'):>9}{row['ttft_p90_ms']:>10.1f}"
+                     f"{row['tpot_p90_ms'] or 0:>10.1f}{' *' if row is result['best'] else ''}")
+    best = result["best"]
+    lines.append(f"recommended: {best['config']} ({limit_flags(best)}), SLO capacity "
+                 f"{best['capacity_rps']:.3g} req/s on {n} GPUs")
+    return "\n".join(lines)
 
 
 def _rank(row: dict, slo: dict[str, float]):

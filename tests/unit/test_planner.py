@@ -179,6 +179,35 @@ def test_plan_end_to_end_on_the_recorded_profile(capsys):
                  "--slo", "ttft=1"]) == 2
 
 
+def test_plan_capacity_finds_each_splits_highest_rate_within_the_slos(capsys):
+    """--capacity: per split, a rate whose best limits keep >= 90 % within the SLOs and one at
+    most 2 % above it that does not (the bisection's bracket), and the split with the most wins."""
+    flags = ["plan", "--profile", str(RECORDED), "--num-gpus", "2", "--input-len", "64",
+             "--output-len", "16", "--num-prompts", "48", "--slo", "ttft=1500,tpot=150",
+             "--chunk-sizes", "2048", "--max-running", "256"]
+    assert main(flags + ["--capacity", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [c["config"] for c in result["configs"]] == ["1p1d", "colocated2"]
+    assert result["best"]["capacity_rps"] == max(c["capacity_rps"] for c in result["configs"])
+    costs = CostModel.from_profile(json.loads(RECORDED.read_text()))
+    wl = plan.workload_args(plan.argparse.Namespace(**dict.fromkeys(plan.DATASET_FLAGS) | {
+        "input_len": 64, "output_len": 16, "num_prompts": 48}), None)
+    slo = {"ttft": 1500.0, "tpot": 150.0}
+    for c in result["configs"]:
+        assert c["bound"] == "=", c
+        spec = plan.candidates(2, [2048], [256])[c["config"]][0]
+        at = plan.evaluate(spec, costs, plan.workload(wl, c["capacity_rps"]), slo)
+        above = plan.evaluate(spec, costs, plan.workload(wl, c["fails_at_rps"]), slo)
+        assert at["slo_attainment"] >= 0.9 > above["slo_attainment"], (c, at, above)
+        assert c["capacity_rps"] < c["fails_at_rps"] <= 1.02 * c["capacity_rps"]
+    assert main(flags + ["--capacity"]) == 0
+    out = capsys.readouterr().out
+    assert "SLO capacity" in out and "recommended:" in out and "per GPU" in out
+    for bad in (["--capacity", "--request-rate", "1"], []):  # one of the two, not both or neither
+        assert main(flags + bad) == 2
+        assert "--request-rate" in capsys.readouterr().err
+
+
 def test_recorded_profile_fits_its_measurements():
     profile = json.loads(RECORDED.read_text())
     costs = CostModel.from_profile(profile)
