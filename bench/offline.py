@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quantization", default=None, choices=["fp8"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch replayed from a CUDA graph (default: the engine's, 256)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -150,6 +152,8 @@ def main() -> None:
                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.max_running_requests:
         options["max_running_requests"] = args.max_running_requests
+    if args.cuda_graph_max_bs:
+        options["cuda_graph_max_bs"] = args.cuda_graph_max_bs
     model = args.model
     if args.preset:  # a config.json of the preset's shape; the weights are random
         from bench.one_batch import PRESETS

@@ -114,7 +114,7 @@ for s in $steps; do
            --num-prompts 1000 --input-len 1000 --output-len 1000 \
            --output "$OUT/offline-h200-llama3-8b-fp8.json" ;;
     offline-fp8kv) step offline-fp8kv 420 python3 bench/offline.py --preset llama3-8b \
-           --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-running-requests 512 \
+           --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-running-requests 512 --cuda-graph-max-bs 512 \
            --num-prompts 1000 --input-len 1000 --output-len 1000 \
            --output "$OUT/offline-h200-llama3-8b-fp8-fp8kv.json" ;;
     profile) step profile 420 python3 -m pd_serve.cli profile --model "$big" --load-format dummy \

@@ -119,6 +119,11 @@ class EngineCore:
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph \
                 and self.tp is None:
             max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+            if cfg.scheduler.max_running_requests > cfg.cuda_graph_max_bs:
+                logger.warning("decode batches above %d run without CUDA graphs (eagerly, several "
+                               "times slower): --max-running-requests %d > --cuda-graph-max-bs %d; "
+                               "raise --cuda-graph-max-bs to capture them", max_bs,
+                               cfg.scheduler.max_running_requests, cfg.cuda_graph_max_bs)
             self.runner.capture_cuda_graphs(max_bs, -(-self.max_model_len // layout.page_size))
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)
         self.scheduler.max_model_len = self.max_model_len
