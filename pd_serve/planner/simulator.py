@@ -4,7 +4,8 @@ It follows what the real workers do (gateway/cluster.py, prefill/ and decode/wor
 engine's Scheduler), one event at a time:
   disaggregated (x prefill + y decode workers)
     arrival -> a decode worker admits it (a slot of --max-running-requests, held until the
-    request ends; when every worker is full the request waits, FIFO, at the gateway) -> the
+    request ends; when every worker is full the request waits, FIFO, at the gateway; the decode
+    worker answers between its steps, so a busy one answers when its step ends) -> the
     least-loaded prefill worker queues it -> prefill steps (FCFS, running prompts first, then
     waiting ones while the --chunked-prefill-size token budget and --max-running-requests allow)
     -> token 1 at the end of the step that completes the prompt -> the KV transfer (one at a
@@ -81,6 +82,7 @@ class _Worker:
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.busy = False
+        self.step_end = 0.0  # when the step in progress ends (its messages are read then)
         self.load = 0  # outstanding tokens, as the gateway's least_load router counts them
         self.num_admitted = 0  # decode: requests holding a slot (admitted, not yet finished)
         self.link_free_at = 0.0  # prefill: when its KV sender is done with earlier transfers
@@ -99,7 +101,8 @@ class _Worker:
     def _start_step(self) -> None:
         chunks = self._schedule()
         if chunks:
-            self.sim.at(self.sim.now + self._step_time(chunks), self._step_done, chunks)
+            self.step_end = self.sim.now + self._step_time(chunks)
+            self.sim.at(self.step_end, self._step_done, chunks)
         else:
             self.busy = False
 
@@ -191,9 +194,13 @@ class Simulation:
             decode.load += r.input_len + r.output_len
             decode.num_admitted += 1
             self.slots[id(r)] = decode
-            prefill = _least_loaded(self.prefill)
-            prefill.load += r.input_len
-            prefill.add(r)
+            self.at(max(self.now, decode.step_end), self._to_prefill, r)
+
+    def _to_prefill(self, r: SimRequest) -> None:
+        """The decode worker's answer is in: the least-loaded prefill worker queues the prompt."""
+        prefill = _least_loaded(self.prefill)
+        prefill.load += r.input_len
+        prefill.add(r)
 
     # ---- worker callbacks ---------------------------------------------------------------------
     def _prefilled(self, worker: _Worker, r: SimRequest) -> None:

@@ -119,6 +119,16 @@ def test_decode_slots_hold_requests_at_the_gateway():
     assert ttft(b) == pytest.approx(e2e_a + P + T)  # admitted when A frees its slot
 
 
+def test_a_busy_decode_worker_answers_admission_when_its_step_ends():
+    # A decodes from P + T = 0.7 s in steps of D1; B arrives at 0.75, mid-step: its prompt
+    # reaches the prefill worker at 0.8, when the decode worker reads its messages.
+    a, b = simulate(one_p_one_d(), const_costs(), [(0.0, 100, 5), (0.75, 100, 2)])
+    assert ttft(a) == pytest.approx(P + T)
+    assert ttft(b) == pytest.approx(0.05 + P + T)
+    [alone] = simulate(one_p_one_d(), const_costs(), [(0.75, 100, 2)])  # an idle one at once
+    assert ttft(alone) == pytest.approx(P + T)
+
+
 def test_colocated_mixes_prefill_chunks_into_decode_steps():
     spec = ClusterSpec(num_colocated=1)
     [alone] = simulate(spec, const_costs(), [(0.0, 100, 3)])
