@@ -23,8 +23,8 @@ each configuration starts once.
 Per configuration: its SLO capacity, the highest rate served with >= 90 % of requests meeting
 every SLO (DistServe's per-configuration goodput; linear between the swept rates, or a bound when
 the sweep does not reach the drop). Per (configuration, rate): goodput (completed requests/s
-meeting every SLO, as bench/serving.py counts it), SLO attainment (requests meeting every SLO / requests sent; failures are misses),
-request and output throughput, TTFT and TPOT p50/p90/p99, and in results.json every request's
+meeting every SLO, as bench/serving.py counts it), SLO attainment (requests meeting every SLO /
+requests sent; failures are misses), request and output throughput, TTFT and TPOT p50/p90/p99, and in results.json every request's
 TTFT / TPOT / E2E (`latencies_ms`), so goodput under other SLOs can be counted afterwards
 (bench/planner_check.py --slo), and the p50 / p90 of each phase the gateway timed
 (`server_timings_ms`: queue, prefill, prefill_step, transfer, first_token, ...). --output-dir
@@ -58,13 +58,14 @@ import torch  # noqa: E402
 from bench import serving  # noqa: E402
 from bench._common import device_name, git_commit, write_json  # noqa: E402
 from pd_serve.launch import LaunchError, LocalCluster, free_port, launch_transfer_args  # noqa: E402
+from pd_serve.planner.plan import CAPACITY_TARGET  # noqa: E402
 
 AUTO_RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # of the largest measured capacity
 # bench/serving.py flags that this script sets on every run
 SET_HERE = {"base_url": "--base-url", "request_rate": "--request-rate (use --request-rates)",
             "output": "--output (use --output-dir)", "save_requests": "--save-requests"}
 TIE_TOLERANCE = 0.02  # the best-configuration lines name others whose goodput is this close
-ATTAINMENT_TARGET = 0.9  # SLO capacity: the highest rate served at this attainment (DistServe's 90 %)
+ATTAINMENT_TARGET = CAPACITY_TARGET  # SLO capacity: the highest rate served at this attainment
 LATENCY_COLUMNS = [f"{m}_{p}_ms" for m in ("ttft", "tpot") for p in ("p50", "p90", "p99")]
 CSV_COLUMNS = ["config", "num_prefill", "num_decode", "num_colocated", "num_slots", "request_rate",
                "num_requests", "completed", "failed", "num_good", "slo_attainment", "goodput",

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # `python bench/planner_check.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import git_commit, write_json  # noqa: E402
-from bench.phase_ratio import slo_capacity  # noqa: E402
+from bench.phase_ratio import ATTAINMENT_TARGET, slo_capacity  # noqa: E402
 from bench.serving import parse_slo  # noqa: E402
 from pd_serve.planner.costs import CostModel, load_profile  # noqa: E402
 from pd_serve.planner.plan import evaluate, workload, workload_args  # noqa: E402
@@ -124,7 +124,7 @@ def capacity_check(rows: list[dict]) -> list[dict]:
 
 
 def format_capacity(rows: list[dict]) -> str:
-    lines = ["SLO capacity (highest rate at >= 90% attainment), measured / predicted:"]
+    lines = [f"SLO capacity (highest rate at >= {ATTAINMENT_TARGET:.0%} attainment), measured / predicted:"]
     for c in rows:
         m = ("" if c["measured_bound"] == "=" else c["measured_bound"]) + f"{c['measured_rps']:.3g}"
         p = ("" if c["predicted_bound"] == "=" else c["predicted_bound"]) + f"{c['predicted_rps']:.3g}"

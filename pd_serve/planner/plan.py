@@ -212,17 +212,16 @@ def plan_capacity(costs: CostModel, num_gpus: int, wl_args, slo: dict[str, float
 
 def format_capacity(result: dict) -> str:
     n = result["num_gpus"]
-    lines = [f"SLO capacity: the highest rate with >= {result['target']:.0%} of requests within the SLOs",
-             f"{'config':<12}{'best limits':<24}{'req/s':>9}{'per GPU':>9}{'TTFT p90':>10}{'TPOT p90':>10}"]
-    for row in result["configs"]:
-        bound = "" if row["bound"] == "=" else row["bound"]
-        lines.append(f"{row['config']:<12}{describe_limits(row):<24}{bound + format(row['capacity_rps'], '.3g'):>9}"
-                     f"{bound + format(row['capacity_rps'] / n, '.3g'):>9}{row['ttft_p90_ms']:>10.1f}"
-                     f"{row['tpot_p90_ms'] or 0:>10.1f}{' *' if row is result['best'] else ''}")
+
+    def rps(row: dict, per: int = 1) -> str:
+        return ("" if row["bound"] == "=" else row["bound"]) + format(row["capacity_rps"] / per, ".3g")
+
+    rows = [(row, f"{rps(row):>9}{rps(row, n):>9}") for row in result["configs"]]
     best = result["best"]
-    lines.append(f"recommended: {best['config']} ({limit_flags(best)}), SLO capacity "
-                 f"{best['capacity_rps']:.3g} req/s on {n} GPUs")
-    return "\n".join(lines)
+    return _table(f"SLO capacity: the highest rate with >= {result['target']:.0%} of requests "
+                  f"within the SLOs", f"{'req/s':>9}{'per GPU':>9}", rows, best,
+                  f"recommended: {best['config']} ({limit_flags(best)}), SLO capacity "
+                  f"{rps(best)} req/s on {n} GPUs")
 
 
 def _rank(row: dict, slo: dict[str, float]):
@@ -254,13 +253,19 @@ def describe_limits(row: dict) -> str:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"request rate {result['request_rate']} req/s (goodput in req/s, latencies in ms)",
-             f"{'config':<12}{'best limits':<24}{'goodput':>9}{'attain':>8}{'TTFT p90':>10}{'TPOT p90':>10}"]
-    for row in result["configs"]:
-        lines.append(f"{row['config']:<12}{describe_limits(row):<24}{row['goodput']:>9.3f}"
-                     f"{row['slo_attainment']:>8.0%}{row['ttft_p90_ms']:>10.1f}"
-                     f"{row['tpot_p90_ms'] or 0:>10.1f}{' *' if row is result['best'] else ''}")
+    rows = [(row, f"{row['goodput']:>9.3f}{row['slo_attainment']:>8.0%}") for row in result["configs"]]
     best = result["best"]
-    lines.append(f"recommended: {best['config']} ({limit_flags(best)}), predicted goodput "
-                 f"{best['goodput']:.3f} req/s, {best['slo_attainment']:.0%} within the SLOs\n")
-    return "\n".join(lines)
+    return _table(f"request rate {result['request_rate']} req/s (goodput in req/s, latencies in ms)",
+                  f"{'goodput':>9}{'attain':>8}", rows, best,
+                  f"recommended: {best['config']} ({limit_flags(best)}), predicted goodput "
+                  f"{best['goodput']:.3f} req/s, {best['slo_attainment']:.0%} within the SLOs\n")
+
+
+def _table(title: str, head: str, rows: list[tuple[dict, str]], best: dict, footer: str) -> str:
+    """One line per split: its name and limits, the given columns, p90 TTFT and TPOT; * marks
+    the best."""
+    lines = [title, f"{'config':<12}{'best limits':<24}{head}{'TTFT p90':>10}{'TPOT p90':>10}"]
+    for row, columns in rows:
+        lines.append(f"{row['config']:<12}{describe_limits(row):<24}{columns}{row['ttft_p90_ms']:>10.1f}"
+                     f"{row['tpot_p90_ms'] or 0:>10.1f}{' *' if row is best else ''}")
+    return "\n".join(lines + [footer])
