@@ -16,7 +16,9 @@
 # for the phase-ratio issue: profile (pd-serve profile of a dummy Llama-3.1-8B-shaped model),
 # phaseratio-prefill (2048 in / 128 out) and phaseratio-decode (256 in / 1024 out): 1P1D,
 # colocated x2 and x1, rates from the profile's predicted capacities, SLOs ttft=2000 ms and
-# tpot=15 ms (prefill-heavy) or 8 ms (decode-heavy; 10 ms at 461f0eb stressed nothing).
+# tpot=15 ms (prefill-heavy) or 8 ms (decode-heavy; 10 ms at 461f0eb stressed nothing);
+# phaseratio-limits: the prefill-heavy workload on colocated x2 with the limits `pd-serve plan
+# --capacity` recommends (--max-running-requests 16 --chunked-prefill-size 1024), at PR_RATES.
 # transfer (GPU transfer tests + bench/transfer.py over torch and ipc with 32 requests in flight,
 # then ipc with 8 / 32 / 128 in flight; two GPUs: kind nvidia-h200-x2), transfer-fp8
 # (the same bench with an FP8 KV cache: the quantization issue's half-the-bytes check); tp (two
@@ -132,6 +134,12 @@ for s in $steps; do
            --slo ttft=2000,tpot=8 --model "$big" --worker-args "--load-format dummy" \
            --input-len 256 --output-len 1024 --num-prompts 100 --no-progress \
            --output-dir "$OUT/phase-ratio-decode" ;;
+    phaseratio-limits) step pr-limits "${PR_TIMEOUT:-570}" python3 bench/phase_ratio.py --device cuda \
+           --configs colocated2 --request-rates "${PR_RATES:-7,14,21,28,35}" \
+           --slo ttft=2000,tpot=15 --model "$big" \
+           --worker-args "--load-format dummy --max-running-requests 16 --chunked-prefill-size 1024" \
+           --input-len 2048 --output-len 128 --num-prompts 100 --no-progress \
+           --output-dir "$OUT/phase-ratio-prefill-colocated2-mr16" ;;
     transfer-fp8) step transfer-fp8 300 python3 bench/transfer.py --dtype float8_e4m3fn \
            --backends ipc,torch --in-flight-max-mib 1024 --output "$OUT/transfer-2xh200-fp8.json" ;;
     w4a16) step w4a16 180 python3 bench/w4a16.py --batch-sizes 1,16,64 --output "$OUT/w4a16-h200.json" ;;
