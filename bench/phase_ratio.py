@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from bench import serving  # noqa: E402
 from bench._common import device_name, git_commit, write_json  # noqa: E402
 from pd_serve.launch import LaunchError, LocalCluster, free_port, launch_transfer_args  # noqa: E402
-from pd_serve.planner.plan import CAPACITY_TARGET  # noqa: E402
+from pd_serve.planner.plan import CAPACITY_TARGET, bounded  # noqa: E402
 
 AUTO_RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # of the largest measured capacity
 # bench/serving.py flags that this script sets on every run
@@ -310,11 +310,8 @@ def slo_capacity(rows: list[dict], target: float = ATTAINMENT_TARGET) -> dict[st
 
 
 def format_capacity(capacity: dict[str, dict]) -> str:
-    def bound(c: dict) -> str:
-        return "" if c["bound"] == "=" else c["bound"]
-
-    items = [f"{name} {bound(c)}{c['rate']:.3g} req/s ({bound(c)}{c['per_slot']:.3g} per slot)"
-             for name, c in capacity.items()]
+    items = [f"{name} {bounded(c['rate'], c['bound'])} req/s "
+             f"({bounded(c['per_slot'], c['bound'])} per slot)" for name, c in capacity.items()]
     target = next(iter(capacity.values()))["target"] if capacity else ATTAINMENT_TARGET
     return f"SLO capacity (highest rate at >= {target:.0%} attainment): " + ("; ".join(items) or "none")
 

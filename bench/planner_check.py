@@ -32,7 +32,7 @@ from bench._common import git_commit, write_json  # noqa: E402
 from bench.phase_ratio import ATTAINMENT_TARGET, slo_capacity  # noqa: E402
 from bench.serving import parse_slo  # noqa: E402
 from pd_serve.planner.costs import CostModel, load_profile  # noqa: E402
-from pd_serve.planner.plan import evaluate, workload, workload_args  # noqa: E402
+from pd_serve.planner.plan import bounded, evaluate, workload, workload_args  # noqa: E402
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits  # noqa: E402
 
 BAR = 0.25  # the planner issue's acceptance: |relative error| of goodput per configuration
@@ -126,8 +126,8 @@ def capacity_check(rows: list[dict]) -> list[dict]:
 def format_capacity(rows: list[dict]) -> str:
     lines = [f"SLO capacity (highest rate at >= {ATTAINMENT_TARGET:.0%} attainment), measured / predicted:"]
     for c in rows:
-        m = ("" if c["measured_bound"] == "=" else c["measured_bound"]) + f"{c['measured_rps']:.3g}"
-        p = ("" if c["predicted_bound"] == "=" else c["predicted_bound"]) + f"{c['predicted_rps']:.3g}"
+        m = bounded(c["measured_rps"], c["measured_bound"])
+        p = bounded(c["predicted_rps"], c["predicted_bound"])
         if c["error"] is None:
             verdict = "both beyond the swept rates"
         else:

@@ -191,10 +191,11 @@ def plan_capacity(costs: CostModel, num_gpus: int, wl_args, slo: dict[str, float
 
         hi = 2 * best_at(math.inf)["request_throughput"]
         lo = hi / 64
-        best_hi, best_lo = best_at(hi), best_at(lo)
+        best_hi = best_at(hi)
         if best_hi["slo_attainment"] >= target:
             rows.append(best_hi | {"capacity_rps": hi, "bound": ">="})
             continue
+        best_lo = best_at(lo)
         if best_lo["slo_attainment"] < target:
             rows.append(best_lo | {"capacity_rps": lo, "bound": "<"})
             continue
@@ -210,11 +211,16 @@ def plan_capacity(costs: CostModel, num_gpus: int, wl_args, slo: dict[str, float
     return {"target": target, "slo_ms": slo, "num_gpus": num_gpus, "configs": rows, "best": best}
 
 
+def bounded(rate: float, bound: str) -> str:
+    """A capacity as text: `2.5`, or with its bound, `>=4` / `<1` (see plan_capacity)."""
+    return ("" if bound == "=" else bound) + format(rate, ".3g")
+
+
 def format_capacity(result: dict) -> str:
     n = result["num_gpus"]
 
     def rps(row: dict, per: int = 1) -> str:
-        return ("" if row["bound"] == "=" else row["bound"]) + format(row["capacity_rps"] / per, ".3g")
+        return bounded(row["capacity_rps"] / per, row["bound"])
 
     rows = [(row, f"{rps(row):>9}{rps(row, n):>9}") for row in result["configs"]]
     best = result["best"]
