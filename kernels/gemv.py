@@ -18,14 +18,18 @@ rows and more): at one row the layer is a read of the weight, and an activation 
 cost a pass over x and a division per x element in every program. Until 2026-11-30 this kernel
 did round x (dynamic per-token or static scale, the tensor-core path's arithmetic) and read FP8
 weight at only 2.0-3.0 TB/s (`torch._scaled_mm` / here, us: q/k/v 30.8 / 12.3, o 26.5 / 8.2,
-gate/up 58.7 / 40.9, down 57.2 / 21.0); the weight-only form is not yet measured.
+gate/up 58.7 / 40.9, down 57.2 / 21.0).
 
 Block sizes are a fixed choice by K (no autotuning), from timings under CUDA graphs over 32
 distinct copies of each Llama-3.1-8B layer on an H200 (bf16, us per call, cuBLAS / here):
 q/k/v 16.3 / 13.9, o 13.5 / 10.7, gate/up 55.1 / 54.4, down 31.6 / 28.7, LM head 243 / 235.
-FP8 layers take the bf16 configurations with twice the K per tile (the same bytes per tile),
-an unmeasured choice. From two rows up cuBLAS wins (its tiles share the weight read between
-rows; this kernel's do not), so `linear` takes this path for one row only.
+FP8 (weight-only) configurations come from a sweep of 48 (bench/probes/fp8_gemv_variants.py,
+bench/results/probe-fp8-gemv-variants-h200-3852923.json, us, the choice / the sweep's best):
+q/k/v 11.0 / 10.5, o 7.0 / 7.0, gate/up 36.8 / 36.3, down 19.2 / 19.2, which is 2.3-3.2 TB/s
+of FP8 weight (bf16 here: 3.3-4.4 TB/s). A tensor-core variant (the FP8 tile widened to
+float16 or bfloat16, x in row 0 of a 16-row tl.dot) was no faster: 12.0 / 9.6 / 34.3 / 26.1 us
+in float16. From two rows up cuBLAS wins (its tiles share the weight read between rows; this
+kernel's do not), so `linear` takes this path for one row only.
 
 `linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
@@ -127,12 +131,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
 
 
 def _block_config(k: int, fp8: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) by the layer's K (see the module docstring):
-    FP8 weights take twice the K per tile, and at K >= 8192 half the channels (the float32
-    product tile stays within the registers)."""
-    if k >= 8192:
-        return (8, 2048, 8, 4) if fp8 else (16, 1024, 8, 4)
-    return (2, 2048, 4, 2) if fp8 else (2, 1024, 4, 2)
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) by the layer's K and weight dtype (see the
+    module docstring for the timings behind them)."""
+    if fp8:
+        return (4, 2048, 4, 2) if k >= 8192 else (8, 1024, 4, 2)
+    return (16, 1024, 8, 4) if k >= 8192 else (2, 1024, 4, 2)
 
 
 @lazy_kernel("the GEMV")
