@@ -398,12 +398,15 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
         load_format="dummy", seed=args.seed, attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph, disable_overlap_schedule=args.disable_overlap_schedule,
         enable_batch1_kernels=args.enable_batch1_kernels,
+        # every decode case replays a graph, as a server started with --cuda-graph-max-bs would
+        cuda_graph_max_bs=max(EngineConfig.cuda_graph_max_bs, max_batch),
         context_length=min(cfg.max_position_embeddings, longest + page_size),
         quantization=args.quantization,
         cache=CacheConfig(max_total_tokens=pool_tokens, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_running_requests=max_batch, chunked_prefill_size=chunk))
     info = {"pool_tokens": pool_tokens, "budget_bytes": int(budget), "need": need,
             "chunked_prefill_size": chunk, "context_length": config.context_length,
+            "cuda_graph_max_bs": config.cuda_graph_max_bs,
             "kv_bytes_per_token": kv_bytes_per_token}
     return EngineCore(config), info
 
