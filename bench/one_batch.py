@@ -380,7 +380,8 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
                  for b, c in extra})
     with torch.device("meta"):
         weight_bytes = sum(p.numel() for p in CausalLM(cfg).parameters()) * dtype.itemsize
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    kv_itemsize = dtype.itemsize if args.kv_cache_dtype == "auto" else 1  # fp8_*: one byte
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     if args.kv_budget_gb is not None:
         budget = args.kv_budget_gb * 1e9
     elif device.type == "cuda":
