@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch replayed from a CUDA graph (default: the engine's, 256)")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "flashinfer", "triton", "torch"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -149,7 +151,8 @@ def transformers_version() -> str | None:
 def main() -> None:
     args = parse_args()
     options = dict(device=args.device, dtype=args.dtype, seed=args.seed,
-                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                   attention_backend=args.attention_backend)
     if args.max_running_requests:
         options["max_running_requests"] = args.max_running_requests
     if args.cuda_graph_max_bs:

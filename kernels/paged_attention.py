@@ -229,7 +229,7 @@ def _kernels(triton):
             GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
             SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
-            PDL: tl.constexpr):
+            F16: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -261,6 +261,8 @@ def _kernels(triton):
         t_idx = (q_start + tok).to(tl.int64)
         q = tl.load(q_ptr + (t_idx * q_stride_t + head * q_stride_h)[:, None] + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
+        if F16:  # FP8 K/V under a bf16 query: the tiles' dot products in float16
+            q = q.to(tl.float16)
 
         # This block needs keys [0, kv_end); split `split` takes its share of whole tiles.
         kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_Q)
@@ -384,9 +386,16 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, SPLIT_BLOCK=split_block, DECODE=decode,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            F16=_fp8_in_f16(q, k_cache), num_warps=num_warps,
             num_stages=num_stages, **launch_options(pdl(q)))
         triton_launches += 1
+
+
+def _fp8_in_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    import os
+    return (k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16
+            and os.environ.get("PD_SERVE_FP8_ATTN_F16", "1") == "1")
 
 
 def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
