@@ -20,18 +20,24 @@ did round x (dynamic per-token or static scale, the tensor-core path's arithmeti
 weight at only 2.0-3.0 TB/s (`torch._scaled_mm` / here, us: q/k/v 30.8 / 12.3, o 26.5 / 8.2,
 gate/up 58.7 / 40.9, down 57.2 / 21.0).
 
-Block sizes are a fixed choice by shape (no autotuning), from timings under CUDA graphs over 32
+Block sizes are a fixed choice by K (no autotuning), from timings under CUDA graphs over 32
 distinct copies of each Llama-3.1-8B layer on an H200 (bf16, us per call, cuBLAS / here):
 q/k/v 16.3 / 13.9, o 13.5 / 10.7, gate/up 55.1 / 54.4, down 31.6 / 28.7, LM head 243 / 235.
-FP8 (weight-only) configurations come from two sweeps on an H200 (bench/probes/
-fp8_gemv_variants.py and fp8_gemv_prefetch.py; bench/results/probe-fp8-gemv-*-h200-*.json), us:
-q/k/v 9.1, o 6.7, gate/up 32.6, down 17.2 (2.5-3.6 TB/s of FP8 weight; bf16 here reads 3.3-4.4),
-from 11.3 / 8.3 / 43.1 / 20.1 with the bf16 tiles at twice the K. Neither a tensor-core form
-(the FP8 tile widened to float16 or bfloat16, x in row 0 of a 16-row tl.dot: 12.0 / 9.6 / 34.3
-/ 26.1 us in float16), nor loading the next tile ahead (slower), nor evict-first loads (no
-change), nor num_stages (Triton pipelines only loads that feed a tl.dot) did better. From two
-rows up cuBLAS wins (its tiles share the weight read between rows; this kernel's do not), so
-`linear` takes this path for one row only.
+FP8 (weight-only) configurations come from a sweep of 48 (bench/probes/fp8_gemv_variants.py,
+bench/results/probe-fp8-gemv-variants-h200-3852923.json, us, the choice / the sweep's best):
+q/k/v 11.0 / 10.5, o 7.0 / 7.0, gate/up 36.8 / 36.3, down 19.2 / 19.2, which is 2.3-3.2 TB/s
+of FP8 weight (bf16 here: 3.3-4.4 TB/s); the decode step at batch 1 went from 3.40 to 3.10 ms.
+No faster: a tensor-core form (the FP8 tile widened to float16 or bfloat16, x in row 0 of a
+16-row tl.dot: 12.0 / 9.6 / 34.3 / 26.1 us in float16), loading the next tile ahead, evict-first
+loads, num_stages (Triton pipelines only loads that feed a tl.dot). A form that builds the
+tile's [BLOCK_N, BLOCK_K] pointers once and moves them along K was 6-8 % faster alone
+(bench/probes/fp8_gemv_prefetch.py, ...-prefetch-h200-117d036.json: 9.1 / 6.7 / 32.6 / 17.2 us
+with (16, 512) tiles) but slower in the model: batch-1 steps of 3.33 ms in FP8 against 3.10,
+and 4.50 ms in bf16 against 4.25 at 3ade399 (bench/results/one-batch-h200-llama3-8b{,-fp8}-
+batch1-kernels-7cb46b5.json). Likely cause, not checked: registers, as the GLU form keeps two
+such pointer tiles live and bf16's (16, 1024) tile alone is 64 int64 pointers a thread. Not
+kept. From two rows up cuBLAS wins (its tiles share the weight read between rows; this
+kernel's do not), so `linear` takes this path for one row only.
 
 `linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
@@ -121,7 +127,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         n //= 2
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     fp8 = weight_scale is not None
-    block_n, block_k, num_warps, num_stages = _block_config(weight.shape[0], k, fp8)
+    block_n, block_k, num_warps, num_stages = _block_config(k, fp8)
     if silu_and_mul:  # the same weight rows a program: half of them gate, half up
         block_n = max(1, block_n // 2)
     kernel[(-(-n // block_n),)](
@@ -132,11 +138,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     return out
 
 
-def _block_config(n: int, k: int, fp8: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) by the weight's shape [n, k] and dtype (see the
+def _block_config(k: int, fp8: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) by the layer's K and weight dtype (see the
     module docstring for the timings behind them)."""
     if fp8:
-        return (16, 512, 8, 1) if k < 8192 and n >= 6144 else (8, 1024, 4, 1)
+        return (4, 2048, 4, 2) if k >= 8192 else (8, 1024, 4, 2)
     return (16, 1024, 8, 4) if k >= 8192 else (2, 1024, 4, 2)
 
 
@@ -154,21 +160,20 @@ def _kernel(triton):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
-        # [BN, BK] pointers to the first weight tile, moved along K by a scalar offset (6-8 %
-        # faster on FP8 weights than recomputing row start + column per element each tile)
-        w_tile = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
-        up_tile = w_tile + N.to(tl.int64) * K  # GLU's up rows
+        rows = rn.to(tl.int64)[:, None] * K  # [BN, 1] weight row starts
+        up_rows = rows + N.to(tl.int64) * K  # GLU's up rows
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GLU only
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
-            mask = n_mask[:, None] & k_mask[None, :]
             xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_tile + k0, mask=mask, other=0.0)
+            w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
             acc += w.to(tl.float32) * xs[None, :]
             if GLU:
-                w = tl.load(up_tile + k0, mask=mask, other=0.0)
+                w = tl.load(w_ptr + up_rows + kk[None, :],
+                            mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 acc_up += w.to(tl.float32) * xs[None, :]
         # tl.reduce with Triton's add combiner, not tl.sum (see kernels/norm.py: the interpreter)
         y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]

@@ -37,7 +37,7 @@ for name, (N, K) in shapes.items():
     best = None
     for cfg in itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (2, 4)):
         if cfg[0] * cfg[1] > 32768: continue
-        gemv._block_config = lambda n, k, f, cfg=cfg: cfg
+        gemv._block_config = lambda k, f, cfg=cfg: cfg
         def tg():
             for w, s in ws: gemv.gemv(x, w, s)
         try:

@@ -75,7 +75,7 @@ for name, (n, k) in shapes.items():
     ref = (x.float() @ (ws[0][0].float() * ws[0][1][:, None]).t())
     scale = ref.abs().max().item()
     us = graph_time(lambda: [gemv.gemv(x, w, s) for w, s in ws]) * 1e3 / 32
-    rows.append({"shape": name, "method": "kernels/gemv.py", "cfg": gemv._block_config(n, k, True),
+    rows.append({"shape": name, "method": "kernels/gemv.py", "cfg": gemv._block_config(k, True),
                  "us": us, "gbps": n * k / us / 1e3})
     print(rows[-1], flush=True)
     for cfg, prefetch, evict in itertools.product(cfgs, (False, True), (False, True)):

@@ -95,7 +95,7 @@ for name, (n, k) in shapes.items():
     bf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(32)]
     x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
     us = graph_time(lambda: [gemv.gemv(x, w) for w in bf]) * 1e3 / 32
-    rows.append({"shape": name, "method": "bf16-gemv", "cfg": orig(n, k, False), "us": us,
+    rows.append({"shape": name, "method": "bf16-gemv", "cfg": orig(k, False), "us": us,
                  "gbps": 2 * n * k / us / 1e3})
     print(rows[-1], flush=True)
     del bf
@@ -107,7 +107,7 @@ for name, (n, k) in shapes.items():
             if time.time() - t0 > BUDGET_S:
                 break
             if method == "fma":
-                gemv._block_config = lambda nn, kk, f, cfg=cfg: cfg
+                gemv._block_config = lambda kk, f, cfg=cfg: cfg
                 call = lambda w, s: gemv.gemv(x, w, s)
             else:
                 call = lambda w, s, cfg=cfg, f16=method == "dot-f16": dot(x, w, s, cfg, f16)
