@@ -50,6 +50,8 @@ DEQUANT_MIN_M = 256  # rows of x from which the weight is dequantized once and c
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_K_STEPS_PER_SPLIT = 4  # split-K never leaves a slice fewer BLOCK_K steps than this
 _DEQUANT_BLOCKS = (64, 128, 4)  # (BLOCK_K, BLOCK_N, num_warps) of the dequantize-only launch
+_GEMV_CONFIG = (64, 16, 4)  # (BLOCK_N, packed rows a step, num_warps) of the one-row kernel
+_GEMV_PROGRAMS_PER_SM = 4  # split-K of the one-row kernel aims at this many programs an SM
 tl = None  # triton.language, bound when _kernel is first built
 
 
@@ -108,7 +110,12 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | 
         return out.reshape(*x.shape[:-1], out_features)
     group_size = in_features // num_groups if g_idx is None else 0
     layer = (qweight, qzeros, scales, g_idx, group_size, offset)
-    if x2.shape[0] >= DEQUANT_MIN_M:
+    gemv_rows = _gemv_block_rows(in_features, num_groups, group_size)
+    if (x2.shape[0] == 1 and gemv_rows and qweight.stride(1) == 1 and scales.stride(1) == 1
+            and (qzeros is None or qzeros.stride(1) == 1)):
+        _launch_gemv(x2, qweight, qzeros, scales, in_features // num_groups, offset, out,
+                     gemv_rows, split_k=split_k)
+    elif x2.shape[0] >= DEQUANT_MIN_M:
         w = torch.empty(in_features, out_features, dtype=x.dtype, device=x.device)  # [K, N]
         _launch(x2, *layer, w, dequant_only=True)
         torch.mm(x2, w, out=out)
@@ -136,6 +143,20 @@ def _block_config(m: int, group_size: int) -> tuple[int, int, int, int, int]:
     if fits >= 16:
         config[2] = min(config[2], fits)
     return tuple(config)
+
+
+def _gemv_block_rows(in_features: int, num_groups: int, group_size: int) -> int:
+    """Packed rows (of 8 weight rows) per step of the one-row kernel, so that a step lies in
+    one group: _GEMV_CONFIG's, halved until 8 x it divides the group size; 0 when the layer
+    has no trivial grouping (g_idx) or a group size that is not a multiple of 8."""
+    if not group_size:
+        return 0
+    rows = _GEMV_CONFIG[1]
+    if num_groups == 1:
+        return rows
+    while rows and group_size % (8 * rows):
+        rows //= 2
+    return rows
 
 
 @functools.cache
@@ -289,6 +310,94 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | None,
     triton_launches += 1
     if partial:
         out.copy_(dest.sum(0))
+
+
+@lazy_kernel("the CUDA W4A16 GEMV")
+def _gemv_kernel(triton):
+    """The jitted one-row W4A16 kernel."""
+    @triton.jit
+    def w4a16_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, N, K, k_per_split, group_size,
+                          stride_x, stride_qwk, stride_qzg, stride_sg, stride_os,
+                          ZERO_OFFSET: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+                          STEPS_PER_SPLIT: tl.constexpr):
+        # Program (column block, split): BLOCK_N output channels over K slice `split`, a step
+        # being BLOCK_KP packed rows (8 x BLOCK_KP weight rows, all in one group).
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        mask_n = offs_n < N
+        k_start = tl.program_id(1) * k_per_split
+        k_end = tl.minimum(K, k_start + k_per_split)
+        zero_shift = (offs_n % 8) * 4  # [BN], the nibble of column n in its qzeros word
+        y = tl.full((BLOCK_N,), 0.0, tl.float32)
+        for step in range(STEPS_PER_SPLIT):  # a fixed trip count; the tail is masked
+            k0 = k_start + step * BLOCK_KP * 8
+            rows = k0 // 8 + tl.arange(0, BLOCK_KP)  # [KP] packed rows
+            row_ok = rows < k_end // 8
+            packed = tl.load(qw_ptr + rows[:, None] * stride_qwk + offs_n[None, :],
+                             mask=row_ok[:, None] & mask_n[None, :], other=0)  # [KP, BN]
+            high = packed >> 12  # nibbles 5-7 at bits 8-19
+            acc = tl.full((BLOCK_KP, BLOCK_N), 0.0, tl.float32)
+            x_sum = tl.full((BLOCK_KP,), 0.0, tl.float32)
+            for j in tl.static_range(8):  # weight row 8 * row + j is nibble j of the word
+                xj = tl.load(x_ptr + (rows * 8 + j) * stride_x, mask=row_ok,
+                             other=0.0).to(tl.float32)  # [KP]
+                x_sum += xj
+                # Nibble v in the low mantissa bits of 2^23 (bits 0x4B000000) under a shift s:
+                # the float is 2^23 + v * 2^s exactly, and minus 2^23, times x * 2^-s, is v * x.
+                # No int-to-float conversion (Hopper runs those at a quarter of the FMA rate).
+                if j < 5:  # (j is a compile-time constant)
+                    bits = (packed & (15 << (4 * j))) | 0x4B000000
+                    xs = xj * (1.0 / (1 << (4 * j)))
+                else:
+                    bits = (high & (15 << (4 * j - 12))) | 0x4B000000
+                    xs = xj * (1.0 / (1 << (4 * j - 12)))
+                acc += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xs[:, None]
+            # sum_k x_k * (q_kn - zero_n) * scale_n over the step's rows, with q - zero split
+            dot = tl.reduce(acc, 0, tl.standard._sum_combine)  # [BN]
+            xs = tl.reduce(x_sum, 0, tl.standard._sum_combine)
+            g = tl.minimum(k0, K - 1) // group_size
+            scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zword = tl.load(qz_ptr + g * stride_qzg + offs_n // 8, mask=mask_n, other=0)
+                zero = (((zword >> zero_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)
+            else:
+                zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+            y += scale * (dot - zero * xs)
+        tl.store(out_ptr + tl.program_id(1) * stride_os + offs_n, y, mask=mask_n)
+
+    return w4a16_gemv_kernel
+
+
+def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | None,
+                 scales: torch.Tensor, group_size: int, zero_offset: int, out: torch.Tensor,
+                 block_rows: int, *, split_k: int | None = None) -> None:
+    """out [1, N] = x [1, K] @ W.T for a trivially grouped layer (g_idx None), whose groups
+    hold whole steps of block_rows packed rows; qweight and scales contiguous along N."""
+    global triton_launches
+    kernel = _gemv_kernel.load()
+    k, n = x.shape[1], out.shape[1]
+    block_n, _, num_warps = _GEMV_CONFIG
+    block_k = 8 * block_rows
+    k_steps = -(-k // block_k)
+    if split_k is None:
+        split_k = 1
+        if x.is_cuda:
+            sms = _num_sms(x.device.index if x.device.index is not None
+                           else torch.cuda.current_device())
+            wanted = -(-_GEMV_PROGRAMS_PER_SM * sms // -(-n // block_n))
+            split_k = max(1, min(wanted, k_steps // _MIN_K_STEPS_PER_SPLIT))
+    k_per_split = -(-k_steps // max(1, min(split_k, k_steps))) * block_k
+    split_k = -(-k // k_per_split)  # no empty slices
+    partial = torch.empty(split_k, n, dtype=torch.float32, device=x.device)  # [S, N]
+    zeros = qzeros if qzeros is not None else qweight  # a placeholder pointer when unused
+    kernel[(-(-n // block_n), split_k)](
+        x, qweight, zeros, scales, partial, n, k, k_per_split, group_size,
+        x.stride(1), qweight.stride(0), zeros.stride(0) if qzeros is not None else 0,
+        scales.stride(0), partial.stride(0), ZERO_OFFSET=zero_offset,
+        HAS_ZEROS=qzeros is not None, BLOCK_N=block_n, BLOCK_KP=block_rows,
+        STEPS_PER_SPLIT=k_per_split // block_k, num_warps=num_warps)
+    triton_launches += 1
+    out.copy_(partial.sum(0, keepdim=True))
 
 
 # ----------------------------------------------------------------------------- validation

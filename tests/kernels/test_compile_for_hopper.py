@@ -77,6 +77,10 @@ def _cases():
     qweight, qzeros = _t(512, 256, dtype=i32), _t(32, 32, dtype=i32)
     yield "w4a16", lambda: w4a16.w4a16_matmul(_t(16, 4096, dtype=torch.float16), qweight, qzeros,
                                               _t(32, 256, dtype=torch.float16))
+    yield "w4a16 one row", lambda: w4a16.w4a16_matmul(_t(1, 4096), qweight, qzeros,
+                                                      _t(32, 256, dtype=torch.float16))
+    yield "w4a16 one row, no zeros", lambda: w4a16.w4a16_matmul(
+        _t(1, 4096, dtype=torch.float16), qweight, None, _t(32, 256, dtype=torch.float16))
     pool = lambda: _t(2, 2, 6, 16, 8, 128)  # noqa: E731  [L, 2, P, S, H, D]
     ids = torch.tensor([4, 1], dtype=i64)
     for dtype in (i32, i64):

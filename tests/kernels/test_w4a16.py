@@ -87,6 +87,21 @@ def test_matches_reference(dtype, layer_name, split_k):
 
 
 @needs_triton
+@pytest.mark.parametrize("split_k", [None, 2])
+@pytest.mark.parametrize("layer_name", [n for n, spec in LAYERS.items() if not spec[4]])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_one_row_kernel(dtype, layer_name, split_k, monkeypatch):
+    """One row of a trivially grouped layer runs the one-row kernel (nibbles turned into floats
+    by bit tricks, zero points factored out per group), never the tiled one."""
+    monkeypatch.setattr(w4a16, "_launch", lambda *a, **k: pytest.fail("the tiled kernel ran"))
+    layer, fmt = make_layer(LAYERS[layer_name])
+    x = random_x((1, layer["qweight"].shape[0] * 8), dtype, "cpu")  # [1, K]
+    with expect_launches(1):
+        out = w4a16.w4a16_matmul(x, **layer, checkpoint_format=fmt, split_k=split_k)
+    assert_matches_reference(out, w4a16.w4a16_matmul_ref(x, **layer, checkpoint_format=fmt))
+
+
+@needs_triton
 @pytest.mark.parametrize("m", [1, 20, 40, 70])  # each block configuration
 @pytest.mark.parametrize("layer_name", ["asym-g128", "asym-act-order"])
 def test_block_configurations(layer_name, m):
