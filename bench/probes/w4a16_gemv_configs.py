@@ -21,8 +21,10 @@ from pd_serve.model.gptq import dequantize_t, quantize_rtn
 
 dev = torch.device("cuda")
 configs = [(32, 16, 4), (64, 16, 4), (128, 16, 4), (64, 8, 4), (128, 8, 4), (256, 8, 8),
-           (64, 16, 2), (128, 16, 8), (256, 4, 4)]
-programs = (2, 4, 8)
+           (64, 16, 2), (128, 16, 8), (256, 4, 4), (32, 16, 1), (64, 16, 1), (128, 16, 2),
+           (64, 8, 2), (32, 32, 2)]
+programs = [int(p) for p in os.environ.get("PROGRAMS_PER_SM", "2,4,8").split(",")]
+configs = configs[int(os.environ.get("FIRST_CONFIG", 0)):]
 rows, best = [], {}
 for name, k, n in LLAMA3_8B_LAYERS:
     gen = torch.Generator(dev).manual_seed(0)
