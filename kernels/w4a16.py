@@ -50,7 +50,7 @@ DEQUANT_MIN_M = 256  # rows of x from which the weight is dequantized once and c
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_K_STEPS_PER_SPLIT = 4  # split-K never leaves a slice fewer BLOCK_K steps than this
 _DEQUANT_BLOCKS = (64, 128, 4)  # (BLOCK_K, BLOCK_N, num_warps) of the dequantize-only launch
-_GEMV_CONFIG = (64, 16, 2)  # (BLOCK_N, packed rows a step, num_warps) of the one-row kernel
+_GEMV_CONFIG = (64, 16, 1)  # (BLOCK_N, packed rows a step, num_warps) of the one-row kernel
 _GEMV_PROGRAMS_PER_SM = 8  # split-K of the one-row kernel aims at this many programs an SM
 tl = None  # triton.language, bound when _kernel is first built
 
