@@ -24,10 +24,23 @@ pays to dequantize in each, so the same kernel writes the dense W.T [K, N] in x'
 switch). No host syncs either way, so a call can be captured in a CUDA graph. Block sizes are
 a fixed choice by M (no autotuning), from timings on an H200.
 
-Measured on an H200 under CUDA graphs, bf16: a 4096 x 14336 layer takes about 40 us at M 1-16
-(0.75 TB/s of packed weight; a bf16 matmul of the dense weight, 30 us), bound by the unpacking
-instructions rather than memory; converting nibbles to halves with bit tricks (two a word
-op, as Marlin and exllama do) is the next step.
+One row of x (decode at batch 1) on a trivially grouped layer takes a kernel of its own,
+`_gemv_kernel`: a program owns BLOCK_N output channels of one K slice and walks it a group-
+aligned step at a time, with no tensor cores. A nibble v of a packed word becomes a float
+without an int-to-float conversion: masked in place and OR-ed into the mantissa of 2^23
+(0x4B000000), it reads as 2^23 + v * 2^s (s its bit offset, 0-16 after one shift for the top
+three), so (that - 2^23) * (x * 2^-s) is v * x exactly. Per step, sum_k x_k * q_kn is
+accumulated and the group's zero point and scale are applied once per channel:
+scale_n * (sum_k x_k q_kn - zero_n * sum_k x_k).
+
+Measured on an H200 under CUDA graphs (bench/w4a16.py, bf16 x, group 128), us per call, W4A16 /
+bf16 GEMM of the dequantized weight, Llama-3.1-8B's layers at batch 1
+(bench/results/w4a16-h200-8d96aac.json): q/k/v 14.4 / 14.4, o 11.6 / 10.2, gate/up 45.0 /
+55.7, down 21.1 / 31.4 (1.00 / 0.89 / 1.24 / 1.49x; the tiled kernel before it: 0.64-0.79x,
+4b53861). That is 0.75-1.45 TB/s of packed weight, against bf16's 3.3-4.2: still far from the
+memory rate. At batch 16 (the tiled kernel) 0.55-0.77x: bound by its unpacking and int-to-float
+conversions; the one-row trick, or converting nibbles to halves two at a time with bit tricks
+(as Marlin and exllama do), is the next step there.
 
 `w4a16_matmul` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise the kernel); otherwise `w4a16_matmul_ref`.
