@@ -27,7 +27,9 @@ meeting every SLO, as bench/serving.py counts it), SLO attainment (requests meet
 requests sent; failures are misses), request and output throughput, TTFT and TPOT p50/p90/p99, and in results.json every request's
 TTFT / TPOT / E2E (`latencies_ms`), so goodput under other SLOs can be counted afterwards
 (bench/planner_check.py --slo), and the p50 / p90 of each phase the gateway timed
-(`server_timings_ms`: queue, prefill, prefill_step, transfer, first_token, ...). --output-dir
+(`server_timings_ms`: queue, prefill, prefill_step, transfer, first_token, ...), and the cores
+each process kept busy (`host_cpu`: gateway, each worker, "client" = this process; where the
+total nears the core count, on CPU, the processes slowed each other down). --output-dir
 gets results.json, results.csv and results.png (goodput and SLO attainment against rate, a line
 per configuration).
 """
@@ -219,6 +221,29 @@ def server_phases(records: list[serving.RequestRecord]) -> dict[str, dict[str, f
     return out
 
 
+def host_cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) so far of each cluster process, by name, and of
+    this process ("client": the load generator), with the wall clock under "wall"."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"wall": time.perf_counter(), "client": sum(os.times()[:2])}
+    for name, proc in cluster.procs:
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # not Linux, or the process is gone
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def host_cpu_use(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict:
+    """Cores each process kept busy over one rate's run (CPU seconds / wall seconds), their
+    total, and the machine's core count: above it, the processes took turns on the cores."""
+    wall = after["wall"] - before["wall"]
+    use = {k: round((after[k] - before[k]) / wall, 3) for k in after if k != "wall" and k in before}
+    return {"cores_used": use, "total": round(sum(use.values()), 3), "cores": os.cpu_count(),
+            "wall_s": round(wall, 3), "benchmark_s": round(duration_s, 3)}
+
+
 def _latencies(record: serving.RequestRecord) -> list[float | None] | None:
     """[TTFT, TPOT, E2E] in ms of a completed request (TPOT None below two tokens); None for a
     failed one. Enough to count goodput under other SLOs later (bench/planner_check.py --slo)."""
@@ -243,6 +268,7 @@ def make_row(deployment: Deployment, rate: float, metrics: dict) -> dict:
         "errors": metrics["errors"],
         "latencies_ms": metrics["latencies_ms"],  # per request, in send order (not in the CSV)
         "server_timings_ms": metrics.get("server_timings_ms", {}),  # phase p50 / p90 (not in the CSV)
+        "host_cpu": metrics.get("host_cpu", {}),  # cores each process kept busy (not in the CSV)
     }
 
 
@@ -261,7 +287,10 @@ def run_deployment(args: argparse.Namespace, deployment: Deployment, rates: list
             log(f"{tag} {deployment.name}: ready in {time.perf_counter() - start:.1f} s")
             for i, rate in enumerate(rates, 1):
                 log(f"{tag} {deployment.name}: rate {rate:g} req/s ({i}/{len(rates)})")
-                row = make_row(deployment, rate, run_serving(args, cluster.base_url, rate))
+                before = host_cpu_seconds(cluster)
+                metrics = run_serving(args, cluster.base_url, rate)
+                row = make_row(deployment, rate, metrics | {"host_cpu": host_cpu_use(
+                    before, host_cpu_seconds(cluster), metrics["duration_s"])})
                 if dead := [name for name, proc in cluster.procs if proc.poll() is not None]:
                     raise LaunchError(f"{', '.join(dead)} exited during the run")
                 rows.append(row)

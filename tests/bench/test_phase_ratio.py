@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -136,6 +137,14 @@ def test_sweep_two_cpu_configurations(tmp_path, capsys):
         assert (r["config"] == "1p1d") == ({"prefill", "prefill_step", "transfer"} <= set(phases))
         assert all(0 <= p["p50"] <= p["p90"] for p in phases.values())
         assert phases["first_token"]["p50"] <= r["ttft_p50_ms"]  # the client's clock starts first
+        cpu = r["host_cpu"]  # cores each process kept busy while the rate ran
+        names = {"client", "gateway"} | ({"prefill-0", "decode-1"} if r["config"] == "1p1d"
+                                         else {"colocated-0"})
+        assert set(cpu["cores_used"]) == names and cpu["cores"] == os.cpu_count()
+        assert all(0 <= v <= cpu["cores"] for v in cpu["cores_used"].values())
+        assert cpu["total"] == pytest.approx(sum(cpu["cores_used"].values()), abs=0.01)
+        assert cpu["cores_used"]["client"] > 0 and cpu["total"] > 0
+        assert cpu["wall_s"] >= cpu["benchmark_s"] > 0
     assert [(r["num_prefill"], r["num_decode"], r["num_colocated"]) for r in rows if r["config"] == "1p1d"] \
         == [(1, 1, 0)] * 2
 
