@@ -60,6 +60,7 @@ import torch  # noqa: E402
 from bench import serving  # noqa: E402
 from bench._common import device_name, git_commit, write_json  # noqa: E402
 from pd_serve.launch import LaunchError, LocalCluster, free_port, launch_transfer_args  # noqa: E402
+from pd_serve.planner.profile import busy_cores, busy_machine_warning  # noqa: E402
 from pd_serve.planner.plan import CAPACITY_TARGET, bounded  # noqa: E402
 
 AUTO_RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # of the largest measured capacity
@@ -550,7 +551,8 @@ def device_info(args: argparse.Namespace) -> dict:
     if args.device == "cuda":
         return info | {"name": f"{args.num_slots} x {device_name(torch.device('cuda', 0))}",
                        "gpu_ids": args.gpu_ids[:args.num_slots]}
-    return info | {"name": f"CPU ({device_name(torch.device('cpu'))})", "threads_per_worker": args.cpu_threads}
+    return info | {"name": f"CPU ({device_name(torch.device('cpu'))})", "threads_per_worker": args.cpu_threads,
+                   "busy_cores_at_start": busy_cores()}  # other processes' (Linux)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -565,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                    "serving_args": args.serving_argv, "serving": args.serving},
         "capacity_rps": {}, "rows": [], "failures": [],
     }
+    if warning := busy_machine_warning(results["device"].get("busy_cores_at_start")):
+        log(f"warning: {warning}")
     total = len(args.deployments)
     interrupted = False
     try:

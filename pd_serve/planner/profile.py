@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> None:
 def measure(args: argparse.Namespace) -> dict:
     from pd_serve.cli import engine_config_from_args
 
+    busy_at_start = busy_cores()  # before anything of this run uses the cores
     started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     config = engine_config_from_args(args)
     chunk = config.scheduler.chunked_prefill_size
@@ -132,6 +133,8 @@ def measure(args: argparse.Namespace) -> dict:
                                 chunked_prefill_size=max(tokens + [chunk]) + max(batches),
                                 max_running_requests=max(batches + args.prefill_mixes + [256]))
     core = _build_core(dataclasses.replace(config, cache=cache, scheduler=sched))
+    if core.device.type == "cpu" and (warning := busy_machine_warning(busy_at_start)):
+        logger.warning("%s", warning)
     _check_context(core.max_model_len, tokens, contexts, mixed, repeats)
     sustain_s = args.sustain_s if args.sustain_s is not None else (1.0 if core.device.type == "cuda" else 0.0)
     t = _Timer(core, repeats, sustain_s)
@@ -160,6 +163,7 @@ def measure(args: argparse.Namespace) -> dict:
         "mixed": {"points": mixed},
         "wall_s": round(time.perf_counter() - started, 1),
         "load_average": [load_at_start, os.getloadavg()[0]],  # 1-minute, at start and end
+        "busy_cores_at_start": busy_at_start,  # other processes' use of the cores (Linux)
     }
 
 
@@ -174,6 +178,41 @@ def _check_context(max_model_len: int, tokens: list[int], contexts: list[int], m
     if too_long:
         raise ValueError(f"{', '.join(too_long)}: longer than the model's context of "
                          f"{max_model_len} tokens (--context-length)")
+
+
+BUSY_CORES = 0.25  # cores busy on an idle machine stay well below this
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores that all processes kept busy over the next `seconds`, from /proc/stat (Linux; None
+    elsewhere). Called before a measurement starts anything, it is what other processes use."""
+    def sample() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                ticks = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    first = sample()
+    time.sleep(seconds)
+    second = sample()
+    if first is None or second is None or second[1] == first[1]:
+        return None
+    return (second[0] - first[0]) / (second[1] - first[1]) * (os.cpu_count() or 1)
+
+
+def busy_machine_warning(busy: float | None) -> str | None:
+    """A warning when other processes keep `busy` cores busy (see busy_cores): CPU timings then
+    come out slower and noisier than the machine's own. Two CPU phase-ratio sweeps run beside
+    other load missed the planner at their knees; the same sweep on the idle machine did not
+    (README, Planning)."""
+    if busy is None or busy <= BUSY_CORES:
+        return None
+    return (f"other processes kept {busy:.2f} of this machine's {os.cpu_count()} cores busy just "
+            "before this run started, so CPU timings will come out slower and noisier (wait for "
+            "them to end, or mind the figures)")
 
 
 def warn_if_noisy(prefill: list[dict], decode: list[list[float]]) -> None:

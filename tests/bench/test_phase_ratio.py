@@ -15,6 +15,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
 
+from bench import phase_ratio  # noqa: E402
 from bench.phase_ratio import (Deployment, auto_rates, best_rows, default_deployments,  # noqa: E402
                                format_best, format_capacity, main, parse_args, parse_deployments,
                                parse_rates, planned_capacity, slo_capacity)
@@ -103,7 +104,8 @@ def test_slo_capacity_interpolates_at_the_first_drop_and_bounds_the_rest():
     assert "colocated1 <1 req/s (<1 per slot)" in text and "90%" in text
 
 
-def test_sweep_two_cpu_configurations(tmp_path, capsys):
+def test_sweep_two_cpu_configurations(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(phase_ratio, "busy_cores", lambda seconds=1.0: 1.25)  # other load
     out_dir = tmp_path / "sweep"
     num_prompts, rates = 6, [2.0, 4.0]
     rc = main(["--device", "cpu", "--configs", "1p1d,colocated1", "--request-rates", "2,4",
@@ -114,10 +116,12 @@ def test_sweep_two_cpu_configurations(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "TTFT p50/p90/p99" in captured.out and "best overall:" in captured.out
     assert "1p1d: rate 2 req/s" in captured.err and "colocated1: ready" in captured.err  # progress
+    assert "warning: other processes kept 1.25 of" in captured.err  # other load: said
 
     result = json.loads((out_dir / "results.json").read_text())
     assert result["benchmark"] == "phase_ratio" and result["commit"]
     assert result["device"]["type"] == "cpu" and result["device"]["num_slots"] == 2
+    assert result["device"]["busy_cores_at_start"] == 1.25
     assert result["config"]["configs"] == ["1p1d", "colocated1"] and result["failures"] == []
     assert result["config"]["serving"]["input_len"] == 16
     rows = result["rows"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from bench import serving
 from pd_serve.cli import main
 from pd_serve.planner import plan
+from pd_serve.planner import profile as profile_module
 from pd_serve.planner.costs import CostModel, fit_prefill, interp
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits, metrics, simulate
 
@@ -253,6 +255,23 @@ def test_profile_command_writes_the_layout(tmp_path, default_model_dir, capsys):
         assert main(argv) == 2
         assert f"{flag} " in capsys.readouterr().err and not (tmp_path / "q.json").exists()
     assert main(short) == 0
+
+
+def test_busy_machine_warning(tmp_path, default_model_dir, monkeypatch, caplog):
+    """Other processes on the cores are said, with how many cores they kept busy."""
+    busy = profile_module.busy_cores(0.05)
+    assert busy is None or 0 <= busy <= os.cpu_count()
+    assert profile_module.busy_machine_warning(0.1) is None
+    assert profile_module.busy_machine_warning(None) is None
+    warning = profile_module.busy_machine_warning(1.5)
+    assert "kept 1.50 of" in warning and f"{os.cpu_count()} cores" in warning
+    monkeypatch.setattr(profile_module, "busy_cores", lambda seconds=1.0: 1.5)
+    with caplog.at_level("WARNING", logger="pd_serve.planner.profile"):
+        assert main(["profile", "--output", str(tmp_path / "p.json"), "--device", "cpu",
+                     "--prefill-tokens", "8", "--decode-batches", "1", "--decode-contexts", "8",
+                     "--repeats", "1", "--mixed-points", "8:1:8"]) == 0
+    assert "kept 1.50 of" in caplog.text
+    assert json.loads((tmp_path / "p.json").read_text())["busy_cores_at_start"] == 1.5
 
 
 def test_profile_times_decode_back_to_back_under_the_overlap_schedule(tmp_path, monkeypatch,
