@@ -551,7 +551,8 @@ def device_info(args: argparse.Namespace) -> dict:
     if args.device == "cuda":
         return info | {"name": f"{args.num_slots} x {device_name(torch.device('cuda', 0))}",
                        "gpu_ids": args.gpu_ids[:args.num_slots]}
-    return info | {"name": f"CPU ({device_name(torch.device('cpu'))})", "threads_per_worker": args.cpu_threads,
+    return info | {"name": f"CPU ({device_name(torch.device('cpu'))})",
+                   "threads_per_worker": args.cpu_threads,
                    "busy_cores_at_start": busy_cores()}  # other processes' (Linux)
 
 
