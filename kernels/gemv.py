@@ -27,9 +27,10 @@ FP8 (weight-only) configurations come from a sweep of 48 (bench/probes/fp8_gemv_
 bench/results/probe-fp8-gemv-variants-h200-3852923.json, us, the choice / the sweep's best):
 q/k/v 11.0 / 10.5, o 7.0 / 7.0, gate/up 36.8 / 36.3, down 19.2 / 19.2, which is 2.3-3.2 TB/s
 of FP8 weight (bf16 here: 3.3-4.4 TB/s); the decode step at batch 1 went from 3.40 to 3.10 ms.
-No faster: a tensor-core form (the FP8 tile widened to float16 or bfloat16, x in row 0 of a
-16-row tl.dot: 12.0 / 9.6 / 34.3 / 26.1 us in float16), loading the next tile ahead, evict-first
-loads, num_stages (Triton pipelines only loads that feed a tl.dot). A form that builds the
+No faster over the four layers: a tensor-core form (the FP8 tile widened to float16 or
+bfloat16, x in row 0 of a 16-row tl.dot: 12.0 / 9.6 / 34.3 / 26.1 us in float16, faster on
+gate/up alone), loading the next tile ahead, evict-first loads, num_stages (Triton pipelines
+only loads that feed a tl.dot). A form that builds the
 tile's [BLOCK_N, BLOCK_K] pointers once and moves them along K was 6-8 % faster alone
 (bench/probes/fp8_gemv_prefetch.py, ...-prefetch-h200-117d036.json: 9.1 / 6.7 / 32.6 / 17.2 us
 with (16, 512) tiles) but slower in the model: batch-1 steps of 3.33 ms in FP8 against 3.10,
