@@ -357,7 +357,7 @@ def _gemv_kernel(triton):
                 x_sum += xj
                 # Nibble v in the low mantissa bits of 2^23 (bits 0x4B000000) under a shift s:
                 # the float is 2^23 + v * 2^s exactly, and minus 2^23, times x * 2^-s, is v * x.
-                # No int-to-float conversion (Hopper runs those at a quarter of the FMA rate).
+                # No int-to-float conversion (Hopper runs those at a fraction of the FMA rate).
                 if j < 5:  # (j is a compile-time constant)
                     bits = (packed & (15 << (4 * j))) | 0x4B000000
                     xs = xj * (1.0 / (1 << (4 * j)))
@@ -367,15 +367,16 @@ def _gemv_kernel(triton):
                 acc += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xs[:, None]
             # sum_k x_k * (q_kn - zero_n) * scale_n over the step's rows, with q - zero split
             dot = tl.reduce(acc, 0, tl.standard._sum_combine)  # [BN]
-            xs = tl.reduce(x_sum, 0, tl.standard._sum_combine)
+            x_total = tl.reduce(x_sum, 0, tl.standard._sum_combine)
             g = tl.minimum(k0, K - 1) // group_size
-            scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n,
+                            other=0.0).to(tl.float32)  # [BN]
             if HAS_ZEROS:
                 zword = tl.load(qz_ptr + g * stride_qzg + offs_n // 8, mask=mask_n, other=0)
                 zero = (((zword >> zero_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)
             else:
                 zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-            y += scale * (dot - zero * xs)
+            y += scale * (dot - zero * x_total)
         tl.store(out_ptr + tl.program_id(1) * stride_os + offs_n, y, mask=mask_n)
 
     return w4a16_gemv_kernel
