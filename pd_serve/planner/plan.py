@@ -154,7 +154,12 @@ def candidates(num_gpus: int, chunk_sizes, max_running) -> dict[str, list[Cluste
 
 
 def evaluate(spec: ClusterSpec, costs: CostModel, requests, slo: dict[str, float]) -> dict:
-    m = metrics(simulate(spec, costs, requests), slo)
+    return summarize(spec, simulate(spec, costs, requests), slo)
+
+
+def summarize(spec: ClusterSpec, simulated, slo: dict[str, float]) -> dict:
+    """The predicted metrics of `spec` from its simulated requests."""
+    m = metrics(simulated, slo)
     limits = ({"colocated": _limits(spec.colocated)} if spec.num_colocated else
               {"prefill": _limits(spec.prefill), "decode": _limits(spec.decode)})
     return {"config": spec.name, "num_prefill": spec.num_prefill, "num_decode": spec.num_decode,

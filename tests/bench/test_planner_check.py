@@ -13,9 +13,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
 
-from bench.planner_check import capacity_check, check, main, worker_limits  # noqa: E402
+from bench.planner_check import (capacity_check, check, main, request_errors,  # noqa: E402
+                                 worker_limits)
 from pd_serve.planner.costs import load_profile  # noqa: E402
-from pd_serve.planner.simulator import PoolLimits  # noqa: E402
+from pd_serve.planner.simulator import PoolLimits, SimRequest  # noqa: E402
 
 PROFILE = REPO_ROOT / "bench/results/profile-cpu-smollm2.json"
 RESULTS = REPO_ROOT / "bench/results/phase-ratio-cpu/results.json"
@@ -57,7 +58,7 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "check.json"
     assert main(["--profile", str(PROFILE), "--results", str(RESULTS), "--output", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "goodput within 25%:" in text and "colocated2" in text
+    assert "goodput within 25%:" in text and "colocated2" in text and "per request TTFT/TPOT" in text
     saved = json.loads(out.read_text())
     assert saved["bar"] == 0.25 and len(saved["rows"]) == len(json.loads(RESULTS.read_text())["rows"])
     assert "SLO capacity" in text and [c["config"] for c in saved["slo_capacity"]] == \
@@ -105,3 +106,25 @@ def test_other_slos_count_the_measured_requests_again(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--profile", str(PROFILE), "--results", str(path), "--slo", "ttft=1500,tpot=35"])
     assert "no per-request latencies" in capsys.readouterr().err
+
+
+def test_request_errors_compare_each_request():
+    """Request by request, in send order: |predicted / measured - 1| of TTFT and TPOT, over the
+    requests that completed; their median and p90."""
+    simulated = [SimRequest(0.0, 8, 3, token_times=[0.1, 0.2, 0.3]),  # TTFT 100, TPOT 100 ms
+                 SimRequest(1.0, 8, 3, token_times=[1.2, 1.3, 1.5]),  # TTFT 200, TPOT 150 ms
+                 SimRequest(2.0, 8, 3, token_times=[2.1, 2.2, 2.3])]
+    measured = [[125.0, 100.0, 300.0], [200.0, 120.0, 440.0], None]  # the third failed
+    errors = request_errors(simulated, measured)
+    assert errors["ttft"]["median"] == pytest.approx(0.1)  # |0.8 - 1| and 0
+    assert errors["ttft"]["p90"] == pytest.approx(0.18)
+    assert errors["tpot"]["median"] == pytest.approx(0.125)  # 0 and 150 / 120 - 1
+    assert errors["tpot"]["p90"] == pytest.approx(0.225)
+    assert request_errors(simulated, None) is None  # a sweep without per-request latencies
+    # check() gives every row its request errors when the sweep kept latencies
+    results = json.loads(RESULTS.read_text())
+    row = results["rows"][0]
+    row["latencies_ms"] = [[100.0, 50.0, 500.0]] * row["num_requests"]
+    [out] = check(load_profile(PROFILE), dict(results, rows=[row]))
+    assert set(out["request_error"]) == {"ttft", "tpot"}
+    assert check(load_profile(PROFILE), results)[1]["request_error"] is None
