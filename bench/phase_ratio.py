@@ -24,14 +24,14 @@ Per configuration: its SLO capacity, the highest rate served with >= 90 % of req
 every SLO (DistServe's per-configuration goodput; linear between the swept rates, or a bound when
 the sweep does not reach the drop). Per (configuration, rate): goodput (completed requests/s
 meeting every SLO, as bench/serving.py counts it), SLO attainment (requests meeting every SLO /
-requests sent; failures are misses), request and output throughput, TTFT and TPOT p50/p90/p99, and in results.json every request's
-TTFT / TPOT / E2E (`latencies_ms`), so goodput under other SLOs can be counted afterwards
-(bench/planner_check.py --slo), and the p50 / p90 of each phase the gateway timed
-(`server_timings_ms`: queue, prefill, prefill_step, transfer, first_token, ...), and the cores
-each process kept busy (`host_cpu`: gateway, each worker, "client" = this process; where the
-total nears the core count, on CPU, the processes slowed each other down). --output-dir
-gets results.json, results.csv and results.png (goodput and SLO attainment against rate, a line
-per configuration).
+requests sent; failures are misses), request and output throughput, TTFT and TPOT p50/p90/p99,
+and in results.json every request's TTFT / TPOT / E2E (`latencies_ms`), so goodput under other
+SLOs can be counted afterwards (bench/planner_check.py --slo), the p50 / p90 of each phase the
+gateway timed (`server_timings_ms`: queue, prefill, prefill_step, transfer, first_token, ...),
+and the cores each process kept busy (`host_cpu`: gateway, each worker, "client" = this process;
+where the total nears the core count, on CPU, the processes slowed each other down).
+--output-dir gets results.json, results.csv and results.png (goodput and SLO attainment against
+rate, a line per configuration).
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ AUTO_RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # of the largest measured ca
 SET_HERE = {"base_url": "--base-url", "request_rate": "--request-rate (use --request-rates)",
             "output": "--output (use --output-dir)", "save_requests": "--save-requests"}
 TIE_TOLERANCE = 0.02  # the best-configuration lines name others whose goodput is this close
-ATTAINMENT_TARGET = CAPACITY_TARGET  # SLO capacity: the highest rate served at this attainment
 LATENCY_COLUMNS = [f"{m}_{p}_ms" for m in ("ttft", "tpot") for p in ("p50", "p90", "p99")]
 CSV_COLUMNS = ["config", "num_prefill", "num_decode", "num_colocated", "num_slots", "request_rate",
                "num_requests", "completed", "failed", "num_good", "slo_attainment", "goodput",
@@ -318,7 +317,7 @@ def best_rows(rows: list[dict]) -> tuple[dict[float, dict], dict | None]:
     return dict(sorted(per_rate.items())), max(rows, key=key, default=None)
 
 
-def slo_capacity(rows: list[dict], target: float = ATTAINMENT_TARGET) -> dict[str, dict]:
+def slo_capacity(rows: list[dict], target: float = CAPACITY_TARGET) -> dict[str, dict]:
     """Per configuration, the highest request rate at which SLO attainment stays >= target
     (DistServe's per-configuration goodput): linear between the swept rates around the first
     drop below it. `bound` says how far the sweep pins it: "=" between two rates, ">=" when every
@@ -342,7 +341,7 @@ def slo_capacity(rows: list[dict], target: float = ATTAINMENT_TARGET) -> dict[st
 def format_capacity(capacity: dict[str, dict]) -> str:
     items = [f"{name} {bounded(c['rate'], c['bound'])} req/s "
              f"({bounded(c['per_slot'], c['bound'])} per slot)" for name, c in capacity.items()]
-    target = next(iter(capacity.values()))["target"] if capacity else ATTAINMENT_TARGET
+    target = next(iter(capacity.values()))["target"] if capacity else CAPACITY_TARGET
     return f"SLO capacity (highest rate at >= {target:.0%} attainment): " + ("; ".join(items) or "none")
 
 

@@ -33,10 +33,11 @@ if __package__ in (None, ""):  # `python bench/planner_check.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import git_commit, write_json  # noqa: E402
-from bench.phase_ratio import ATTAINMENT_TARGET, slo_capacity  # noqa: E402
+from bench.phase_ratio import slo_capacity  # noqa: E402
 from bench.serving import parse_slo  # noqa: E402
 from pd_serve.planner.costs import CostModel, load_profile  # noqa: E402
-from pd_serve.planner.plan import bounded, summarize, workload, workload_args  # noqa: E402
+from pd_serve.planner.plan import (CAPACITY_TARGET, bounded, summarize, workload,  # noqa: E402
+                                   workload_args)
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits, simulate, to_records  # noqa: E402
 
 BAR = 0.25  # the planner issue's acceptance: |relative error| of goodput per configuration
@@ -149,7 +150,7 @@ def capacity_check(rows: list[dict]) -> list[dict]:
 
 
 def format_capacity(rows: list[dict]) -> str:
-    lines = [f"SLO capacity (highest rate at >= {ATTAINMENT_TARGET:.0%} attainment), measured / predicted:"]
+    lines = [f"SLO capacity (highest rate at >= {CAPACITY_TARGET:.0%} attainment), measured / predicted:"]
     for c in rows:
         m = bounded(c["measured_rps"], c["measured_bound"])
         p = bounded(c["predicted_rps"], c["predicted_bound"])
@@ -179,7 +180,7 @@ def format_table(rows: list[dict]) -> str:
                  + (f"; largest |error| {max(relative):.0%}" if relative else ""))
     medians = {k: [r["request_error"][k]["median"] for r in rows
                    if r.get("request_error") and k in r["request_error"]] for k in ("ttft", "tpot")}
-    if medians["ttft"]:
+    if medians["ttft"] and medians["tpot"]:
         lines.append("per request, predicted against measured, median |error| over the rows' "
                      f"medians: TTFT {np.median(medians['ttft']):.1%}, TPOT "
                      f"{np.median(medians['tpot']):.1%} (largest row median "
