@@ -9,6 +9,13 @@
         prefill_time + decode_step - overlap_s, where overlap_s (the fixed per-forward cost that
         the sum would count twice) is fitted from the profile's mixed steps; 0 without them.
     transfer_time(tokens) = latency_s + tokens * bytes_per_token / (gbps * 1e9).
+    pipeline  where the profile has host_s / device_s on its prefill and mixed points (a GPU
+        engine that runs the overlap schedule), the step's two parts under that schedule:
+        host_time(tokens) the host's planning and launch (piecewise-linear in the step's tokens),
+        and `device`, the same models fitted to each point's device time. A point's device time
+        is its whole-step time_s where the device is the slower part (a lone or sustained step is
+        then the device's), else its device_s: a step of a few tokens is 15 ms of eager launches
+        for 4 ms of device work, and the launches hide behind the step before (simulator.py).
 
 Outside a grid the models clamp at the low end and extrapolate the last segment at the high end.
 """
@@ -51,6 +58,7 @@ class CostModel:
     bytes_per_token: int = 0
     transfer_gbps: float = float("inf")
     transfer_latency_s: float = 0.0
+    pipeline: "Pipeline | None" = None
 
     def prefill_time(self, num_tokens: int, pairs: int = 0) -> float:
         return interp(num_tokens, self.prefill_tokens, self.prefill_base_s) + self.attn_s_per_pair * pairs
@@ -67,6 +75,17 @@ class CostModel:
         if not prefill_tokens:
             return decode
         return self.prefill_time(prefill_tokens, pairs) + decode - min(self.overlap_s, decode)
+
+    def pipelined_step(self, prefill_tokens: int, pairs: int, batch: int,
+                       context: float) -> tuple[float, float]:
+        """(host, device) seconds of one step under the overlap schedule. A decode-only step is
+        its measured period on the device (its points were timed back to back, as a worker runs
+        them: whatever the launch costs is in it); a step with prompt tokens runs eagerly, its
+        host launch time and device time apart."""
+        if not prefill_tokens:
+            return 0.0, self.decode_step(batch, context)
+        return (self.pipeline.host_time(prefill_tokens + batch),
+                self.pipeline.device.step_time(prefill_tokens, pairs, batch, context))
 
     def transfer_time(self, num_tokens: int) -> float:
         return self.transfer_latency_s + num_tokens * self.bytes_per_token / (self.transfer_gbps * 1e9)
@@ -89,7 +108,37 @@ class CostModel:
                     + model.decode_step(p["batch_size"], p["context_len"]) - p["time_s"]
                     for p in profile.get("mixed", {}).get("points", [])]
         overlap = max(0.0, float(np.mean(overlaps))) if overlaps else 0.0
-        return dataclasses.replace(model, overlap_s=overlap, **overrides)
+        model = dataclasses.replace(model, overlap_s=overlap, **overrides)
+        prefill, mixed = profile["prefill"]["points"], profile.get("mixed", {}).get("points", [])
+        if any(p.get("device_s") is None for p in prefill + mixed):
+            return model
+        device = {**profile, "prefill": {"points": [_device_point(p) for p in prefill]},
+                  "mixed": {"points": [_device_point(p) for p in mixed]}}
+        tokens = sorted({p["num_tokens"] for p in prefill})
+        host_s = tuple(float(np.mean([p["host_s"] for p in prefill if p["num_tokens"] == t]))
+                       for t in tokens)
+        pipeline = Pipeline(cls.from_profile(device, **overrides), tuple(map(float, tokens)), host_s)
+        return dataclasses.replace(model, pipeline=pipeline)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A step's host and device parts under the overlap schedule (module docstring)."""
+
+    device: CostModel  # fitted to the points' device times
+    host_tokens: tuple[float, ...]  # grid of a step's tokens (prompt tokens + decode rows)
+    host_s: tuple[float, ...]  # the host's planning and launch time at that grid
+
+    def host_time(self, num_tokens: int) -> float:
+        return interp(num_tokens, self.host_tokens, self.host_s)
+
+
+def _device_point(point: dict) -> dict:
+    """The point with time_s its device's: the whole step where the device is the slower part."""
+    whole = {k: v for k, v in point.items() if k not in ("host_s", "device_s")}
+    if point["device_s"] < point["host_s"]:
+        whole["time_s"] = point["device_s"]
+    return whole
 
 
 def load_profile(path: str | Path) -> dict:

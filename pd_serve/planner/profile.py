@@ -19,6 +19,12 @@ machine only ever adds time), except where --sustain-s says otherwise:
            steps: a colocated worker's mixed steps alternate with lighter decode steps, and
            timing them back to back made the planner 25-31 % pessimistic for colocated x2 near
            its knee (2 x H200 sweeps, bench/results/phase-ratio-h200x2-prefill*).
+Where the engine runs the overlap schedule on a GPU, prefill and mixed points also get host_s
+and device_s, each the least of --repeats: the step launched while the device is held busy by
+a spin kernel, host_s the launch's wall time and device_s the step's time on the device (CUDA
+events around it). A lone step of a few tokens is mostly eager launches (an H200 profile: 14 ms
+for 16 prompt tokens); under the overlap schedule they hide behind the step before, so the
+planner charges such a step its device time (costs.py, pipeline).
 The KV transfer is not measured: bytes per token come from the KV layout, the rate and the
 per-transfer latency from --transfer-gbps / --transfer-latency-ms. costs.py fits the models.
 """
@@ -241,13 +247,16 @@ class _Timer:
         worker runs them), then turns it off: every other timed step is one whole step."""
         self.core, self.repeats, self.overlap = core, repeats, core.overlap
         self.sustain_s = sustain_s
+        self._spin_cycles_per_s = None
         core.overlap = False
 
     def prefill(self, prompt_lens: list[int]) -> dict:
-        time_s = self._whole_steps(lambda: [self._waiting(n) for n in prompt_lens], sum(prompt_lens),
-                                   self.sustain_s)
+        def add():
+            return [self._waiting(n) for n in prompt_lens]
+        time_s = self._whole_steps(add, sum(prompt_lens), self.sustain_s)
         return {"num_tokens": sum(prompt_lens), "prompt_lens": prompt_lens,
-                "attn_pairs": sum(n * n for n in prompt_lens), "time_s": time_s}
+                "attn_pairs": sum(n * n for n in prompt_lens), "time_s": time_s,
+                **self._host_and_device(add, sum(prompt_lens))}
 
     def _whole_steps(self, add_requests, expected_tokens: int, sustain_s: float = 0.0) -> float:
         """The least of --repeats steps; with sustain_s, the mean of the last --repeats of
@@ -273,11 +282,47 @@ class _Timer:
         return elapsed
 
     def mixed(self, prompt_len: int, batch: int, context: int) -> dict:
-        time_s = self._whole_steps(
-            lambda: [self._decoding(context) for _ in range(batch)] + [self._waiting(prompt_len)],
-            prompt_len + batch)
+        def add():
+            return [self._decoding(context) for _ in range(batch)] + [self._waiting(prompt_len)]
+        time_s = self._whole_steps(add, prompt_len + batch)
         return {"prefill_tokens": prompt_len, "attn_pairs": prompt_len * prompt_len,
-                "batch_size": batch, "context_len": context, "time_s": time_s}
+                "batch_size": batch, "context_len": context, "time_s": time_s,
+                **self._host_and_device(add, prompt_len + batch)}
+
+    def _host_and_device(self, add_requests, expected_tokens: int) -> dict:
+        """Under the overlap schedule on a GPU: {host_s, device_s} (module docstring), else {}.
+        The spin lasts 0.2 s, longer than any launch; a launch that waited for the device (a
+        host sync in it) would show as host_s >= the spin, and is an error."""
+        if not self.overlap or self.core.device.type != "cuda":
+            return {}
+        import torch
+        spin_s = 0.2
+        if self._spin_cycles_per_s is None:  # the spin kernel's clock, measured once
+            self._spin_cycles_per_s = _spin_rate(self.core.device)
+        hosts, devices = [], []
+        for _ in range(self.repeats):
+            requests = add_requests()
+            self._sync()
+            with torch.cuda.device(self.core.device):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(spin_s * self._spin_cycles_per_s))
+                start.record()
+                began = time.perf_counter()
+                self.core.overlap = True
+                self.core.step()  # nothing in flight: it launches and returns
+                hosts.append(time.perf_counter() - began)
+                end.record()
+            launched = self.core._in_flight.plan.num_tokens
+            self.core.drain()
+            self.core.overlap = False
+            self._sync()
+            devices.append(start.elapsed_time(end) / 1000)
+            self._finish(requests)
+            assert launched == expected_tokens, (launched, expected_tokens)
+        if min(hosts) >= 0.8 * spin_s:
+            raise RuntimeError(f"a step's launch took {min(hosts):.3f} s behind a {spin_s} s spin: "
+                               "it waits for the device, so the overlap schedule cannot hide it")
+        return {"host_s": min(hosts), "device_s": min(devices)}
 
     def _waiting(self, num_tokens: int):
         request = _request(num_tokens)
@@ -331,6 +376,18 @@ class _Timer:
         from pd_serve.engine.request import FinishReason
         for request in requests:
             self.core.scheduler.finish(request, FinishReason.ABORT)
+
+
+def _spin_rate(device) -> float:
+    """Cycles per second of torch.cuda._sleep, timed over a 10M-cycle spin."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.device(device):
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+    return 10_000_000 / (start.elapsed_time(end) / 1000)
 
 
 def _request(num_tokens: int):

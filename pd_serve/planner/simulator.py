@@ -15,6 +15,13 @@ engine's Scheduler), one event at a time:
     prompt chunks in one step; token 1 at the end of the step that completes the prompt.
 Steps run back to back while a worker has work. Step time: CostModel.step_time with the
 step's prompt tokens, their attention pairs, the decode batch and its mean cached context.
+Where the cost model has a pipeline (a GPU profile, whose engine runs the overlap schedule),
+colocated workers run that schedule instead: the host plans and launches step N (its host
+time), then waits for step N-1, whose tokens reach the client then; the device runs step N after
+N-1 and no sooner than its launch allows (start of the launch + max(host, device)). So the eager
+launches of a step of a few prompt tokens hide behind a long step before it. Prefill workers
+(they report finished layers, so every step is whole) and decode workers (decode-only steps,
+profiled at their back-to-back period) keep whole steps.
 Not modelled: KV-cache capacity (no preemption), gateway and network message latency (beyond
 the transfer's latency_s), the gateway's 20 ms admission retry, request timeouts.
 """
@@ -77,8 +84,10 @@ class SimRequest:
 class _Worker:
     """One engine: the Scheduler's plan (running first, then waiting, under a token budget)."""
 
-    def __init__(self, sim: "Simulation", limits: PoolLimits, on_prompt_done):
+    def __init__(self, sim: "Simulation", limits: PoolLimits, on_prompt_done, pipelined: bool = False):
         self.sim, self.limits, self.on_prompt_done = sim, limits, on_prompt_done
+        self.pipelined = pipelined  # the overlap schedule (module docstring)
+        self.in_flight = None  # pipelined: (what it samples, device end) of the last launched step
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.busy = False
@@ -96,15 +105,44 @@ class _Worker:
         message before it steps)."""
         if not self.busy:
             self.busy = True
-            self.sim.at(self.sim.now, self._start_step)
+            self.sim.at(self.sim.now, self._iterate if self.pipelined else self._start_step)
 
     def _start_step(self) -> None:
         chunks = self._schedule()
         if chunks:
-            self.step_end = self.sim.now + self._step_time(chunks)
+            self.step_end = self.sim.now + self.sim.costs.step_time(*self._shape(chunks))
             self.sim.at(self.step_end, self._step_done, chunks)
         else:
             self.busy = False
+
+    def _step_done(self, chunks) -> None:
+        self._deliver(self._advance(chunks))
+        self.busy = False
+        self.kick()
+
+    def _iterate(self) -> None:
+        """One turn of the overlap schedule: plan and launch a step, then wait for the one
+        launched before it and deliver its tokens."""
+        chunks = self._schedule()
+        previous, self.in_flight = self.in_flight, None
+        launched = self.sim.now
+        if chunks:
+            host, device = self.sim.costs.pipelined_step(*self._shape(chunks))
+            end = self.sim.now + max(host, device)
+            if previous is not None:
+                end = max(end, previous[1] + device)
+            self.in_flight = (self._advance(chunks), end)
+            launched += host
+        if previous is not None:
+            self.sim.at(max(launched, previous[1]), self._settle, previous[0])
+        elif chunks:
+            self.sim.at(launched, self._iterate)
+        else:
+            self.busy = False
+
+    def _settle(self, sampled) -> None:
+        self._deliver(sampled)
+        self._iterate()
 
     def _schedule(self) -> list[tuple[SimRequest, int]]:
         size = self.limits.chunked_prefill_size
@@ -113,6 +151,8 @@ class _Worker:
         for r in self.running:
             if budget == 0:
                 break
+            if r.num_sampled >= r.output_len:  # its last token is in flight (pipelined)
+                continue
             n = min(r.input_len - r.num_computed, budget) if r.num_computed < r.input_len else 1
             chunks.append((r, n))
             budget -= n
@@ -124,29 +164,38 @@ class _Worker:
             budget -= n
         return chunks
 
-    def _step_time(self, chunks) -> float:
+    def _shape(self, chunks) -> tuple[int, int, int, float]:
+        """What a step costs by: prompt tokens, their attention pairs, decode batch and context."""
         prompt_rows = [(n, r.num_computed + n) for r, n in chunks if r.num_computed < r.input_len]
         decodes = [r for r, _ in chunks if r.num_computed >= r.input_len]
         context = sum(r.context for r in decodes) / len(decodes) if decodes else 0.0
-        return self.sim.costs.step_time(sum(n for n, _ in prompt_rows), attn_pairs(prompt_rows),
-                                        len(decodes), context)
+        return sum(n for n, _ in prompt_rows), attn_pairs(prompt_rows), len(decodes), context
 
-    def _step_done(self, chunks) -> None:
-        now = self.sim.now
+    def _advance(self, chunks) -> list[tuple[SimRequest, bool]]:
+        """The step's effect on its requests; returns those it samples a token for (True: the
+        prompt's first)."""
+        sampled = []
         for r, n in chunks:
             if r.num_computed < r.input_len:
                 r.num_computed += n
                 if r.num_computed == r.input_len:
                     r.num_sampled = 1
-                    self.on_prompt_done(self, r)
+                    sampled.append((r, True))
             else:
                 r.num_sampled += 1
-                r.token_times.append(now)
-                if r.num_sampled == r.output_len:
-                    self.running.remove(r)
-                    self.sim.finish(self, r)
-        self.busy = False
-        self.kick()
+                sampled.append((r, False))
+        return sampled
+
+    def _deliver(self, sampled) -> None:
+        """The sampled tokens reach the client now."""
+        for r, first in sampled:
+            if first:
+                self.on_prompt_done(self, r)
+                continue
+            r.token_times.append(self.sim.now)
+            if len(r.token_times) == r.output_len:
+                self.running.remove(r)
+                self.sim.finish(self, r)
 
 
 class Simulation:
@@ -157,7 +206,7 @@ class Simulation:
         self._seq = itertools.count()
         self.prefill = [_Worker(self, spec.prefill, self._prefilled) for _ in range(spec.num_prefill)]
         self.decode = [_Worker(self, spec.decode, None) for _ in range(spec.num_decode)]
-        self.colocated = [_Worker(self, spec.colocated, self._first_token)
+        self.colocated = [_Worker(self, spec.colocated, self._first_token, costs.pipeline is not None)
                           for _ in range(spec.num_colocated)]
         self.admit_queue: list[SimRequest] = []
         self.slots: dict[int, _Worker] = {}  # id(request) -> the decode worker that admitted it

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -14,7 +15,7 @@ from bench import serving
 from pd_serve.cli import main
 from pd_serve.planner import plan
 from pd_serve.planner import profile as profile_module
-from pd_serve.planner.costs import CostModel, fit_prefill, interp
+from pd_serve.planner.costs import CostModel, Pipeline, fit_prefill, interp
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits, metrics, simulate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -357,3 +358,67 @@ def test_profile_sustains_prefill_steps(tmp_path, monkeypatch, tiny_checkpoints)
     steps.clear()
     result = profile_mod.measure(parser.parse_args(base))  # CPU default: no sustain, the least
     assert result["sustain_s"] == 0.0 and result["prefill"]["points"][0]["time_s"] == 1.0
+
+
+# ---- the overlap schedule (a GPU profile's host and device times) ------------------------------
+def pipelined_costs(host=0.3, device=0.05, decode=(D1, D2)) -> CostModel:
+    """A step with prompt tokens takes `host` to launch and `device` on the device (whole step:
+    their max); a decode-only step is its period."""
+    whole = const_costs(prefill=max(host, device), decode=decode)
+    return dataclasses.replace(whole, pipeline=Pipeline(const_costs(prefill=device, decode=decode),
+                                                        (1.0,), (host,)))
+
+
+def test_profile_with_host_and_device_times_gets_a_pipeline():
+    """A point's device time is its whole-step time where the device is the slower part (a
+    lone or sustained step is then the device's), else its device_s."""
+    profile = {"prefill": {"points": [
+        {"num_tokens": 16, "attn_pairs": 256, "time_s": 0.015, "host_s": 0.014, "device_s": 0.004},
+        {"num_tokens": 2048, "attn_pairs": 2048 ** 2, "time_s": 0.053, "host_s": 0.016,
+         "device_s": 0.048}]},
+        "decode": {"batch_sizes": [1, 8], "context_lens": [256], "time_s": [[0.005], [0.006]]},
+        "kv": {"bytes_per_token": 0}, "transfer": {"gbps": 100.0, "latency_s": 0.0}}
+    costs = CostModel.from_profile(profile)
+    device = costs.pipeline.device
+    assert device.prefill_time(16) == pytest.approx(0.004)
+    assert device.prefill_time(2048) == pytest.approx(0.053)
+    assert costs.prefill_time(16) == pytest.approx(0.015)  # whole steps stay whole
+    assert costs.pipeline.host_time(16) == pytest.approx(0.014)
+    assert costs.pipeline.host_time(1032) == pytest.approx(0.015)
+    assert costs.pipelined_step(0, 0, 8, 256) == (0.0, pytest.approx(0.006))
+    assert costs.pipelined_step(16, 256, 8, 256) == (pytest.approx(costs.pipeline.host_time(24)),
+                                                     pytest.approx(device.step_time(16, 256, 8, 256)))
+    for p in profile["prefill"]["points"]:
+        del p["device_s"]
+    assert CostModel.from_profile(profile).pipeline is None  # CPU profiles: whole steps
+    assert CostModel.from_profile(json.loads(RECORDED.read_text(encoding="utf-8"))).pipeline is None
+
+
+def test_overlap_schedule_hides_a_launch_behind_the_step_before():
+    """Colocated, pipelined: a lone prompt costs max(host, device); a step's tokens reach the
+    client once the host has launched the next step; that launch runs while the step before is
+    on the device, and hides behind it when the device is the slower part."""
+    spec = ClusterSpec(num_colocated=1)
+    H, Dv = 0.3, 0.05
+    [alone] = simulate(spec, pipelined_costs(H, Dv), [(0.0, 100, 1)])
+    assert ttft(alone) == pytest.approx(H)  # launch (0.3) then nothing to wait for but it
+    a, b = simulate(spec, pipelined_costs(H, Dv), [(0.0, 100, 1), (0.1, 100, 1)])
+    # A is launched by 0.3; B's launch follows (host until 0.6), and only then does the host
+    # wait for A: both tokens reach the client at 0.6, as the engine's step() reports them.
+    assert a.token_times[0] == b.token_times[0] == pytest.approx(2 * H)
+    # With a device-bound step before it, the launch hides: A's prompt 1.0 s on the device.
+    a, b = simulate(spec, pipelined_costs(0.3, 1.0), [(0.0, 100, 1), (0.1, 100, 1)])
+    assert a.token_times[0] == pytest.approx(1.0)
+    assert b.token_times[0] == pytest.approx(2.0)
+
+
+def test_overlap_schedule_decodes_at_their_period_and_ends_every_request():
+    spec = ClusterSpec(num_colocated=1)
+    requests = simulate(spec, pipelined_costs(0.3, 0.05), [(0.0, 100, 4), (0.0, 100, 4), (1.0, 50, 3)])
+    a, b, c = requests
+    assert len(a.token_times) == len(b.token_times) == 4 and len(c.token_times) == 3
+    assert tpot(a) == pytest.approx(D2)  # A and B decode together, one step per period
+    assert all(t2 > t1 for r in requests for t1, t2 in zip(r.token_times, r.token_times[1:]))
+    # the same workload with whole steps of the same lone cost gives the same tokens per request
+    whole = simulate(spec, const_costs(prefill=0.3), [(0.0, 100, 4), (0.0, 100, 4), (1.0, 50, 3)])
+    assert [len(r.token_times) for r in whole] == [4, 4, 3]
