@@ -291,8 +291,8 @@ class _Timer:
 
     def _host_and_device(self, add_requests, expected_tokens: int) -> dict:
         """Under the overlap schedule on a GPU: {host_s, device_s} (module docstring), else {}.
-        The spin lasts 0.2 s, longer than any launch; a launch that waited for the device (a
-        host sync in it) would show as host_s >= the spin, and is an error."""
+        The spin lasts 0.2 s, longer than any launch; a launch that waits for the device (a host
+        sync in it) shows as host_s >= the spin, and gets device_s None (a warning says so)."""
         if not self.overlap or self.core.device.type != "cuda":
             return {}
         import torch
@@ -319,9 +319,11 @@ class _Timer:
             devices.append(start.elapsed_time(end) / 1000)
             self._finish(requests)
             assert launched == expected_tokens, (launched, expected_tokens)
-        if min(hosts) >= 0.8 * spin_s:
-            raise RuntimeError(f"a step's launch took {min(hosts):.3f} s behind a {spin_s} s spin: "
-                               "it waits for the device, so the overlap schedule cannot hide it")
+        if min(hosts) >= 0.8 * spin_s:  # no device_s: the planner keeps whole steps
+            logger.warning("a %d-token step's launch took %.3f s behind a %.1f s spin: it waits for "
+                           "the device, so the overlap schedule cannot hide it", expected_tokens,
+                           min(hosts), spin_s)
+            return {"host_s": min(hosts), "device_s": None}
         return {"host_s": min(hosts), "device_s": min(devices)}
 
     def _waiting(self, num_tokens: int):
