@@ -248,13 +248,10 @@ def _kernel(triton):
                 if HAS_ZEROS:
                     zword = tl.load(qz_ptr + g * stride_qzg + (offs_n // 8) * stride_qzn,
                                     mask=mask_n, other=0)
-                    zero = (((zword >> zero_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)  # [BN]
+                    zero = ((zword >> zero_shift) & 0xF) + ZERO_OFFSET  # [BN]
+                    w = (q - zero[None, :]).to(dtype)
                 else:
-                    zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-                # q - zero without an int-to-float conversion: q in the low mantissa bits of
-                # 2^23 reads as 2^23 + q, and minus (2^23 + zero) is q - zero exactly.
-                w = ((q | 0x4B000000).to(tl.float32, bitcast=True)
-                     - (8388608.0 + zero)[None, :]).to(dtype)
+                    w = (q - 8).to(dtype)
                 acc += tl.dot(x, w, input_precision=DOT_PRECISION) * scale[None, :]
             else:
                 if HAS_G_IDX:
