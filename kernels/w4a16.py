@@ -38,9 +38,10 @@ bf16 GEMM of the dequantized weight, Llama-3.1-8B's layers at batch 1
 (bench/results/w4a16-h200-8d96aac.json): q/k/v 14.4 / 14.4, o 11.6 / 10.2, gate/up 45.0 /
 55.7, down 21.1 / 31.4 (1.00 / 0.89 / 1.24 / 1.49x; the tiled kernel before it: 0.64-0.79x,
 4b53861). That is 0.75-1.45 TB/s of packed weight, against bf16's 3.3-4.2: still far from the
-memory rate. At batch 16 (the tiled kernel) 0.55-0.77x: bound by its unpacking and int-to-float
-conversions; the one-row trick, or converting nibbles to halves two at a time with bit tricks
-(as Marlin and exllama do), is the next step there.
+memory rate. At batch 16 (the tiled kernel) 0.55-0.77x. The one-row kernel's float trick in
+the tiled kernel (q | 0x4B000000 as a float, minus 2^23 + zero) made batch 16 slower, 0.51-0.67x
+(bench/results/w4a16-h200-aa0d80c.json), so the int-to-float conversion is not what bounds it
+there; unpacking two nibbles at a time into half2 (as Marlin and exllama do) is untried.
 
 `w4a16_matmul` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise the kernel); otherwise `w4a16_matmul_ref`.
