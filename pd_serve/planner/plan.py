@@ -55,7 +55,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                         help="mean requests/s; a comma-separated list sweeps (inf: all at once)")
     parser.add_argument("--capacity", action="store_true",
                         help="instead of --request-rate: each split's SLO capacity, the highest "
-                             f"rate at which its best limits keep >= {CAPACITY_TARGET:.0%} of "
+                             f"rate at which its best limits keep >= {CAPACITY_TARGET * 100:.0f}%% of "
                              "requests within the SLOs (bisection), and the split with the most")
     parser.add_argument("--slo", required=True, help="SLOs in ms, e.g. ttft=500,tpot=50[,e2e=10000]")
     parser.add_argument("--chunk-sizes", type=int_list, default=[256, 512, 1024, 2048],
