@@ -50,7 +50,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     from pd_serve.planner.profile import int_list
 
     parser.add_argument("--profile", required=True, help="a profile JSON from pd-serve profile")
-    parser.add_argument("--num-gpus", type=int, default=2, help="devices to split (default: %(default)s)")
+    parser.add_argument("--num-gpus", type=int, default=2,
+                        help="devices to split (default: %(default)s; 1: colocated x1 alone, for "
+                             "its limits)")
     parser.add_argument("--request-rate", type=float_list, default=None,
                         help="mean requests/s; a comma-separated list sweeps (inf: all at once)")
     parser.add_argument("--capacity", action="store_true",
@@ -83,8 +85,8 @@ def run(args: argparse.Namespace) -> None:
         slo = parse_slo(args.slo)
     except argparse.ArgumentTypeError as e:
         raise ValueError(f"--slo: {e}") from None
-    if args.num_gpus < 2:
-        raise ValueError("--num-gpus must be >= 2 (one prefill and one decode worker at least)")
+    if args.num_gpus < 1:
+        raise ValueError("--num-gpus must be >= 1")
     overrides = {}
     if args.transfer_gbps is not None:
         overrides["transfer_gbps"] = args.transfer_gbps
@@ -232,7 +234,7 @@ def format_capacity(result: dict) -> str:
     return _table(f"SLO capacity: the highest rate with >= {result['target']:.0%} of requests "
                   f"within the SLOs", f"{'req/s':>9}{'per GPU':>9}", rows, best,
                   f"recommended: {best['config']} ({limit_flags(best)}), SLO capacity "
-                  f"{rps(best)} req/s on {n} GPUs")
+                  f"{rps(best)} req/s on {n} GPU{'s' if n > 1 else ''}")
 
 
 def _rank(row: dict, slo: dict[str, float]):

@@ -422,3 +422,14 @@ def test_overlap_schedule_decodes_at_their_period_and_ends_every_request():
     # the same workload with whole steps of the same lone cost gives the same tokens per request
     whole = simulate(spec, const_costs(prefill=0.3), [(0.0, 100, 4), (0.0, 100, 4), (1.0, 50, 3)])
     assert [len(r.token_times) for r in whole] == [4, 4, 3]
+
+
+def test_plan_on_one_gpu_searches_colocated_limits(capsys):
+    flags = ["plan", "--profile", str(RECORDED), "--num-gpus", "1", "--input-len", "64",
+             "--output-len", "16", "--num-prompts", "16", "--request-rate", "1", "--slo",
+             "ttft=1500,tpot=150", "--json"]
+    assert main(flags) == 0
+    [rate] = json.loads(capsys.readouterr().out)["rates"]
+    assert [c["config"] for c in rate["configs"]] == ["colocated1"]
+    assert main(flags[:4] + ["0"] + flags[5:]) == 2
+    assert "--num-gpus must be >= 1" in capsys.readouterr().err
