@@ -30,7 +30,10 @@ of FP8 weight (bf16 here: 3.3-4.4 TB/s); the decode step at batch 1 went from 3.
 No faster over the four layers: a tensor-core form (the FP8 tile widened to float16 or
 bfloat16, x in row 0 of a 16-row tl.dot: 12.0 / 9.6 / 34.3 / 26.1 us in float16, faster on
 gate/up alone), loading the next tile ahead, evict-first loads, num_stages (Triton pipelines
-only loads that feed a tl.dot). A form that builds the
+only loads that feed a tl.dot), and widening e4m3 to float32 by bit moves instead of the two
+conversions (bench/probes/fp8_gemv_bits.py, ...-bits-h200-4d49ef6.json: best 10.4 / 7.6 / 35.2 /
+21.1 us against this kernel's 11.1 / 7.1 / 36.8 / 19.3 in the same run: the conversions are not
+what bounds it). A form that builds the
 tile's [BLOCK_N, BLOCK_K] pointers once and moves them along K was 6-8 % faster alone
 (bench/probes/fp8_gemv_prefetch.py, ...-prefetch-h200-117d036.json: 9.1 / 6.7 / 32.6 / 17.2 us
 with (16, 512) tiles) but slower in the model: batch-1 steps of 3.33 ms in FP8 against 3.10,
