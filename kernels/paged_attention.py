@@ -9,7 +9,11 @@ One Triton kernel serves both entry points. A program takes one KV head of one r
 BLOCK_Q of that row's queries times all GROUP = Hq // Hkv query heads of the KV head: the
 [BLOCK_Q * GROUP, D] query tile rides through the keys page by page (BLOCK_N keys a tile,
 gathered through the page table) with a flash-attention online softmax in base 2, so each K/V
-tile is read once for all the heads that share it. Decode is the case BLOCK_Q = 1.
+tile is read once for all the heads that share it. Decode is the case BLOCK_Q = 1. Prefill
+launches one program per query block that holds queries (`prefill_blocks`, on the host from
+the rows' lengths), longest first. The grid it replaced, (blocks of the longest row) x rows,
+gave a step of 512 decode rows beside a 7,680-token chunk ~2M programs a layer, nearly all of
+them empty.
 
 Decode is split-K (flash-decoding): NUM_SPLITS programs share a (row, KV head), each taking an
 equal run of whole key tiles of that row's context (sized in the kernel from the row's own
@@ -157,14 +161,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = decode_num_splits(q.shape[0], k_cache.shape[2],
                                        page_table.shape[1] * k_cache.shape[1], q.device)
     _launch(q, k_cache, v_cache, None, page_table, seq_lens, scale * k_scale, v_scale, out,
-            max_q_len=1, num_splits=num_splits)
+            q_blocks=None, num_splits=num_splits)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             qo_indptr: torch.Tensor, page_table: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                            max_q_len: int | None = None, k_scale: float = 1.0,
+                            q_blocks: torch.Tensor | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each row's new tokens over its paged context (cached prefix + new).
 
@@ -177,8 +181,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         `paged_decode_attention` (q_len <= seq_len; rows of one token mix freely with long ones).
     qo_indptr : [B + 1] int32 (or int64), qo_indptr[0] = 0 and qo_indptr[B] = T.
     out : optional [T, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
-    max_q_len : the largest q_len (host int, sizes the grid); computed from qo_indptr when
-        omitted, at the cost of a host sync.
+    q_blocks : int32 [num_blocks, 2] on q's device, the (row, query block) of each program:
+        `prefill_blocks` of the rows' q_len and seq_len, which the caller has on the host; made
+        from qo_indptr and seq_lens when omitted, at the cost of a host sync.
 
     Returns
     -------
@@ -190,11 +195,32 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.copy_(paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, page_table,
                                               seq_lens, scale, k_scale, v_scale))
         return out
-    if max_q_len is None:
-        max_q_len = int(qo_indptr.diff().max()) if qo_indptr.numel() > 1 else 0
+    if q_blocks is None:
+        blocks = prefill_blocks(qo_indptr.diff().tolist(), seq_lens.tolist(), q.shape[1],
+                                k_cache.shape[2])
+        q_blocks = torch.tensor(blocks, dtype=torch.int32, device=q.device).view(-1, 2)
     _launch(q, k_cache, v_cache, qo_indptr, page_table, seq_lens, scale * k_scale, v_scale, out,
-            max_q_len, num_splits=1)
+            q_blocks, num_splits=1)
     return out
+
+
+def prefill_blocks(q_lens: list[int], seq_lens: list[int], num_heads: int,
+                   num_kv_heads: int) -> list[int]:
+    """The prefill kernel's programs (per KV head): each row's query blocks, as flat (row,
+    block) pairs, the blocks that see the most keys first. One program per block that holds
+    queries, so rows of one token (decode rows in a mixed batch) cost one program each, not
+    one per block of the longest row."""
+    block_q = _prefill_block_q(num_heads // num_kv_heads)
+    blocks = [(row, b) for row, n in enumerate(q_lens) for b in range(_cdiv(n, block_q))]
+    blocks.sort(key=lambda rb: min(seq_lens[rb[0]],  # the keys block b of row r reads
+                                   seq_lens[rb[0]] - q_lens[rb[0]] + (rb[1] + 1) * block_q),
+                reverse=True)
+    return [v for pair in blocks for v in pair]
+
+
+def _prefill_block_q(group: int) -> int:
+    """Query tokens per prefill program: BLOCK_M rows of tokens x the group's heads."""
+    return max(1, _PREFILL_BLOCK_M // _pow2(group))
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_context: int,
@@ -230,7 +256,7 @@ def _kernels(triton):
     @triton.jit
     def attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, qo_indptr_ptr,
-            page_table_ptr, seq_lens_ptr, qk_scale, v_scale, q_stride_t, q_stride_h, o_stride_t,
+            q_blocks_ptr, page_table_ptr, seq_lens_ptr, qk_scale, v_scale, q_stride_t, q_stride_h, o_stride_t,
             o_stride_h, k_stride_p, k_stride_s, k_stride_h, v_stride_p, v_stride_s, v_stride_h,
             table_stride, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
             GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -240,17 +266,19 @@ def _kernels(triton):
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        # Grid: (query blocks, rows, KV heads x splits). The last query blocks see the most
-        # keys, so they go first.
-        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-        row = tl.program_id(1)
+        # Grid: decode (1, rows, KV heads x splits); prefill (query blocks, 1, KV heads), the
+        # (row, block) of program i at q_blocks[i] (prefill_blocks: most keys first).
         kv_head = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
         num_q_heads = tl.num_programs(2) // NUM_SPLITS * GROUP
         if DECODE:
+            q_block = 0
+            row = tl.program_id(1)
             q_start = row
             q_len = 1
         else:
+            row = tl.load(q_blocks_ptr + 2 * tl.program_id(0))
+            q_block = tl.load(q_blocks_ptr + 2 * tl.program_id(0) + 1)
             q_start = tl.load(qo_indptr_ptr + row)
             q_len = tl.load(qo_indptr_ptr + row + 1) - q_start
         if q_block * BLOCK_Q >= q_len:
@@ -351,15 +379,15 @@ def _kernels(triton):
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             qo_indptr: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float, v_scale: float, out: torch.Tensor, max_q_len: int,
+            scale: float, v_scale: float, out: torch.Tensor, q_blocks: torch.Tensor | None,
             num_splits: int) -> None:
-    """Decode when qo_indptr is None (one query per row), else prefill; on q's device.
-    `scale` is the softmax scale with k_scale folded in."""
+    """Decode when qo_indptr is None (one query per row), else prefill over q_blocks; on q's
+    device. `scale` is the softmax scale with k_scale folded in."""
     global triton_launches
     num_tokens, num_heads, head_dim = q.shape
     num_rows = seq_lens.shape[0]
     _, page_size, num_kv_heads, _ = k_cache.shape
-    if num_tokens == 0 or num_rows == 0 or max_q_len == 0:
+    if num_tokens == 0 or num_rows == 0 or (q_blocks is not None and q_blocks.shape[0] == 0):
         return
     attention_kernel = _kernels.load()
     decode = qo_indptr is None
@@ -369,7 +397,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_q, block_n = 1, _DECODE_BLOCK_N
         num_warps, num_stages = _DECODE_WARPS, _DECODE_STAGES
     else:
-        block_q = max(1, _PREFILL_BLOCK_M // group_pad)
+        block_q = _prefill_block_q(group)
         block_n, num_warps, num_stages = _PREFILL_BLOCK_N, _PREFILL_WARPS, _PREFILL_STAGES
     block_m = max(16, block_q * group_pad)  # tl.dot wants 16 rows or more
     block_d = max(16, _pow2(head_dim))
@@ -382,12 +410,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         mid_o = mid_lse = counters = out  # unused
     split_block = min(_pow2(num_splits), max(1, _MERGE_ELEMENTS // (group_pad * block_d)))
-    grid = (_cdiv(max_q_len, block_q), num_rows, num_kv_heads * num_splits)
+    grid = ((1, num_rows, num_kv_heads * num_splits) if decode
+            else (q_blocks.shape[0], 1, num_kv_heads))
     elsewhere = q.is_cuda and q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if elsewhere else contextlib.nullcontext():
         attention_kernel[grid](
             q, k_cache, v_cache, out, mid_o, mid_lse, counters,
-            qo_indptr if qo_indptr is not None else seq_lens, page_table, seq_lens,
+            qo_indptr if qo_indptr is not None else seq_lens,
+            q_blocks if q_blocks is not None else seq_lens, page_table, seq_lens,
             scale * _LOG2E, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0),
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad,

@@ -63,7 +63,8 @@ def _cases():
         _t(3, 32, 128), *caches(e4m3), table, lens, 0.1, num_splits=2, k_scale=0.5, v_scale=2.0)
     indptr = torch.tensor([0, 30, 31, 64], dtype=i32)
     yield "prefill attention", lambda: paged_attention.paged_prefill_attention(
-        _t(64, 32, 128), *caches(bf16), indptr, table, lens, 0.1, max_q_len=33)
+        _t(64, 32, 128), *caches(bf16), indptr, table, lens, 0.1,
+        q_blocks=torch.zeros(5, 2, dtype=i32))
     for k_dim in (4096, 14336):
         yield f"gemv K={k_dim}", lambda kd=k_dim: gemv.gemv(_t(1, kd), _t(64, kd), bias=_t(64))
     yield "gemv + silu_and_mul", lambda: gemv.gemv(_t(1, 4096), _t(128, 4096), silu_and_mul=True)

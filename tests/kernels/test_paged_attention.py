@@ -148,8 +148,10 @@ def test_prefill_matches_reference(device, heads, dtype, page_size):
     scale = head_dim ** -0.5
     ref = pa.paged_prefill_attention_ref(q, k_cache, v_cache, indptr, table, seq_lens, scale)
     with expect_launches(2):
+        blocks = pa.prefill_blocks(q_lens, lens, num_heads, num_kv_heads)
         out = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, table, seq_lens, scale,
-                                         max_q_len=max(q_lens))
+                                         q_blocks=torch.tensor(blocks, dtype=torch.int32,
+                                                               device=device).view(-1, 2))
         again = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, table, seq_lens, scale)
     assert_close(out, ref, dtype)
     assert torch.equal(again, out)
@@ -319,3 +321,15 @@ def test_decode_graph_replays_with_new_lengths_and_pages():
         ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens,
                                             head_dim ** -0.5)
         assert_close(out, ref, torch.bfloat16)
+
+
+def test_prefill_programs_are_the_blocks_that_hold_queries():
+    """One program per query block of each row (per KV head), not one per block of the longest
+    row for every row: decode rows in a mixed batch cost one each. Most keys first."""
+    # Hq 32 / Hkv 8: 4 heads a group, 16 query tokens a block.
+    blocks = pa.prefill_blocks([1, 40, 1], [700, 40, 17], 32, 8)
+    pairs = list(zip(blocks[::2], blocks[1::2]))
+    assert sorted(pairs) == [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0)]
+    # the keys each reads: 700; 40, 32, 16 (row 1's blocks); 17
+    assert pairs == [(0, 0), (1, 2), (1, 1), (2, 0), (1, 0)]
+    assert pa.prefill_blocks([], [], 32, 8) == []

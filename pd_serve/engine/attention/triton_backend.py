@@ -1,7 +1,8 @@
 """Paged attention through this repo's Triton kernels (kernels/paged_attention.py).
 
-plan() turns the batch into three small index tensors on the pool's device (a dense int32 page
-table [B, max_pages], seq_lens [B], qo_indptr [B + 1]); run() stores the layer's new K/V with
+plan() turns the batch into small index tensors on the pool's device (a dense int32 page
+table [B, max_pages], seq_lens [B], and for prefill qo_indptr [B + 1] and the kernel's
+(row, query block) list); run() stores the layer's new K/V with
 kernels/kv_store and runs the decode kernel when every row has one new token, else the prefill
 kernel for the whole batch (chunked prefill and decode rows mixed in). FP8 pools: the store
 quantises (k / k_scale, saturated) and the attention kernels dequantise in registers (FP8 tiles
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kernels.paged_attention import (paged_decode_attention, paged_prefill_attention,
+                                     prefill_blocks)
 from pd_serve.cache.pool import KVPool
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 
@@ -67,7 +69,9 @@ class TritonAttentionBackend(AttentionBackend):
             for n in meta.query_lens:
                 indptr.append(indptr[-1] + n)
             self.qo_indptr = self._to_device(indptr)  # [B + 1]
-            self.max_q_len = max(meta.query_lens)
+            blocks = prefill_blocks(meta.query_lens, meta.seq_lens, self.num_heads,
+                                    self.pool.layout.num_kv_heads)
+            self.q_blocks = self._to_device(blocks).view(-1, 2)  # [blocks, 2]: (row, block)
         self.slot_mapping = meta.slot_mapping
         self.out = None  # run() allocates its output
 
@@ -115,5 +119,5 @@ class TritonAttentionBackend(AttentionBackend):
                                           v_scale=v_scale)  # [B, Hq, D]
         return paged_prefill_attention(q, k_cache, v_cache, self.qo_indptr, self.page_table,
                                        self.seq_lens, self.scale, out=out,
-                                       max_q_len=self.max_q_len, k_scale=k_scale,
+                                       q_blocks=self.q_blocks, k_scale=k_scale,
                                        v_scale=v_scale)  # [T, Hq, D]
