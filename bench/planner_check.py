@@ -199,11 +199,47 @@ def _ms(value) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.0f}"
 
 
+def plot(rows: list[dict], title: str, path: str | Path) -> None:
+    """Two panels against request rate, a colour per configuration: goodput and SLO attainment,
+    measured (solid, filled) and predicted (dashed, hollow)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("matplotlib is needed for the plot: pip install 'pd-serve[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, (ax_good, ax_attain) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    for i, name in enumerate(dict.fromkeys(r["config"] for r in rows)):
+        mine = sorted((r for r in rows if r["config"] == name), key=lambda r: r["request_rate"])
+        rates = [r["request_rate"] for r in mine]
+        color, marker = colors[i % len(colors)], "osD^v<>p"[i % 8]
+        for side, style in (("measured", dict(linestyle="-", markerfacecolor=color)),
+                            ("predicted", dict(linestyle="--", markerfacecolor="none"))):
+            kw = dict(color=color, marker=marker, label=f"{name} {side}", **style)
+            ax_good.plot(rates, [r[f"{side}_goodput"] for r in mine], **kw)
+            ax_attain.plot(rates, [100 * r[f"{side}_attainment"] for r in mine], **kw)
+    ax_good.set(title="Goodput (requests/s meeting every SLO)", xlabel="request rate (req/s)",
+                ylabel="goodput (req/s)", ylim=(0, None))
+    ax_attain.set(title="SLO attainment", xlabel="request rate (req/s)",
+                  ylabel="SLO attainment (%)", ylim=(-3, 103))
+    for ax in (ax_good, ax_attain):
+        ax.grid(alpha=0.3)
+    ax_good.legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"planner check: {title}", fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", required=True, help="a profile JSON from pd-serve profile")
     p.add_argument("--results", required=True, help="a results.json from bench/phase_ratio.py")
     p.add_argument("--output", default=None, help="write the rows as JSON here")
+    p.add_argument("--plot", default=None,
+                   help="write a PNG here: measured and predicted goodput and SLO attainment")
     p.add_argument("--slo", type=parse_slo, default=None,
                    help="judge by these SLOs (ms) instead of the sweep's, e.g. ttft=2000,tpot=7")
     args = p.parse_args(argv)
@@ -221,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "results_commit": results.get("commit"), "git_commit": git_commit(),
                                  "slo_ms": args.slo or results["config"]["slo_ms"], "bar": BAR,
                                  "rows": rows, "slo_capacity": capacity})
+    if args.plot:
+        plot(rows, f"{Path(args.results).parent.name} against {Path(args.profile).name}",
+             args.plot)
     return 0
 
 

@@ -55,8 +55,10 @@ def test_errors_are_relative_to_the_measured_goodput():
 
 
 def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
-    out = tmp_path / "check.json"
-    assert main(["--profile", str(PROFILE), "--results", str(RESULTS), "--output", str(out)]) == 0
+    out, png = tmp_path / "check.json", tmp_path / "check.png"
+    assert main(["--profile", str(PROFILE), "--results", str(RESULTS), "--output", str(out),
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     text = capsys.readouterr().out
     assert "goodput within 25%:" in text and "colocated2" in text and "per request TTFT/TPOT" in text
     saved = json.loads(out.read_text())
