@@ -98,17 +98,18 @@ def run(args: argparse.Namespace) -> None:
     profile = load_profile(args.profile)
     costs = CostModel.from_profile(profile, **overrides)
     wl_args = workload_args(args, profile.get("max_model_len"))
+    about = {"profile": args.profile, "device": profile.get("device"), "model": profile.get("model"),
+             "num_gpus": args.num_gpus, "slo_ms": slo,
+             "workload": {k: getattr(wl_args, k) for k in DATASET_FLAGS}}
     if args.capacity:
         result = plan_capacity(costs, args.num_gpus, wl_args, slo, args.chunk_sizes, args.max_running)
-        print(json.dumps(result, indent=2, default=str) if args.json else format_capacity(result))
+        print(json.dumps(about | result, indent=2, default=str) if args.json
+              else format_capacity(result))
         return
     results = [plan_rate(costs, args.num_gpus, workload(wl_args, rate), rate, slo,
                          args.chunk_sizes, args.max_running) for rate in args.request_rate]
     if args.json:
-        print(json.dumps({"profile": args.profile, "device": profile.get("device"),
-                          "model": profile.get("model"), "num_gpus": args.num_gpus, "slo_ms": slo,
-                          "workload": {k: getattr(wl_args, k) for k in DATASET_FLAGS},
-                          "rates": results}, indent=2, default=str))
+        print(json.dumps(about | {"rates": results}, indent=2, default=str))
         return
     for result in results:
         print(format_table(result))
