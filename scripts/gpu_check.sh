@@ -19,6 +19,10 @@
 # tpot=15 ms (prefill-heavy) or 8 ms (decode-heavy; 10 ms at 461f0eb stressed nothing);
 # phaseratio-limits: the prefill-heavy workload on colocated x2 with the limits `pd-serve plan
 # --capacity` recommends (--max-running-requests 16 --chunked-prefill-size 1024), at PR_RATES.
+# phaseratio-all-prefill / -decode (the 4-8 GPU issue: nvidia-h200-x4 or -x8): every xPyD split
+# of the machine's GPUs and colocated on all of them, 400-prompt bursts, rates from the profile
+# (PROFILE=bench/results/profile-h200-llama3-8b-7022454.json to skip the profile step); the
+# planner's predictions for them are in bench/results/plan-h200-4-8-gpus/.
 # transfer (GPU transfer tests + bench/transfer.py over torch and ipc with 32 requests in flight,
 # then ipc with 8 / 32 / 128 in flight; two GPUs: kind nvidia-h200-x2), transfer-fp8
 # (the same bench with an FP8 KV cache: the quantization issue's half-the-bytes check); tp (two
@@ -134,6 +138,14 @@ for s in $steps; do
            --slo ttft=2000,tpot=8 --model "$big" --worker-args "--load-format dummy" \
            --input-len 256 --output-len 1024 --num-prompts 100 --no-progress \
            --output-dir "$OUT/phase-ratio-decode" ;;
+    phaseratio-all-prefill) step pr-all-prefill "${PR_TIMEOUT:-570}" python3 bench/phase_ratio.py \
+           --device cuda --rate-sweep plan --profile "$profile" --slo ttft=2000,tpot=15 \
+           --model "$big" --worker-args "--load-format dummy" --input-len 2048 --output-len 128 \
+           --num-prompts 400 --no-progress --output-dir "$OUT/phase-ratio-all-prefill" ;;
+    phaseratio-all-decode) step pr-all-decode "${PR_TIMEOUT:-570}" python3 bench/phase_ratio.py \
+           --device cuda --rate-sweep plan --profile "$profile" --slo ttft=2000,tpot=8 \
+           --model "$big" --worker-args "--load-format dummy" --input-len 256 --output-len 1024 \
+           --num-prompts 400 --no-progress --output-dir "$OUT/phase-ratio-all-decode" ;;
     phaseratio-limits) step pr-limits "${PR_TIMEOUT:-570}" python3 bench/phase_ratio.py --device cuda \
            --configs colocated2 --request-rates "${PR_RATES:-7,14,21,28,35}" \
            --slo ttft=2000,tpot=15 --model "$big" \
