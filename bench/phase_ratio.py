@@ -392,6 +392,21 @@ def workload_title(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> None:
     """Two panels against request rate: goodput, and SLO attainment; a line per configuration."""
+    rows, lines = results["rows"], []
+    for i, name in enumerate(results["config"]["configs"]):
+        mine = sorted((r for r in rows if r["config"] == name), key=lambda r: r["request_rate"])
+        if mine:
+            lines.append((i, name, [r["request_rate"] for r in mine], [r["goodput"] for r in mine],
+                          [r["slo_attainment"] for r in mine],
+                          dict(linestyle="--" if name.startswith("colocated") else "-")))
+    plot_rate_panels(lines, f"pd-serve phase ratio: {workload_title(results)}", path,
+                     offered=max((r["request_rate"] for r in rows), default=1.0))
+
+
+def plot_rate_panels(lines, title: str, path, offered: float | None = None) -> None:
+    """Goodput and SLO attainment against request rate, one line per (colour index, label,
+    rates, goodputs, attainments (0-1), extra plot style); with `offered`, the offered-rate
+    diagonal up to it."""
     try:
         import matplotlib
     except ImportError:
@@ -399,29 +414,24 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["rows"]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, (ax_good, ax_attain) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
-    for i, name in enumerate(results["config"]["configs"]):
-        mine = sorted((r for r in rows if r["config"] == name), key=lambda r: r["request_rate"])
-        if not mine:
-            continue
-        style = dict(color=colors[i % len(colors)], marker="osD^v<>p"[i % 8], label=name, alpha=0.85,
-                     linestyle="--" if name.startswith("colocated") else "-")
-        rates = [r["request_rate"] for r in mine]
-        ax_good.plot(rates, [r["goodput"] for r in mine], **style)
-        ax_attain.plot(rates, [100 * r["slo_attainment"] for r in mine], **style)
-    top = max((r["request_rate"] for r in rows), default=1.0)
-    ax_good.plot([0, top], [0, top], color="0.6", linestyle=":", label="offered rate")
+    for i, label, rates, goodput, attainment, style in lines:
+        kw = dict(color=colors[i % len(colors)], marker="osD^v<>p"[i % 8], label=label, alpha=0.85)
+        kw.update(style)
+        ax_good.plot(rates, goodput, **kw)
+        ax_attain.plot(rates, [100 * a for a in attainment], **kw)
+    if offered is not None:
+        ax_good.plot([0, offered], [0, offered], color="0.6", linestyle=":", label="offered rate")
     ax_good.set(title="Goodput (requests/s meeting every SLO)", xlabel="request rate (req/s)",
-                ylabel="goodput (req/s)", xlim=(0, top * 1.05), ylim=(0, None))
+                ylabel="goodput (req/s)", xlim=(0, None), ylim=(0, None))
     ax_attain.set(title="SLO attainment (share of requests meeting every SLO)",
-                  xlabel="request rate (req/s)", ylabel="SLO attainment (%)",
-                  xlim=(0, top * 1.05), ylim=(-3, 103))
+                  xlabel="request rate (req/s)", ylabel="SLO attainment (%)", xlim=(0, None),
+                  ylim=(-3, 103))
     for ax in (ax_good, ax_attain):
         ax.grid(alpha=0.3)
-    ax_good.legend(loc="upper left", fontsize=9)
-    fig.suptitle(f"pd-serve phase ratio: {workload_title(results)}", fontsize=10)
+    ax_good.legend(loc="upper left", fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # `python bench/planner_check.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import git_commit, write_json  # noqa: E402
-from bench.phase_ratio import slo_capacity  # noqa: E402
+from bench.phase_ratio import plot_rate_panels, slo_capacity  # noqa: E402
 from bench.serving import parse_slo  # noqa: E402
 from pd_serve.planner.costs import CostModel, load_profile  # noqa: E402
 from pd_serve.planner.plan import (CAPACITY_TARGET, bounded, summarize, workload,  # noqa: E402
@@ -200,37 +200,16 @@ def _ms(value) -> str:
 
 
 def plot(rows: list[dict], title: str, path: str | Path) -> None:
-    """Two panels against request rate, a colour per configuration: goodput and SLO attainment,
-    measured (solid, filled) and predicted (dashed, hollow)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("matplotlib is needed for the plot: pip install 'pd-serve[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, (ax_good, ax_attain) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    """phase_ratio's two panels (goodput, SLO attainment against rate), a colour per
+    configuration: measured solid and filled, predicted dashed and hollow."""
+    lines = []
     for i, name in enumerate(dict.fromkeys(r["config"] for r in rows)):
         mine = sorted((r for r in rows if r["config"] == name), key=lambda r: r["request_rate"])
-        rates = [r["request_rate"] for r in mine]
-        color, marker = colors[i % len(colors)], "osD^v<>p"[i % 8]
-        for side, style in (("measured", dict(linestyle="-", markerfacecolor=color)),
-                            ("predicted", dict(linestyle="--", markerfacecolor="none"))):
-            kw = dict(color=color, marker=marker, label=f"{name} {side}", **style)
-            ax_good.plot(rates, [r[f"{side}_goodput"] for r in mine], **kw)
-            ax_attain.plot(rates, [100 * r[f"{side}_attainment"] for r in mine], **kw)
-    ax_good.set(title="Goodput (requests/s meeting every SLO)", xlabel="request rate (req/s)",
-                ylabel="goodput (req/s)", ylim=(0, None))
-    ax_attain.set(title="SLO attainment", xlabel="request rate (req/s)",
-                  ylabel="SLO attainment (%)", ylim=(-3, 103))
-    for ax in (ax_good, ax_attain):
-        ax.grid(alpha=0.3)
-    ax_good.legend(loc="upper left", fontsize=8)
-    fig.suptitle(f"planner check: {title}", fontsize=10)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+        for side, style in (("measured", {}), ("predicted", dict(linestyle="--", markerfacecolor="none"))):
+            lines.append((i, f"{name} {side}", [r["request_rate"] for r in mine],
+                          [r[f"{side}_goodput"] for r in mine],
+                          [r[f"{side}_attainment"] for r in mine], style))
+    plot_rate_panels(lines, f"planner check: {title}", path)
 
 
 def main(argv: list[str] | None = None) -> int:
