@@ -32,6 +32,7 @@ from _common import device_name, git_commit, sync, write_json  # noqa: E402
 from pd_serve import Engine, SamplingParams  # noqa: E402
 
 NUM_AGREEMENT_TOKENS = 16
+PROGRESS_S = 10.0  # seconds between the engine's progress lines
 FIRST_REGULAR_ID = 100  # ids below this are left out of random prompts (special tokens live there)
 
 
@@ -93,7 +94,9 @@ def progress(items, desc: str):
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], float]:
-    """Returns the output ids of each prompt and the seconds taken (a progress line per tenth)."""
+    """Returns the output ids of each prompt and the seconds taken (a progress line per tenth of
+    the requests done, and one every PROGRESS_S with the steps and tokens so far: with hundreds
+    of long requests running, the first tenth can take minutes)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     sync(engine.device)
@@ -101,13 +104,23 @@ def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> tup
     ids = [engine.add_request(p, params) for p in prompts]
     done: dict[str, list[int]] = {}
     step = max(1, len(prompts) // 10)
+    steps = tokens = 0
+    next_report = start + PROGRESS_S
     while len(done) < len(ids):
-        for out in engine.step():
+        outs = engine.step()
+        steps += 1
+        for out in outs:
+            tokens += len(out.new_token_ids)
             if out.finished:
                 done[out.request_id] = out.token_ids
                 if len(done) % step == 0 or len(done) == len(ids):
                     print(f"engine: {len(done)}/{len(ids)} requests done, "
                           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        if (t := time.perf_counter()) >= next_report:
+            print(f"engine: {t - start:.0f} s, {steps} steps ({1000 * (t - start) / steps:.1f} ms "
+                  f"each), {tokens} tokens out, {len(done)}/{len(ids)} requests done",
+                  file=sys.stderr, flush=True)
+            next_report = t + PROGRESS_S
     sync(engine.device)
     return [done[i] for i in ids], time.perf_counter() - start
 
@@ -163,7 +176,10 @@ def main() -> None:
         model = Path(tempfile.mkdtemp(prefix="offline-"))
         (model / "config.json").write_text(json.dumps(PRESETS[args.preset]))
         options["load_format"] = "dummy"
+    print("engine: building (weights, KV cache, CUDA graphs)", file=sys.stderr, flush=True)
+    built = time.perf_counter()
     engine = Engine(model=model, **options)
+    print(f"engine: ready in {time.perf_counter() - built:.1f} s", file=sys.stderr, flush=True)
     model_dir, device, dtype = engine.model_dir, engine.device, engine.dtype
     prompts = random_prompts(model_dir, engine.model_config.vocab_size, args.num_prompts,
                              args.input_len, args.seed)
