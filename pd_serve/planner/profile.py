@@ -22,9 +22,10 @@ machine only ever adds time), except where --sustain-s says otherwise:
 Where the engine runs the overlap schedule on a GPU, prefill and mixed points also get host_s
 and device_s, each the least of --repeats: the step launched while the device is held busy by
 a spin kernel, host_s the launch's wall time and device_s the step's time on the device (CUDA
-events around it). A lone step of a few tokens is mostly eager launches (an H200 profile: 14 ms
-for 16 prompt tokens); under the overlap schedule they hide behind the step before, so the
-planner charges such a step its device time (costs.py, pipeline).
+events around it). A lone step of a few tokens is mostly eager launches (an H200, profile
+7022454: 16 prompt tokens take 16.4 ms whole, 16.4-18.3 ms of it launches, 4.8 ms on the
+device); under the overlap schedule they hide behind the step before, so the planner charges
+such a step its device time (costs.py, pipeline).
 The KV transfer is not measured: bytes per token come from the KV layout, the rate and the
 per-transfer latency from --transfer-gbps / --transfer-latency-ms. costs.py fits the models.
 """
