@@ -1,7 +1,9 @@
 """Paged attention over one layer's KV cache: decode (split-K) and prefill (causal, chunked).
 
 A layer's cache is [P, S, Hkv, D]: the key at context position p of row b sits in page
-`page_table[b, p // S]`, offset `p % S`. Row b's new tokens are the last q_len of its
+`kv_indices[kv_indptr[b] + p // S]`, offset `p % S` (row b's pages are listed from
+kv_indptr[b] on, as flashinfer lists them; entries past its first ceil(seq_lens[b] / S) are
+never read). Row b's new tokens are the last q_len of its
 seq_lens[b] context positions and are already stored in the cache; the query at position p
 attends keys 0..p (causal), with query head h reading KV head h // (Hq // Hkv) (GQA).
 
@@ -25,9 +27,14 @@ splits' partials and resets the counter to zero. So decode is one launch whateve
 (a second merge kernel cost about 2.7 us a layer at batch 1 on an H200, plus its launch gap).
 The counters live in one zeroed buffer per device that every launch leaves zeroed: launches that
 share a device must not run at the same time (one stream per device, as the engine runs them).
-NUM_SPLITS comes from shapes only (rows, KV heads, the page table's width, the SM count), never
+NUM_SPLITS comes from shapes only (rows, KV heads, a bound on the context, the SM count), never
 from tensor values: no host sync, and a CUDA graph captured for one batch replays for another
-of the same shape.
+of the same shape, whatever its lengths and pages.
+
+The page lists are ragged, not a dense [B, max_pages] table: a CUDA graph's table had to be as
+wide as the longest context the engine allows, 8192 pages for a 131072-token Llama-3.1, so a
+batch of 512 filled and copied 4.2M entries a step (0.24 s of host time a step on the CPU box,
+a decode step being ~33 ms on the GPU) for the ~50k its rows hold.
 
 Measured on an H200 (Llama-3-8B heads: Hq 32, Hkv 8, D 128, page 16, bf16; one CUDA graph over
 many layers' caches, per-layer times): decode reads K/V at 4.2-4.4 TB/s from batch 32 up (the
@@ -86,23 +93,23 @@ tl = None  # triton.language, bound when _kernels is first built
 # ----------------------------------------------------------------------------- references
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                qo_indptr: torch.Tensor, page_table: torch.Tensor,
-                                seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                                v_scale: float = 1.0) -> torch.Tensor:
+                                qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                                kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of `paged_prefill_attention`: gathers each row's context, dequantises it
     (times k_scale, v_scale) and runs a masked softmax in float32, row by row (host syncs).
     Returns [T, Hq, D] in q's dtype."""
-    _check(q, k_cache, v_cache, page_table, seq_lens, qo_indptr)
+    _check(q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, qo_indptr)
     num_heads, (_, page_size, num_kv_heads, head_dim) = q.shape[1], k_cache.shape
     flat_k = k_cache.reshape(-1, num_kv_heads, head_dim)  # [P * S, Hkv, D]
     flat_v = v_cache.reshape(-1, num_kv_heads, head_dim)
     out = torch.zeros_like(q)
-    indptr, lens = qo_indptr.tolist(), seq_lens.tolist()
+    indptr, lens, first = qo_indptr.tolist(), seq_lens.tolist(), kv_indptr.tolist()
     for b, seq_len in enumerate(lens):
         start, end = indptr[b], indptr[b + 1]
         if end == start:
             continue
-        pages = page_table[b, :_cdiv(seq_len, page_size)].long()
+        pages = kv_indices[first[b]:first[b] + _cdiv(seq_len, page_size)].long()
         slots = (pages[:, None] * page_size + torch.arange(page_size, device=q.device))
         slots = slots.flatten()[:seq_len]  # [L]
         group = num_heads // num_kv_heads
@@ -117,20 +124,22 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                               kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
     """Torch reference of `paged_decode_attention`: prefill with one query per row."""
     qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, page_table, seq_lens,
-                                       scale, k_scale, v_scale)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
+                                       seq_lens, scale, k_scale, v_scale)
 
 
 # ----------------------------------------------------------------------------- dispatch
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, num_splits: int | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one new token per row over its whole paged context.
 
     Parameters
@@ -138,38 +147,40 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q : [B, Hq, D]; last dim contiguous, other strides arbitrary. Hq a multiple of Hkv.
     k_cache, v_cache : [P, S, Hkv, D], one shape and dtype (may differ from q's, FP8 included:
         tiles are cast to q's dtype); strides arbitrary.
-    page_table : [B, max_pages] int32 (or int64); row b's first ceil(seq_lens[b] / S) entries
-        are its pages, the rest are never read.
+    kv_indptr : [B + 1] int32 (or int64): row b's pages are listed from kv_indices[kv_indptr[b]].
+    kv_indices : [N] int32 (or int64) page ids; row b's are its first ceil(seq_lens[b] / S)
+        from kv_indptr[b] on (anything after them is never read).
     seq_lens : [B] int32 (or int64), each >= 1: context length including the new token.
     scale : softmax scale (usually D ** -0.5).
     out : optional [B, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
-    num_splits : key splits per (row, KV head); default `decode_num_splits(...)`, which reads
-        shapes only, so the launch is CUDA-graph capturable.
+    num_splits : key splits per (row, KV head); default `decode_num_splits(...)` with the
+        context bounded by N pages (shapes only, so the launch is CUDA-graph capturable). A
+        caller that knows a tighter bound on the longest context passes its own.
     k_scale, v_scale : the caches hold K / k_scale and V / v_scale (FP8 caches); default 1.0.
 
     Returns
     -------
     out, [B, Hq, D].
     """
-    _check(q, k_cache, v_cache, page_table, seq_lens, None, out)
+    _check(q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, None, out)
     out = q.new_empty(q.shape) if out is None else out
     if not _kernels.runs_on(q):
-        out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale,
-                                             k_scale, v_scale))
+        out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens,
+                                             scale, k_scale, v_scale))
         return out
     if num_splits is None:
         num_splits = decode_num_splits(q.shape[0], k_cache.shape[2],
-                                       page_table.shape[1] * k_cache.shape[1], q.device)
-    _launch(q, k_cache, v_cache, None, page_table, seq_lens, scale * k_scale, v_scale, out,
-            q_blocks=None, num_splits=num_splits)
+                                       kv_indices.shape[0] * k_cache.shape[1], q.device)
+    _launch(q, k_cache, v_cache, None, kv_indptr, kv_indices, seq_lens, scale * k_scale, v_scale,
+            out, q_blocks=None, num_splits=num_splits)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            qo_indptr: torch.Tensor, page_table: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                            q_blocks: torch.Tensor | None = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                            kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            out: torch.Tensor | None = None, q_blocks: torch.Tensor | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each row's new tokens over its paged context (cached prefix + new).
 
     Parameters
@@ -177,7 +188,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q : [T, Hq, D], the B rows' new tokens concatenated; row b owns
         q[qo_indptr[b]:qo_indptr[b + 1]], the last q_len of its seq_lens[b] positions.
         Last dim contiguous, other strides arbitrary.
-    k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale : as in
+    k_cache, v_cache, kv_indptr, kv_indices, seq_lens, scale, k_scale, v_scale : as in
         `paged_decode_attention` (q_len <= seq_len; rows of one token mix freely with long ones).
     qo_indptr : [B + 1] int32 (or int64), qo_indptr[0] = 0 and qo_indptr[B] = T.
     out : optional [T, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
@@ -189,18 +200,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     -------
     out, [T, Hq, D].
     """
-    _check(q, k_cache, v_cache, page_table, seq_lens, qo_indptr, out)
+    _check(q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, qo_indptr, out)
     out = q.new_empty(q.shape) if out is None else out
     if not _kernels.runs_on(q):
-        out.copy_(paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, page_table,
-                                              seq_lens, scale, k_scale, v_scale))
+        out.copy_(paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr,
+                                              kv_indices, seq_lens, scale, k_scale, v_scale))
         return out
     if q_blocks is None:
         blocks = prefill_blocks(qo_indptr.diff().tolist(), seq_lens.tolist(), q.shape[1],
                                 k_cache.shape[2])
         q_blocks = torch.tensor(blocks, dtype=torch.int32, device=q.device).view(-1, 2)
-    _launch(q, k_cache, v_cache, qo_indptr, page_table, seq_lens, scale * k_scale, v_scale, out,
-            q_blocks, num_splits=1)
+    _launch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, seq_lens, scale * k_scale,
+            v_scale, out, q_blocks, num_splits=1)
     return out
 
 
@@ -256,9 +267,9 @@ def _kernels(triton):
     @triton.jit
     def attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, qo_indptr_ptr,
-            q_blocks_ptr, page_table_ptr, seq_lens_ptr, qk_scale, v_scale, q_stride_t, q_stride_h, o_stride_t,
-            o_stride_h, k_stride_p, k_stride_s, k_stride_h, v_stride_p, v_stride_s, v_stride_h,
-            table_stride, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+            q_blocks_ptr, kv_indptr_ptr, kv_indices_ptr, seq_lens_ptr, qk_scale, v_scale,
+            q_stride_t, q_stride_h, o_stride_t, o_stride_h, k_stride_p, k_stride_s, k_stride_h,
+            v_stride_p, v_stride_s, v_stride_h, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
             GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
             SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
@@ -308,7 +319,7 @@ def _kernels(triton):
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
         l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        table = page_table_ptr + row.to(tl.int64) * table_stride
+        table = kv_indices_ptr + tl.load(kv_indptr_ptr + row).to(tl.int64)  # the row's pages
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)  # [N] key positions
             t_ok = t < hi
@@ -378,9 +389,9 @@ def _kernels(triton):
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            qo_indptr: torch.Tensor | None, page_table: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float, v_scale: float, out: torch.Tensor, q_blocks: torch.Tensor | None,
-            num_splits: int) -> None:
+            qo_indptr: torch.Tensor | None, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+            seq_lens: torch.Tensor, scale: float, v_scale: float, out: torch.Tensor,
+            q_blocks: torch.Tensor | None, num_splits: int) -> None:
     """Decode when qo_indptr is None (one query per row), else prefill over q_blocks; on q's
     device. `scale` is the softmax scale with k_scale folded in."""
     global triton_launches
@@ -417,9 +428,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attention_kernel[grid](
             q, k_cache, v_cache, out, mid_o, mid_lse, counters,
             qo_indptr if qo_indptr is not None else seq_lens,
-            q_blocks if q_blocks is not None else seq_lens, page_table, seq_lens,
+            q_blocks if q_blocks is not None else seq_lens, kv_indptr, kv_indices, seq_lens,
             scale * _LOG2E, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0),
+            *k_cache.stride()[:3], *v_cache.stride()[:3],
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             NUM_SPLITS=num_splits, SPLIT_BLOCK=split_block, DECODE=decode,
@@ -449,8 +460,8 @@ def _pow2(n: int) -> int:
 # ----------------------------------------------------------------------------- validation
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           page_table: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor | None,
-           out: torch.Tensor | None = None) -> None:
+           kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor,
+           qo_indptr: torch.Tensor | None, out: torch.Tensor | None = None) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"caches must be [P, S, Hkv, D] of one shape and dtype, got "
                          f"{k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} "
@@ -468,14 +479,15 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     num_rows = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     expected_rows = q.shape[0] if qo_indptr is None else qo_indptr.shape[0] - 1
-    if num_rows != expected_rows or page_table.dim() != 2 or page_table.shape[0] != num_rows:
-        raise ValueError(f"seq_lens must be [B] and page_table [B, max_pages] with B = "
-                         f"{expected_rows}, got {tuple(seq_lens.shape)} and "
-                         f"{tuple(page_table.shape)}")
-    ints = [page_table, seq_lens] + ([qo_indptr] if qo_indptr is not None else [])
+    if (num_rows != expected_rows or tuple(kv_indptr.shape) != (num_rows + 1,)
+            or kv_indices.dim() != 1):
+        raise ValueError(f"seq_lens must be [B], kv_indptr [B + 1] and kv_indices [N] with B = "
+                         f"{expected_rows}, got {tuple(seq_lens.shape)}, {tuple(kv_indptr.shape)} "
+                         f"and {tuple(kv_indices.shape)}")
+    ints = [kv_indptr, kv_indices, seq_lens] + ([qo_indptr] if qo_indptr is not None else [])
     if any(t.dtype not in (torch.int32, torch.int64) or t.stride(-1) != 1 for t in ints):
-        raise ValueError("page_table, seq_lens and qo_indptr must be int32 or int64 with a "
-                         "contiguous last dim")
+        raise ValueError("kv_indptr, kv_indices, seq_lens and qo_indptr must be contiguous "
+                         "int32 or int64")
     tensors = [q, k_cache, v_cache] + ints + ([out] if out is not None else [])
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"all tensors must share a device, got {[t.device for t in tensors]}")

@@ -68,11 +68,11 @@ for ctx in (1024, 4096, 8192):
     fi(); torch.cuda.synchronize()
     ref = w.run(q, (kc[0], vc[0]))
     att.append({"ctx": ctx, "attention": "flashinfer-tc", "us_per_layer": graph_time(fi) * 1e3 / L})
-    pt = torch.arange(P, dtype=torch.int32, device=dev)[None]
+    pt = torch.tensor([0, P], dtype=torch.int32, device=dev), torch.arange(P, dtype=torch.int32, device=dev)
     sl = torch.tensor([ctx], dtype=torch.int32, device=dev)
     def tr():
-        for i in range(L): paged_decode_attention(q, kc[i], vc[i], pt, sl, 1 / D ** 0.5)
-    o = paged_decode_attention(q, kc[0], vc[0], pt, sl, 1 / D ** 0.5)
+        for i in range(L): paged_decode_attention(q, kc[i], vc[i], *pt, sl, 1 / D ** 0.5)
+    o = paged_decode_attention(q, kc[0], vc[0], *pt, sl, 1 / D ** 0.5)
     att.append({"ctx": ctx, "attention": "triton", "us_per_layer": graph_time(tr) * 1e3 / L,
                 "maxdiff_vs_fi": (o.float() - ref.float()).abs().max().item()})
     print(att[-2:], flush=True)

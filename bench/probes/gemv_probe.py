@@ -121,10 +121,11 @@ try:
         att.append(r); print(r, flush=True)
     sys.path.insert(0, ".")
     from kernels.paged_attention import paged_decode_attention
-    pt = torch.arange(ctx // S, dtype=torch.int32, device=dev)[None]
+    pt = (torch.tensor([0, ctx // S], dtype=torch.int32, device=dev),
+          torch.arange(ctx // S, dtype=torch.int32, device=dev))  # kv_indptr, kv_indices
     sl = torch.tensor([ctx], dtype=torch.int32, device=dev)
     def tr():
-        for i in range(L): paged_decode_attention(q, kc[i], vc[i], pt, sl, 1 / D ** 0.5)
+        for i in range(L): paged_decode_attention(q, kc[i], vc[i], *pt, sl, 1 / D ** 0.5)
     try:
         tr(); torch.cuda.synchronize()
         t = graph_time(tr)

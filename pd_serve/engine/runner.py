@@ -162,12 +162,13 @@ class ModelRunner:
         host[:3 * bs] = torch.tensor(ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad,
                                      dtype=torch.int32)
         end = bs * (3 + self.attn.graph_input_width(bs))
-        self.attn.plan_cuda_graph(bs, AttentionMetadata(
+        staged = self.attn.plan_cuda_graph(bs, AttentionMetadata(
             query_lens=[1] * bs,
             seq_lens=(seq_lens or []) + [1] * pad,
             page_tables=(page_tables or []) + [[0]] * pad,
             slot_mapping=device[2 * bs:3 * bs],
         ), host[3 * bs:end], device[3 * bs:end])
+        end = 3 * bs + staged  # copy what this batch filled, not the bucket's capacity
         device[:end].copy_(host[:end], non_blocking=True)
 
     def _launch_graph(self, plan: SchedulerOutput, prev_tokens: torch.Tensor | None) -> PendingSample:

@@ -54,16 +54,17 @@ def _cases():
                                                           slots)
     yield "rope_store_kv fp8 into q_out", lambda: kv_store.rope_store_kv(
         positions, q, k, v, *tables, *caches(e4m3), slots, 0.5, 0.25, q_out=_t(3, 32, 128))
-    table, lens = torch.zeros(3, 4, dtype=i32), torch.tensor([40, 1, 64], dtype=i32)
+    pages = torch.tensor([0, 3, 4, 8], dtype=i32), torch.zeros(8, dtype=i32)  # kv_indptr, kv_indices
+    lens = torch.tensor([40, 1, 64], dtype=i32)
     for splits in (1, 3):
         yield f"decode attention, {splits} splits", lambda s=splits: (
-            paged_attention.paged_decode_attention(_t(3, 32, 128), *caches(bf16), table, lens,
+            paged_attention.paged_decode_attention(_t(3, 32, 128), *caches(bf16), *pages, lens,
                                                    0.1, num_splits=s))
     yield "decode attention fp8", lambda: paged_attention.paged_decode_attention(
-        _t(3, 32, 128), *caches(e4m3), table, lens, 0.1, num_splits=2, k_scale=0.5, v_scale=2.0)
+        _t(3, 32, 128), *caches(e4m3), *pages, lens, 0.1, num_splits=2, k_scale=0.5, v_scale=2.0)
     indptr = torch.tensor([0, 30, 31, 64], dtype=i32)
     yield "prefill attention", lambda: paged_attention.paged_prefill_attention(
-        _t(64, 32, 128), *caches(bf16), indptr, table, lens, 0.1,
+        _t(64, 32, 128), *caches(bf16), indptr, *pages, lens, 0.1,
         q_blocks=torch.zeros(5, 2, dtype=i32))
     for k_dim in (4096, 14336):
         yield f"gemv K={k_dim}", lambda kd=k_dim: gemv.gemv(_t(1, kd), _t(64, kd), bias=_t(64))

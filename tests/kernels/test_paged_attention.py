@@ -3,9 +3,9 @@
 On CPU the kernels run in Triton's interpreter (an autouse fixture sets PD_SERVE_TRITON_CPU=1 for
 each CPU test; the kernels are jitted on first use, which is when Triton reads it), on small
 shapes; on a CUDA machine the same cases also run compiled, plus bf16 and Llama-3-8B-like
-shapes. Every cache slot outside the rows' contexts holds NaN, as do the page-table entries past
-each row's pages (they name a NaN page), so a kernel that reads or keeps anything it should not
-fails loudly.
+shapes. Every cache slot outside the rows' contexts holds NaN, and each row's page list goes on
+past its pages with entries naming a NaN page, so a kernel that reads or keeps anything it
+should not fails loudly.
 """
 
 from __future__ import annotations
@@ -43,28 +43,31 @@ def expect_launches(n: int):
 
 
 def make_paged_context(seq_lens: list[int], page_size: int, num_kv_heads: int, head_dim: int,
-                       dtype, device, seed: int, spare_columns: int = 2):
+                       dtype, device, seed: int):
     """Caches [P, S, Hkv, D] with random K/V at every row's context slots and NaN elsewhere;
-    page tables [B, max_pages + spare_columns] int32 with scattered page ids, padded with a
-    NaN page's id. Returns (k_cache, v_cache, page_table, seq_lens)."""
+    the rows' pages as kv_indptr [B + 1] and kv_indices int32, scattered page ids, each row's
+    list going on past its pages with 0-2 entries naming a NaN page (allocated ahead, as the
+    scheduler's are). Returns (k_cache, v_cache, (kv_indptr, kv_indices), seq_lens)."""
     g = torch.Generator().manual_seed(seed)
     pages_per_row = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_row) + 3  # spare pages, all NaN
     ids = torch.randperm(num_pages, generator=g).tolist()
     nan_page, ids = ids[0], ids[1:]
-    width = max(pages_per_row) + spare_columns
-    table = torch.full((len(seq_lens), width), nan_page, dtype=torch.int32)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"))
     v_cache = torch.full(shape, float("nan"))
+    indptr, indices = [0], []
     for b, (n, num) in enumerate(zip(seq_lens, pages_per_row)):
         row_ids, ids = ids[:num], ids[num:]
-        table[b, :num] = torch.tensor(row_ids, dtype=torch.int32)
+        indices += row_ids + [nan_page] * (b % 3)
+        indptr.append(len(indices))
         for p in range(n):
             page, offset = row_ids[p // page_size], p % page_size
             k_cache[page, offset] = torch.randn(num_kv_heads, head_dim, generator=g)
             v_cache[page, offset] = torch.randn(num_kv_heads, head_dim, generator=g)
-    return (k_cache.to(dtype).to(device), v_cache.to(dtype).to(device), table.to(device),
+    pages = (torch.tensor(indptr, dtype=torch.int32, device=device),
+             torch.tensor(indices, dtype=torch.int32, device=device))
+    return (k_cache.to(dtype).to(device), v_cache.to(dtype).to(device), pages,
             torch.tensor(seq_lens, dtype=torch.int32, device=device))
 
 
@@ -104,14 +107,14 @@ CASES = _params(CPU) + _params(CUDA)
 def test_decode_matches_reference(device, heads, dtype, page_size):
     num_heads, num_kv_heads, head_dim = heads
     lens = DECODE_LENS if device == "cpu" else DECODE_LENS + [1000, 2047, 333]
-    k_cache, v_cache, table, seq_lens = make_paged_context(lens, page_size, num_kv_heads,
+    k_cache, v_cache, pages, seq_lens = make_paged_context(lens, page_size, num_kv_heads,
                                                            head_dim, dtype, device, seed=1)
     q = random_q(len(lens), num_heads, head_dim, dtype, device, seed=2)
     scale = head_dim ** -0.5
-    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, scale)
+    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, *pages, seq_lens, scale)
     for num_splits in (None, 1, 3):  # the shape rule, one split (one launch), several
         with expect_launches(1):  # the last split to finish merges, in the same launch
-            out = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale,
+            out = pa.paged_decode_attention(q, k_cache, v_cache, *pages, seq_lens, scale,
                                             num_splits=num_splits)
         assert_close(out, ref, dtype)
     assert not pa._counters.get(k_cache.device, torch.zeros(1)).any(), "counters left non-zero"
@@ -124,12 +127,12 @@ def test_decode_merges_splits_in_chunks(device, monkeypatch):
     here), rescaling as it goes; and a second launch finds the counters zeroed again."""
     monkeypatch.setattr(pa, "_MERGE_ELEMENTS", 2 * 4 * 16)  # 2 splits a chunk: group 4, D 16
     lens = [1, 17, 200, 64]
-    k_cache, v_cache, table, seq_lens = make_paged_context(lens, 4, 2, 16, torch.float32,
+    k_cache, v_cache, pages, seq_lens = make_paged_context(lens, 4, 2, 16, torch.float32,
                                                            device, seed=7)
     q = random_q(len(lens), 8, 16, torch.float32, device, seed=8)
-    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, 0.25)
+    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, *pages, seq_lens, 0.25)
     for _ in range(2):
-        out = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.25, num_splits=5)
+        out = pa.paged_decode_attention(q, k_cache, v_cache, *pages, seq_lens, 0.25, num_splits=5)
         assert_close(out, ref, torch.float32)
     assert not pa._counters[k_cache.device].any()
 
@@ -141,18 +144,18 @@ def test_prefill_matches_reference(device, heads, dtype, page_size):
     num_heads, num_kv_heads, head_dim = heads
     rows = PREFILL_ROWS if device == "cpu" else PREFILL_ROWS + [(512, 2048), (300, 300), (1, 999)]
     q_lens, lens = [n for n, _ in rows], [L for _, L in rows]
-    k_cache, v_cache, table, seq_lens = make_paged_context(lens, page_size, num_kv_heads,
+    k_cache, v_cache, pages, seq_lens = make_paged_context(lens, page_size, num_kv_heads,
                                                            head_dim, dtype, device, seed=3)
     q = random_q(sum(q_lens), num_heads, head_dim, dtype, device, seed=4)
     indptr = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
     scale = head_dim ** -0.5
-    ref = pa.paged_prefill_attention_ref(q, k_cache, v_cache, indptr, table, seq_lens, scale)
+    ref = pa.paged_prefill_attention_ref(q, k_cache, v_cache, indptr, *pages, seq_lens, scale)
     with expect_launches(2):
         blocks = pa.prefill_blocks(q_lens, lens, num_heads, num_kv_heads)
-        out = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, table, seq_lens, scale,
+        out = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, *pages, seq_lens, scale,
                                          q_blocks=torch.tensor(blocks, dtype=torch.int32,
                                                                device=device).view(-1, 2))
-        again = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, table, seq_lens, scale)
+        again = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, *pages, seq_lens, scale)
     assert_close(out, ref, dtype)
     assert torch.equal(again, out)
 
@@ -163,22 +166,22 @@ def test_views_in_and_out(device):
     """q a strided view (as from a fused qkv output), out a view into a larger buffer."""
     num_heads, num_kv_heads, head_dim = (4, 2, 16) if device == "cpu" else (32, 8, 128)
     lens = [9, 40, 3]
-    k_cache, v_cache, table, seq_lens = make_paged_context(lens, 4, num_kv_heads, head_dim,
+    k_cache, v_cache, pages, seq_lens = make_paged_context(lens, 4, num_kv_heads, head_dim,
                                                            torch.float32, device, seed=5)
     fused = random_q(3, 2 * num_heads, head_dim, torch.float32, device, seed=6)
     q = fused[:, :num_heads]  # token stride 2 * Hq * D
     buffer = torch.full((3, 2 * num_heads, head_dim), float("nan"), device=device)
     out = buffer[:, num_heads:]
-    ref = pa.paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, table, seq_lens, 0.3)
+    ref = pa.paged_decode_attention_ref(q.contiguous(), k_cache, v_cache, *pages, seq_lens, 0.3)
     with expect_launches(1):  # 2 splits, merged by the last of them
-        returned = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.3, out=out,
+        returned = pa.paged_decode_attention(q, k_cache, v_cache, *pages, seq_lens, 0.3, out=out,
                                              num_splits=2)
     assert returned is out
     assert_close(out, ref, torch.float32)
     assert buffer[:, :num_heads].isnan().all(), "wrote outside out"
     indptr = torch.arange(4, dtype=torch.int32, device=device)
     out.fill_(float("nan"))
-    pa.paged_prefill_attention(q, k_cache, v_cache, indptr, table, seq_lens, 0.3, out=out)
+    pa.paged_prefill_attention(q, k_cache, v_cache, indptr, *pages, seq_lens, 0.3, out=out)
     assert_close(out, ref, torch.float32)
 
 
@@ -194,37 +197,37 @@ def test_fp8_caches_with_scales(device, kv_dtype):
     k_scale, v_scale = 0.37, 2.5
     rows = [(1, 1), (20, 20), (33, 90), (2, 7)]
     q_lens, lens = [n for n, _ in rows], [L for _, L in rows]
-    k, v, table, seq_lens = make_paged_context(lens, 4, num_kv_heads, head_dim, torch.float32,
+    k, v, pages, seq_lens = make_paged_context(lens, 4, num_kv_heads, head_dim, torch.float32,
                                                device, seed=30)
     k_cache, v_cache = (k / k_scale).to(kv_dtype), (v / v_scale).to(kv_dtype)
     k_deq, v_deq = k_cache.float() * k_scale, v_cache.float() * v_scale
     scale = head_dim ** -0.5
     q = random_q(sum(q_lens), num_heads, head_dim, q_dtype, device, seed=31)
     indptr = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
-    ref = pa.paged_prefill_attention_ref(q, k_cache, v_cache, indptr, table, seq_lens, scale,
+    ref = pa.paged_prefill_attention_ref(q, k_cache, v_cache, indptr, *pages, seq_lens, scale,
                                          k_scale, v_scale)
-    deq = pa.paged_prefill_attention_ref(q, k_deq, v_deq, indptr, table, seq_lens, scale)
+    deq = pa.paged_prefill_attention_ref(q, k_deq, v_deq, indptr, *pages, seq_lens, scale)
     assert torch.equal(ref, deq)  # the same float32 products
     with expect_launches(1):
-        out = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, table, seq_lens, scale,
+        out = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, *pages, seq_lens, scale,
                                          k_scale=k_scale, v_scale=v_scale)
     assert_close(out, ref, q_dtype)
     q = q[:len(lens)]  # decode: one query per row
-    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens, scale, k_scale,
+    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, *pages, seq_lens, scale, k_scale,
                                         v_scale)
     for num_splits in (1, 3):
-        out = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale,
+        out = pa.paged_decode_attention(q, k_cache, v_cache, *pages, seq_lens, scale,
                                         num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
         assert_close(out, ref, q_dtype)
 
 
 @needs_triton
 def test_one_split_is_one_launch():
-    k_cache, v_cache, table, seq_lens = make_paged_context([5, 6], 4, 2, 16, torch.float32,
+    k_cache, v_cache, pages, seq_lens = make_paged_context([5, 6], 4, 2, 16, torch.float32,
                                                            "cpu", seed=7)
     q = random_q(2, 4, 16, torch.float32, "cpu", seed=8)
     with expect_launches(1):
-        pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.25, num_splits=1)
+        pa.paged_decode_attention(q, k_cache, v_cache, *pages, seq_lens, 0.25, num_splits=1)
 
 
 def test_split_rule_reads_shapes_only():
@@ -241,34 +244,41 @@ def test_split_rule_reads_shapes_only():
 
 def test_without_interpreter_cpu_uses_the_reference(monkeypatch):
     monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
-    k_cache, v_cache, table, seq_lens = make_paged_context([3, 12], 4, 2, 16, torch.float32,
+    k_cache, v_cache, pages, seq_lens = make_paged_context([3, 12], 4, 2, 16, torch.float32,
                                                            "cpu", seed=9)
     q = random_q(2, 4, 16, torch.float32, "cpu", seed=10)
     with expect_launches(0):
-        out = pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.25)
-    assert torch.equal(out, pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens,
+        out = pa.paged_decode_attention(q, k_cache, v_cache, *pages, seq_lens, 0.25)
+    assert torch.equal(out, pa.paged_decode_attention_ref(q, k_cache, v_cache, *pages, seq_lens,
                                                           0.25))
 
 
 def _bad_calls():
     k_cache = torch.zeros(4, 4, 2, 16)
-    table = torch.zeros(2, 3, dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 1, 3], dtype=torch.int32)
+    kv_indices = torch.tensor([2, 0, 1], dtype=torch.int32)
     lens = torch.tensor([3, 5], dtype=torch.int32)
     q = torch.zeros(2, 4, 16)
     call = pa.paged_decode_attention
     yield "Hq not a multiple of Hkv", lambda: call(torch.zeros(2, 3, 16), k_cache, k_cache,
-                                                   table, lens, 1.0)
-    yield "head dim differs", lambda: call(torch.zeros(2, 4, 8), k_cache, k_cache, table, lens,
-                                           1.0)
-    yield "caches differ", lambda: call(q, k_cache, k_cache.half(), table, lens, 1.0)
-    yield "float page table", lambda: call(q, k_cache, k_cache, table.float(), lens, 1.0)
-    yield "rows differ", lambda: call(q, k_cache, k_cache, table[:1], lens, 1.0)
+                                                   kv_indptr, kv_indices, lens, 1.0)
+    yield "head dim differs", lambda: call(torch.zeros(2, 4, 8), k_cache, k_cache, kv_indptr,
+                                           kv_indices, lens, 1.0)
+    yield "caches differ", lambda: call(q, k_cache, k_cache.half(), kv_indptr, kv_indices, lens,
+                                        1.0)
+    yield "float page ids", lambda: call(q, k_cache, k_cache, kv_indptr, kv_indices.float(), lens,
+                                         1.0)
+    yield "page ids not 1-D", lambda: call(q, k_cache, k_cache, kv_indptr, kv_indices[None],
+                                           lens, 1.0)
+    yield "kv_indptr of B rows", lambda: call(q, k_cache, k_cache, kv_indptr[:2], kv_indices,
+                                              lens, 1.0)
     yield "q last dim strided", lambda: call(torch.zeros(2, 4, 32)[..., ::2], k_cache, k_cache,
-                                             table, lens, 1.0)
-    yield "out of wrong shape", lambda: call(q, k_cache, k_cache, table, lens, 1.0,
-                                             out=torch.zeros(2, 4, 8))
+                                             kv_indptr, kv_indices, lens, 1.0)
+    yield "out of wrong shape", lambda: call(q, k_cache, k_cache, kv_indptr, kv_indices, lens,
+                                             1.0, out=torch.zeros(2, 4, 8))
     yield "indptr of wrong length", lambda: pa.paged_prefill_attention(
-        q, k_cache, k_cache, torch.tensor([0, 2], dtype=torch.int32), table, lens, 1.0)
+        q, k_cache, k_cache, torch.tensor([0, 2], dtype=torch.int32), kv_indptr, kv_indices,
+        lens, 1.0)
 
 
 @pytest.mark.parametrize("call", [pytest.param(c, id=name) for name, c in _bad_calls()])
@@ -280,32 +290,35 @@ def test_rejects_bad_inputs(call):
 @needs_cuda
 @needs_triton
 def test_decode_graph_replays_with_new_lengths_and_pages():
-    """Captured once, the launch replays for other seq_lens and page tables of the same shape."""
+    """Captured once, the launch replays for other seq_lens and page lists (fixed-size buffers
+    of page ids, filled as far as each batch needs)."""
     num_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16
     contexts = [make_paged_context(lens, page_size, num_kv_heads, head_dim, torch.bfloat16,
                                    "cuda", seed=11 + i)
                 for i, lens in enumerate(([100, 7, 1500, 64], [1800, 1, 33, 700]))]
     num_pages = max(c[0].shape[0] for c in contexts)
-    width = max(c[2].shape[1] for c in contexts)
+    capacity = max(c[2][1].shape[0] for c in contexts) + 5
     k_cache = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=torch.bfloat16,
                           device="cuda")
-    v_cache, table = torch.zeros_like(k_cache), torch.zeros(4, width, dtype=torch.int32,
-                                                             device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    kv_indptr = torch.zeros(5, dtype=torch.int32, device="cuda")
+    kv_indices = torch.zeros(capacity, dtype=torch.int32, device="cuda")
     seq_lens = torch.zeros(4, dtype=torch.int32, device="cuda")
     q = torch.zeros(4, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
 
     def load(i: int) -> None:  # refill the fixed inputs in place, as a graph runner does
-        k, v, t, lens = contexts[i]
+        k, v, (indptr, indices), lens = contexts[i]
         k_cache[:k.shape[0]].copy_(k)
         v_cache[:v.shape[0]].copy_(v)
-        table.zero_()
-        table[:, :t.shape[1]].copy_(t)
+        kv_indptr.copy_(indptr)
+        kv_indices[:indices.shape[0]].copy_(indices)
         seq_lens.copy_(lens)
         q.copy_(random_q(4, num_heads, head_dim, torch.bfloat16, "cuda", seed=20 + i))
 
     def run() -> None:
-        pa.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, head_dim ** -0.5, out=out)
+        pa.paged_decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens,
+                                  head_dim ** -0.5, out=out)
 
     load(0)
     run()
@@ -318,8 +331,8 @@ def test_decode_graph_replays_with_new_lengths_and_pages():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, table, seq_lens,
-                                            head_dim ** -0.5)
+        ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, kv_indptr, kv_indices,
+                                            seq_lens, head_dim ** -0.5)
         assert_close(out, ref, torch.bfloat16)
 
 

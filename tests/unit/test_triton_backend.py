@@ -131,11 +131,13 @@ def staging(backend, bs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(size, dtype=torch.int32), torch.zeros(size, dtype=torch.int32, device=device)
 
 
-def plan_graph(backend, bs: int, meta: AttentionMetadata, staged) -> None:
-    """plan_cuda_graph, then the runner's host->device copy of what it staged."""
+def plan_graph(backend, bs: int, meta: AttentionMetadata, staged) -> int:
+    """plan_cuda_graph, then the runner's host->device copy of what it says it staged; returns
+    how many values that was."""
     host, device = staged
-    backend.plan_cuda_graph(bs, meta, host, device)
-    device.copy_(host)
+    count = backend.plan_cuda_graph(bs, meta, host, device)
+    device[:count].copy_(host[:count])
+    return count
 
 
 def test_graph_mode_fills_fixed_buffers():
@@ -143,23 +145,29 @@ def test_graph_mode_fills_fixed_buffers():
     pools = make_pools(dtype)
     triton_backend, torch_backend = backends(pools)
     triton_backend.init_cuda_graph(8, 6)
-    assert triton_backend.graph_input_width(4) == 1 + 6  # seq_len and 6 pages a row
+    assert triton_backend.graph_input_width(4) == 3 + 6  # seq_len, kv_indptr, 6 pages a row (+1)
     staged = staging(triton_backend, 4, DEVICE)
     out_ptr = triton_backend.graph_out.data_ptr()
     slot_buffer = torch.zeros(8, dtype=torch.int64, device=DEVICE)
     page0 = [pool.buffer[:, :, 0].clone() for pool in pools]
     for seed, rows in enumerate(([(1, 9), (1, 1), (1, 20)], [(1, 21), (1, 4), (1, 2)])):
         padded, real = graph_batch(rows, 4, slot_buffer, seed)
-        plan_graph(triton_backend, 4, padded, staged)
+        count = plan_graph(triton_backend, 4, padded, staged)
         assert triton_backend.slot_mapping.data_ptr() == slot_buffer.data_ptr()
-        # run() reads views of the staged device buffer: seq_lens, then the page table.
+        # run() reads views of the staged device buffer: seq_lens, kv_indptr, then the pages
+        # (a fixed-size view, filled as far as the rows need).
         assert triton_backend.seq_lens.data_ptr() == staged[1].data_ptr()
-        assert triton_backend.page_table.data_ptr() == staged[1][4:].data_ptr()
-        assert triton_backend.page_table.shape == (4, 6)
+        assert triton_backend.kv_indptr.data_ptr() == staged[1][4:].data_ptr()
+        assert triton_backend.kv_indices.data_ptr() == staged[1][9:].data_ptr()
+        assert triton_backend.kv_indices.shape == (4 * 6,)
         assert triton_backend.seq_lens.tolist() == real.seq_lens + [1]
-        for row, (pages, n) in enumerate(zip(real.page_tables, real.seq_lens)):
-            used = -(-n // PAGE_SIZE)
-            assert triton_backend.page_table[row].tolist() == pages[:used] + [0] * (6 - used)
+        used = [pages[:-(-n // PAGE_SIZE)] for pages, n in zip(real.page_tables, real.seq_lens)]
+        used.append([0])  # the padded row: page 0
+        indptr = triton_backend.kv_indptr.tolist()
+        assert indptr == [0] + [sum(map(len, used[:i + 1])) for i in range(4)]
+        assert triton_backend.kv_indices[:indptr[-1]].tolist() == sum(used, [])
+        # Staged (and copied): the rows' pages, not the bucket's 4 x 6.
+        assert count == 4 + 5 + indptr[-1] < staged[0].numel()
         ours = run_layers(triton_backend, padded, dtype, seed=seed, planned=True)
         assert all(out.shape == (4, NUM_HEADS, HEAD_DIM) for out in ours)
         refs = run_layers(torch_backend, real, dtype, seed=seed, drawn=4)

@@ -93,12 +93,13 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def graph_input_width(self, bs: int) -> int:
-        """int32 values per row that plan_cuda_graph(bs, ...) stages for the runner to copy to
-        the device (the page table, say); 0 when the backend copies its own inputs."""
+        """int32 values per row that plan_cuda_graph(bs, ...) may stage for the runner to copy
+        to the device (the rows' pages, say; the most a batch of bs can need); 0 when the
+        backend copies its own inputs."""
         return 0
 
     def plan_cuda_graph(self, bs: int, meta: AttentionMetadata, host: torch.Tensor,
-                        device: torch.Tensor) -> None:
+                        device: torch.Tensor) -> int:
         """Plan a decode batch of exactly bs rows (query_lens all 1) for the bucket-bs graph.
 
         meta.slot_mapping is a view of the runner's fixed input buffer; padded rows have slot -1
@@ -107,5 +108,6 @@ class AttentionBackend(ABC):
         runner copies it into `device` (same shape, the same address for every plan of bucket
         bs) in the step's one host->device copy, before the graph runs; run() may read views of
         `device`. After this call run() executes the bucket-bs graph path until the next plan*().
+        Returns how many values it staged, from host's start: the runner copies only those.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -151,12 +151,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self.one_row.graph_input_width(1) if self.one_row is not None and bs == 1 else 0
 
     def plan_cuda_graph(self, bs: int, meta: AttentionMetadata, host: torch.Tensor,
-                        device: torch.Tensor) -> None:
+                        device: torch.Tensor) -> int:
         if self.one_row is not None and bs == 1:
-            self.one_row.plan_cuda_graph(1, meta, host, device)
             self.delegate = self.one_row
             self.is_prefill = False
-            return
+            return self.one_row.plan_cuda_graph(1, meta, host, device)
         self.delegate = None
         wrapper = self.graph_wrappers.get(bs)
         if wrapper is None:
@@ -170,6 +169,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.slot_mapping = meta.slot_mapping
         self.is_prefill = False
         self.wrapper = wrapper
+        return 0  # the wrapper copied its own inputs
 
     # ---- per layer --------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

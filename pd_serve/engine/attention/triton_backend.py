@@ -1,26 +1,27 @@
 """Paged attention through this repo's Triton kernels (kernels/paged_attention.py).
 
-plan() turns the batch into small index tensors on the pool's device (a dense int32 page
-table [B, max_pages], seq_lens [B], and for prefill qo_indptr [B + 1] and the kernel's
-(row, query block) list); run() stores the layer's new K/V with
+plan() turns the batch into small index tensors on the pool's device (the rows' pages as
+flashinfer lists them, kv_indptr [B + 1] and kv_indices [pages], seq_lens [B], and for prefill
+qo_indptr [B + 1] and the kernel's (row, query block) list); run() stores the layer's new K/V with
 kernels/kv_store and runs the decode kernel when every row has one new token, else the prefill
 kernel for the whole batch (chunked prefill and decode rows mixed in). FP8 pools: the store
 quantises (k / k_scale, saturated) and the attention kernels dequantise in registers (FP8 tiles
 cast to q's dtype, k_scale folded into the softmax scale, v_scale onto the output).
 
 CUDA graphs: init_cuda_graph() allocates the output buffer [max_bs, Hq, D]; plan_cuda_graph(bs,
-...) writes seq_lens [bs] and a page table [bs, max_pages_per_seq] into the runner's staging
-buffer, which the runner copies to the device with the step's other inputs, and run() reads
-views of the device copy. The decode launch depends on (bs, max_pages_per_seq) alone, so one
-graph per bucket replays for any lengths and pages.
+...) writes seq_lens [bs], kv_indptr [bs + 1] and the rows' pages into the runner's staging
+buffer, which the runner copies to the device with the step's other inputs (as far as this
+batch filled it: the pages its rows hold, not bs x max_pages_per_seq), and run() reads views of
+the device copy, kv_indices a fixed [bs * max_pages_per_seq] one. The decode launch depends on
+(bs, max_pages_per_seq) alone, so one graph per bucket replays for any lengths and pages.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import (paged_decode_attention, paged_prefill_attention,
-                                     prefill_blocks)
+from kernels.paged_attention import (decode_num_splits, paged_decode_attention,
+                                     paged_prefill_attention, prefill_blocks)
 from pd_serve.cache.pool import KVPool
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 
@@ -36,18 +37,20 @@ class TritonAttentionBackend(AttentionBackend):
         self.graph_out: torch.Tensor | None = None  # [max_bs, Hq, D], set by init_cuda_graph()
 
     # ---- planning -------------------------------------------------------------------------------
-    def _page_rows(self, meta: AttentionMetadata, width: int | None = None) -> list[int]:
-        """Each row's pages (the first ceil(seq_len / S) of its table), zero-padded to `width`
-        (default: the widest row), flattened row-major."""
-        rows = [pages[:-(-n // self.page_size)]
-                for pages, n in zip(meta.page_tables, meta.seq_lens)]
-        width = max(map(len, rows), default=0) if width is None else width
-        flat: list[int] = []
-        for row in rows:
-            if len(row) > width:
-                raise ValueError(f"a row needs {len(row)} pages; the page table holds {width}")
-            flat += row + [0] * (width - len(row))
-        return flat
+    def _pages(self, meta: AttentionMetadata,
+               max_pages: int | None = None) -> tuple[list[int], list[int], int]:
+        """(kv_indptr, kv_indices, widest): each row's pages, the first ceil(seq_len / S) of
+        its table, and the most pages a row uses. A row needing more than `max_pages` is an
+        error."""
+        indptr, indices, widest = [0], [], 0
+        for pages, n in zip(meta.page_tables, meta.seq_lens):
+            used = -(-n // self.page_size)
+            if max_pages is not None and used > max_pages:
+                raise ValueError(f"a row needs {used} pages; a graph row holds {max_pages}")
+            indices += pages[:used]
+            indptr.append(len(indices))
+            widest = max(widest, used)
+        return indptr, indices, widest
 
     def _host(self, values: list[int]) -> torch.Tensor:
         """int32 values on the host, page-locked when they go to a GPU: copies from there queue
@@ -59,11 +62,15 @@ class TritonAttentionBackend(AttentionBackend):
         return self._host(values).to(self.device, non_blocking=True)  # one H2D copy
 
     def plan(self, meta: AttentionMetadata) -> None:
-        num_rows = len(meta.query_lens)
-        flat = self._page_rows(meta)
-        self.page_table = self._to_device(flat).view(num_rows, -1 if num_rows else 0)  # [B, W]
-        self.seq_lens = self._to_device(meta.seq_lens)  # [B]
+        indptr, indices, widest = self._pages(meta)
+        rows = len(meta.seq_lens)
+        staged = self._to_device(meta.seq_lens + indptr + indices)  # one H2D copy
+        self.seq_lens = staged[:rows]  # [B]
+        self.kv_indptr = staged[rows:2 * rows + 1]  # [B + 1]
+        self.kv_indices = staged[2 * rows + 1:]  # [pages]
         self.decode = all(n == 1 for n in meta.query_lens)
+        self.num_splits = decode_num_splits(len(meta.query_lens), self.pool.layout.num_kv_heads,
+                                            widest * self.page_size, self.device)
         if not self.decode:
             indptr = [0]
             for n in meta.query_lens:
@@ -84,10 +91,11 @@ class TritonAttentionBackend(AttentionBackend):
                                      dtype=self.dtype, device=self.device)
 
     def graph_input_width(self, bs: int) -> int:
-        return 1 + self.graph_pages  # the row's seq_len, then its page table row
+        # Per row: seq_len, a kv_indptr entry, its pages; one more for kv_indptr's last entry.
+        return 3 + self.graph_pages
 
     def plan_cuda_graph(self, bs: int, meta: AttentionMetadata, host: torch.Tensor,
-                        device: torch.Tensor) -> None:
+                        device: torch.Tensor) -> int:
         if self.graph_out is None:
             raise RuntimeError("plan_cuda_graph() before init_cuda_graph()")
         if (not 0 < bs <= self.graph_max_bs or len(meta.query_lens) != bs
@@ -97,13 +105,18 @@ class TritonAttentionBackend(AttentionBackend):
         if host.numel() != bs * self.graph_input_width(bs) or device.shape != host.shape:
             raise ValueError(f"the staging buffers hold {host.numel()} and {device.numel()} "
                              f"values; bucket {bs} needs {bs * self.graph_input_width(bs)}")
-        host[:bs] = torch.tensor(meta.seq_lens, dtype=torch.int32)
-        host[bs:] = torch.tensor(self._page_rows(meta, self.graph_pages), dtype=torch.int32)
+        indptr, indices, _ = self._pages(meta, self.graph_pages)
+        staged = meta.seq_lens + indptr + indices
+        host[:len(staged)] = torch.tensor(staged, dtype=torch.int32)
         self.seq_lens = device[:bs]
-        self.page_table = device[bs:].view(bs, self.graph_pages)
+        self.kv_indptr = device[bs:2 * bs + 1]
+        self.kv_indices = device[2 * bs + 1:2 * bs + 1 + bs * self.graph_pages]  # fixed size
+        self.num_splits = decode_num_splits(bs, self.pool.layout.num_kv_heads,
+                                            self.graph_pages * self.page_size, self.device)
         self.decode = True
         self.slot_mapping = meta.slot_mapping
         self.out = self.graph_out[:bs]
+        return len(staged)
 
     # ---- per layer ------------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -114,10 +127,11 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
         out = self.out if self.out is not None and self.out.dtype == q.dtype else None
         if self.decode:
-            return paged_decode_attention(q, k_cache, v_cache, self.page_table, self.seq_lens,
-                                          self.scale, out=out, k_scale=k_scale,
+            return paged_decode_attention(q, k_cache, v_cache, self.kv_indptr, self.kv_indices,
+                                          self.seq_lens, self.scale, out=out,
+                                          num_splits=self.num_splits, k_scale=k_scale,
                                           v_scale=v_scale)  # [B, Hq, D]
-        return paged_prefill_attention(q, k_cache, v_cache, self.qo_indptr, self.page_table,
-                                       self.seq_lens, self.scale, out=out,
+        return paged_prefill_attention(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr,
+                                       self.kv_indices, self.seq_lens, self.scale, out=out,
                                        q_blocks=self.q_blocks, k_scale=k_scale,
                                        v_scale=v_scale)  # [T, Hq, D]
