@@ -1,14 +1,22 @@
-"""Host cost of the KV-transfer control path alone: KVSender and KVReceiver (each in its own
-process, as in serving) with data planes that move nothing, `--requests` requests of 8 pages
-with `--in-flight` of them in flight (as bench/transfer.py's pipelined rate). Prints and
-writes wall time per request and the CPU time per request of each thread: the sender's caller
-thread, its I/O thread (the two share one GIL) and the receiver's I/O thread.
+"""Host cost of the KV-transfer control path: KVSender and KVReceiver (each in its own
+process, as in serving) with data planes that move nothing (`--backend null`) or the real ipc
+planes on one GPU's tiny pools (`--backend ipc`: the CUDA events, graph replays and page-id
+uploads, with copies of a few bytes), `--requests` requests of 8 pages with `--in-flight` of
+them in flight (as bench/transfer.py's pipelined rate). Prints and writes wall time per request
+and the CPU time per request of each thread: the sender's caller thread, its I/O thread (the
+two share one GIL) and the receiver's I/O thread. `--profile N` runs one more time with each of
+those threads under cProfile and prints each one's N functions of most own time (cProfile
+slows every call, the small ones most: read the shares, not the microseconds).
 
     python bench/probes/control_path.py --in-flight 32 --output bench/results/probe-control-path-cpu.json
+    python bench/probes/control_path.py --backend ipc --profile 25   # on a GPU machine
 """
 
 import argparse
+import cProfile
+import io
 import multiprocessing as mp
+import pstats
 import statistics
 import sys
 import time
@@ -42,44 +50,72 @@ class NullSenderPlane(SenderPlane):
         return []
 
 
-def _io_cpu(cls):
-    """cls with its I/O thread's CPU seconds kept in `io_cpu_s` when the thread ends."""
+def _io_cpu(cls, profile: bool):
+    """cls with its I/O thread's CPU seconds kept in `io_cpu_s` when the thread ends (and its
+    cProfile in `io_profile`, with `profile`)."""
     class Timed(cls):
         io_cpu_s = 0.0
+        io_profile = cProfile.Profile() if profile else None
 
         def _serve(self):
             start = time.thread_time()
+            if self.io_profile:
+                self.io_profile.enable()
             try:
                 super()._serve()
             finally:
+                if self.io_profile:
+                    self.io_profile.disable()
                 self.io_cpu_s = time.thread_time() - start
     return Timed
 
 
-def run_receiver(requests: int, in_flight: int, to_parent, from_parent) -> None:
+def _top(profile: cProfile.Profile | None, n: int) -> str:
+    if profile is None:
+        return ""
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(n)
+    return out.getvalue()
+
+
+def _setup(backend: str) -> tuple[str, torch.device]:
+    """(the backend name the connectors use, the pools' device); null planes patched in."""
+    if backend == "ipc":
+        return "ipc", torch.device("cuda:0")
     receiver_module.make_receiver_plane = lambda backend, pool, timeout, host: NullReceiverPlane(pool, timeout)
-    pool = KVPool(LAYOUT, in_flight * PAGES, torch.device("cpu"))
-    receiver = _io_cpu(receiver_module.KVReceiver)(pool, "tcp", timeout_s=600)
+    sender_module.make_sender_plane = lambda backend, pool, timeout: NullSenderPlane(pool, timeout)
+    return "tcp", torch.device("cpu")
+
+
+def run_receiver(requests: int, in_flight: int, backend: str, profile: int, to_parent,
+                 from_parent) -> None:
+    name, device = _setup(backend)
+    pool = KVPool(LAYOUT, in_flight * PAGES, device)
+    receiver = _io_cpu(receiver_module.KVReceiver, bool(profile))(pool, name, timeout_s=600)
     for i in range(requests):
         j = i % in_flight
         receiver.expect(f"r{i}", list(range(j * PAGES, (j + 1) * PAGES)))
     to_parent.put(receiver.address)
     from_parent.get()  # the sender is done
     receiver.close()
-    to_parent.put(receiver.io_cpu_s)
+    to_parent.put((receiver.io_cpu_s, _top(receiver.io_profile, profile)))
 
 
-def run(requests: int, in_flight: int) -> dict:
-    sender_module.make_sender_plane = lambda backend, pool, timeout: NullSenderPlane(pool, timeout)
+def run(requests: int, in_flight: int, backend: str = "null", profile: int = 0) -> dict:
+    name, device = _setup(backend)
     ctx = mp.get_context("spawn")
     to_parent, from_parent = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=run_receiver, args=(requests, in_flight, to_parent, from_parent))
+    child = ctx.Process(target=run_receiver,
+                        args=(requests, in_flight, backend, profile, to_parent, from_parent))
     child.start()
     address = to_parent.get(timeout=120)
-    sender = _io_cpu(sender_module.KVSender)(KVPool(LAYOUT, in_flight * PAGES, torch.device("cpu")),
-                                             "tcp", timeout_s=600)
+    sender = _io_cpu(sender_module.KVSender, bool(profile))(
+        KVPool(LAYOUT, in_flight * PAGES, device), name, timeout_s=600)
     sender.connect(address)
     acked, sent = set(), 0
+    caller_profile = cProfile.Profile() if profile else None
+    if caller_profile:
+        caller_profile.enable()
     start, caller_cpu = time.perf_counter(), time.thread_time()
     while len(acked) < requests:
         while sent < requests and (sent < in_flight or f"r{sent - in_flight}" in acked):
@@ -91,11 +127,18 @@ def run(requests: int, in_flight: int) -> dict:
                 raise RuntimeError(f"{result.request_id}: {result.error}")
             acked.add(result.request_id)
     wall, caller_cpu = time.perf_counter() - start, time.thread_time() - caller_cpu
+    if caller_profile:
+        caller_profile.disable()
     sender.close()
     from_parent.put("done")
-    receiver_io = to_parent.get(timeout=60)
+    receiver_io, receiver_top = to_parent.get(timeout=60)
     child.join(timeout=30)
     us = 1e6 / requests
+    if profile:
+        for thread, text in (("sender caller", _top(caller_profile, profile)),
+                             ("sender I/O", _top(sender.io_profile, profile)),
+                             ("receiver I/O", receiver_top)):
+            print(f"===== {thread} thread (cProfile, own time) =====\n{text}", flush=True)
     return {"wall_us": wall * us, "sender_caller_cpu_us": caller_cpu * us,
             "sender_io_cpu_us": sender.io_cpu_s * us, "receiver_io_cpu_us": receiver_io * us}
 
@@ -105,18 +148,27 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--in-flight", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backend", default="null", choices=["null", "ipc"],
+                   help="null: data planes that move nothing (CPU); ipc: the real planes on cuda:0")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then one run under cProfile: each thread's N functions of most own time")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     runs = []
     for i in range(args.repeats):
-        runs.append(run(args.requests, args.in_flight))
+        runs.append(run(args.requests, args.in_flight, args.backend))
         print(f"run {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items()), flush=True)
     medians = {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
     print("median: " + ", ".join(f"{k} {v}" for k, v in medians.items()))
+    if args.profile:
+        profiled = run(args.requests, args.in_flight, args.backend, args.profile)
+        print("under cProfile: " + ", ".join(f"{k} {v:.1f}" for k, v in profiled.items()))
     if args.output:
         write_json(args.output, {
-            "probe": "KV-transfer control path with data planes that move nothing (us a request)",
-            "device": device_name(torch.device("cpu")), "git_commit": git_commit(),
+            "probe": f"KV-transfer control path, {args.backend} data planes (us a request)",
+            "backend": args.backend,
+            "device": device_name(torch.device("cuda:0" if args.backend == "ipc" else "cpu")),
+            "git_commit": git_commit(),
             "requests": args.requests, "in_flight": args.in_flight, "pages_per_request": PAGES,
             "runs": runs, "median": medians})
 

@@ -35,8 +35,8 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+        # dtype.itemsize, not a tensor's element_size(): this runs once a transfer (KVSender.send)
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
 
     @property
     def bytes_per_page(self) -> int:
