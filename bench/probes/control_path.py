@@ -4,9 +4,12 @@ planes on one GPU's tiny pools (`--backend ipc`: the CUDA events, graph replays 
 uploads, with copies of a few bytes), `--requests` requests of 8 pages with `--in-flight` of
 them in flight (as bench/transfer.py's pipelined rate). Prints and writes wall time per request
 and the CPU time per request of each thread: the sender's caller thread, its I/O thread (the
-two share one GIL) and the receiver's I/O thread. `--profile N` runs one more time with each of
-those threads under cProfile and prints each one's N functions of most own time (cProfile
-slows every call, the small ones most: read the shares, not the microseconds).
+two share one GIL) and the receiver's I/O thread. One request goes through first, untimed (the
+ipc receiver compiles and captures its copy kernel then). `--profile N` runs one more time with
+each of those threads under cProfile and prints each one's N functions of most own time
+(cProfile slows every call, the small ones most: read the shares, not the microseconds; from
+Python 3.12 one profiler covers every thread of a process, so the sender's two threads print
+as one table). Own time includes waiting in poll() and sleep().
 
     python bench/probes/control_path.py --in-flight 32 --output bench/results/probe-control-path-cpu.json
     python bench/probes/control_path.py --backend ipc --profile 25   # on a GPU machine
@@ -33,6 +36,7 @@ from pd_serve.transfer import receiver as receiver_module  # noqa: E402
 from pd_serve.transfer import sender as sender_module  # noqa: E402
 from pd_serve.transfer.base import ReceiverPlane, SenderPlane  # noqa: E402
 
+ONE_PROFILER = sys.version_info >= (3, 12)  # cProfile on sys.monitoring: one per process
 LAYOUT = KVLayout(num_layers=2, page_size=1, num_kv_heads=1, head_dim=4, dtype="float32")
 PAGES = 8  # per request
 
@@ -51,14 +55,15 @@ class NullSenderPlane(SenderPlane):
 
 
 def _io_cpu(cls, profile: bool):
-    """cls with its I/O thread's CPU seconds kept in `io_cpu_s` when the thread ends (and its
-    cProfile in `io_profile`, with `profile`)."""
+    """cls with its I/O thread's CPU seconds from the first result it published (the untimed
+    first request's) to its end kept in `io_cpu_s` (and its cProfile in `io_profile`, with
+    `profile`)."""
     class Timed(cls):
         io_cpu_s = 0.0
-        io_profile = cProfile.Profile() if profile else None
+        io_profile = cProfile.Profile() if profile and not ONE_PROFILER else None
+        _first = None
 
         def _serve(self):
-            start = time.thread_time()
             if self.io_profile:
                 self.io_profile.enable()
             try:
@@ -66,7 +71,12 @@ def _io_cpu(cls, profile: bool):
             finally:
                 if self.io_profile:
                     self.io_profile.disable()
-                self.io_cpu_s = time.thread_time() - start
+                self.io_cpu_s = time.thread_time() - (self._first or 0.0)
+
+        def _publish(self, results):
+            if self._first is None and results:
+                self._first = time.thread_time()  # the I/O thread publishes
+            super()._publish(results)
     return Timed
 
 
@@ -91,14 +101,20 @@ def run_receiver(requests: int, in_flight: int, backend: str, profile: int, to_p
                  from_parent) -> None:
     name, device = _setup(backend)
     pool = KVPool(LAYOUT, in_flight * PAGES, device)
+    process_profile = cProfile.Profile() if profile and ONE_PROFILER else None
+    if process_profile:
+        process_profile.enable()
     receiver = _io_cpu(receiver_module.KVReceiver, bool(profile))(pool, name, timeout_s=600)
+    receiver.expect("r-1", list(range(PAGES)))  # the untimed first request
     for i in range(requests):
         j = i % in_flight
         receiver.expect(f"r{i}", list(range(j * PAGES, (j + 1) * PAGES)))
     to_parent.put(receiver.address)
     from_parent.get()  # the sender is done
     receiver.close()
-    to_parent.put((receiver.io_cpu_s, _top(receiver.io_profile, profile)))
+    if process_profile:
+        process_profile.disable()
+    to_parent.put((receiver.io_cpu_s, _top(receiver.io_profile or process_profile, profile)))
 
 
 def run(requests: int, in_flight: int, backend: str = "null", profile: int = 0) -> dict:
@@ -112,6 +128,9 @@ def run(requests: int, in_flight: int, backend: str = "null", profile: int = 0) 
     sender = _io_cpu(sender_module.KVSender, bool(profile))(
         KVPool(LAYOUT, in_flight * PAGES, device), name, timeout_s=600)
     sender.connect(address)
+    sender.send("r-1", address, list(range(PAGES)), list(range(PAGES)))
+    if not all(r.ok for r in sender.poll(timeout_s=120)):
+        raise RuntimeError("the first request failed")
     acked, sent = set(), 0
     caller_profile = cProfile.Profile() if profile else None
     if caller_profile:
@@ -135,9 +154,13 @@ def run(requests: int, in_flight: int, backend: str = "null", profile: int = 0) 
     child.join(timeout=30)
     us = 1e6 / requests
     if profile:
-        for thread, text in (("sender caller", _top(caller_profile, profile)),
+        caller = "sender, every thread" if ONE_PROFILER else "sender caller"
+        for thread, text in ((caller, _top(caller_profile, profile)),
                              ("sender I/O", _top(sender.io_profile, profile)),
-                             ("receiver I/O", receiver_top)):
+                             ("receiver I/O" + (", every thread" if ONE_PROFILER else ""),
+                              receiver_top)):
+            if not text:
+                continue
             print(f"===== {thread} thread (cProfile, own time) =====\n{text}", flush=True)
     return {"wall_us": wall * us, "sender_caller_cpu_us": caller_cpu * us,
             "sender_io_cpu_us": sender.io_cpu_s * us, "receiver_io_cpu_us": receiver_io * us}
