@@ -132,7 +132,8 @@ class KVSender:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {layout.num_layers})")
         ready, stream = None, 0
         if self.pool.buffer.is_cuda:
-            current = torch.cuda.current_stream(self.pool.buffer.device)
+            # by index: 2.4 against 4.3 us a call by device on the H200 host (host_costs probe)
+            current = torch.cuda.current_stream(self.pool.buffer.device.index)
             ready, stream = torch.cuda.Event(), current.cuda_stream
             ready.record(current)
         src_heads, dst_heads = [], []
