@@ -13,7 +13,7 @@ import gzip
 import statistics
 import sys
 
-# (name, how to get it from one request's marks: absolute microseconds of each stage)
+# (name, the stage it starts at, the stage it ends at): marks of `read`'s per-request times
 STAGES = [
     ("queued, until the I/O thread takes it", "queued", "picked"),
     ("taken, until its header is sent", "picked", "header_sent"),
@@ -30,6 +30,7 @@ STAGES = [
 def read(paths: list[str]) -> tuple[dict[str, dict[str, float]], int]:
     """Each request's absolute stage times (us) and the number of copy batches."""
     requests: dict[str, dict[str, dict]] = {}
+    chunked: set[str] = set()  # requests with several chunks of a role: skipped
     batches = 0
     for path in paths:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
@@ -42,11 +43,11 @@ def read(paths: list[str]) -> tuple[dict[str, dict[str, float]], int]:
                     batches += 1
                 elif role in ("send", "recv", "land", "ack"):
                     if role in requests.setdefault(request_id, {}):
-                        requests[request_id]["repeated"] = {}  # several chunks: skipped
+                        chunked.add(request_id)
                     requests[request_id][role] = values
     out = {}
     for request_id, seen in requests.items():
-        if "repeated" in seen or not all(r in seen for r in ("send", "recv", "land", "ack")):
+        if request_id in chunked or not all(r in seen for r in ("send", "recv", "land", "ack")):
             continue
         send, recv, land, ack = (seen[r] for r in ("send", "recv", "land", "ack"))
         out[request_id] = {

@@ -36,7 +36,8 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         # dtype.itemsize, not a tensor's element_size(): this runs once a transfer (KVSender.send)
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
+        itemsize = getattr(torch, self.dtype).itemsize
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
 
     @property
     def bytes_per_page(self) -> int:
