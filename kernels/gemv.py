@@ -49,17 +49,18 @@ up half, rounds both to x's dtype (what the separate GEMV would store) and write
 `silu(gate) * up` with kernels/activation.py's arithmetic, so it is bit for bit that GEMV
 followed by `silu_and_mul`, with one launch fewer and no [1, 2I] intermediate.
 
-RMSNorm between two GEMVs runs inside them (`residual=` on the first, `norm=` on the second),
-so a decoder layer at batch 1 launches no norm kernel but its first one's:
+`norm=(norm_weight, eps)` runs RMSNorm on x inside the GEMV, so a decoder layer at batch 1
+launches no norm kernel: x is the residual stream s (which the GEMV before it wrote with
+`residual=`: its output plus the residual, rounded to x's dtype, the norm kernel's sum bit for
+bit), every program already reads all of s in its K loop, and the mean square's scale comes out
+of the sum over K:
 
-    s       = (y + residual)                        the first GEMV's output y, rounded to x's dtype
-    sumsq_p = sum of s[n] ** 2 over program p's channels          (float32, one value a program)
-    x'      = w_norm * (s * rsqrt(sum_p sumsq_p / K + eps))        in the second GEMV's K loop
+    y[n] = rsqrt(sum_k s[k] ** 2 / K + eps) * sum_k W[n, k] * (w_norm[k] * s[k])     (float32)
 
-which is kernels/norm.py's arithmetic, rounding for rounding, except that the mean square is
-summed in another order (partial sums by program): s is bit for bit the norm kernel's residual
-sum, x' may differ from its output in the last bit. The second GEMV reads the P partial sums
-(a few KB) instead of a norm kernel reading and writing the row between the two.
+so the K loop adds a load of the norm weight and a running sum of s ** 2 and nothing else, and
+no program waits on another's. It rounds once less than kernels/norm.py followed by the GEMV,
+which stores the normalised row in x's dtype before the weight multiplies it: the output may
+differ from theirs in the last bits.
 
 The model's layers call it only under --enable-batch1-kernels (pd_serve/model/llama.py's
 use_batch1_kernels): a row computed here rounds differently from the same row in a cuBLAS
@@ -82,7 +83,6 @@ from kernels import activation
 triton_launches = 0
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_PARTS = 16384  # partial sums a norm= prologue reads (held in registers at once)
 tl = None  # triton.language, bound when _kernel is first built
 
 
@@ -112,7 +112,7 @@ def runs_on(x: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, silu_and_mul: bool = False,
          residual: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float, torch.Tensor] | None = None):
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """One row through a linear layer, on the Triton kernel.
 
     Parameters
@@ -122,16 +122,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     weight_scale : float32 [N] for an FP8 weight (W[n] = weight[n] * weight_scale[n]); else None.
     bias : [N] in x's dtype, or None.
     silu_and_mul : weight is [gate | up] (N = 2I): return silu(gate) * up, [1, I] (no bias).
-    residual : [1, N'] in x's dtype (N' the output width): the output plus it is returned as
-        the next residual stream s, with `sumsq` for a following GEMV's `norm` (module docstring).
-    norm : (norm_weight [K], eps, sumsq float32 [P]): x is a residual stream s that a GEMV with
-        `residual` wrote, with its sumsq; this GEMV multiplies RMSNorm(s) with norm_weight
-        instead of x.
+    residual : [1, N'] in x's dtype (N' the output width): return the output plus it (the
+        next residual stream).
+    norm : (norm_weight [K], eps): multiply RMSNorm(x) * norm_weight instead of x (module
+        docstring).
 
     Returns
     -------
-    [1, N] (or [1, N / 2] with silu_and_mul), new and contiguous, in x's dtype; with residual,
-    the pair (s, sumsq).
+    [1, N] (or [1, N / 2] with silu_and_mul), new and contiguous, in x's dtype.
     """
     _check(x, weight, weight_scale, bias, silu_and_mul, residual, norm)
     global triton_launches
@@ -145,18 +143,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     block_n, block_k, num_warps, num_stages = _block_config(k, fp8)
     if silu_and_mul:  # the same weight rows a program: half of them gate, half up
         block_n = max(1, block_n // 2)
-    grid = -(-n // block_n)
-    sumsq = torch.empty(grid, dtype=torch.float32, device=x.device) if residual is not None else out
-    norm_weight, eps, sumsq_in = norm if norm is not None else (x, 0.0, out)
-    kernel[(grid,)](
+    norm_weight, eps = norm if norm is not None else (x, 0.0)
+    kernel[(-(-n // block_n),)](
         x, weight, out, weight_scale if fp8 else weight, bias if bias is not None else x,
-        residual.contiguous() if residual is not None else x, sumsq, norm_weight, sumsq_in,
-        n, k, sumsq_in.numel(), eps, FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul,
-        RESIDUAL=residual is not None, NORM=norm is not None,
-        BLOCK_P=1 << (sumsq_in.numel() - 1).bit_length(), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl(x)))
+        residual.contiguous() if residual is not None else x, norm_weight, n, k, eps,
+        FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul, RESIDUAL=residual is not None,
+        NORM=norm is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages, **launch_options(pdl(x)))
     triton_launches += 1
-    return (out, sumsq) if residual is not None else out
+    return out
 
 
 def _block_config(k: int, fp8: bool) -> tuple[int, int, int, int]:
@@ -171,21 +166,15 @@ def _block_config(k: int, fp8: bool) -> tuple[int, int, int, int]:
 def _kernel(triton):
     """The jitted GEMV kernel."""
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, bias_ptr, res_ptr, sumsq_ptr,
-                    norm_w_ptr, sumsq_in_ptr, N, K, P, eps, FP8: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
-                    NORM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, bias_ptr, res_ptr, norm_w_ptr, N, K,
+                    eps, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+                    RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # N: output channels (with GLU, the gate rows; the up rows are N further down).
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         dtype = out_ptr.dtype.element_ty
-        inv_rms = 0.0
-        if NORM:  # x is a residual stream: its mean square from the P partial sums
-            rp = tl.arange(0, BLOCK_P)
-            parts = tl.load(sumsq_in_ptr + rp, mask=rp < P, other=0.0)
-            inv_rms = tl.math.rsqrt(tl.reduce(parts, 0, tl.standard._sum_combine) / K + eps)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
@@ -193,15 +182,14 @@ def _kernel(triton):
         up_rows = rows + N.to(tl.int64) * K  # GLU's up rows
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GLU only
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM only
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
-            xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
-            if NORM:  # kernels/norm.py's rounding: the normalised row, then times the weight
-                xs = (xs.to(tl.float32) * inv_rms).to(dtype)
-                nw = tl.load(norm_w_ptr + kk, mask=k_mask, other=0.0).to(dtype)
-                xs = (xs.to(tl.float32) * nw.to(tl.float32)).to(dtype)
-            xs = xs.to(tl.float32)
+            xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            if NORM:  # the row's squares, and the row times the norm weight
+                squares += xs * xs
+                xs = xs * tl.load(norm_w_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
             acc += w.to(tl.float32) * xs[None, :]
@@ -211,11 +199,15 @@ def _kernel(triton):
                 acc_up += w.to(tl.float32) * xs[None, :]
         # tl.reduce with Triton's add combiner, not tl.sum (see kernels/norm.py: the interpreter)
         y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]
+        inv_rms = 1.0
+        if NORM:
+            inv_rms = tl.math.rsqrt(tl.reduce(squares, 0, tl.standard._sum_combine) / K + eps)
+            y = y * inv_rms
         if FP8:
             y = y * tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
         y = y.to(out_ptr.dtype.element_ty)
         if GLU:  # silu(gate) * up as kernels/activation.py rounds it, from the rounded halves
-            up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
+            up = tl.reduce(acc_up, 1, tl.standard._sum_combine) * inv_rms
             if FP8:
                 up = up * tl.load(w_scale_ptr + N + rn, mask=n_mask, other=0.0)
             up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -224,11 +216,9 @@ def _kernel(triton):
             y = (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty)
         if HAS_BIAS:
             y = (y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0)).to(out_ptr.dtype.element_ty)
-        if RESIDUAL:  # the next residual stream, and this program's sum of its squares
+        if RESIDUAL:  # the next residual stream, rounded as kernels/norm.py's sum
             res = tl.load(res_ptr + rn, mask=n_mask, other=0.0)
             y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            yf = tl.where(n_mask, y.to(tl.float32), 0.0)
-            tl.store(sumsq_ptr + tl.program_id(0), tl.reduce(yf * yf, 0, tl.standard._sum_combine))
         tl.store(out_ptr + rn, y, mask=n_mask)
 
     return gemv_kernel
@@ -262,15 +252,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     if residual is not None and (tuple(residual.shape) != (1, width) or residual.dtype != x.dtype):
         raise ValueError(f"residual must be {x.dtype} [1, {width}], got {residual.dtype} "
                          f"{tuple(residual.shape)}")
-    norm_weight = sumsq = None
+    norm_weight = None
     if norm is not None:
-        norm_weight, _, sumsq = norm
+        norm_weight = norm[0]
         if tuple(norm_weight.shape) != (k,) or not norm_weight.is_floating_point():
             raise ValueError(f"norm weight must be float [{k}], got {norm_weight.dtype} "
                              f"{tuple(norm_weight.shape)}")
-        if sumsq.dtype != torch.float32 or sumsq.dim() != 1 or not 0 < sumsq.numel() <= _MAX_PARTS:
-            raise ValueError(f"norm sumsq must be float32 [P] with 0 < P <= {_MAX_PARTS} (what a "
-                             f"GEMV with residual= returns), got {sumsq.dtype} {tuple(sumsq.shape)}")
-    for t in (weight, weight_scale, bias, residual, norm_weight, sumsq):
+    for t in (weight, weight_scale, bias, residual, norm_weight):
         if t is not None and t.device != x.device:
             raise ValueError(f"all tensors must be on {x.device}; one is on {t.device}")

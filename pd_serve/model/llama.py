@@ -9,7 +9,8 @@ and V (kernels/kv_store.py's rope_store_kv). Linear layers run cuBLAS on GPU;
 `use_batch1_kernels` (--enable-batch1-kernels) gives one-row inputs (decode at batch 1)
 kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue; where every
 linear layer runs on it (plain or FP8 weights, no tensor parallelism), `forward_one_row` also
-moves each norm but the first and the last into the GEMVs around it (kernels/gemv.py).
+runs each decoder layer's norms inside the GEMVs after them and its residual adds in the
+GEMVs before (kernels/gemv.py), so only the final norm launches a kernel of its own.
 The residual stream is carried beside the hidden states so the residual add fuses into the
 next norm. Nothing here syncs with the host: CUDA graphs
 capture the whole forward.
@@ -112,23 +113,17 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def forward_one_row(self, s, sumsq, positions, rope, attn):
-        """One row on the GEMV kernels (CausalLM.forward), the norms inside them: s is the
-        residual stream (at the first layer the embedding), sumsq its partial sums of squares
-        from the GEMV that wrote it (None at the first layer, whose norm runs alone).
-        (s, sumsq) -> the next (s, sumsq)."""
+    def forward_one_row(self, s, positions, rope, attn):
+        """One row on the GEMV kernels (CausalLM.forward), each norm inside the GEMV after it:
+        s, the residual stream (at the first layer the embedding) -> the next one."""
         attention, mlp = self.self_attn, self.mlp
-        qkv_args = gemv_args(attention.qkv_proj, s)
-        if sumsq is None:
-            qkv = gemv(self.input_layernorm(s), *qkv_args)
-        else:
-            norm = self.input_layernorm
-            qkv = gemv(s, *qkv_args, norm=(norm.weight, norm.eps, sumsq))
+        norm = self.input_layernorm
+        qkv = gemv(s, *gemv_args(attention.qkv_proj, s), norm=(norm.weight, norm.eps))
         out = attention.attend(qkv, positions, rope, attn)
-        s, sumsq = gemv(out, *gemv_args(attention.o_proj, out), residual=s)
+        s = gemv(out, *gemv_args(attention.o_proj, out), residual=s)
         norm = self.post_attention_layernorm
         act = gemv(s, *gemv_args(mlp.gate_up_proj, s), silu_and_mul=True,
-                   norm=(norm.weight, norm.eps, sumsq))
+                   norm=(norm.weight, norm.eps))
         return gemv(act, *gemv_args(mlp.down_proj, act), residual=s)
 
     def runs_one_row(self, x: torch.Tensor) -> bool:
@@ -167,8 +162,8 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         layers = self.model.layers
         if self.batch1_kernels and len(layers) and layers[0].runs_one_row(x):
-            for i, layer in enumerate(layers):  # x: the residual stream, residual: its sumsq
-                x, residual = layer.forward_one_row(x, residual, positions, self.rope, attn)
+            for i, layer in enumerate(layers):  # x: the residual stream
+                x = layer.forward_one_row(x, positions, self.rope, attn)
                 if after_layer is not None:
                     after_layer(i)
             return self.model.norm(x)

@@ -252,11 +252,11 @@ def test_cuda_graph_decode_matches_eager(backend, tmp_path):
 
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
 def test_batch1_norms_inside_the_gemvs_keep_greedy_tokens(quantization, tmp_path, monkeypatch):
-    """--enable-batch1-kernels: a request decoding alone runs each RMSNorm but the first and
-    the last inside the GEMVs around it (llama.DecoderLayer.forward_one_row; CUDA graphs,
-    Triton attention). Against the same GEMVs with every norm a kernel of its own, the greedy
-    tokens and top-2 logprobs agree up to near-ties: only the mean square's summation order
-    differs."""
+    """--enable-batch1-kernels: a request decoding alone runs each decoder layer's RMSNorms
+    inside the GEMVs after them (llama.DecoderLayer.forward_one_row; CUDA graphs, Triton
+    attention). Against the same GEMVs with every norm a kernel of its own, the greedy tokens
+    and top-2 logprobs agree up to near-ties: the fused form rounds the normalised row once
+    less."""
     from pd_serve.model.llama import DecoderLayer
     _check_backend("triton")
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
