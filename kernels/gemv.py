@@ -40,27 +40,22 @@ with (16, 512) tiles) but slower in the model: batch-1 steps of 3.33 ms in FP8 a
 and 4.50 ms in bf16 against 4.25 at 3ade399 (bench/results/one-batch-h200-llama3-8b{,-fp8}-
 batch1-kernels-7cb46b5.json). Likely cause, not checked: registers, as the GLU form keeps two
 such pointer tiles live and bf16's (16, 1024) tile alone is 64 int64 pointers a thread. Not
-kept. From two rows up cuBLAS wins (its tiles share the weight read between rows; this
-kernel's do not), so `linear` takes this path for one row only.
+kept. Nor RMSNorm inside the GEMVs (bench/results/ab-norm-fusion-83dd870/, one run, batch 1,
+ms a step FP8 / bf16, norms as kernels of their own 3.09 / 4.29): the residual add in the
+GEMV before and the norm in the one after, its mean square from per-program partial sums the
+first wrote, 3.27 / 4.58; each program summing the row's squares in its own K loop and
+scaling at the end (no norm launch left in a layer), 3.12 / 4.63. Likely cause, not checked:
+the extra loads and arithmetic in every program of qkv and gate/up cost more than sixty-four
+launches fewer save. The FP8 gate/up with the activation in its epilogue (block_n halved) was
+3.13 against 3.09 for the GEMV and the silu_and_mul kernel. From two rows up cuBLAS wins (its
+tiles share the weight read between rows; this kernel's do not), so `linear` takes this path
+for one row only.
 
-`silu_and_mul=True` is the Llama MLP's fused gate/up projection with its activation in the
+`linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
 up half, rounds both to x's dtype (what the separate GEMV would store) and writes
 `silu(gate) * up` with kernels/activation.py's arithmetic, so it is bit for bit that GEMV
 followed by `silu_and_mul`, with one launch fewer and no [1, 2I] intermediate.
-
-`norm=(norm_weight, eps)` runs RMSNorm on x inside the GEMV, so a decoder layer at batch 1
-launches no norm kernel: x is the residual stream s (which the GEMV before it wrote with
-`residual=`: its output plus the residual, rounded to x's dtype, the norm kernel's sum bit for
-bit), every program already reads all of s in its K loop, and the mean square's scale comes out
-of the sum over K:
-
-    y[n] = rsqrt(sum_k s[k] ** 2 / K + eps) * sum_k W[n, k] * (w_norm[k] * s[k])     (float32)
-
-so the K loop adds a load of the norm weight and a running sum of s ** 2 and nothing else, and
-no program waits on another's. It rounds once less than kernels/norm.py followed by the GEMV,
-which stores the normalised row in x's dtype before the weight multiplies it: the output may
-differ from theirs in the last bits.
 
 The model's layers call it only under --enable-batch1-kernels (pd_serve/model/llama.py's
 use_batch1_kernels): a row computed here rounds differently from the same row in a cuBLAS
@@ -99,20 +94,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     -------
     [T, N] (or [N]) in x's dtype.
     """
-    if x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype and runs_on(x):
+    if (x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype and x.dtype in _DTYPES
+            and _kernel.runs_on(x)):
         return gemv(x, weight, bias=bias)
     return F.linear(x, weight, bias)
 
 
-def runs_on(x: torch.Tensor) -> bool:
-    """Whether `gemv` takes one-row inputs like x: a float dtype on a device the kernel serves."""
-    return x.dtype in _DTYPES and _kernel.runs_on(x)
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul(F.linear(x, weight))` for a fused [gate | up] weight [2I, K]; one-row
+    inputs [1, K] on the GPU run the GEMV with the activation in its epilogue.
+
+    Returns
+    -------
+    [T, I] in x's dtype.
+    """
+    if (x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype and x.dtype in _DTYPES
+            and _kernel.runs_on(x)):
+        return gemv(x, weight, silu_and_mul=True)
+    return activation.silu_and_mul(F.linear(x, weight))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, silu_and_mul: bool = False,
-         residual: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """One row through a linear layer, on the Triton kernel.
 
     Parameters
@@ -122,16 +125,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     weight_scale : float32 [N] for an FP8 weight (W[n] = weight[n] * weight_scale[n]); else None.
     bias : [N] in x's dtype, or None.
     silu_and_mul : weight is [gate | up] (N = 2I): return silu(gate) * up, [1, I] (no bias).
-    residual : [1, N'] in x's dtype (N' the output width): return the output plus it (the
-        next residual stream).
-    norm : (norm_weight [K], eps): multiply RMSNorm(x) * norm_weight instead of x (module
-        docstring).
 
     Returns
     -------
     [1, N] (or [1, N / 2] with silu_and_mul), new and contiguous, in x's dtype.
     """
-    _check(x, weight, weight_scale, bias, silu_and_mul, residual, norm)
+    _check(x, weight, weight_scale, bias, silu_and_mul)
     global triton_launches
     kernel = _kernel.load()
     x = x.contiguous()
@@ -143,13 +142,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     block_n, block_k, num_warps, num_stages = _block_config(k, fp8)
     if silu_and_mul:  # the same weight rows a program: half of them gate, half up
         block_n = max(1, block_n // 2)
-    norm_weight, eps = norm if norm is not None else (x, 0.0)
     kernel[(-(-n // block_n),)](
-        x, weight, out, weight_scale if fp8 else weight, bias if bias is not None else x,
-        residual.contiguous() if residual is not None else x, norm_weight, n, k, eps,
-        FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul, RESIDUAL=residual is not None,
-        NORM=norm is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages, **launch_options(pdl(x)))
+        x, weight, out, weight_scale if fp8 else weight, bias if bias is not None else x, n, k,
+        FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl(x)))
     triton_launches += 1
     return out
 
@@ -166,15 +162,13 @@ def _block_config(k: int, fp8: bool) -> tuple[int, int, int, int]:
 def _kernel(triton):
     """The jitted GEMV kernel."""
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, bias_ptr, res_ptr, norm_w_ptr, N, K,
-                    eps, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                    RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, bias_ptr, N, K, FP8: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # N: output channels (with GLU, the gate rows; the up rows are N further down).
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        dtype = out_ptr.dtype.element_ty
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
@@ -182,14 +176,10 @@ def _kernel(triton):
         up_rows = rows + N.to(tl.int64) * K  # GLU's up rows
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GLU only
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM only
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
             xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            if NORM:  # the row's squares, and the row times the norm weight
-                squares += xs * xs
-                xs = xs * tl.load(norm_w_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
             acc += w.to(tl.float32) * xs[None, :]
@@ -199,15 +189,11 @@ def _kernel(triton):
                 acc_up += w.to(tl.float32) * xs[None, :]
         # tl.reduce with Triton's add combiner, not tl.sum (see kernels/norm.py: the interpreter)
         y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]
-        inv_rms = 1.0
-        if NORM:
-            inv_rms = tl.math.rsqrt(tl.reduce(squares, 0, tl.standard._sum_combine) / K + eps)
-            y = y * inv_rms
         if FP8:
             y = y * tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
         y = y.to(out_ptr.dtype.element_ty)
         if GLU:  # silu(gate) * up as kernels/activation.py rounds it, from the rounded halves
-            up = tl.reduce(acc_up, 1, tl.standard._sum_combine) * inv_rms
+            up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
             if FP8:
                 up = up * tl.load(w_scale_ptr + N + rn, mask=n_mask, other=0.0)
             up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -216,17 +202,13 @@ def _kernel(triton):
             y = (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty)
         if HAS_BIAS:
             y = (y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0)).to(out_ptr.dtype.element_ty)
-        if RESIDUAL:  # the next residual stream, rounded as kernels/norm.py's sum
-            res = tl.load(res_ptr + rn, mask=n_mask, other=0.0)
-            y = (y.to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(out_ptr + rn, y, mask=n_mask)
 
     return gemv_kernel
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-           bias: torch.Tensor | None, silu_and_mul: bool = False,
-           residual: torch.Tensor | None = None, norm: tuple | None = None) -> None:
+           bias: torch.Tensor | None, silu_and_mul: bool = False) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in _DTYPES:
         raise ValueError(f"x must be [1, K] float16/bfloat16/float32, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -248,16 +230,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
                          f"{tuple(weight_scale.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be {x.dtype} [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    width = n // 2 if silu_and_mul else n
-    if residual is not None and (tuple(residual.shape) != (1, width) or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be {x.dtype} [1, {width}], got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
-    norm_weight = None
-    if norm is not None:
-        norm_weight = norm[0]
-        if tuple(norm_weight.shape) != (k,) or not norm_weight.is_floating_point():
-            raise ValueError(f"norm weight must be float [{k}], got {norm_weight.dtype} "
-                             f"{tuple(norm_weight.shape)}")
-    for t in (weight, weight_scale, bias, residual, norm_weight):
+    for t in (weight, weight_scale, bias):
         if t is not None and t.device != x.device:
             raise ValueError(f"all tensors must be on {x.device}; one is on {t.device}")

@@ -7,10 +7,7 @@ Norms and SiLU-and-mul call kernels/: Triton on GPU, their torch references on C
 reproduce Hugging Face's arithmetic); RoPE is the attention backend's, applied as it stores K
 and V (kernels/kv_store.py's rope_store_kv). Linear layers run cuBLAS on GPU;
 `use_batch1_kernels` (--enable-batch1-kernels) gives one-row inputs (decode at batch 1)
-kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue; where every
-linear layer runs on it (plain or FP8 weights, no tensor parallelism), `forward_one_row` also
-runs each decoder layer's norms inside the GEMVs after them and its residual adds in the
-GEMVs before (kernels/gemv.py), so only the final norm launches a kernel of its own.
+kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue.
 The residual stream is carried beside the hidden states so the residual add fuses into the
 next norm. Nothing here syncs with the host: CUDA graphs
 capture the whole forward.
@@ -23,12 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels import gemv as gemv_kernels
-from kernels.gemv import gemv, linear
+from kernels.gemv import linear, linear_silu_and_mul
 from kernels.norm import rms_norm
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
-from pd_serve.model.quant import Fp8Linear
 from pd_serve.model.rope import RotaryEmbedding
 
 
@@ -65,13 +60,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, rope, attn))
-
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-               attn: AttentionBackend) -> torch.Tensor:
-        """qkv_proj's output [T, q + 2 kv] -> the attention output [T, q_size], before o_proj."""
         cfg = self.cfg
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -79,7 +69,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # RoPE happens in the backend, in the kernel that stores K and V.
         out = attn.run(self.layer_id, q, k, v, rope=(positions, rope.cos, rope.sin))  # [T, Hq, D]
-        return out.reshape(-1, cfg.q_size)
+        return self.o_proj(out.reshape(-1, cfg.q_size))
 
 
 class MLP(nn.Module):
@@ -89,10 +79,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = gemv_args(self.gate_up_proj, x)
-        if args is not None:  # one row: the activation in the GEMV's epilogue
-            return self.down_proj(gemv(x, *args, silu_and_mul=True))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, Linear) and gate_up.batch1_kernels:  # activation in the GEMV
+            return self.down_proj(linear_silu_and_mul(x, gate_up.weight))
+        return self.down_proj(silu_and_mul(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -112,25 +102,6 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, positions, rope, attn)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-    def forward_one_row(self, s, positions, rope, attn):
-        """One row on the GEMV kernels (CausalLM.forward), each norm inside the GEMV after it:
-        s, the residual stream (at the first layer the embedding) -> the next one."""
-        attention, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        qkv = gemv(s, *gemv_args(attention.qkv_proj, s), norm=(norm.weight, norm.eps))
-        out = attention.attend(qkv, positions, rope, attn)
-        s = gemv(out, *gemv_args(attention.o_proj, out), residual=s)
-        norm = self.post_attention_layernorm
-        act = gemv(s, *gemv_args(mlp.gate_up_proj, s), silu_and_mul=True,
-                   norm=(norm.weight, norm.eps))
-        return gemv(act, *gemv_args(mlp.down_proj, act), residual=s)
-
-    def runs_one_row(self, x: torch.Tensor) -> bool:
-        """Whether forward_one_row serves x: one row, and every linear layer on the GEMV."""
-        return all(gemv_args(layer, x) is not None for layer in
-                   (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
-                    self.mlp.down_proj))
 
 
 class DecoderModel(nn.Module):
@@ -160,14 +131,7 @@ class CausalLM(nn.Module):
         after_layer(i), if given, is called once layer i's work is queued (its KV is stored):
         the prefill worker ships finished layers' KV while the rest of the forward runs."""
         x, residual = self.model.embed_tokens(input_ids), None
-        layers = self.model.layers
-        if self.batch1_kernels and len(layers) and layers[0].runs_one_row(x):
-            for i, layer in enumerate(layers):  # x: the residual stream
-                x = layer.forward_one_row(x, positions, self.rope, attn)
-                if after_layer is not None:
-                    after_layer(i)
-            return self.model.norm(x)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, positions, self.rope, attn)
             if after_layer is not None:
                 after_layer(i)
@@ -180,20 +144,6 @@ class CausalLM(nn.Module):
         if self.tp is not None:  # this rank's slice of the vocabulary
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()
-
-
-def gemv_args(layer: nn.Module, x: torch.Tensor) -> tuple | None:
-    """(weight, weight_scale, bias) for `gemv` when `layer` runs one-row x on the GEMV kernel
-    (batch-1 kernels on; a plain weight in x's dtype, or an FP8 one that runs on the device),
-    else None."""
-    if not (getattr(layer, "batch1_kernels", False) and x.dim() == 2 and x.shape[0] == 1
-            and gemv_kernels.runs_on(x)):
-        return None
-    if type(layer) is Linear and layer.weight.dtype == x.dtype:
-        return layer.weight, None, layer.bias
-    if isinstance(layer, Fp8Linear) and layer.dense is None:
-        return layer.weight, layer.weight_scale, layer.bias
-    return None
 
 
 def use_batch1_kernels(model: nn.Module) -> None:

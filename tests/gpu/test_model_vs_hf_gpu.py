@@ -248,34 +248,3 @@ def test_cuda_graph_decode_matches_eager(backend, tmp_path):
             num_parted += why == "parted"
     total = sum(len(lens) for lens in PROMPT_LENS.values())
     assert num_parted <= 0.2 * total, f"{num_parted} of {total} sequences parted (near-ties)"
-
-
-@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
-def test_batch1_norms_inside_the_gemvs_keep_greedy_tokens(quantization, tmp_path, monkeypatch):
-    """--enable-batch1-kernels: a request decoding alone runs each decoder layer's RMSNorms
-    inside the GEMVs after them (llama.DecoderLayer.forward_one_row; CUDA graphs, Triton
-    attention). Against the same GEMVs with every norm a kernel of its own, the greedy tokens
-    and top-2 logprobs agree up to near-ties: the fused form rounds the normalised row once
-    less."""
-    from pd_serve.model.llama import DecoderLayer
-    _check_backend("triton")
-    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(HF_CONFIG["vocab_size"], (n,), generator=gen).tolist()
-               for n in (5, 37, 130, 300)]
-    runs = {}
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(DecoderLayer, "runs_one_row", lambda self, x: False)
-        core = EngineCore(EngineConfig(
-            model=str(tmp_path), load_format="dummy", device=DEVICE, dtype="bfloat16",
-            attention_backend="triton", enable_batch1_kernels=True, quantization=quantization,
-            cuda_graph_max_bs=8, context_length=512, cache=CacheConfig(max_total_tokens=4 * 512)))
-        peaked_weights_(core.model, seed=0, **GRAPH_WEIGHTS)  # after capture: in place
-        runs[fused] = [greedy(core, [p], NUM_NEW_TOKENS)[0] for p in prompts]
-        del core
-        gc.collect()
-        torch.cuda.empty_cache()
-    for n, ours, ref in zip((5, 37, 130, 300), runs[True], runs[False], strict=True):
-        why = compare(ours, ref)
-        assert why in (None, "parted"), f"prompt of {n} tokens: {why}"

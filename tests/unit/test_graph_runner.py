@@ -100,10 +100,8 @@ def test_graph_steps_resolve_tokens_from_every_kind_of_step(monkeypatch, tiny_ch
 
 def test_batch1_kernels_flag_runs_the_gemv_and_keeps_greedy_tokens(monkeypatch, tiny_checkpoints):
     """--enable-batch1-kernels: one-row decode steps go through kernels/gemv.py (Triton's
-    interpreter here), each with one norm launch (the final norm; the layers' norms run inside
-    the GEMVs) where the prompt's forward has one a norm, and in float32 the greedy tokens stay
-    those of cuBLAS-style F.linear."""
-    from kernels import gemv, norm
+    interpreter here), and in float32 the greedy tokens stay those of cuBLAS-style F.linear."""
+    from kernels import gemv
     monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
     model = tiny_checkpoints["llama3"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -113,11 +111,9 @@ def test_batch1_kernels_flag_runs_the_gemv_and_keeps_greedy_tokens(monkeypatch, 
     assert engine_config_from_args(args).enable_batch1_kernels
     fast = Engine(model, device="cpu", attention_backend="torch", max_total_tokens=1024,
                   enable_batch1_kernels=True)
-    before, norms_before = gemv.triton_launches, norm.triton_launches
+    before = gemv.triton_launches
     got = fast.generate(prompt, params)[0].token_ids
     assert gemv.triton_launches - before >= params.max_tokens - 1  # each decode step's layers
-    layers = fast.model.config.num_layers
-    assert norm.triton_launches - norms_before == 2 * layers + 1 + params.max_tokens - 1
     assert got == want.generate(prompt, params)[0].token_ids
 
 
