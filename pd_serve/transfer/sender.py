@@ -193,6 +193,9 @@ class KVSender:
             raise TransferError(f"transfer queue full ({self.max_queued} jobs)")
         self._jobs.append(job)
         if self._sleeping:  # set before the I/O thread last looked at the queue
+            # One byte a sleep: the puts after this one are taken by the same wake-up (the
+            # byte goes after the flag is cleared, and the I/O thread drains the whole queue).
+            self._sleeping = False
             self._wake_w.send(b"\0")
 
     # ---- I/O thread -----------------------------------------------------------------------
