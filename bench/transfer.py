@@ -318,7 +318,8 @@ class Pair:
         """Seconds for `total` requests of `num_pages` pages each with at most k in flight: k
         sent back to back, then the next each time the one that used its pages last is
         acknowledged (k disjoint page sets in turn), until the last is acknowledged. The rate a
-        prefill worker that always has k requests finishing sustains. The receiver expects them
+        prefill worker that always has k requests finishing sustains (the requests sent together
+        share one ready mark, as a prefill worker's sends of one layer group do). The receiver expects them
         all before the clock starts. Also the CPU seconds the sender's and the receiver's
         processes spent meanwhile (every thread: where host time per request goes)."""
         src = self.rng.sample(range(self.pool.num_pages), k * num_pages)
@@ -337,9 +338,11 @@ class Pair:
         sender_cpu = time.process_time()
         start = time.perf_counter()
         while len(acked) < total:
+            ready = None  # one ready mark for the requests sent together, as a prefill step's
             while sent < total and (sent < k or parts[sent - k][0] in acked):
                 request_id, s, d = parts[sent]
-                self.sender.send(request_id, self.receiver.address, s, d)
+                ready = ready or self.sender.ready_mark()
+                self.sender.send(request_id, self.receiver.address, s, d, ready=ready)
                 sent += 1
             if (left := deadline - time.monotonic()) <= 0:
                 raise TransferError(f"{total - len(acked)} of {total} requests unanswered")

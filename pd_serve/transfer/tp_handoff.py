@@ -81,6 +81,7 @@ class PrefillRank:
         ends = sorted(self.group_ends)
         start = 0 if layer == ends[0] else ends[ends.index(layer) - 1] + 1
         last = layer == ends[-1]
+        ready = self.sender.ready_mark() if sends else None  # one mark for the group's sends
         for send in sends:
             routes = self.routes(len(send.addresses))
             dst_heads = max(1, self.num_kv_heads // len(send.addresses))
@@ -92,7 +93,7 @@ class PrefillRank:
                     heads = None  # every head on both sides: the plain whole-page path
                 parts = sum(r.dst_rank == route.dst_rank for r in routes)
                 self.sender.send(send.request_id, send.addresses[route.dst_rank], send.src_page_ids,
-                                 send.dst_page_ids, start, layer + 1, last, heads, parts)
+                                 send.dst_page_ids, start, layer + 1, last, heads, parts, ready)
 
     def poll(self) -> list[TransferResult]:
         return self.sender.poll()

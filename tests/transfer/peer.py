@@ -110,6 +110,7 @@ def main() -> None:
         node = KVReceiver(poisoned_pool(layout, args.num_pages, args.device), args.backend,
                           timeout_s=args.timeout)
         say({"address": node.address})
+    mark = None
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop("op")
@@ -117,8 +118,12 @@ def main() -> None:
             if op == "connect":
                 node.connect(cmd["address"])
                 say({"ok": True})
+            elif op == "mark":  # a ready mark, for the sends that ask for it (shared_mark)
+                mark = node.ready_mark()
+                say({"ok": mark is not None})
             elif op == "send":
-                node.send(**cmd)
+                shared = cmd.pop("shared_mark", False)
+                node.send(**cmd, ready=mark if shared else None)
                 say({"ok": True})
             elif op == "expect":
                 node.expect(**cmd)

@@ -27,6 +27,7 @@ def test_gpu_transfer_bit_exact(backend, chunk_bytes, peers):
     sender = peers("sender", backend, layout=GPU_LAYOUT, timeout=60, device="cuda:0",
                    chunk_bytes=chunk_bytes)
     assert sender.call("connect", address=receiver.address) == {"ok": True}
+    assert sender.call("mark") == {"ok": True}  # one ready mark, shared by every third request
     rng = random.Random(1)
     dst_free = rng.sample(range(NUM_PAGES), NUM_PAGES)
     plan = {}
@@ -39,7 +40,8 @@ def test_gpu_transfer_bit_exact(backend, chunk_bytes, peers):
         groups = [(0, 3), (3, 8)] if i % 2 else [(0, 8)]
         for a, b in groups:
             assert sender.call("send", request_id=f"r{i}", address=receiver.address, src_page_ids=src,
-                               dst_page_ids=dst, layer_start=a, layer_end=b, last=b == 8) == {"ok": True}
+                               dst_page_ids=dst, layer_start=a, layer_end=b, last=b == 8,
+                               shared_mark=i % 3 == 0) == {"ok": True}
     sent = sender.call("poll", count=16, wait=60)["results"]
     assert sorted(r["request_id"] for r in sent if r["ok"]) == sorted(plan), sent
     results, deadline = [], time.monotonic() + 30
