@@ -171,22 +171,23 @@ def _kernel(triton):
         n_mask = rn < N
         rows = rn.to(tl.int64)[:, None] * K  # [BN, 1] weight row starts
         up_rows = rows + N.to(tl.int64) * K  # GLU's up rows
-        # The first weight tile(s) load before the PDL wait: the kernel before does not write
-        # the weights, so their read overlaps its tail (see the module docstring).
-        first_mask = n_mask[:, None] & (rk < K)[None, :]
-        w = tl.load(w_ptr + rows + rk[None, :], mask=first_mask, other=0.0)
-        w_up = w
-        if GLU:
-            w_up = tl.load(w_ptr + up_rows + rk[None, :], mask=first_mask, other=0.0)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GLU only
+        if FP8:  # the first weight tile(s) before the PDL wait (module docstring)
+            first_mask = n_mask[:, None] & (rk < K)[None, :]
+            w = tl.load(w_ptr + rows + rk[None, :], mask=first_mask, other=0.0)
+            w_up = w
+            if GLU:
+                w_up = tl.load(w_ptr + up_rows + rk[None, :], mask=first_mask, other=0.0)
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        xs = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        acc = w.to(tl.float32) * xs[None, :]
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GLU only
-        if GLU:
-            acc_up = w_up.to(tl.float32) * xs[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        if FP8:
+            xs = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            acc = w.to(tl.float32) * xs[None, :]
+            if GLU:
+                acc_up = w_up.to(tl.float32) * xs[None, :]
+        for k0 in range(BLOCK_K if FP8 else 0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
             xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
