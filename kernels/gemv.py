@@ -55,8 +55,9 @@ With FP8 weights a program loads its first weight tile (and the up half's with s
 before the PDL wait (kernels/_triton.py): the kernel before writes x, never the weights, so
 that read overlaps its tail. Batch-1 decode step, Llama-3.1-8B shape, one H200, A/B against
 f6dabf1 on one machine start: FP8 3.01 against 3.085 ms (bench/results/ab-fp8-prewait/). For
-bf16 weights it was 1 % slower (4.29 against 4.24 ms; ptxas for sm_90a counts 56 registers
-against 48 in the gate/up form), so they load after the wait, as before.
+bf16 weights it was 1 % slower (4.29 against 4.24 ms; 56 registers a thread against 48 in the
+gate/up form, `bench/probes/gemv_registers.py` at 8fe3e0d), so they load after the wait, as
+before. The FP8 programs hold 168 registers a thread (3 programs an SM).
 
 `linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
