@@ -57,7 +57,7 @@ that read overlaps its tail. Batch-1 decode step, Llama-3.1-8B shape, one H200, 
 f6dabf1 on one machine start: FP8 3.01 against 3.085 ms (bench/results/ab-fp8-prewait/). For
 bf16 weights it was 1 % slower (4.29 against 4.24 ms; 56 registers a thread against 48 in the
 gate/up form, `bench/probes/gemv_registers.py` at 8fe3e0d), so they load after the wait, as
-before. The FP8 programs hold 168 registers a thread (3 programs an SM).
+before. The FP8 programs hold 168 registers a thread (3 programs an SM; Triton 3.9's code).
 
 `linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
