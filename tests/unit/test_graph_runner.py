@@ -103,6 +103,11 @@ def test_batch1_kernels_flag_runs_the_gemv_and_keeps_greedy_tokens(monkeypatch, 
     interpreter here), and in float32 the greedy tokens stay those of cuBLAS-style F.linear."""
     from kernels import gemv
     monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
+    # The interpreter runs one program at a time: 64 rows a program, not 2, take the LM head
+    # (49,152 rows) from 24,576 programs a step to 768 (the block sizes' own masking paths are
+    # tests/kernels/test_gemv.py's).
+    block_config = gemv._block_config
+    monkeypatch.setattr(gemv, "_block_config", lambda k, fp8: (64, *block_config(k, fp8)[1:]))
     model = tiny_checkpoints["llama3"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = [list(range(7, 25))]
