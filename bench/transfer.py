@@ -319,8 +319,8 @@ class Pair:
         sent back to back, then the next each time the one that used its pages last is
         acknowledged (k disjoint page sets in turn), until the last is acknowledged. The rate a
         prefill worker that always has k requests finishing sustains (the requests sent together
-        share one ready mark, as a prefill worker's sends of one layer group do). The receiver expects them
-        all before the clock starts. Also the CPU seconds the sender's and the receiver's
+        share one ready mark, as a prefill worker's sends of one layer group do). The receiver
+        expects them all before the clock starts. Also the CPU seconds the sender's and the receiver's
         processes spent meanwhile (every thread: where host time per request goes)."""
         src = self.rng.sample(range(self.pool.num_pages), k * num_pages)
         dst = self.rng.sample(range(self.pool.num_pages), k * num_pages)
@@ -338,7 +338,7 @@ class Pair:
         sender_cpu = time.process_time()
         start = time.perf_counter()
         while len(acked) < total:
-            ready = None  # one ready mark for the requests sent together, as a prefill step's
+            ready = None  # taken at the first send of this burst
             while sent < total and (sent < k or parts[sent - k][0] in acked):
                 request_id, s, d = parts[sent]
                 ready = ready or self.sender.ready_mark()

@@ -50,7 +50,8 @@ def registers(kernel, signature: dict, constexprs: dict, num_warps: int, num_sta
         out = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx) + ".o"],
                              capture_output=True, text=True, timeout=120)
     text = out.stderr + out.stdout
-    regs, spill = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
     if regs is None:
         raise RuntimeError(f"ptxas said: {text.strip()[:300]}")
     return int(regs.group(1)), int(spill.group(1)) if spill else 0
