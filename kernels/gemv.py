@@ -147,23 +147,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         n //= 2
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     fp8 = weight_scale is not None
-    block_n, block_k, num_warps, num_stages = _block_config(k, fp8)
+    block_n, block_k, num_warps, num_stages, rowsum = _block_config(weight.shape[0], k, fp8)
     if silu_and_mul:  # the same weight rows a program: half of them gate, half up
         block_n = max(1, block_n // 2)
     kernel[(-(-n // block_n),)](
         x, weight, out, weight_scale if fp8 else weight, bias if bias is not None else x, n, k,
-        FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k,
+        FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul, ROWSUM=rowsum, BLOCK_N=block_n,
+        BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages, **launch_options(pdl(x)))
     triton_launches += 1
     return out
 
 
-def _block_config(k: int, fp8: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) by the layer's K and weight dtype (see the
-    module docstring for the timings behind them)."""
+def _block_config(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, ROWSUM) by the layer's shape and weight dtype
+    (see the module docstring for the timings behind them). n counts the output rows a call
+    reads: both halves with silu_and_mul."""
     if fp8:
-        return (4, 2048, 4, 2) if k >= 8192 else (8, 1024, 4, 2)
-    return (16, 1024, 8, 4) if k >= 8192 else (2, 1024, 4, 2)
+        return (4, 2048, 4, 2, False) if k >= 8192 else (8, 1024, 4, 2, False)
+    return (16, 1024, 8, 4, False) if k >= 8192 else (2, 1024, 4, 2, False)
 
 
 @lazy_kernel("the GEMV")
@@ -171,16 +173,22 @@ def _kernel(triton):
     """The jitted GEMV kernel."""
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, bias_ptr, N, K, FP8: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, ROWSUM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # N: output channels (with GLU, the gate rows; the up rows are N further down).
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
         rows = rn.to(tl.int64)[:, None] * K  # [BN, 1] weight row starts
         up_rows = rows + N.to(tl.int64) * K  # GLU's up rows
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GLU only
+        # ROWSUM: sum the products over K every step into [BN] (few registers, a cross-thread
+        # sum a step); else keep them in a [BN, BK] tile summed once at the end
+        if ROWSUM:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)  # GLU only
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if FP8:  # the first weight tile(s) before the PDL wait (module docstring)
             first_mask = n_mask[:, None] & (rk < K)[None, :]
             w = tl.load(w_ptr + rows + rk[None, :], mask=first_mask, other=0.0)
@@ -190,29 +198,44 @@ def _kernel(triton):
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if FP8:
+        if FP8:  # the first tile's products start the sums
             xs = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
             acc = w.to(tl.float32) * xs[None, :]
             if GLU:
                 acc_up = w_up.to(tl.float32) * xs[None, :]
+            if ROWSUM:
+                # tl.reduce with Triton's add combiner, not tl.sum (kernels/norm.py: the interpreter)
+                acc = tl.reduce(acc, 1, tl.standard._sum_combine)
+                if GLU:
+                    acc_up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
         for k0 in range(BLOCK_K if FP8 else 0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
             xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            acc += w.to(tl.float32) * xs[None, :]
+            if ROWSUM:
+                acc += tl.reduce(w.to(tl.float32) * xs[None, :], 1, tl.standard._sum_combine)
+            else:
+                acc += w.to(tl.float32) * xs[None, :]
             if GLU:
                 w = tl.load(w_ptr + up_rows + kk[None, :],
                             mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc_up += w.to(tl.float32) * xs[None, :]
-        # tl.reduce with Triton's add combiner, not tl.sum (see kernels/norm.py: the interpreter)
-        y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]
+                if ROWSUM:
+                    acc_up += tl.reduce(w.to(tl.float32) * xs[None, :], 1,
+                                        tl.standard._sum_combine)
+                else:
+                    acc_up += w.to(tl.float32) * xs[None, :]
+        y = acc  # [BN]
+        up = acc_up
+        if not ROWSUM:
+            y = tl.reduce(acc, 1, tl.standard._sum_combine)
+            if GLU:
+                up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
         if FP8:
             y = y * tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
         y = y.to(out_ptr.dtype.element_ty)
         if GLU:  # silu(gate) * up as kernels/activation.py rounds it, from the rounded halves
-            up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
             if FP8:
                 up = up * tl.load(w_scale_ptr + N + rn, mask=n_mask, other=0.0)
             up = up.to(out_ptr.dtype.element_ty).to(tl.float32)

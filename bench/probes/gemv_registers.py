@@ -1,13 +1,12 @@
-"""Registers a thread of kernels/gemv.py's GEMV (and of bench/probes/fp8_gemv_rowsum.py's
-row-sum form) for sm_90a, on any machine, GPU or not: Triton compiles each configuration to PTX
-for an H100/H200 target and the ptxas that ships in Triton's wheel (`ptxas-blackwell`, CUDA 13)
+"""Registers a thread of kernels/gemv.py's GEMV for sm_90a, on any machine, GPU or not: Triton
+compiles each configuration to PTX for an H100/H200 target and the ptxas that ships in Triton's wheel (`ptxas-blackwell`, CUDA 13)
 reports registers and spills. Registers bound how many programs share an SM (65,536 a SM), and
 so how many weight loads are in flight: the figures behind kernels/gemv.py's docstring. They
 are the installed Triton's (3.9 in the CPU venv on 2026-12-01; the H200 machine runs 3.6,
 whose code may differ).
 
-    python bench/probes/gemv_registers.py            # kernels/gemv.py at this commit
-    python bench/probes/gemv_registers.py --rowsum   # the probe's row-sum form
+    python bench/probes/gemv_registers.py                          # kernels/gemv.py's choices
+    python bench/probes/gemv_registers.py --rowsum "4,1024,4 8,1024,8"   # and FP8 row-sum ones
 """
 import argparse
 import os
@@ -31,13 +30,22 @@ from kernels import gemv  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
-# (label, fp8, glu, block_n, block_k, num_warps, num_stages): kernels/gemv.py's choices
-GEMV_CFGS = [("fp8 K<8192", True, False, *gemv._block_config(4096, True)),
-             ("fp8 K>=8192", True, False, *gemv._block_config(14336, True)),
-             ("bf16 K<8192", False, False, *gemv._block_config(4096, False)),
-             ("bf16 K>=8192", False, False, *gemv._block_config(14336, False)),
-             ("bf16 gate/up", False, True, max(1, gemv._block_config(4096, False)[0] // 2),
-              *gemv._block_config(4096, False)[1:])]
+# (label, fp8, glu, block_n, block_k, num_warps, num_stages, rowsum): kernels/gemv.py's choices
+# at Llama-3.1-8B's shapes (N, K) (gate/up: the fused [gate | up] weight, GLU halves block_n)
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336)}
+
+
+def gemv_cfgs(extra_rowsum: list) -> list:
+    rows = []
+    for fp8 in (True, False):
+        for name, (n, k) in SHAPES.items():
+            bn, bk, warps, stages, rowsum = gemv._block_config(n, k, fp8)
+            glu = name == "gate/up"
+            rows.append((f"{'fp8' if fp8 else 'bf16'} {name}", fp8, glu,
+                         max(1, bn // 2) if glu else bn, bk, warps, stages, rowsum))
+    for bn, bk, warps in extra_rowsum:  # FP8 row-sum configurations, not GLU
+        rows.append(("fp8 extra", True, False, bn, bk, warps, 1, True))
+    return rows
 
 
 def registers(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> tuple:
@@ -63,31 +71,25 @@ def programs_per_sm(regs: int, num_warps: int) -> int:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rowsum", action="store_true", help="the row-sum probe's configurations")
+    ap.add_argument("--rowsum", default="", type=lambda v: [tuple(map(int, c.split(",")))
+                                                          for c in v.split()],
+                    help='FP8 row-sum configurations to add, "BN,BK,WARPS BN,BK,WARPS ..."')
     args = ap.parse_args()
     if not PTXAS.exists():
         sys.exit(f"no {PTXAS}: this Triton wheel ships no ptxas for sm_90a")
     gemv.tl = tl
     base = {"x_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"}
     rows = []
-    if args.rowsum:
-        import fp8_gemv_rowsum as probe
-        sig = {**base, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "BLOCK_N": "constexpr",
-               "BLOCK_K": "constexpr", "PDL": "constexpr"}
-        for bn, bk, warps in probe.CFGS:
-            regs = registers(probe.gemv_rowsum, sig, {"BLOCK_N": bn, "BLOCK_K": bk, "PDL": True},
-                             warps, 1)
-            rows.append((f"rowsum ({bn}, {bk}, {warps} warps)", bn, bk, warps, *regs))
-    else:
-        kernel = gemv._kernel._build(triton)
-        for label, fp8, glu, bn, bk, warps, stages in GEMV_CFGS:
-            sig = {**base, "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "w_scale_ptr": "*fp32",
-                   "bias_ptr": "*bf16", **{k: "constexpr" for k in
-                                           ("FP8", "HAS_BIAS", "GLU", "BLOCK_N", "BLOCK_K", "PDL")}}
-            consts = {"FP8": fp8, "HAS_BIAS": False, "GLU": glu, "BLOCK_N": bn, "BLOCK_K": bk,
-                      "PDL": True}
-            rows.append((f"{label} ({bn}, {bk}, {warps} warps)", bn, bk, warps,
-                         *registers(kernel, sig, consts, warps, stages)))
+    kernel = gemv._kernel._build(triton)
+    sig = {**base, "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", **{
+        k: "constexpr" for k in ("FP8", "HAS_BIAS", "GLU", "ROWSUM", "BLOCK_N", "BLOCK_K", "PDL")}}
+    for label, fp8, glu, bn, bk, warps, stages, rowsum in gemv_cfgs(args.rowsum):
+        consts = {"FP8": fp8, "HAS_BIAS": False, "GLU": glu, "ROWSUM": rowsum, "BLOCK_N": bn,
+                  "BLOCK_K": bk, "PDL": True}
+        regs = registers(kernel, {**sig, "w_ptr": "*fp8e4nv" if fp8 else "*bf16"}, consts, warps,
+                         stages)
+        form = "rowsum" if rowsum else "tile"
+        rows.append((f"{label} {form} ({bn}, {bk}, {warps}w)", bn, bk, warps, *regs))
     print(f"{'configuration':34} {'regs':>5} {'spill B':>8} {'programs/SM':>12}")
     for label, bn, bk, warps, regs, spill in rows:
         print(f"{label:34} {regs:5} {spill:8} {programs_per_sm(regs, warps):12}")

@@ -24,6 +24,17 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # 
 SHAPES = [(64, 256), (70, 1030), (24, 8200)]
 
 
+@pytest.fixture(params=["tile", "rowsum"])
+def form(request, monkeypatch):
+    """Run the test with each way of summing over K (kernels/gemv.py's ROWSUM), whichever
+    _block_config picks for the shape."""
+    block_config = gemv._block_config
+    rowsum = request.param == "rowsum"
+    monkeypatch.setattr(gemv, "_block_config",
+                        lambda n, k, fp8: (*block_config(n, k, fp8)[:4], rowsum))
+    return request.param
+
+
 @contextlib.contextmanager
 def expect_launches(n: int):
     before = gemv.triton_launches
@@ -56,7 +67,7 @@ def run_dense(device, dtype, n, k, with_bias):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_dense_matches_linear(dtype, n, k, with_bias):
+def test_dense_matches_linear(dtype, n, k, with_bias, form):
     run_dense("cpu", dtype, n, k, with_bias)
 
 
@@ -96,7 +107,7 @@ def run_fp8(device, dtype, n, k, with_bias):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_fp8_weight_only_matches_reference(dtype, n, k, with_bias):
+def test_fp8_weight_only_matches_reference(dtype, n, k, with_bias, form):
     run_fp8("cpu", dtype, n, k, with_bias)
 
 
@@ -123,7 +134,7 @@ def run_silu_and_mul(device, dtype, inner, k, fp8_weight):
 @pytest.mark.parametrize("fp8_weight", [False, True], ids=["dense", "fp8"])
 @pytest.mark.parametrize("inner,k", [(32, 256), (35, 1030), (12, 8200)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_silu_and_mul_epilogue(dtype, inner, k, fp8_weight):
+def test_silu_and_mul_epilogue(dtype, inner, k, fp8_weight, form):
     run_silu_and_mul("cpu", dtype, inner, k, fp8_weight)
 
 
@@ -169,21 +180,21 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("n,k", LLAMA_8B)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("device", ["cuda"])
-def test_cuda_dense(device, dtype, n, k):
+def test_cuda_dense(device, dtype, n, k, form):
     run_dense(device, dtype, n, k, with_bias=True)
 
 
 @needs_cuda
 @pytest.mark.parametrize("fp8_weight", [False, True], ids=["dense", "fp8"])
 @pytest.mark.parametrize("device", ["cuda"])
-def test_cuda_silu_and_mul_epilogue(device, fp8_weight):
+def test_cuda_silu_and_mul_epilogue(device, fp8_weight, form):
     run_silu_and_mul(device, torch.bfloat16, 14336, 4096, fp8_weight)
 
 
 @needs_cuda
 @pytest.mark.parametrize("n,k", LLAMA_8B)
 @pytest.mark.parametrize("device", ["cuda"])
-def test_cuda_fp8(device, n, k):
+def test_cuda_fp8(device, n, k, form):
     run_fp8(device, torch.bfloat16, n, k, with_bias=False)
 
 

@@ -107,7 +107,7 @@ def test_batch1_kernels_flag_runs_the_gemv_and_keeps_greedy_tokens(monkeypatch, 
     # (49,152 rows) from 24,576 programs a step to 768 (the block sizes' own masking paths are
     # tests/kernels/test_gemv.py's).
     block_config = gemv._block_config
-    monkeypatch.setattr(gemv, "_block_config", lambda k, fp8: (64, *block_config(k, fp8)[1:]))
+    monkeypatch.setattr(gemv, "_block_config", lambda n, k, fp8: (64, *block_config(n, k, fp8)[1:]))
     model = tiny_checkpoints["llama3"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = [list(range(7, 25))]

@@ -1,0 +1,106 @@
+"""Probe (one H200, ~3 min): kernels/gemv.py's GEMV at each Llama-3.1-8B layer shape, FP8 and
+bf16 weights, in both of its ways of summing over K (ROWSUM: products summed every step into
+[BLOCK_N]; tile: float32 products kept in [BLOCK_N, BLOCK_K] and summed at the end), over a
+set of block configurations. gate/up runs as the model runs it: the fused [gate | up] weight
+with silu_and_mul (block_n counts the rows of both halves). Each configuration is timed under a
+CUDA graph over 32 distinct copies of the layer (bench/probes/_graph_time.py) in ROUNDS
+interleaved rounds, its median kept, and checked against the torch reference. Writes
+$OUT/gemv-forms-h200.json. (Until ac49a71 a stand-alone FP8 row-sum kernel,
+bench/probes/fp8_gemv_rowsum.py, one sample each: ../results/probe-fp8-gemv-rowsum-h200-ac49a71.json.)
+
+    PYTHONPATH=. python3 bench/probes/gemv_forms.py
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, ".")
+import torch
+import triton
+
+from kernels import activation, gemv
+from pd_serve.model import fp8
+from _graph_time import graph_time  # noqa: E402 (bench/probes/)
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# (BLOCK_N, BLOCK_K, num_warps) tried in the row-sum form; the tile form is tried at
+# _block_config's choice. Row-sum registers for sm_90a (bench/probes/gemv_registers.py, FP8):
+# (4, 1024, 4w) 64, (8, 512, 4w) 63, (4, 2048, 4w) 113, (8, 1024, 4w) 126, (8, 1024, 8w) 64.
+ROWSUM_CFGS = [(4, 512, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8),
+               (8, 2048, 8), (16, 1024, 8), (16, 512, 4)]
+ROUNDS = int(os.environ.get("PROBE_ROUNDS", 3))
+BUDGET_S = float(os.environ.get("PROBE_BUDGET_S", 240))  # then what was measured is written
+
+
+def forced(cfg):
+    """_block_config that answers cfg, (BLOCK_N, BLOCK_K, warps, stages, ROWSUM), for any layer."""
+    return lambda n, k, is_fp8: cfg
+
+
+def main():
+    dev = "cuda"
+    torch.manual_seed(0)
+    chosen = gemv._block_config
+    rows, t0 = [], time.time()
+    out_path = os.environ.get("OUT", ".") + "/gemv-forms-h200.json"
+
+    def write():
+        best = {}
+        for r in rows:
+            key = (r["dtype"], r["shape"], r["form"])
+            if r["ok"] and (key not in best or r["us"] < best[key]["us"]):
+                best[key] = r
+        json.dump({"device": torch.cuda.get_device_name(),
+                   "versions": {"torch": torch.__version__, "triton": triton.__version__},
+                   "git_commit": os.environ.get("PD_SERVE_COMMIT", "unknown"), "rounds": ROUNDS,
+                   "best": list(best.values()), "rows": rows}, open(out_path, "w"), indent=1)
+        return best
+
+    for dtype in ("fp8", "bf16"):
+        for name, (n, k) in SHAPES.items():
+            if time.time() - t0 > BUDGET_S:
+                break
+            glu = name == "gate_up"
+            w32 = [torch.randn(n, k, device=dev) * 0.02 for _ in range(32)]
+            ws = ([fp8.quantize_weight(w) for w in w32] if dtype == "fp8"
+                  else [(w.to(torch.bfloat16), None) for w in w32])
+            del w32
+            x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+            w0, s0 = ws[0]
+            ref = x.float() @ (w0.float() * (s0[:, None] if s0 is not None else 1)).t()
+            if glu:
+                ref = activation.silu_and_mul_ref(ref.to(torch.bfloat16)).float()
+            scale = ref.abs().max().item()
+            cfgs = [("tile", chosen(n, k, dtype == "fp8"))]
+            cfgs += [("rowsum", (bn, bk, warps, 1, True)) for bn, bk, warps in ROWSUM_CFGS]
+            times = {i: [] for i in range(len(cfgs))}
+            errs = {}
+            for _ in range(ROUNDS):
+                for i, (form, cfg) in enumerate(cfgs):
+                    gemv._block_config = forced(cfg)
+                    call = (lambda w, s: gemv.gemv(x, w, s, silu_and_mul=glu))
+                    try:
+                        if i not in errs:
+                            errs[i] = (call(w0, s0).float() - ref).abs().max().item() / scale
+                        times[i].append(graph_time(lambda: [call(w, s) for w, s in ws]) * 1e3 / 32)
+                    except Exception as e:  # a configuration Triton cannot build
+                        print("fail", dtype, name, form, cfg, repr(e)[:160], flush=True)
+                        errs[i] = float("inf")
+            gemv._block_config = chosen
+            for i, (form, cfg) in enumerate(cfgs):
+                if times[i]:
+                    us = statistics.median(times[i])
+                    rows.append({"dtype": dtype, "shape": name, "form": form, "cfg": list(cfg[:3]),
+                                 "us": round(us, 2), "us_rounds": [round(t, 2) for t in times[i]],
+                                 "tbps": round(n * k * (1 if dtype == "fp8" else 2) / us / 1e6, 3),
+                                 "max_err_rel": errs[i], "ok": errs[i] < 2e-2})
+            best = write()
+            print(dtype, name, {f: (b["cfg"], b["us"]) for (d, s, f), b in best.items()
+                                if (d, s) == (dtype, name)}, f"{time.time() - t0:.0f}s", flush=True)
+            del ws
+
+
+if __name__ == "__main__":
+    main()
