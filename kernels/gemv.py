@@ -164,8 +164,12 @@ def _block_config(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, bool]:
     (see the module docstring for the timings behind them). n counts the output rows a call
     reads: both halves with silu_and_mul."""
     if fp8:
-        return (4, 2048, 4, 2, False) if k >= 8192 else (8, 1024, 4, 2, False)
-    return (16, 1024, 8, 4, False) if k >= 8192 else (2, 1024, 4, 2, False)
+        if k >= 8192:
+            return (4, 2048, 4, 2, False)  # down
+        if n >= 4 * k:
+            return (4, 2048, 4, 1, True)  # gate/up (its two halves)
+        return (8, 1024, 8, 1, True) if n > k else (8, 1024, 4, 2, False)  # q/k/v, o
+    return (8, 1024, 8, 1, True) if k >= 8192 else (2, 1024, 4, 2, False)
 
 
 @lazy_kernel("the GEMV")
