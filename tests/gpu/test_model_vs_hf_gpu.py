@@ -24,6 +24,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.config import CacheConfig, EngineConfig
@@ -32,10 +33,12 @@ from pd_serve.engine.attention.base import AttentionMetadata
 from pd_serve.engine.core import EngineCore
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.model import fp8
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.hf_export import to_hf_model
 from pd_serve.model.llama import CausalLM
 from pd_serve.model.loader import dummy_model
+from pd_serve.model.quant import QuantLinear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -248,3 +251,81 @@ def test_cuda_graph_decode_matches_eager(backend, tmp_path):
             num_parted += why == "parted"
     total = sum(len(lens) for lens in PROMPT_LENS.values())
     assert num_parted <= 0.2 * total, f"{num_parted} of {total} sequences parted (near-ties)"
+
+
+# ----------------------------------------------------------------------------- batch-1 kernels
+
+# FP8: one-token prompts, so that prefill too runs on the GEMV (more rows take cuBLAS's FP8
+# path in both engines, which rounds x to FP8: not the same arithmetic as the reference's)
+BATCH1_PROMPT_LENS = {None: [3, 16, 37, 130, 300, 451], "fp8": [1] * 6}
+
+
+def decoder_linears(model: CausalLM) -> dict:
+    """The decoder's linear layers (the ones --quantization replaces) by name."""
+    return {name: m for name, m in model.model.layers.named_modules()
+            if isinstance(m, (nn.Linear, QuantLinear))}
+
+
+@torch.no_grad()
+def fp8_weights_(model: CausalLM, seed: int) -> None:
+    """Redraw every FP8 decoder layer (buffers, which peaked_weights_ leaves alone) as
+    peaked_weights_ would draw its dense weight, quantized per channel, in place."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    for name, layer in decoder_linears(model).items():
+        dense = torch.empty(layer.weight.shape, device=DEVICE).normal_(
+            0.0, 0.01 if name.split(".")[1] == "mlp" else 0.02, generator=gen)
+        weight, scale = fp8.quantize_weight(dense)
+        layer.weight.copy_(weight)
+        layer.weight_scale.copy_(scale)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
+def test_batch1_kernels_decode_matches_cublas(quantization, tmp_path):
+    """--enable-batch1-kernels: one prompt at a time through CUDA graphs, every decode step's
+    linear layers on kernels/gemv.py (in FP8 at these shapes q/k/v and gate/up sum over K every
+    step, o and down in a tile), against the engine on cuBLAS with the same weights: FP8 ones
+    as their bf16 dequantized copy, since cuBLAS's FP8 path also rounds x to FP8. The same
+    greedy tokens, parting only at near-ties."""
+    lens = BATCH1_PROMPT_LENS[quantization]
+    from kernels import gemv
+    backend = "flashinfer"
+    _check_backend(backend)
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(HF_CONFIG["vocab_size"], (n,), generator=gen).tolist()
+               for n in lens]
+    runs, models = {}, {}
+    for batch1 in (True, False):
+        launches = gemv.triton_launches
+        core = EngineCore(EngineConfig(
+            model=str(tmp_path), load_format="dummy", device=DEVICE, dtype="bfloat16",
+            attention_backend=backend, enable_batch1_kernels=batch1, cuda_graph_max_bs=4,
+            quantization=quantization if batch1 else None, context_length=1024,
+            cache=CacheConfig(max_total_tokens=2048)))
+        assert core.runner.graphs
+        if batch1:  # after capture, in place
+            peaked_weights_(core.model, seed=0, **GRAPH_WEIGHTS)
+            if quantization:
+                fp8_weights_(core.model, seed=1)
+        else:  # the batch-1 engine's weights, FP8 ones dequantized
+            with torch.no_grad():
+                ref = dict(models[True].named_parameters())
+                for name, p in core.model.named_parameters():
+                    if name in ref:
+                        p.copy_(ref[name])
+                for name, layer in decoder_linears(models[True]).items():
+                    if quantization:
+                        dense = fp8.dequantize_weight(layer.weight, layer.weight_scale, DTYPE)
+                        decoder_linears(core.model)[name].weight.copy_(dense)
+        models[batch1] = core.model
+        runs[batch1] = [greedy(core, [p], NUM_NEW_TOKENS)[0] for p in prompts]
+        assert (gemv.triton_launches > launches) == batch1
+        del core
+    num_parted = 0
+    for prompt, ours, ref in zip(prompts, runs[True], runs[False], strict=True):
+        why = compare(ours, ref)
+        print(f"{quantization or 'bf16'} prompt of {len(prompt)}: {why or 'same'}; tokens "
+              f"{ours.output_token_ids[:8]}...")
+        assert why in (None, "parted"), f"prompt of {len(prompt)} tokens: {why}"
+        num_parted += why == "parted"
+    assert num_parted <= 1, f"{num_parted} of {len(prompts)} sequences parted (near-ties)"
