@@ -1,12 +1,13 @@
-"""Probe (one H200, ~3 min): kernels/gemv.py's GEMV at each Llama-3.1-8B layer shape, FP8 and
-bf16 weights, in both of its ways of summing over K (ROWSUM: products summed every step into
-[BLOCK_N]; tile: float32 products kept in [BLOCK_N, BLOCK_K] and summed at the end), over a
-set of block configurations. gate/up runs as the model runs it: the fused [gate | up] weight
-with silu_and_mul (block_n counts the rows of both halves). Each configuration is timed under a
-CUDA graph over 32 distinct copies of the layer (bench/probes/_graph_time.py) in ROUNDS
-interleaved rounds, its median kept, and checked against the torch reference. Writes
-$OUT/gemv-forms-h200.json. (Until ac49a71 a stand-alone FP8 row-sum kernel,
-bench/probes/fp8_gemv_rowsum.py, one sample each: ../results/probe-fp8-gemv-rowsum-h200-ac49a71.json.)
+"""Probe (one H200, ~1 min): kernels/gemv.py's GEMV at each Llama-3.1-8B layer shape, FP8 and
+bf16 weights (PROBE_DTYPES), in both of its ways of summing over K (ROWSUM: products summed
+every step into [BLOCK_N]; tile: float32 products kept in [BLOCK_N, BLOCK_K] and summed at the
+end), over a set of block configurations (each layer's first row: _block_config's choice).
+gate/up runs as the model runs it: the fused [gate | up] weight with silu_and_mul (block_n
+counts the rows of both halves). Each configuration is timed under a CUDA graph over 32
+distinct copies of the layer (bench/probes/_graph_time.py) in ROUNDS interleaved rounds, its
+median kept, and checked against the torch reference. Writes $OUT/gemv-forms-h200.json.
+(Until ac49a71 a stand-alone FP8 row-sum kernel, bench/probes/fp8_gemv_rowsum.py, one sample
+each: ../results/probe-fp8-gemv-rowsum-h200-ac49a71.json.)
 
     PYTHONPATH=. python3 bench/probes/gemv_forms.py
 """
@@ -25,11 +26,15 @@ from pd_serve.model import fp8
 from _graph_time import graph_time  # noqa: E402 (bench/probes/)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# (BLOCK_N, BLOCK_K, num_warps) tried in the row-sum form; the tile form is tried at
-# _block_config's choice. Row-sum registers for sm_90a (bench/probes/gemv_registers.py, FP8):
-# (4, 1024, 4w) 64, (8, 512, 4w) 63, (4, 2048, 4w) 113, (8, 1024, 4w) 126, (8, 1024, 8w) 64.
-ROWSUM_CFGS = [(4, 512, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8),
-               (8, 2048, 8), (16, 1024, 8), (16, 512, 4)]
+# (BLOCK_N, BLOCK_K, num_warps) tried in each form, besides _block_config's choice. Row-sum
+# registers for sm_90a (bench/probes/gemv_registers.py, FP8): (4, 1024, 4w) 64, (8, 512, 4w) 63,
+# (4, 2048, 4w) 113, (8, 1024, 4w) 126, (8, 1024, 8w) 64.
+CFGS = {"tile": [(4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (8, 2048, 8), (8, 1024, 8),
+                 (16, 1024, 8), (2, 4096, 8)],
+        "rowsum": [(4, 512, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4),
+                   (8, 1024, 8), (8, 2048, 8), (16, 1024, 8), (16, 512, 4), (2, 2048, 4),
+                   (2, 4096, 4), (4, 2048, 8), (4, 4096, 8), (8, 4096, 8), (16, 2048, 8)]}
+DTYPES = os.environ.get("PROBE_DTYPES", "fp8 bf16").split()
 ROUNDS = int(os.environ.get("PROBE_ROUNDS", 3))
 BUDGET_S = float(os.environ.get("PROBE_BUDGET_S", 240))  # then what was measured is written
 
@@ -58,7 +63,7 @@ def main():
                    "best": list(best.values()), "rows": rows}, open(out_path, "w"), indent=1)
         return best
 
-    for dtype in ("fp8", "bf16"):
+    for dtype in DTYPES:
         for name, (n, k) in SHAPES.items():
             if time.time() - t0 > BUDGET_S:
                 break
@@ -73,8 +78,11 @@ def main():
             if glu:
                 ref = activation.silu_and_mul_ref(ref.to(torch.bfloat16)).float()
             scale = ref.abs().max().item()
-            cfgs = [("tile", chosen(n, k, dtype == "fp8"))]
-            cfgs += [("rowsum", (bn, bk, warps, 1, True)) for bn, bk, warps in ROWSUM_CFGS]
+            now = chosen(n, k, dtype == "fp8")
+            cfgs = [("rowsum" if now[4] else "tile", now)]
+            cfgs += [(form, (bn, bk, warps, 1 if form == "rowsum" else 2, form == "rowsum"))
+                     for form, listed in CFGS.items() for bn, bk, warps in listed
+                     if (bn, bk, warps) != now[:3] or (form == "rowsum") != now[4]]
             times = {i: [] for i in range(len(cfgs))}
             errs = {}
             for _ in range(ROUNDS):
@@ -93,6 +101,7 @@ def main():
                 if times[i]:
                     us = statistics.median(times[i])
                     rows.append({"dtype": dtype, "shape": name, "form": form, "cfg": list(cfg[:3]),
+                                 "chosen": i == 0,
                                  "us": round(us, 2), "us_rounds": [round(t, 2) for t in times[i]],
                                  "tbps": round(n * k * (1 if dtype == "fp8" else 2) / us / 1e6, 3),
                                  "max_err_rel": errs[i], "ok": errs[i] < 2e-2})
