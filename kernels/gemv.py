@@ -20,10 +20,10 @@ did round x (dynamic per-token or static scale, the tensor-core path's arithmeti
 weight at only 2.0-3.0 TB/s (`torch._scaled_mm` / here, us: q/k/v 30.8 / 12.3, o 26.5 / 8.2,
 gate/up 58.7 / 40.9, down 57.2 / 21.0).
 
-Block sizes are a fixed choice by K (no autotuning), from timings under CUDA graphs over 32
+Block sizes are a fixed choice by shape (no autotuning), from timings under CUDA graphs over 32
 distinct copies of each Llama-3.1-8B layer on an H200 (bf16, us per call, cuBLAS / here):
 q/k/v 16.3 / 13.9, o 13.5 / 10.7, gate/up 55.1 / 54.4, down 31.6 / 28.7, LM head 243 / 235.
-FP8 (weight-only) configurations come from a sweep of 48 (bench/probes/fp8_gemv_variants.py,
+FP8 (weight-only) tile configurations came from a sweep of 48 (bench/probes/fp8_gemv_variants.py,
 bench/results/probe-fp8-gemv-variants-h200-3852923.json, us, the choice / the sweep's best):
 q/k/v 11.0 / 10.5, o 7.0 / 7.0, gate/up 36.8 / 36.3, down 19.2 / 19.2, which is 2.3-3.2 TB/s
 of FP8 weight (bf16 here: 3.3-4.4 TB/s); the decode step at batch 1 went from 3.40 to 3.10 ms.
@@ -58,6 +58,20 @@ f6dabf1 on one machine start: FP8 3.01 against 3.085 ms (bench/results/ab-fp8-pr
 bf16 weights it was 1 % slower (4.29 against 4.24 ms; 56 registers a thread against 48 in the
 gate/up form, `bench/probes/gemv_registers.py` at 8fe3e0d), so they load after the wait, as
 before. The FP8 programs hold 168 registers a thread (3 programs an SM; Triton 3.9's code).
+
+Two ways to sum over K (ROWSUM, chosen per layer by _block_config). The tile form keeps the
+float32 products in a [BLOCK_N, BLOCK_K] tile, summed once at the end; the row-sum form sums
+each step's products into [BLOCK_N] (a cross-thread sum a step, but registers for more
+programs an SM: FP8 q/k/v's (8, 1024, 8 warps) holds 64 a thread against the tile's 168).
+bench/probes/gemv_forms.py times both in this kernel, medians of three rounds, us
+(bench/results/probe-gemv-forms-h200-{bb0c64c,2b8c88f}.json, FP8, tile / row-sum at each
+form's best): q/k/v 10.85 / 8.56, o 6.47 / 6.43, gate/up (with silu_and_mul) 34.6 / 32.5,
+down 17.9 / 18.6. The row-sum form is taken for FP8 q/k/v and gate/up and for bf16 down
+(33.3 / 32.4; bf16's other layers are faster tiled); each choice is within 3 % of the best
+of 23 configurations. Batch-1 decode step, Llama-3.1-8B shape, one H200, alternating with
+3b2e4e1 (bench/results/ab-gemv-rowsum-e0d1d24/): FP8 2.867 / 2.858 against 3.032 / 3.035 ms
+(1.32x the floor, from 1.40x), bf16 4.247 against 4.279. Sums are the tile form's terms in
+another order, so a row-sum layer's output may differ from the tile form's in the last bit.
 
 `linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
