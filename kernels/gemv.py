@@ -177,13 +177,9 @@ def _block_config(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, bool]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, ROWSUM) by the layer's shape and weight dtype
     (see the module docstring for the timings behind them). n counts the output rows a call
     reads: both halves with silu_and_mul."""
-    if fp8:
-        if k >= 8192:
-            return (4, 2048, 4, 2, False)  # down
-        if n >= 4 * k:
-            return (4, 2048, 4, 1, True)  # gate/up (its two halves)
-        return (8, 1024, 8, 1, True) if n > k else (8, 1024, 4, 2, False)  # q/k/v, o
-    return (8, 1024, 8, 1, True) if k >= 8192 else (2, 1024, 4, 2, False)
+    if fp8:  # q/k/v; o, gate/up (its two halves) and down
+        return (8, 1024, 4, 1, True) if k < n < 4 * k else (4, 2048, 4, 1, True)
+    return (16, 1024, 8, 4, False) if k >= 8192 else (2, 1024, 4, 2, False)
 
 
 @lazy_kernel("the GEMV")
@@ -229,20 +225,25 @@ def _kernel(triton):
         for k0 in range(BLOCK_K if FP8 else 0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
-            xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            if ROWSUM:
+            if ROWSUM:  # weight loads (gate and up) go out before x's (module docstring)
+                w_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_ptr + rows + rk[None, :] + k0, mask=w_mask, other=0.0)
+                w_up = w
+                if GLU:
+                    w_up = tl.load(w_ptr + up_rows + rk[None, :] + k0, mask=w_mask, other=0.0)
+                xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
                 acc += tl.reduce(w.to(tl.float32) * xs[None, :], 1, tl.standard._sum_combine)
-            else:
-                acc += w.to(tl.float32) * xs[None, :]
-            if GLU:
-                w = tl.load(w_ptr + up_rows + kk[None, :],
-                            mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                if ROWSUM:
-                    acc_up += tl.reduce(w.to(tl.float32) * xs[None, :], 1,
+                if GLU:
+                    acc_up += tl.reduce(w_up.to(tl.float32) * xs[None, :], 1,
                                         tl.standard._sum_combine)
-                else:
+            else:
+                xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                            other=0.0)
+                acc += w.to(tl.float32) * xs[None, :]
+                if GLU:
+                    w = tl.load(w_ptr + up_rows + kk[None, :],
+                                mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                     acc_up += w.to(tl.float32) * xs[None, :]
         y = acc  # [BN]
         up = acc_up
