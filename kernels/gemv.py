@@ -46,10 +46,10 @@ GEMV before and the norm in the one after, its mean square from per-program part
 first wrote, 3.27 / 4.58; each program summing the row's squares in its own K loop and
 scaling at the end (no norm launch left in a layer), 3.12 / 4.63. Likely cause, not checked:
 the extra loads and arithmetic in every program of qkv and gate/up cost more than sixty-four
-launches fewer save. The FP8 gate/up with the activation in its epilogue (block_n halved) was
-3.13 against 3.09 for the GEMV and the silu_and_mul kernel. From two rows up cuBLAS wins (its
-tiles share the weight read between rows; this kernel's do not), so `linear` takes this path
-for one row only.
+launches fewer save. The FP8 gate/up with the activation in its epilogue (tiled, block_n
+halved) was 3.13 against 3.09 for the GEMV and the silu_and_mul kernel. From two rows up
+cuBLAS wins (its tiles share the weight read between rows; this kernel's do not), so `linear`
+takes this path for one row only.
 
 With FP8 weights a program loads its first weight tile (and the up half's with silu_and_mul)
 before the PDL wait (kernels/_triton.py): the kernel before writes x, never the weights, so
@@ -57,21 +57,29 @@ that read overlaps its tail. Batch-1 decode step, Llama-3.1-8B shape, one H200, 
 f6dabf1 on one machine start: FP8 3.01 against 3.085 ms (bench/results/ab-fp8-prewait/). For
 bf16 weights it was 1 % slower (4.29 against 4.24 ms; 56 registers a thread against 48 in the
 gate/up form, `bench/probes/gemv_registers.py` at 8fe3e0d), so they load after the wait, as
-before. The FP8 programs hold 168 registers a thread (3 programs an SM; Triton 3.9's code).
+before. (Those FP8 programs, tiled, held 168 registers a thread: 3 programs an SM, in Triton
+3.9's code.)
 
-Two ways to sum over K (ROWSUM, chosen per layer by _block_config). The tile form keeps the
-float32 products in a [BLOCK_N, BLOCK_K] tile, summed once at the end; the row-sum form sums
-each step's products into [BLOCK_N] (a cross-thread sum a step, but registers for more
-programs an SM: FP8 q/k/v's (8, 1024, 8 warps) holds 64 a thread against the tile's 168).
-bench/probes/gemv_forms.py times both in this kernel, medians of three rounds, us
-(bench/results/probe-gemv-forms-h200-{bb0c64c,2b8c88f}.json, FP8, tile / row-sum at each
-form's best): q/k/v 10.85 / 8.56, o 6.47 / 6.43, gate/up (with silu_and_mul) 34.6 / 32.5,
-down 17.9 / 18.6. The row-sum form is taken for FP8 q/k/v and gate/up and for bf16 down
-(33.3 / 32.4; bf16's other layers are faster tiled); each choice is within 3 % of the best
-of 23 configurations. Batch-1 decode step, Llama-3.1-8B shape, one H200, alternating with
-3b2e4e1 (bench/results/ab-gemv-rowsum-e0d1d24/): FP8 2.867 / 2.858 against 3.032 / 3.035 ms
-(1.32x the floor, from 1.40x), bf16 4.247 against 4.279. Sums are the tile form's terms in
-another order, so a row-sum layer's output may differ from the tile form's in the last bit.
+Two ways to sum over K (ROWSUM, chosen by _block_config). The tile form keeps the float32
+products in a [BLOCK_N, BLOCK_K] tile, summed once at the end; the row-sum form sums each
+step's products into [BLOCK_N] (a cross-thread sum a step, but registers for more programs an
+SM: 125-128 a thread at the FP8 choices, 4 programs an SM, in Triton 3.9's code),
+and issues a step's weight loads (gate and up with silu_and_mul) before x's. FP8 layers take
+the row-sum form, bf16 ones the tile. bench/probes/gemv_forms.py times both forms in this
+kernel over 23 configurations, medians of three rounds, FP8, us, row-sum / best tile
+(bench/results/probe-gemv-forms-h200-3969c77.json): q/k/v 8.46 / 9.69, o 5.99 / 6.45, gate/up
+(with silu_and_mul; the FP8 model runs its gate/up as a plain GEMV and the activation as its
+own kernel, see above) 30.65 / 34.41, down 16.21 / 17.96. Loading x first instead cost o and down
+0.4 and 2.1 us (bench/probes/gemv_rowsum_prefetch.py, ...-rowsum-prefetch-h200-49c3da2.json);
+loading the next weight tile ahead as well was slower on every layer there. Batch-1 decode
+step, Llama-3.1-8B shape, one H200, alternating on one machine start
+(bench/results/ab-gemv-rowsum-3969c77/): FP8 2.746 / 2.744 ms (1.26x the floor) against
+3.042 / 3.041 all tiled (3b2e4e1) and 2.856 / 2.856 with only q/k/v and gate/up row-summed, x
+loaded first (e0d1d24); bf16 4.255 against 4.260. bf16's layers were no faster row-summed
+(probe-gemv-forms-h200-bb0c64c.json: q/k/v 15.2 against 13.5 us tiled; down 32.4 against
+33.3, a step 4.247 against 4.279 ms in one sample, bench/results/ab-gemv-rowsum-e0d1d24/,
+inside the 2 % runs differ by). Sums are the tile form's terms in another order, so a
+row-sum layer may differ from the tile form in the last bit.
 
 `linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
@@ -218,7 +226,7 @@ def _kernel(triton):
             if GLU:
                 acc_up = w_up.to(tl.float32) * xs[None, :]
             if ROWSUM:
-                # tl.reduce with Triton's add combiner, not tl.sum (kernels/norm.py: the interpreter)
+                # tl.reduce with the add combiner, not tl.sum (kernels/norm.py: the interpreter)
                 acc = tl.reduce(acc, 1, tl.standard._sum_combine)
                 if GLU:
                     acc_up = tl.reduce(acc_up, 1, tl.standard._sum_combine)

@@ -2,10 +2,12 @@
 bf16 weights (PROBE_DTYPES), in both of its ways of summing over K (ROWSUM: products summed
 every step into [BLOCK_N]; tile: float32 products kept in [BLOCK_N, BLOCK_K] and summed at the
 end), over a set of block configurations (each layer's first row: _block_config's choice).
-gate/up runs as the model runs it: the fused [gate | up] weight with silu_and_mul (block_n
-counts the rows of both halves). Each configuration is timed under a CUDA graph over 32
-distinct copies of the layer (bench/probes/_graph_time.py) in ROUNDS interleaved rounds, its
-median kept, and checked against the torch reference. Writes $OUT/gemv-forms-h200.json.
+gate/up runs as the bf16 model runs it: the fused [gate | up] weight with silu_and_mul
+(block_n counts the rows of both halves; the FP8 model runs a plain GEMV over the same rows,
+then kernels/activation.py's silu_and_mul, as its GLU form was slower tiled). Each
+configuration is timed under a CUDA graph over 32 distinct copies of the layer
+(bench/probes/_graph_time.py) in ROUNDS interleaved rounds, its median kept, and checked
+against the torch reference. Writes $OUT/gemv-forms-h200.json.
 (Until ac49a71 a stand-alone FP8 row-sum kernel, bench/probes/fp8_gemv_rowsum.py, one sample
 each: ../results/probe-fp8-gemv-rowsum-h200-ac49a71.json.)
 

@@ -1,9 +1,9 @@
 """Registers a thread of kernels/gemv.py's GEMV for sm_90a, on any machine, GPU or not: Triton
-compiles each configuration to PTX for an H100/H200 target and the ptxas that ships in Triton's wheel (`ptxas-blackwell`, CUDA 13)
-reports registers and spills. Registers bound how many programs share an SM (65,536 a SM), and
-so how many weight loads are in flight: the figures behind kernels/gemv.py's docstring. They
-are the installed Triton's (3.9 in the CPU venv on 2026-12-01; the H200 machine runs 3.6,
-whose code may differ).
+compiles each configuration to PTX for an H100/H200 target and the ptxas that ships in Triton's
+wheel (`ptxas-blackwell`, CUDA 13) reports registers and spills. Registers bound how many
+programs share an SM (65,536 a SM), and so how many weight loads are in flight: the figures
+behind kernels/gemv.py's docstring. They are the installed Triton's (3.9 in the CPU venv on
+2026-12-01; the H200 machine runs 3.6, whose code may differ).
 
     python bench/probes/gemv_registers.py                          # kernels/gemv.py's choices
     python bench/probes/gemv_registers.py --rowsum "4,1024,4 8,1024,8"   # and FP8 row-sum ones

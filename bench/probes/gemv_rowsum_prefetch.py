@@ -145,8 +145,8 @@ def main():
             key = (name, label.split("=")[0] if i else label, label)
             if r["ok"] and (key not in best or r["us"] < best[key]["us"]):
                 best[key] = r
-        print(name, [(b["variant"], b["cfg"], b["us"]) for (s, _, _), b in best.items() if s == name],
-              flush=True)
+        print(name, [(b["variant"], b["cfg"], b["us"]) for (s, _, _), b in best.items()
+                     if s == name], flush=True)
         del ws
         json.dump({"device": torch.cuda.get_device_name(),
                    "versions": {"torch": torch.__version__, "triton": triton.__version__},

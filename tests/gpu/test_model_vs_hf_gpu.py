@@ -282,10 +282,9 @@ def fp8_weights_(model: CausalLM, seed: int) -> None:
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
 def test_batch1_kernels_decode_matches_cublas(quantization, tmp_path):
     """--enable-batch1-kernels: one prompt at a time through CUDA graphs, every decode step's
-    linear layers on kernels/gemv.py (in FP8 at these shapes q/k/v and gate/up sum over K every
-    step, o and down in a tile), against the engine on cuBLAS with the same weights: FP8 ones
-    as their bf16 dequantized copy, since cuBLAS's FP8 path also rounds x to FP8. The same
-    greedy tokens, parting only at near-ties."""
+    linear layers on kernels/gemv.py (FP8 layers in its row-sum form, bf16 ones tiled), against
+    the engine on cuBLAS with the same weights: FP8 ones as their bf16 dequantized copy, since
+    cuBLAS's FP8 path also rounds x to FP8. The same greedy tokens, parting only at near-ties."""
     lens = BATCH1_PROMPT_LENS[quantization]
     from kernels import gemv
     backend = "flashinfer"
