@@ -2,12 +2,12 @@
 bf16 weights (PROBE_DTYPES), in both of its ways of summing over K (ROWSUM: products summed
 every step into [BLOCK_N]; tile: float32 products kept in [BLOCK_N, BLOCK_K] and summed at the
 end), over a set of block configurations (each layer's first row: _block_config's choice).
-gate/up runs as the bf16 model runs it: the fused [gate | up] weight with silu_and_mul
-(block_n counts the rows of both halves; the FP8 model runs a plain GEMV over the same rows,
-then kernels/activation.py's silu_and_mul, as its GLU form was slower tiled). Each
-configuration is timed under a CUDA graph over 32 distinct copies of the layer
-(bench/probes/_graph_time.py) in ROUNDS interleaved rounds, its median kept, and checked
-against the torch reference. Writes $OUT/gemv-forms-h200.json.
+gate/up runs both ways the model runs it: as the bf16 model, the fused [gate | up] weight with
+silu_and_mul in the epilogue (block_n counts the rows of both halves); as the FP8 model
+("gate_up_then_act"), a plain GEMV over the same rows, then kernels/activation.py's
+silu_and_mul (the epilogue was slower for FP8 in the tile form). Each configuration is timed
+under a CUDA graph over 32 distinct copies of the layer (bench/probes/_graph_time.py) in
+ROUNDS interleaved rounds, its median kept, and checked against the torch reference. Writes $OUT/gemv-forms-h200.json.
 (Until ac49a71 a stand-alone FP8 row-sum kernel, bench/probes/fp8_gemv_rowsum.py, one sample
 each: ../results/probe-fp8-gemv-rowsum-h200-ac49a71.json.)
 
@@ -27,7 +27,10 @@ from kernels import activation, gemv
 from pd_serve.model import fp8
 from _graph_time import graph_time  # noqa: E402 (bench/probes/)
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# gate_up: the GEMV with silu_and_mul in its epilogue (the bf16 model's); gate_up_then_act: a
+# plain GEMV over the same rows, then kernels/activation.py's silu_and_mul (the FP8 model's)
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "gate_up_then_act": (28672, 4096), "down": (4096, 14336)}
 # (BLOCK_N, BLOCK_K, num_warps) tried in each form, besides _block_config's choice. Row-sum
 # registers for sm_90a (bench/probes/gemv_registers.py, FP8): (4, 1024, 4w) 64, (8, 512, 4w) 63,
 # (4, 2048, 4w) 113, (8, 1024, 4w) 126, (8, 1024, 8w) 64.
@@ -69,7 +72,7 @@ def main():
         for name, (n, k) in SHAPES.items():
             if time.time() - t0 > BUDGET_S:
                 break
-            glu = name == "gate_up"
+            glu, act_after = name == "gate_up", name == "gate_up_then_act"
             w32 = [torch.randn(n, k, device=dev) * 0.02 for _ in range(32)]
             ws = ([fp8.quantize_weight(w) for w in w32] if dtype == "fp8"
                   else [(w.to(torch.bfloat16), None) for w in w32])
@@ -77,7 +80,7 @@ def main():
             x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
             w0, s0 = ws[0]
             ref = x.float() @ (w0.float() * (s0[:, None] if s0 is not None else 1)).t()
-            if glu:
+            if glu or act_after:
                 ref = activation.silu_and_mul_ref(ref.to(torch.bfloat16)).float()
             scale = ref.abs().max().item()
             now = chosen(n, k, dtype == "fp8")
@@ -90,7 +93,8 @@ def main():
             for _ in range(ROUNDS):
                 for i, (form, cfg) in enumerate(cfgs):
                     gemv._block_config = forced(cfg)
-                    call = (lambda w, s: gemv.gemv(x, w, s, silu_and_mul=glu))
+                    call = ((lambda w, s: activation.silu_and_mul(gemv.gemv(x, w, s))) if act_after
+                            else (lambda w, s: gemv.gemv(x, w, s, silu_and_mul=glu)))
                     try:
                         if i not in errs:
                             errs[i] = (call(w0, s0).float() - ref).abs().max().item() / scale
