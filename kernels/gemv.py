@@ -63,19 +63,23 @@ before. (Those FP8 programs, tiled, held 168 registers a thread: 3 programs an S
 Two ways to sum over K (ROWSUM, chosen by _block_config). The tile form keeps the float32
 products in a [BLOCK_N, BLOCK_K] tile, summed once at the end; the row-sum form sums each
 step's products into [BLOCK_N] (a cross-thread sum a step, but registers for more programs an
-SM: 125-128 a thread at the FP8 choices, 4 programs an SM, in Triton 3.9's code),
-and issues a step's weight loads (gate and up with silu_and_mul) before x's. FP8 layers take
-the row-sum form, bf16 ones the tile. bench/probes/gemv_forms.py times both forms in this
-kernel over 23 configurations, medians of three rounds, FP8, us, row-sum / best tile
-(bench/results/probe-gemv-forms-h200-3969c77.json): q/k/v 8.46 / 9.69, o 5.99 / 6.45, gate/up
-(with silu_and_mul; the FP8 model runs its gate/up as a plain GEMV and the activation as its
-own kernel, see above) 30.65 / 34.41, down 16.21 / 17.96. Loading x first instead cost o and down
-0.4 and 2.1 us (bench/probes/gemv_rowsum_prefetch.py, ...-rowsum-prefetch-h200-49c3da2.json);
-loading the next weight tile ahead as well was slower on every layer there. Batch-1 decode
-step, Llama-3.1-8B shape, one H200, alternating on one machine start
+SM: 125-128 a thread at the FP8 choices, 4 programs an SM, in Triton 3.9's code); it issues a
+step's weight loads (gate and up with silu_and_mul) before x's, at the row starts plus k0.
+FP8 layers take the row-sum form, bf16 ones the tile. bench/probes/gemv_forms.py times both
+forms in this kernel over 23 configurations, medians of three rounds, FP8, us, row-sum / best
+tile (bench/results/probe-gemv-forms-h200-3969c77.json): q/k/v 8.46 / 9.69, o 5.99 / 6.45,
+gate/up (with silu_and_mul; the FP8 model runs its gate/up as a plain GEMV and the activation
+as its own kernel, see above) 30.65 / 34.41, down 16.21 / 17.96. As first written (x loaded
+first, weight pointers at the row starts plus kk, the up half loaded after the gate's sum)
+the row-sum form ran o / gate/up / down at 6.77 / 32.50 / 19.87 us at (4, 2048, 4 warps)
+(probe-gemv-forms-h200-bb0c64c.json); bench/probes/gemv_rowsum_prefetch.py's own kernel,
+ordered as above, at 6.11 / 31.03 / 16.39 on another machine start
+(...-rowsum-prefetch-h200-49c3da2.json). Which of those differences matters was not
+separated. Loading the next weight tile ahead as well was slower on every layer there.
+Batch-1 decode step, Llama-3.1-8B shape, one H200, alternating on one machine start
 (bench/results/ab-gemv-rowsum-3969c77/): FP8 2.746 / 2.744 ms (1.26x the floor) against
-3.042 / 3.041 all tiled (3b2e4e1) and 2.856 / 2.856 with only q/k/v and gate/up row-summed, x
-loaded first (e0d1d24); bf16 4.255 against 4.260. bf16's layers were no faster row-summed
+3.042 / 3.041 all tiled (3b2e4e1) and 2.856 / 2.856 with only q/k/v and gate/up row-summed as
+first written (e0d1d24); bf16 4.255 against 4.260. bf16's layers were no faster row-summed
 (probe-gemv-forms-h200-bb0c64c.json: q/k/v 15.2 against 13.5 us tiled; down 32.4 against
 33.3, a step 4.247 against 4.279 ms in one sample, bench/results/ab-gemv-rowsum-e0d1d24/,
 inside the 2 % runs differ by). Sums are the tile form's terms in another order, so a
@@ -175,8 +179,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     kernel[(-(-n // block_n),)](
         x, weight, out, weight_scale if fp8 else weight, bias if bias is not None else x, n, k,
         FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul, ROWSUM=rowsum, BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl(x)))
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl(x)))
     triton_launches += 1
     return out
 
@@ -233,7 +236,7 @@ def _kernel(triton):
         for k0 in range(BLOCK_K if FP8 else 0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
-            if ROWSUM:  # weight loads (gate and up) go out before x's (module docstring)
+            if ROWSUM:  # weight loads (gate and up) go out before x's, as timed (module docstring)
                 w_mask = n_mask[:, None] & k_mask[None, :]
                 w = tl.load(w_ptr + rows + rk[None, :] + k0, mask=w_mask, other=0.0)
                 w_up = w
