@@ -320,8 +320,8 @@ class Pair:
         acknowledged (k disjoint page sets in turn), until the last is acknowledged. The rate a
         prefill worker that always has k requests finishing sustains (the requests sent together
         share one ready mark, as a prefill worker's sends of one layer group do). The receiver
-        expects them all before the clock starts. Also the CPU seconds the sender's and the receiver's
-        processes spent meanwhile (every thread: where host time per request goes)."""
+        expects them all before the clock starts. Also the CPU seconds the sender's and the
+        receiver's processes spent meanwhile (every thread: where host time per request goes)."""
         src = self.rng.sample(range(self.pool.num_pages), k * num_pages)
         dst = self.rng.sample(range(self.pool.num_pages), k * num_pages)
         sets = [(src[i * num_pages:(i + 1) * num_pages], dst[i * num_pages:(i + 1) * num_pages])

@@ -66,7 +66,7 @@ step's products into [BLOCK_N] (a cross-thread sum a step, but registers for mor
 SM: 125-128 a thread at the FP8 choices, 4 programs an SM, in Triton 3.9's code); it issues a
 step's weight loads (gate and up with silu_and_mul) before x's, at the row starts plus k0.
 FP8 layers take the row-sum form, bf16 ones the tile. bench/probes/gemv_forms.py times both
-forms in this kernel over 23 configurations, medians of three rounds, FP8, us, row-sum / best
+forms in this kernel over 22 configurations, medians of three rounds, FP8, us, row-sum / best
 tile (bench/results/probe-gemv-forms-h200-3969c77.json): q/k/v 8.46 / 9.69, o 5.99 / 6.45,
 gate/up (with silu_and_mul; the FP8 model runs its gate/up as a plain GEMV and the activation
 as its own kernel, see above) 30.65 / 34.41, down 16.21 / 17.96. As first written (x loaded

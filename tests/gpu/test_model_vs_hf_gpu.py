@@ -312,10 +312,11 @@ def test_batch1_kernels_decode_matches_cublas(quantization, tmp_path):
                 for name, p in core.model.named_parameters():
                     if name in ref:
                         p.copy_(ref[name])
-                for name, layer in decoder_linears(models[True]).items():
-                    if quantization:
-                        dense = fp8.dequantize_weight(layer.weight, layer.weight_scale, DTYPE)
-                        decoder_linears(core.model)[name].weight.copy_(dense)
+                if quantization:
+                    dense_layers = decoder_linears(core.model)
+                    for name, layer in decoder_linears(models[True]).items():
+                        dense_layers[name].weight.copy_(
+                            fp8.dequantize_weight(layer.weight, layer.weight_scale, DTYPE))
         models[batch1] = core.model
         runs[batch1] = [greedy(core, [p], NUM_NEW_TOKENS)[0] for p in prompts]
         assert (gemv.triton_launches > launches) == batch1
