@@ -3,8 +3,8 @@
 On GPU, batches of one new token per row (decode) replay CUDA graphs captured at bucketed batch
 sizes: the batch is padded to the next bucket (padded rows store no KV: slot -1); its token
 ids, positions and slots and the attention backend's page table go to a fixed device buffer
-in one host->device copy; the graph runs the whole forward, the LM head and the argmax. All
-buckets share one memory pool. A step whose rows are all greedy (no logprobs, no penalties)
+in one host->device copy; the graph runs the whole forward, the LM head and the argmax
+(kernels/argmax.py, as the Sampler's greedy rows). All buckets share one memory pool. A step whose rows are all greedy (no logprobs, no penalties)
 takes its tokens from the graph's argmax; any other goes through the Sampler.
 
 launch() queues a step and its sampling without waiting for the device; a token still pending
@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from kernels.argmax import argmax
 from kernels.pending import fill_pending_
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
 from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput
@@ -150,7 +151,7 @@ class ModelRunner:
         ids, positions = self.graph_device[:bs], self.graph_device[bs:2 * bs]
         fill_pending_(ids, self.graph_tokens)
         logits = self.model.compute_logits(self.model(ids, positions, self.attn))  # [bs, V] float32
-        torch.argmax(logits, dim=-1, out=self.graph_tokens[:bs])
+        argmax(logits, out=self.graph_tokens[:bs])
         return logits
 
     def _plan_graph(self, bs: int, ids: list[int], positions: list[int], slots: list[int],

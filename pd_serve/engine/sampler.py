@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.argmax import argmax
 from pd_serve.engine.request import Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
 
@@ -195,7 +196,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
         if self.argmax_only(requests):
-            return PendingSample(logits.argmax(dim=-1), params)
+            return PendingSample(argmax(logits), params)
 
         vocab_size = logits.shape[1]
         device = logits.device
@@ -205,7 +206,7 @@ class Sampler:
             logits = apply_penalties(logits, requests)  # [B, V] float32
         else:
             logits = logits.float()  # only read from here on, so no copy is needed
-        token_ids = logits.argmax(dim=-1)  # [B]
+        token_ids = argmax(logits)  # [B]
 
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:

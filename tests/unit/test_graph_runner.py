@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 
+from kernels import argmax
 from pd_serve import Engine, SamplingParams
 from pd_serve.cli import build_parser, engine_config_from_args
 from pd_serve.engine.runner import ModelRunner, graph_batch_sizes
@@ -61,9 +62,12 @@ def test_graph_decode_equals_eager(monkeypatch, tiny_checkpoints):
     for batch in ([prompts[0]], prompts[:3], prompts):  # buckets 1, 4 (one padded row), 8 (three)
         EagerGraph.replays = 0
         want = [o.token_ids for o in eager.generate(batch, params)]
+        argmax_launches = argmax.triton_launches
         got = [o.token_ids for o in graphed.generate(batch, params)]
         assert got == want
         assert EagerGraph.replays >= params.max_tokens - 1  # decode steps went through the graphs
+        # each replay took its tokens from kernels/argmax.py's kernel
+        assert argmax.triton_launches - argmax_launches >= EagerGraph.replays
         assert graphed.allocator.num_used_pages == 0
 
 
