@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8_quant
+from kernels import activation, fp8_quant
 from kernels.fp8_quant import quantize_per_token
 from kernels.gemv import gemv
 
@@ -141,7 +141,8 @@ def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-               dense: torch.Tensor | None = None, gemv_one_row: bool = False) -> torch.Tensor:
+               dense: torch.Tensor | None = None, gemv_one_row: bool = False,
+               silu_and_mul: bool = False) -> torch.Tensor:
     """`x @ W.T + bias` for an FP8 layer, with x quantized to FP8 per token (or statically).
 
     Parameters
@@ -153,19 +154,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         weight-only (x is not quantized there).
     dense : the layer's dequantized weight [N, K] in x's dtype, if the caller keeps one (the
         CPU does): the reference then skips dequantizing the weight on every call.
+    silu_and_mul : the layer is the MLP's [gate | up] (N = 2I, no bias): return
+        silu(gate) * up, [..., I]; the one-row GEMV computes it in its epilogue.
 
     Returns
     -------
-    [..., N] in x's dtype.
+    [..., N] (or [..., N / 2] with silu_and_mul) in x's dtype.
     """
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
     if gemv_one_row and dense is None and x2.shape[0] == 1 and x2.is_cuda:  # decode at batch 1
-        out = gemv(x2, weight, weight_scale, bias)  # weight-only: no input scale
-    elif dense is None and _use_scaled_mm(x2, weight):
-        out = fp8_linear_scaled_mm(x2, weight, weight_scale, input_scale, bias)
+        # weight-only: no input scale
+        out = gemv(x2, weight, weight_scale, bias, silu_and_mul=silu_and_mul)
     else:
-        out = fp8_linear_ref(x2, weight, weight_scale, input_scale, bias, dense=dense)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+        if dense is None and _use_scaled_mm(x2, weight):
+            out = fp8_linear_scaled_mm(x2, weight, weight_scale, input_scale, bias)
+        else:
+            out = fp8_linear_ref(x2, weight, weight_scale, input_scale, bias, dense=dense)
+        if silu_and_mul:
+            out = activation.silu_and_mul(out)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -43,7 +43,11 @@ class Linear(nn.Linear):
 
     batch1_kernels = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
+        """The layer on x; silu_and_mul: a [gate | up] layer (no bias) with its activation, in
+        the GEMV's epilogue for one-row calls."""
+        if silu_and_mul:
+            return linear_silu_and_mul(x, self.weight)
         return (linear if self.batch1_kernels else F.linear)(x, self.weight, self.bias)
 
 
@@ -80,8 +84,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if isinstance(gate_up, Linear) and gate_up.batch1_kernels:  # activation in the GEMV
-            return self.down_proj(linear_silu_and_mul(x, gate_up.weight))
+        if getattr(gate_up, "batch1_kernels", False):  # the activation in the GEMV (bf16, FP8)
+            return self.down_proj(gate_up(x, silu_and_mul=True))
         return self.down_proj(silu_and_mul(gate_up(x)))
 
 

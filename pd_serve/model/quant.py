@@ -240,9 +240,11 @@ class Fp8Linear(QuantLinear):
             logger.warning("FP8 layers run the dequantized reference on this GPU (slow): "
                            "_scaled_mm needs compute capability 8.9+ and --dtype bfloat16")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
+        """The layer on x; silu_and_mul: a [gate | up] layer's activation too (fp8_linear)."""
         return fp8.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias,
-                              dense=self.dense, gemv_one_row=self.batch1_kernels)
+                              dense=self.dense, gemv_one_row=self.batch1_kernels,
+                              silu_and_mul=silu_and_mul)
 
     @classmethod
     @torch.no_grad()

@@ -229,3 +229,29 @@ def test_model_mlp_runs_its_activation_in_the_gemv():
         gated = activation.silu_and_mul(gemv.gemv(x, mlp.gate_up_proj.weight))
         assert torch.equal(fused, gemv.gemv(gated, mlp.down_proj.weight))
     assert_close(fused, separate, torch.float32)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_fp8_mlp_runs_its_activation_in_the_gemv(device):
+    """An FP8 MLP under use_batch1_kernels: on CUDA a one-row call is two GEMV launches (gate/up
+    with the activation in the epilogue, down), bit for bit the plain GEMV and silu_and_mul; on
+    the CPU the reference runs, with the activation applied after it."""
+    from types import SimpleNamespace
+
+    from pd_serve.model.llama import MLP, use_batch1_kernels
+    from pd_serve.model.quant import Fp8Linear
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    mlp = MLP(SimpleNamespace(hidden_size=256, intermediate_size=96)).to(device, dtype)
+    config = fp8.Fp8Config(static_activation=False)
+    for name, sizes in (("gate_up_proj", [96, 96]), ("down_proj", [256])):
+        setattr(mlp, name, Fp8Linear.from_linear(getattr(mlp, name), sizes, config,
+                                                 keep_dense=False))
+    use_batch1_kernels(mlp)
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    x = random((1, 256), dtype, device, 1)
+    with torch.no_grad():
+        with expect_launches(2 if device == "cuda" else 0):
+            fused = mlp(x)
+        gated = activation.silu_and_mul(gate_up(x))
+        assert gated.shape == (1, 96)
+        assert torch.equal(fused, down(gated))
