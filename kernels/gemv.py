@@ -47,7 +47,9 @@ first wrote, 3.27 / 4.58; each program summing the row's squares in its own K lo
 scaling at the end (no norm launch left in a layer), 3.12 / 4.63. Likely cause, not checked:
 the extra loads and arithmetic in every program of qkv and gate/up cost more than sixty-four
 launches fewer save. The FP8 gate/up with the activation in its epilogue (tiled, block_n
-halved) was 3.13 against 3.09 for the GEMV and the silu_and_mul kernel. From two rows up
+halved) was 3.13 against 3.09 for the GEMV and the silu_and_mul kernel; in the row-sum form
+(below) it gains: at aaffda0 the FP8 model fuses it, ~0.02 ms a step
+(bench/results/ab-argmax-glu-aaffda0/). From two rows up
 cuBLAS wins (its tiles share the weight read between rows; this kernel's do not), so `linear`
 takes this path for one row only.
 
@@ -68,8 +70,7 @@ step's weight loads (gate and up with silu_and_mul) before x's, at the row start
 FP8 layers take the row-sum form, bf16 ones the tile. bench/probes/gemv_forms.py times both
 forms in this kernel over 22 configurations, medians of three rounds, FP8, us, row-sum / best
 tile (bench/results/probe-gemv-forms-h200-3969c77.json): q/k/v 8.46 / 9.69, o 5.99 / 6.45,
-gate/up (with silu_and_mul; the FP8 model runs its gate/up as a plain GEMV and the activation
-as its own kernel, see above) 30.65 / 34.41, down 16.21 / 17.96. As first written (x loaded
+gate/up (with silu_and_mul) 30.65 / 34.41, down 16.21 / 17.96. As first written (x loaded
 first, weight pointers at the row starts plus kk, the up half loaded after the gate's sum)
 the row-sum form ran o / gate/up / down at 6.77 / 32.50 / 19.87 us at (4, 2048, 4 warps)
 (probe-gemv-forms-h200-bb0c64c.json); bench/probes/gemv_rowsum_prefetch.py's own kernel,
@@ -85,7 +86,8 @@ first written (e0d1d24); bf16 4.255 against 4.260. bf16's layers were no faster 
 inside the 2 % runs differ by). Sums are the tile form's terms in another order, so a
 row-sum layer may differ from the tile form in the last bit.
 
-`linear_silu_and_mul` is the Llama MLP's fused gate/up projection with its activation in the
+`linear_silu_and_mul` (and `gemv(..., silu_and_mul=True)`, which the FP8 MLP calls through
+pd_serve/model/fp8.py) is the Llama MLP's fused gate/up projection with its activation in the
 GEMV's epilogue: a program takes BLOCK_N channels of the gate half and the same channels of the
 up half, rounds both to x's dtype (what the separate GEMV would store) and writes
 `silu(gate) * up` with kernels/activation.py's arithmetic, so it is bit for bit that GEMV
