@@ -4,8 +4,9 @@ On GPU, batches of one new token per row (decode) replay CUDA graphs captured at
 sizes: the batch is padded to the next bucket (padded rows store no KV: slot -1); its token
 ids, positions and slots and the attention backend's page table go to a fixed device buffer
 in one host->device copy; the graph runs the whole forward, the LM head and the argmax
-(kernels/argmax.py, as the Sampler's greedy rows). All buckets share one memory pool. A step whose rows are all greedy (no logprobs, no penalties)
-takes its tokens from the graph's argmax; any other goes through the Sampler.
+(kernels/argmax.py, as the Sampler's greedy rows). All buckets share one memory pool. A step
+whose rows are all greedy (no logprobs, no penalties) takes its tokens from the graph's argmax;
+any other goes through the Sampler.
 
 launch() queues a step and its sampling without waiting for the device; a token still pending
 from the step before (Request.token_at gives -1 - row) is read on the device from that step's
