@@ -2,10 +2,10 @@
 bf16 weights (PROBE_DTYPES), in both of its ways of summing over K (ROWSUM: products summed
 every step into [BLOCK_N]; tile: float32 products kept in [BLOCK_N, BLOCK_K] and summed at the
 end), over a set of block configurations (each layer's first row: _block_config's choice).
-gate/up runs both ways the model runs it: as the bf16 model, the fused [gate | up] weight with
-silu_and_mul in the epilogue (block_n counts the rows of both halves); as the FP8 model
-("gate_up_then_act"), a plain GEMV over the same rows, then kernels/activation.py's
-silu_and_mul (the epilogue was slower for FP8 in the tile form). Each configuration is timed
+gate/up runs two ways: the fused [gate | up] weight with silu_and_mul in the epilogue (block_n
+counts the rows of both halves), as the model runs it (FP8 too since aaffda0); and
+("gate_up_then_act") a plain GEMV over the same rows, then kernels/activation.py's silu_and_mul
+(how the FP8 model ran it before: the epilogue was slower for FP8 in the tile form). Each configuration is timed
 under a CUDA graph over 32 distinct copies of the layer (bench/probes/_graph_time.py) in
 ROUNDS interleaved rounds, its median kept, and checked against the torch reference. Writes $OUT/gemv-forms-h200.json.
 (Until ac49a71 a stand-alone FP8 row-sum kernel, bench/probes/fp8_gemv_rowsum.py, one sample
