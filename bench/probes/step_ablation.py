@@ -2,9 +2,9 @@
 
 Runs bench/one_batch.py (its --output JSON gains `ablation_skip`) with the named kinds of
 kernel replaced by nothing: their outputs are left wrong (random weights, so nothing reads the
-tokens), the rest of the step runs and is timed as usual, CUDA graphs and PDL included. The step's time less the full step's is what that kind
-costs where it sits (its launches, gaps and overlap with its neighbours): the most that fusing it
-away could save.
+tokens), the rest of the step runs and is timed as usual, CUDA graphs and PDL included. The
+step's time less the full step's is what that kind costs where it sits (its launches, gaps and
+overlap with its neighbours): the most that fusing it away could save.
 
     --skip norm        RMSNorm (kernels/norm.py): x, and the residual stream, pass unchanged
     --skip rope_store  RoPE and the KV-cache store (kernels/kv_store.py): q passes unrotated
