@@ -31,13 +31,6 @@ NUM_SPLITS comes from shapes only (rows, KV heads, a bound on the context, the S
 from tensor values: no host sync, and a CUDA graph captured for one batch replays for another
 of the same shape, whatever its lengths and pages.
 
-Decode reads its split's first K/V tile (and the row's length and page ids) before the PDL
-wait (kernels/_triton.py), so that read overlaps the kernel before, which stores only the new
-token's K/V (at position seq_len - 1) and q: after the wait the tile's new-token row, if it
-holds it, is read again, then q. The older keys and the page table were written by kernels
-finished by then (a kernel starts after the one before has passed its own wait) or by copies
-queued before the step.
-
 The page lists are ragged, not a dense [B, max_pages] table: a CUDA graph's table had to be as
 wide as the longest context the engine allows, 8192 pages for a 131072-token Llama-3.1, so a
 batch of 512 filled and copied 4.2M entries a step (0.24 s of host time a step on the CPU box,
@@ -281,20 +274,20 @@ def _kernels(triton):
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
             SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
             F16: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # Grid: decode (1, rows, KV heads x splits); prefill (query blocks, 1, KV heads), the
         # (row, block) of program i at q_blocks[i] (prefill_blocks: most keys first).
         kv_head = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
         num_q_heads = tl.num_programs(2) // NUM_SPLITS * GROUP
-        if DECODE:  # the PDL wait comes after the first tile's loads (see the docstring)
+        if DECODE:
             q_block = 0
             row = tl.program_id(1)
             q_start = row
             q_len = 1
         else:
-            if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
             row = tl.load(q_blocks_ptr + 2 * tl.program_id(0))
             q_block = tl.load(q_blocks_ptr + 2 * tl.program_id(0) + 1)
             q_start = tl.load(qo_indptr_ptr + row)
@@ -312,50 +305,28 @@ def _kernels(triton):
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         t_idx = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + (t_idx * q_stride_t + head * q_stride_h)[:, None] + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
+        if F16:  # FP8 K/V under a bf16 query: the tiles' products in float16 (see the docstring)
+            q = q.to(tl.float16)
 
         # This block needs keys [0, kv_end); split `split` takes its share of whole tiles.
         kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_Q)
         tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
         lo = split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
-        table = kv_indices_ptr + tl.load(kv_indptr_ptr + row).to(tl.int64)  # the row's pages
-        if DECODE:  # the split's first K/V tile, read before the PDL wait, the new key's after
-            t = lo + tl.arange(0, BLOCK_N)
-            t_ok = t < hi
-            page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            k_off = page * k_stride_p + (t % PAGE_SIZE) * k_stride_s + kv_head * k_stride_h
-            v_off = page * v_stride_p + (t % PAGE_SIZE) * v_stride_s + kv_head * v_stride_h
-            k_first = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v_first = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
-            new = (t_ok & (t == seq_len - 1))[:, None] & d_ok[None, :]  # stored just before
-            k_first = tl.where(new, tl.load(k_ptr + k_off[:, None] + d[None, :], mask=new,
-                                            other=0.0), k_first)
-            v_first = tl.where(new, tl.load(v_ptr + v_off[:, None] + d[None, :], mask=new,
-                                            other=0.0), v_first)
-        q = tl.load(q_ptr + (t_idx * q_stride_t + head * q_stride_h)[:, None] + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
-        if F16:  # FP8 K/V under a bf16 query: the tiles' products in float16 (see the docstring)
-            q = q.to(tl.float16)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
         l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = kv_indices_ptr + tl.load(kv_indptr_ptr + row).to(tl.int64)  # the row's pages
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)  # [N] key positions
             t_ok = t < hi
-            load_ok = t_ok
-            if DECODE:  # the first tile is loaded already
-                load_ok = t_ok & (t >= lo + BLOCK_N)
-            page = tl.load(table + t // PAGE_SIZE, mask=load_ok, other=0).to(tl.int64)
-            kv_mask = load_ok[:, None] & d_ok[None, :]
+            page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+            kv_mask = t_ok[:, None] & d_ok[None, :]
             k_off = page * k_stride_p + (t % PAGE_SIZE) * k_stride_s + kv_head * k_stride_h
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if DECODE:
-                k = tl.where((t < lo + BLOCK_N)[:, None], k_first, k)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
             s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -365,8 +336,6 @@ def _kernels(triton):
             l = l * alpha + tl.sum(p, 1)
             v_off = page * v_stride_p + (t % PAGE_SIZE) * v_stride_s + kv_head * v_stride_h
             v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if DECODE:
-                v = tl.where((t < lo + BLOCK_N)[:, None], v_first, v)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                                 input_precision=PRECISION)
             m = m_new
