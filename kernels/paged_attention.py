@@ -31,6 +31,12 @@ NUM_SPLITS comes from shapes only (rows, KV heads, a bound on the context, the S
 from tensor values: no host sync, and a CUDA graph captured for one batch replays for another
 of the same shape, whatever its lengths and pages.
 
+Tried and not kept: decode reading its split's first K/V tile, length and page ids before the
+PDL wait (the kernel before stores only the new token's K/V), the loop's first-tile loads masked
+off and the preloaded tile selected: batch-1 FP8 steps 2.77 against 2.72 ms, and on the Triton
+backend bs 64 / 256 8.29 / 20.19 against 7.03 / 15.41 ms (bench/results/ab-attention-prewait-
+a169528/; likely the K/V loads no longer pipelined, not checked).
+
 The page lists are ragged, not a dense [B, max_pages] table: a CUDA graph's table had to be as
 wide as the longest context the engine allows, 8192 pages for a 131072-token Llama-3.1, so a
 batch of 512 filled and copied 4.2M entries a step (0.24 s of host time a step on the CPU box,
