@@ -36,6 +36,7 @@ from pd_serve.model.tokenizer import Tokenizer  # noqa: E402
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 GROUP = 128
 MAX_Q = 15
+SINK_WEIGHT = 100  # the "-sink" variants count position 0's inputs this many times
 
 
 def group_params(w: torch.Tensor, sym: bool):
@@ -100,25 +101,32 @@ def run(calibration: str) -> dict:
     ref_core = new_core()
     ref = score_tokens(ref_core, eval_ids)
     layers = {n: m for n, m in ref_core.model.named_modules() if n.split(".")[-1] in LINEARS}
-    hessians = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64)
-                for n, m in layers.items()}
+    hessians, firsts = ({n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64)
+                         for n, m in layers.items()} for _ in range(2))
+    into = [hessians]
 
     def collect(name):
         def hook(module, inputs, output):
             x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()  # [T, in]
-            hessians[name] += x.t() @ x
+            into[0][name] += x.t() @ x
         return hook
     hooks = [m.register_forward_hook(collect(n)) for n, m in layers.items()]
     for start in range(0, len(calib_ids) - 2, 2048):
         score_tokens(ref_core, calib_ids[start:start + 2048])
+    into[0] = firsts  # each window's position 0 again, alone (2 tokens score 1 position)
+    for start in range(0, len(calib_ids) - 2, 2048):
+        score_tokens(ref_core, calib_ids[start:start + 2])
     for h in hooks:
         h.remove()
+    sink = {n: hessians[n] + (SINK_WEIGHT - 1) * firsts[n] for n in layers}
     variants = {
         "rtn-asym": lambda w, n: rtn(w, sym=False),
         "rtn-sym": lambda w, n: rtn(w, sym=True),
         "gptq-asym": lambda w, n: gptq(w, hessians[n], sym=False, act_order=False),
         "gptq-asym-act-order": lambda w, n: gptq(w, hessians[n], sym=False, act_order=True),
         "gptq-sym-act-order": lambda w, n: gptq(w, hessians[n], sym=True, act_order=True),
+        "gptq-asym-sink": lambda w, n: gptq(w, sink[n], sym=False, act_order=False),
+        "gptq-asym-act-order-sink": lambda w, n: gptq(w, sink[n], sym=False, act_order=True),
     }
     rows = []
     for label, quantize in variants.items():
@@ -132,7 +140,7 @@ def run(calibration: str) -> dict:
         rows.append({"variant": label, "top1_agreement": result.top1_agreement,
                      "confident_agreement": result.confident_agreement,
                      "perplexity": result.perplexity, "ref_perplexity": result.ref_perplexity})
-        print(f"{calibration:16s} {label:20s} top-1 {result.top1_agreement:.2%}  ppl "
+        print(f"{calibration:16s} {label:24s} top-1 {result.top1_agreement:.2%}  ppl "
               f"{result.perplexity:.2f} vs {result.ref_perplexity:.2f}  "
               f"({time.time() - start:.0f} s)", flush=True)
     return {"calibration": calibration, "calibration_tokens": len(calib_ids),
