@@ -8,11 +8,14 @@ acks) always travel over the connector's zmq socket; a backend's data plane only
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import os
 import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -262,6 +265,32 @@ def device_uuid(device: torch.device) -> str:
 
 def now() -> float:
     return time.monotonic()
+
+
+class Deadlines:
+    """Records with deadlines, the expired ones found without a scan of them all (a heap).
+
+    An entry stays until its deadline comes, even once the caller has dropped its record:
+    `expired` returns only the keys whose record the caller still holds, the same object."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Any, Any]] = []
+        self._order = itertools.count()  # equal deadlines: arrival order, keys never compared
+
+    def add(self, key: Any, record: Any, deadline: float) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._order), key, record))
+
+    def expired(self, t: float, held: dict) -> list:
+        """The keys of `held` whose record (as added) has a deadline before t."""
+        keys = []
+        while self._heap and self._heap[0][0] < t:
+            _, _, key, record = heapq.heappop(self._heap)
+            if held.get(key) is record:
+                keys.append(key)
+        return keys
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 def trace(role: str, request_id: str, start: float, **marks: float) -> None:

@@ -22,8 +22,8 @@ from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
                                TransferWelcome)
 from pd_serve.transfer.backends import make_receiver_plane
-from pd_serve.transfer.base import (TRACE, TransferResult, TransferStats, layout_mismatch, now,
-                                    trace)
+from pd_serve.transfer.base import (TRACE, Deadlines, TransferResult, TransferStats,
+                                    layout_mismatch, now, trace)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class KVReceiver:
         self.address = f"tcp://{host}:{port}"
         self._lock = threading.Lock()
         self._expected: dict[str, _Incoming] = {}
+        self._deadlines = Deadlines()  # of the _expected records
         self._results: list[TransferResult] = []
         self._landing: deque[_Landing] = deque()  # I/O thread only
         self._batch: list[tuple[str, str]] = []  # (sender id, request id): writes not yet queued
@@ -105,7 +106,9 @@ class KVReceiver:
         with self._lock:
             if request_id in self._expected:
                 raise ValueError(f"request {request_id!r} is already expected")
-            self._expected[request_id] = _Incoming(list(page_ids), now() + (timeout_s or self.timeout_s))
+            incoming = _Incoming(list(page_ids), now() + (timeout_s or self.timeout_s))
+            self._expected[request_id] = incoming
+            self._deadlines.add(request_id, incoming, incoming.deadline)
 
     def cancel(self, request_id: str) -> None:
         """Stop expecting (the request was aborted here); late data is refused. No result.
@@ -334,7 +337,7 @@ class KVReceiver:
 
     def _expire(self) -> None:
         t = now()
-        for request_id in [r for r, inc in self._expected.items() if inc.deadline < t]:
+        for request_id in self._deadlines.expired(t, self._expected):
             self._fail_locked(request_id, "timed out waiting for KV")
 
     def _settle(self) -> None:

@@ -23,8 +23,8 @@ from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
                                TransferWelcome)
 from pd_serve.transfer.backends import make_sender_plane
-from pd_serve.transfer.base import (TRACE, TransferError, TransferResult, TransferStats, now,
-                                    trace)
+from pd_serve.transfer.base import (TRACE, Deadlines, TransferError, TransferResult, TransferStats,
+                                    now, trace)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class KVSender:
         self._has_results = threading.Condition(self._lock)
         self._results: list[TransferResult] = []
         self._outgoing: dict[tuple[str, str], _Outgoing] = {}  # (request id, receiver address)
+        self._deadlines = Deadlines()  # of the _outgoing records
         self._socks: dict[str, zmq.Socket] = {}
         self._addresses: dict[zmq.Socket, str] = {}
         self._stop = threading.Event()
@@ -302,7 +303,9 @@ class KVSender:
             if key not in self._outgoing:
                 if not job.first:
                     continue  # an earlier chunk failed or was aborted: drop the rest
-                self._outgoing[key] = _Outgoing(address, now() + self.timeout_s)
+                out = _Outgoing(address, now() + self.timeout_s)
+                self._outgoing[key] = out
+                self._deadlines.add(key, out, out.deadline)
             going.append(job)
         if not going:
             return
@@ -380,7 +383,7 @@ class KVSender:
         if t < self._next_expiry:
             return
         self._next_expiry = t + 0.005
-        for key in [k for k, o in self._outgoing.items() if o.deadline < t]:
+        for key in self._deadlines.expired(t, self._outgoing):
             self._abort_one(key, f"no acknowledgement within {self.timeout_s} s")
 
     def _drop_peer(self, address: str, poller: zmq.Poller) -> None:

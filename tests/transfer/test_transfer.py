@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pd_serve.transfer.base import TransferError
+from pd_serve.transfer.base import Deadlines, TransferError
 from pd_serve.transfer.receiver import KVReceiver
 from pd_serve.transfer.sender import KVSender
 
@@ -426,4 +426,33 @@ def test_a_malformed_chunk_message_is_dropped_and_the_receiver_keeps_serving():
     receiver.cancel("bad")
     rogue.close()
     sender.close()
+    receiver.close()
+
+
+def test_deadlines_give_only_held_records_past_their_deadline():
+    deadlines, held = Deadlines(), {}
+    for key, deadline in (("a", 1.0), ("b", 3.0), ("c", 2.0)):
+        held[key] = object()
+        deadlines.add(key, held[key], deadline)
+    assert deadlines.expired(0.5, held) == []
+    del held["c"]  # dropped by its owner: its entry is skipped
+    held["a"] = object()  # re-added under the same key, later
+    deadlines.add("a", held["a"], 5.0)
+    assert deadlines.expired(3.5, held) == ["b"]
+    assert deadlines.expired(10.0, held) == ["a"]
+    assert len(deadlines) == 0
+
+
+def test_a_request_id_expected_again_keeps_its_new_deadline():
+    """A cancelled request's deadline does not end the same id expected again later."""
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
+    receiver.expect("req", [1], timeout_s=0.2)
+    receiver.cancel("req")
+    receiver.expect("req", [1], timeout_s=30)
+    receiver.expect("short", [2], timeout_s=0.2)
+    (result,) = wait_results(receiver, 1, 5)
+    assert (result.request_id, result.ok) == ("short", False) and "timed out" in result.error
+    time.sleep(0.2)
+    assert receiver.poll() == [] and receiver.num_expected == 1
+    receiver.cancel("req")
     receiver.close()
