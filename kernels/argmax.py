@@ -44,7 +44,8 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
     Parameters
     ----------
-    logits : [B, V] float32 / float16 / bfloat16, last dim contiguous, 0 < V < 2^31.
+    logits : [B, V] float32 / float16 / bfloat16, 0 < V < 2^31 (a last dim that is not
+        contiguous is copied first).
     out : int64 [B], contiguous, to write into (a CUDA graph's fixed buffer); else a new one.
 
     Returns
@@ -56,6 +57,8 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     if not _kernel.runs_on(logits):
         return torch.argmax(logits, dim=-1, out=out)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     if logits.shape[0] > 0:
         _launch(logits, out)
     return out
@@ -111,8 +114,6 @@ def _check(logits: torch.Tensor, out: torch.Tensor | None) -> None:
                          f"{tuple(logits.shape)}")
     if not 0 < logits.shape[1] < _LOW:
         raise ValueError(f"the vocabulary must hold 1 to 2^31 - 1 entries, got {logits.shape[1]}")
-    if logits.stride(1) != 1 and logits.numel() > 0:
-        raise ValueError(f"logits' last dim must be contiguous, got strides {logits.stride()}")
     if out is not None and (out.dtype != torch.int64 or tuple(out.shape) != logits.shape[:1]
                             or not out.is_contiguous() or out.device != logits.device):
         raise ValueError(f"out must be a contiguous int64 [{logits.shape[0]}] on "
