@@ -148,6 +148,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="how decode cases reach their context: prefill steps, or direct (pages "
                    "allocated and the prompt counted as computed, as a decode worker admits "
                    "transferred KV; the step's work is the same, the fill takes no time)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the engine's context length (default: the longest case + a page). "
+                   "It sizes the CUDA graphs' page tables, so it sets the Triton decode "
+                   "attention's key splits (kernels/paged_attention.decode_num_splits); a "
+                   "server's default is the model's max_position_embeddings")
     p.add_argument("--profile", action="store_true",
                    help="per decode case, also keep the host functions that cost the most per "
                    "step (cProfile: host_profile) and the graph's kernels by GPU time "
@@ -401,7 +406,7 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
         enable_batch1_kernels=args.enable_batch1_kernels,
         # every decode case replays a graph, as a server started with --cuda-graph-max-bs would
         cuda_graph_max_bs=max(EngineConfig.cuda_graph_max_bs, max_batch),
-        context_length=min(cfg.max_position_embeddings, longest + page_size),
+        context_length=args.context_length or min(cfg.max_position_embeddings, longest + page_size),
         quantization=args.quantization,
         cache=CacheConfig(max_total_tokens=pool_tokens, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_running_requests=max_batch, chunked_prefill_size=chunk))
