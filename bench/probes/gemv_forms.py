@@ -5,9 +5,10 @@ end), over a set of block configurations (each layer's first row: _block_config'
 gate/up runs two ways: the fused [gate | up] weight with silu_and_mul in the epilogue (block_n
 counts the rows of both halves), as the model runs it (FP8 too since aaffda0); and
 ("gate_up_then_act") a plain GEMV over the same rows, then kernels/activation.py's silu_and_mul
-(how the FP8 model ran it before: the epilogue was slower for FP8 in the tile form). Each configuration is timed
-under a CUDA graph over 32 distinct copies of the layer (bench/probes/_graph_time.py) in
-ROUNDS interleaved rounds, its median kept, and checked against the torch reference. Writes $OUT/gemv-forms-h200.json.
+(how the FP8 model ran it before: the epilogue was slower for FP8 in the tile form). Each
+configuration is timed under a CUDA graph over 32 distinct copies of the layer
+(bench/probes/_graph_time.py) in ROUNDS interleaved rounds, its median kept, and checked against
+the torch reference. Writes $OUT/gemv-forms-h200.json.
 (Until ac49a71 a stand-alone FP8 row-sum kernel, bench/probes/fp8_gemv_rowsum.py, one sample
 each: ../results/probe-fp8-gemv-rowsum-h200-ac49a71.json.)
 
