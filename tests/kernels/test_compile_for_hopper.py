@@ -33,8 +33,8 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def _cases():
     """(name, call): each call launches the kernel(s) of one configuration."""
-    from kernels import (activation, fp8_quant, gemv, kv_copy, kv_store, norm, paged_attention,
-                         pending, w4a16)
+    from kernels import (activation, argmax, fp8_quant, gemv, kv_copy, kv_store, norm,
+                         paged_attention, pending, w4a16)
     bf16, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     e4m3 = torch.float8_e4m3fn
     yield "rms_norm", lambda: norm.rms_norm(_t(3, 4096), _t(4096), 1e-5)
@@ -74,6 +74,9 @@ def _cases():
     yield "gemv fp8 + silu_and_mul", lambda: gemv.gemv(_t(1, 4096), w8, s8, silu_and_mul=True)
     yield "gemv fp8 K=14336", lambda: gemv.gemv(_t(1, 14336), _t(64, 14336, dtype=e4m3),
                                                 _t(64, dtype=f32))
+    for dtype in (f32, bf16):
+        yield f"argmax {dtype}", lambda d=dtype: argmax.argmax(_t(3, 128256, dtype=d),
+                                                              out=_t(3, dtype=i64))
     yield "fp8 quantize", lambda: fp8_quant.quantize_per_token(_t(3, 4096))
     yield "fp8 quantize static", lambda: fp8_quant.quantize_per_token(_t(3, 4096), _t(1, dtype=f32))
     qweight, qzeros = _t(512, 256, dtype=i32), _t(32, 32, dtype=i32)
