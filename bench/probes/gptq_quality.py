@@ -22,10 +22,11 @@ directions that only position 0 uses, the attention sink every later position at
 Measured on the eval text's inputs (gptq-asym on the docs Hessian): layer 15's qkv_proj is off
 at position 0 by 35 % of the output's squared norm (round-to-nearest: 3 %), at the other
 positions 0.3 % (0.9 %); with qkv_proj left to round-to-nearest, gptq-asym (shorter README)
-scores 39.5 against 47.8. The "-sink" variants count position 0's inputs (each calibration
-window's first token) SINK_WEIGHT times in the Hessian; 100 is a round guess, tried only against
-2048 (worse on the docs calibration). With act-order that is the best variant on both
-calibrations, and still far from 95 % / 5 % (bench/results/gptq-quality-cpu.json).
+scores 39.5 against 47.8 (these checks were one-off scripts, not kept). The "-sink" variants
+count position 0's inputs (each calibration window's first token) SINK_WEIGHT times in the
+Hessian; 100 is a round guess, tried only against 2048 (worse on the docs calibration). With
+act-order that is the best variant on both calibrations, and still far from 95 % / 5 %
+(bench/results/gptq-quality-cpu.json).
 
     python bench/probes/gptq_quality.py --output bench/results/gptq-quality-cpu.json
 """
@@ -116,19 +117,20 @@ def run(calibration: str) -> dict:
     ref_core = new_core()
     ref = score_tokens(ref_core, eval_ids)
     layers = {n: m for n, m in ref_core.model.named_modules() if n.split(".")[-1] in LINEARS}
-    hessians, firsts = ({n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64)
-                         for n, m in layers.items()} for _ in range(2))
-    into = [hessians]
+    zeros = lambda m: torch.zeros(m.in_features, m.in_features, dtype=torch.float64)  # noqa: E731
+    hessians = {n: zeros(m) for n, m in layers.items()}
+    firsts = {n: zeros(m) for n, m in layers.items()}
+    into = hessians  # where the hooks add (read when they run)
 
     def collect(name):
         def hook(module, inputs, output):
             x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()  # [T, in]
-            into[0][name] += x.t() @ x
+            into[name] += x.t() @ x
         return hook
     hooks = [m.register_forward_hook(collect(n)) for n, m in layers.items()]
     for start in range(0, len(calib_ids) - 2, 2048):
         score_tokens(ref_core, calib_ids[start:start + 2048])
-    into[0] = firsts  # each window's position 0 again, alone (2 tokens score 1 position)
+    into = firsts  # each window's position 0 again, alone (2 tokens score 1 position)
     for start in range(0, len(calib_ids) - 2, 2048):
         score_tokens(ref_core, calib_ids[start:start + 2])
     for h in hooks:

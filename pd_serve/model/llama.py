@@ -47,7 +47,8 @@ class Linear(nn.Linear):
         """The layer on x; silu_and_mul: a [gate | up] layer (no bias) with its activation, in
         the GEMV's epilogue for one-row calls."""
         if silu_and_mul:
-            return linear_silu_and_mul(x, self.weight)
+            return (linear_silu_and_mul(x, self.weight) if self.batch1_kernels
+                    else silu_and_mul(F.linear(x, self.weight)))
         return (linear if self.batch1_kernels else F.linear)(x, self.weight, self.bias)
 
 
