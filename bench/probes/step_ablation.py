@@ -14,6 +14,9 @@ overlap with its neighbours): the most that fusing it away could save.
     --skip gemv        every GEMV of kernels/gemv.py (the decoder's linear layers under
                        --enable-batch1-kernels, and the LM head): an uninitialised output
 
+`--set MODULE.NAME=INT,...` changes integer module constants first, as a kernel's block sizes:
+`--set kernels.paged_attention._DECODE_BLOCK_N=32` times the step with 32-key decode tiles.
+
     PYTHONPATH=. python3 bench/probes/step_ablation.py --skip norm,rope_store -- \\
         --preset llama3-8b --quantization fp8 --enable-batch1-kernels --batch-sizes 1 \\
         --contexts 1024 --no-hf --output /tmp/ablation.json
@@ -61,13 +64,28 @@ def skip(kind: str) -> None:
         raise SystemExit(f"--skip takes {', '.join(KINDS)}; got {kind!r}")
 
 
+def set_constant(assignment: str) -> None:
+    """MODULE.NAME=INT: set an existing integer constant of an importable module."""
+    import importlib
+    target, _, value = assignment.partition("=")
+    module_name, _, name = target.rpartition(".")
+    module = importlib.import_module(module_name)
+    if not isinstance(getattr(module, name, None), int):
+        raise SystemExit(f"--set {assignment!r}: {module_name} has no integer {name}")
+    setattr(module, name, int(value))
+
+
 def main() -> int:
     argv = sys.argv[1:]
     ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (
         argv, [])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip", default="", help=f"comma-separated, of {', '.join(KINDS)}")
+    parser.add_argument("--set", default="", help="comma-separated MODULE.NAME=INT")
     args = parser.parse_args(ours)
+    settings = [item for item in args.set.split(",") if item]
+    for assignment in settings:
+        set_constant(assignment)
     kinds = [kind for kind in args.skip.split(",") if kind]
     for kind in kinds:
         skip(kind)
@@ -78,6 +96,7 @@ def main() -> int:
         with open(path) as f:
             record = json.load(f)
         record["ablation_skip"] = kinds
+        record["ablation_set"] = settings
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
     return status
