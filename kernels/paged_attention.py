@@ -17,9 +17,10 @@ the rows' lengths), longest first. The grid it replaced, (blocks of the longest 
 gave a step of 512 decode rows beside a 7,680-token chunk ~2M programs a layer, nearly all of
 them empty.
 
-Decode is split-K (flash-decoding): NUM_SPLITS programs share a (row, KV head), each taking an
-equal run of whole key tiles of that row's context (sized in the kernel from the row's own
-seq_len), and write a partial output and its log-sum-exp to float32 buffers allocated per call
+Decode is split-K (flash-decoding): NUM_SPLITS programs share a (row, KV head). A row uses as
+many of them as give each split at least _MIN_TILES_PER_SPLIT key tiles of its own context (from
+its seq_len, in the kernel; the others return at once), each taking an equal run of whole
+tiles, and they write a partial output and its log-sum-exp to float32 buffers allocated per call
 (inside a graph capture they come from the graph's memory pool, at fixed addresses). Each then
 counts itself done on an int32 counter of its (row, KV head) (an acquire-release atomic at GPU
 scope, after a barrier over the program's stores); the program that counts last merges the
@@ -29,7 +30,13 @@ The counters live in one zeroed buffer per device that every launch leaves zeroe
 share a device must not run at the same time (one stream per device, as the engine runs them).
 NUM_SPLITS comes from shapes only (rows, KV heads, a bound on the context, the SM count), never
 from tensor values: no host sync, and a CUDA graph captured for one batch replays for another
-of the same shape, whatever its lengths and pages.
+of the same shape, whatever its lengths and pages. A row's own split count matters where the
+bound is loose: a server's graphs are sized for its context length (131,072 for Llama-3.1), so
+at batch 1 every 1k-token row got 64 splits, 47 of them empty yet merged. Batch-1 FP8 decode
+step, Llama-3.1-8B shape, 1k context, one H200 (bench/results/attention-splits-h200-fp8-
+3c07592/, ms): 2.72 with 9 splits of two 64-key tiles (the rule's old minimum of two tiles a
+split), 2.69 / 2.69 with 17 of one tile, 2.80 with 5 of four; at context length 131,072, 2.74
+with 64 splits against 2.68 with 16.
 
 Tried and not kept: decode reading its split's first K/V tile, length and page ids before the
 PDL wait (the kernel before stores only the new token's K/V), the loop's first-tile loads masked
@@ -87,7 +94,8 @@ _PREFILL_WARPS = 4
 _PREFILL_STAGES = 3
 _PROGRAMS_PER_SM = 4  # decode splits fill one wave of this many programs per SM (H200-tuned)
 _MAX_SPLITS = 64
-_MIN_TILES_PER_SPLIT = 2  # a split reads at least this many key tiles of the widest row
+_MIN_TILES_PER_SPLIT = 1  # a split reads at least this many key tiles (of the widest row
+# when the host picks NUM_SPLITS, of its own row in the kernel)
 _CPU_SMS = 132  # split rule's SM count when there is no GPU (the interpreter): an H200's
 _MERGE_ELEMENTS = 4096  # partial-output elements the merging program loads at a time
 _COUNTERS = 1 << 16  # split counters per device: rows x KV heads of one decode launch
@@ -275,9 +283,10 @@ def _kernels(triton):
             q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, qo_indptr_ptr,
             q_blocks_ptr, kv_indptr_ptr, kv_indices_ptr, seq_lens_ptr, qk_scale, v_scale,
             q_stride_t, q_stride_h, o_stride_t, o_stride_h, k_stride_p, k_stride_s, k_stride_h,
-            v_stride_p, v_stride_s, v_stride_h, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
-            GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            v_stride_p, v_stride_s, v_stride_h, HEAD_DIM: tl.constexpr,
+            PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
             SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
             F16: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
@@ -301,6 +310,17 @@ def _kernels(triton):
         if q_block * BLOCK_Q >= q_len:
             return
         seq_len = tl.load(seq_lens_ptr + row)
+        # This block needs keys [0, kv_end). The row uses as many of the NUM_SPLITS splits as
+        # leave each MIN_TILES key tiles (the rest return now and are not waited for), and
+        # split `split` takes its share of whole tiles.
+        kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_Q)
+        num_tiles = tl.cdiv(kv_end, BLOCK_N)
+        row_splits = tl.minimum(tl.cdiv(num_tiles, MIN_TILES), NUM_SPLITS)
+        if split >= row_splits:
+            return
+        tiles_per_split = tl.cdiv(num_tiles, row_splits)
+        lo = split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
 
         # Query rows r = token * GROUP_PAD + head; rows past BLOCK_Q * GROUP_PAD pad tl.dot to 16.
         r = tl.arange(0, BLOCK_M)
@@ -316,11 +336,6 @@ def _kernels(triton):
         if F16:  # FP8 K/V under a bf16 query: the tiles' products in float16 (see the docstring)
             q = q.to(tl.float16)
 
-        # This block needs keys [0, kv_end); split `split` takes its share of whole tiles.
-        kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_Q)
-        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
-        lo = split * tiles_per_split * BLOCK_N
-        hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
         l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m)
@@ -362,7 +377,7 @@ def _kernels(triton):
             tl.debug_barrier()  # every thread's stores before the release below
             token = row.to(tl.int64)  # decode: row b's token is token b
             counter = counter_ptr + token * (num_q_heads // GROUP) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == row_splits - 1:
                 tl.store(counter, 0)  # zero again for the next launch
                 g = tl.arange(0, GROUP_PAD)
                 g_ok = g < GROUP
@@ -370,9 +385,9 @@ def _kernels(triton):
                 m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
                 den = tl.zeros([GROUP_PAD], tl.float32)
                 num = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-                for s0 in range(0, NUM_SPLITS, SPLIT_BLOCK):  # out = sum w_i o_i / sum w_i
+                for s0 in range(0, row_splits, SPLIT_BLOCK):  # out = sum w_i o_i / sum w_i
                     sp = s0 + tl.arange(0, SPLIT_BLOCK)
-                    gs_ok = g_ok[:, None] & (sp < NUM_SPLITS)[None, :]  # [G, S]
+                    gs_ok = g_ok[:, None] & (sp < row_splits)[None, :]  # [G, S]
                     idx = base[:, None] + sp[None, :]
                     part_lse = tl.load(mid_lse_ptr + idx, mask=gs_ok, other=float("-inf"),
                                        cache_modifier=".cg")
@@ -439,7 +454,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             *k_cache.stride()[:3], *v_cache.stride()[:3],
             HEAD_DIM=head_dim, PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, SPLIT_BLOCK=split_block, DECODE=decode,
+            NUM_SPLITS=num_splits, MIN_TILES=_MIN_TILES_PER_SPLIT, SPLIT_BLOCK=split_block,
+            DECODE=decode,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             F16=k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16, num_warps=num_warps,
             num_stages=num_stages, **launch_options(pdl(q)))
