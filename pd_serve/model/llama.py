@@ -7,9 +7,7 @@ Norms and SiLU-and-mul call kernels/: Triton on GPU, their torch references on C
 reproduce Hugging Face's arithmetic); RoPE is the attention backend's, applied as it stores K
 and V (kernels/kv_store.py's rope_store_kv). Linear layers run cuBLAS on GPU;
 `use_batch1_kernels` (--enable-batch1-kernels) gives one-row inputs (decode at batch 1)
-kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue, and starts loading
-a layer's o_proj weight and the head of its gate/up weight into L2 (kernels/prefetch.py) before
-the layer's RoPE, KV store and attention, which leave HBM idle.
+kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue.
 The residual stream is carried beside the hidden states so the residual add fuses into the
 next norm. Nothing here syncs with the host: CUDA graphs
 capture the whole forward.
@@ -24,16 +22,10 @@ from torch import nn
 from kernels.activation import silu_and_mul
 from kernels.gemv import linear, linear_silu_and_mul
 from kernels.norm import rms_norm
-from kernels.prefetch import l2_prefetch
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.rope import RotaryEmbedding
 
-# Batch-1 decode, what a layer prefetches into L2 before its attention: o_proj's weight (1 or 0)
-# and MiB of the gate/up weight (its first rows of gate and of up alike, which the GEMV's first
-# programs read).
-PREFETCH_O_PROJ = 1
-PREFETCH_GATE_UP_MIB = 16
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -70,27 +62,11 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        # (the layer's MLP gate/up layer,) when use_batch1_kernels set it (a tuple, so not a
-        # submodule): one-row calls prefetch its weight's head and o_proj's weight into L2
-        self.prefetch_gate_up = None
-
-    def _prefetch(self) -> None:
-        """Start loading o_proj's weight and the head of gate/up's into L2 (batch 1)."""
-        gate_up = self.prefetch_gate_up[0].weight
-        half, row_bytes = gate_up.shape[0] // 2, gate_up[0].numel() * gate_up.element_size()
-        rows = min(half, int(PREFETCH_GATE_UP_MIB * 2 ** 20) // 2 // row_bytes)
-        views = [self.o_proj.weight] if PREFETCH_O_PROJ else []
-        if rows > 0:
-            views += [gate_up[:rows], gate_up[half:half + rows]]
-        if views:
-            l2_prefetch(*views)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        if self.prefetch_gate_up is not None and x.shape[0] == 1:
-            self._prefetch()
         q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -182,9 +158,3 @@ def use_batch1_kernels(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "batch1_kernels"):
             module.batch1_kernels = True
-    for layer in getattr(getattr(model, "model", None), "layers", []):
-        o_weight = getattr(layer.self_attn.o_proj, "weight", None)
-        gate_up = layer.mlp.gate_up_proj
-        if isinstance(o_weight, torch.Tensor) and isinstance(getattr(gate_up, "weight", None),
-                                                             torch.Tensor):
-            layer.self_attn.prefetch_gate_up = (gate_up,)  # GEMV layers (not GPTQ's)

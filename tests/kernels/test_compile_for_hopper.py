@@ -34,7 +34,7 @@ def _t(*shape, dtype=torch.bfloat16):
 def _cases():
     """(name, call): each call launches the kernel(s) of one configuration."""
     from kernels import (activation, argmax, fp8_quant, gemv, kv_copy, kv_store, norm,
-                         paged_attention, pending, prefetch, w4a16)
+                         paged_attention, pending, w4a16)
     bf16, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     e4m3 = torch.float8_e4m3fn
     yield "rms_norm", lambda: norm.rms_norm(_t(3, 4096), _t(4096), 1e-5)
@@ -77,9 +77,6 @@ def _cases():
     for dtype in (f32, bf16):
         yield f"argmax {dtype}", lambda d=dtype: argmax.argmax(_t(3, 128256, dtype=d),
                                                               out=_t(3, dtype=i64))
-    for count in (1, 3):  # its CPU dispatch does nothing: launch as on a GPU
-        yield f"l2_prefetch, {count} views", lambda c=count: prefetch._launch(
-            [_t(64, 4096, dtype=e4m3), _t(3, 4096), _t(16)][:c])
     yield "fp8 quantize", lambda: fp8_quant.quantize_per_token(_t(3, 4096))
     yield "fp8 quantize static", lambda: fp8_quant.quantize_per_token(_t(3, 4096), _t(1, dtype=f32))
     qweight, qzeros = _t(512, 256, dtype=i32), _t(32, 32, dtype=i32)
@@ -125,8 +122,8 @@ def _compile(fn, args: tuple, kwargs: dict) -> None:
 def _with_pdl():
     """The cases whose kernels take programmatic dependent launch (kernels/_triton.py), again
     with it on, as a Hopper GPU has them (unless PD_SERVE_PDL=0)."""
-    from kernels import gemv, kv_store, norm, paged_attention, prefetch
-    pdl_modules = (gemv, kv_store, norm, paged_attention, prefetch)
+    from kernels import gemv, kv_store, norm, paged_attention
+    pdl_modules = (gemv, kv_store, norm, paged_attention)
     for name, call in _cases():
         def with_pdl(call=call):
             saved = [m.pdl for m in pdl_modules]
@@ -137,8 +134,7 @@ def _with_pdl():
             finally:
                 for m, f in zip(pdl_modules, saved):
                     m.pdl = f
-        if name.split()[0].rstrip(",") in ("rms_norm", "rope_store_kv", "decode", "prefill",
-                                           "gemv", "l2_prefetch"):
+        if name.split()[0] in ("rms_norm", "rope_store_kv", "decode", "prefill", "gemv"):
             yield f"{name}, PDL", with_pdl
 
 
