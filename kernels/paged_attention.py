@@ -28,10 +28,6 @@ splits' partials and resets the counter to zero. So decode is one launch whateve
 (a second merge kernel cost about 2.7 us a layer at batch 1 on an H200, plus its launch gap).
 The counters live in one zeroed buffer per device that every launch leaves zeroed: launches that
 share a device must not run at the same time (one stream per device, as the engine runs them).
-Under PDL a program reads its row's length (and, in prefill, its block and the row's query
-range) before it waits for the kernel launched just before, and a split with no keys of its row
-returns there, unwaited: those inputs come from the host, never from that kernel (the engine's
-is the KV store). Every kernel before that one has finished when this one starts.
 NUM_SPLITS comes from shapes only (rows, KV heads, a bound on the context, the SM count), never
 from tensor values: no host sync, and a CUDA graph captured for one batch replays for another
 of the same shape, whatever its lengths and pages. A row's own split count matters where the
@@ -168,9 +164,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_indptr : [B + 1] int32 (or int64): row b's pages are listed from kv_indices[kv_indptr[b]].
     kv_indices : [N] int32 (or int64) page ids; row b's are its first ceil(seq_lens[b] / S)
         from kv_indptr[b] on (anything after them is never read).
-    seq_lens : [B] int32 (or int64), each >= 1: context length including the new token. Under
-        PDL it is read before the kernel waits for the one launched just before it (the
-        module docstring), which therefore must not write it.
+    seq_lens : [B] int32 (or int64), each >= 1: context length including the new token.
     scale : softmax scale (usually D ** -0.5).
     out : optional [B, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
     num_splits : key splits per (row, KV head); default `decode_num_splits(...)` with the
@@ -210,8 +204,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         Last dim contiguous, other strides arbitrary.
     k_cache, v_cache, kv_indptr, kv_indices, seq_lens, scale, k_scale, v_scale : as in
         `paged_decode_attention` (q_len <= seq_len; rows of one token mix freely with long ones).
-    qo_indptr : [B + 1] int32 (or int64), qo_indptr[0] = 0 and qo_indptr[B] = T. It, q_blocks
-        and seq_lens are read before the PDL wait, as in `paged_decode_attention`.
+    qo_indptr : [B + 1] int32 (or int64), qo_indptr[0] = 0 and qo_indptr[B] = T.
     out : optional [T, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
     q_blocks : int32 [num_blocks, 2] on q's device, the (row, query block) of each program:
         `prefill_blocks` of the rows' q_len and seq_len, which the caller has on the host; made
@@ -296,9 +289,9 @@ def _kernels(triton):
             BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
             SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
             F16: tl.constexpr, PDL: tl.constexpr):
-        # Under PDL (kernels/_triton.py) the row's lengths and blocks are read before the wait
-        # for the kernel before: the host writes them, never that kernel (the KV store), and
-        # every kernel before it has finished. So programs with nothing to do exit unwaited.
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # Grid: decode (1, rows, KV heads x splits); prefill (query blocks, 1, KV heads), the
         # (row, block) of program i at q_blocks[i] (prefill_blocks: most keys first).
         kv_head = tl.program_id(2) // NUM_SPLITS
@@ -325,9 +318,6 @@ def _kernels(triton):
         row_splits = tl.minimum(tl.cdiv(num_tiles, MIN_TILES), NUM_SPLITS)
         if split >= row_splits:
             return
-        if PDL:  # the kernel before done (its K/V stores visible), then let the next start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         tiles_per_split = tl.cdiv(num_tiles, row_splits)
         lo = split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
