@@ -42,7 +42,10 @@ Tried and not kept: decode reading its split's first K/V tile, length and page i
 PDL wait (the kernel before stores only the new token's K/V), the loop's first-tile loads masked
 off and the preloaded tile selected: batch-1 FP8 steps 2.77 against 2.72 ms, and on the Triton
 backend bs 64 / 256 8.29 / 20.19 against 7.03 / 15.41 ms (bench/results/ab-attention-prewait-
-a169528/; likely the K/V loads no longer pipelined, not checked).
+a169528/; likely the K/V loads no longer pipelined, not checked). Nor reading only the row's
+length before the wait, so that splits with no keys exit unwaited: about 0.01 ms at context
+length 131,072, inside the runs' spread (bench/results/attention-prewait-exit-8290840/), for a
+rule every caller would have to keep (never compute the lengths in the kernel just before).
 
 The page lists are ragged, not a dense [B, max_pages] table: a CUDA graph's table had to be as
 wide as the longest context the engine allows, 8192 pages for a 131072-token Llama-3.1, so a
