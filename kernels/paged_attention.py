@@ -36,7 +36,10 @@ at batch 1 every 1k-token row got 64 splits, 47 of them empty yet merged. Batch-
 step, Llama-3.1-8B shape, 1k context, one H200 (bench/results/attention-splits-h200-fp8-
 3c07592/, ms): 2.72 with 9 splits of two 64-key tiles (the rule's old minimum of two tiles a
 split), 2.69 / 2.69 with 17 of one tile, 2.80 with 5 of four; at context length 131,072, 2.74
-with 64 splits against 2.68 with 16.
+with 64 splits against 2.68 with 16. As kept, against the rule before on one machine start:
+2.651 / 2.653 against 2.703 at 1k (bench/results/ab-l2-prefetch-c93dd87/), 2.722 / 2.714
+against 2.736 / 2.739 at 131,072, where the 47 empty splits a (row, KV head) still launch and
+exit (bench/results/attention-splits-ab-h200-e706d12/).
 
 Tried and not kept: decode reading its split's first K/V tile, length and page ids before the
 PDL wait (the kernel before stores only the new token's K/V), the loop's first-tile loads masked
