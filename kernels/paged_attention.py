@@ -317,7 +317,7 @@ def _kernels(triton):
             return
         seq_len = tl.load(seq_lens_ptr + row)
         # This block needs keys [0, kv_end). The row uses as many of the NUM_SPLITS splits as
-        # leave each MIN_TILES key tiles (the rest return now and are not waited for), and
+        # leave each MIN_TILES key tiles (the rest return now: neither counted nor merged), and
         # split `split` takes its share of whole tiles.
         kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_Q)
         num_tiles = tl.cdiv(kv_end, BLOCK_N)
@@ -341,7 +341,6 @@ def _kernels(triton):
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
         if F16:  # FP8 K/V under a bf16 query: the tiles' products in float16 (see the docstring)
             q = q.to(tl.float16)
-
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
         l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m)
