@@ -198,7 +198,8 @@ def test_head_ranges_move_only_those_heads(device, dtype, page_size):
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_copy_reads_a_pool_on_a_peer_gpu(monkeypatch):
+@pytest.mark.parametrize("device", ["cuda"])  # what tests/kernels/conftest.py runs on a GPU
+def test_copy_reads_a_pool_on_a_peer_gpu(monkeypatch, device):
     """The kernel runs on the destination's GPU and reads the source pages over the link."""
     monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     for a, b in (("cuda:0", "cuda:1"), ("cuda:1", "cuda:0")):  # a copy enables peer access
@@ -238,9 +239,9 @@ def test_counted_copy_reads_its_page_count_from_memory(device, heads):
     assert torch.equal(bits(dst), bits(untouched))
 
 
-@needs_cuda
 @needs_triton
-def test_copy_graph_replays_for_any_page_count(monkeypatch):
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda)])
+def test_copy_graph_replays_for_any_page_count(monkeypatch, device):
     """CopyGraph: captured once, replayed for copies of different page counts (ids from
     page-locked memory), each landing exactly as the reference's."""
     monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
@@ -330,9 +331,9 @@ def test_rejects_bad_inputs(call):
         call()
 
 
-@needs_cuda
 @needs_triton
-def test_pool_past_int32_offsets(monkeypatch):
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda)])
+def test_pool_past_int32_offsets(monkeypatch, device):
     """Pages whose elements lie beyond 2**31 in a >2 GiB fp8 pool (viewed as uint8)."""
     monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     num_pages = 33_000  # 2 * 2 * 33000 * 16 * 8 * 128 bytes > 2**31

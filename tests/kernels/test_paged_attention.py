@@ -288,9 +288,9 @@ def test_rejects_bad_inputs(call):
         call()
 
 
-@needs_cuda
 @needs_triton
-def test_decode_graph_replays_with_new_lengths_and_pages():
+@pytest.mark.parametrize("device", [CUDA])
+def test_decode_graph_replays_with_new_lengths_and_pages(device):
     """Captured once, the launch replays for other seq_lens and page lists (fixed-size buffers
     of page ids, filled as far as each batch needs)."""
     num_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16

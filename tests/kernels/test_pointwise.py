@@ -432,9 +432,9 @@ def test_store_kv_all_padding_writes_nothing():
     assert torch.equal(bits(cache), bits(before))
 
 
-@needs_cuda
 @needs_triton
-def test_store_kv_past_int32_offsets(monkeypatch):
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda)])
+def test_store_kv_past_int32_offsets(monkeypatch, device):
     """Slots whose elements lie beyond 2**31 in a > 2 GiB fp8 cache."""
     monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
     num_pages, page_size, num_heads, head_dim = 16_400, 128, 8, 128  # 2.15e9 elements
