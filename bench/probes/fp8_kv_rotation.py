@@ -28,6 +28,7 @@ rotated K/V is not the one other engines' FP8 pages hold, so it is not in the en
 """
 
 import argparse
+import functools
 import json
 import math
 import subprocess
@@ -55,6 +56,7 @@ VARIANTS = {  # name: (rotate K, rotate V, random signs, keep position 0 exact)
 }
 
 
+@functools.cache
 def hadamard(n: int, signs: bool) -> torch.Tensor:
     """The n x n Hadamard matrix / sqrt(n) (n a power of two), rows' signs flipped at random
     (seed 0) with `signs`: orthogonal either way."""

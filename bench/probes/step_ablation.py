@@ -26,6 +26,7 @@ under --enable-batch1-kernels).
 """
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -66,7 +67,6 @@ def skip(kind: str) -> None:
 
 def set_constant(assignment: str) -> None:
     """MODULE.NAME=INT: set an existing integer constant of an importable module."""
-    import importlib
     target, _, value = assignment.partition("=")
     module_name, _, name = target.rpartition(".")
     module = importlib.import_module(module_name)

@@ -17,9 +17,13 @@ def _needs_a_gpu(item) -> bool:
                for mark in item.iter_markers("skipif"))
 
 
+def _device(item):
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("device") if callspec is not None else None
+
+
 def test_gpu_only_tests_are_parametrised_with_device_cuda(request):
-    callspec = lambda item: getattr(item, "callspec", None)  # noqa: E731
     never_run = [item.nodeid for item in request.session.items
                  if HERE in Path(item.path).parents and _needs_a_gpu(item)
-                 and (callspec(item) is None or callspec(item).params.get("device") != "cuda")]
+                 and _device(item) != "cuda"]
     assert not never_run, f"these would run on no machine: {never_run}"
