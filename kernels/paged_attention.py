@@ -103,7 +103,9 @@ _MAX_SPLITS = 64
 _MIN_TILES_PER_SPLIT = 1  # a split reads at least this many key tiles (of the widest row
 # when the host picks NUM_SPLITS, of its own row in the kernel)
 _CPU_SMS = 132  # split rule's SM count when there is no GPU (the interpreter): an H200's
-_MERGE_ELEMENTS = 4096  # partial-output elements the merging program loads at a time
+_MERGE_ELEMENTS = 16384  # partial-output elements the merging program loads at a time (32
+# splits at group 4, D 128: FP8 bs 1 step 2.63 ms against 2.66 at 4096 and 2.67 at 8192;
+# bench/results/merge-elements-h200-fp8-9c721e0/)
 _COUNTERS = 1 << 16  # split counters per device: rows x KV heads of one decode launch
 # device -> its int32 [_COUNTERS] split counters, zero between launches
 _counters: dict[torch.device, torch.Tensor] = {}
