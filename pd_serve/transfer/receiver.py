@@ -56,11 +56,13 @@ class KVReceiver:
     with some of the KV heads; their chunks say how many): it is ok once every part has landed,
     each sender acknowledged for its own part.
 
-    The I/O thread takes every message waiting (up to `max_batch` at a time), queues the writes
-    of all their chunks together (the plane may merge them into one copy; while QUEUED_BATCHES
-    such batches are still landing, new chunks wait and join the next), and acknowledges a
-    request once the writes of its last chunk have landed, checked without blocking, so chunks
-    arriving meanwhile are taken at once. While writes are landing it busy-polls; between the chunks of
+    The I/O thread takes one message at a time and queues the writes of its chunks together
+    (the plane may merge them into one copy; while QUEUED_BATCHES such batches are still
+    landing, new chunks wait and join the next, so batches grow when the device is the
+    bottleneck), and acknowledges a request once the writes of its last chunk have landed,
+    checked without blocking between messages, so acknowledgements go out while later messages
+    wait. (Taking every message waiting, up to 64, before queueing and acknowledging any made
+    the pair take turns: KVSender's MESSAGE_DEPTH has the figures.) While writes are landing it busy-polls; between the chunks of
     a request too for up to `spin_s` after a chunk (default 0: never; a spinning thread holds
     the GIL that the process's other threads, a decode engine's, need).
     """
@@ -69,13 +71,12 @@ class KVReceiver:
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None,
-                 spin_s: float = 0.0, max_batch: int = 64, model_layout: KVLayout | None = None):
+                 spin_s: float = 0.0, model_layout: KVLayout | None = None):
         """model_layout: the layout senders must announce, with every KV head of the model (a
         tensor-parallel rank's pool holds some of them); default: the pool's."""
         self.pool = pool
         self.model_layout = model_layout or pool.layout
         self.spin_s = spin_s
-        self.max_batch = max_batch
         self._spin_until = 0.0
         self.backend = backend
         self.timeout_s = timeout_s
@@ -143,7 +144,7 @@ class KVReceiver:
             while not self._stop.is_set():
                 busy = bool(self._landing) or now() < self._spin_until
                 if self._sock.poll(0 if busy else 20, zmq.POLLIN):
-                    self._take_messages()
+                    self._take_message()
                 elif self._landing:
                     time.sleep(0)  # let other threads of the process run while we wait
                 self._land()
@@ -155,35 +156,34 @@ class KVReceiver:
         finally:
             self._sock.close()
 
-    def _take_messages(self) -> None:
-        """Handle every message waiting, in order; their chunks' writes join the pending batch."""
-        for _ in range(self.max_batch):
-            try:
-                identity, header, *frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            arrived = now()
-            identity = bytes(identity)
-            sender_id = identity.decode(errors="replace")
-            try:
-                msg = protocol.decode(header.bytes)
-                chunks = self._split(msg, frames) if isinstance(msg, KVChunks) else []
-            except (ValueError, TypeError) as e:  # a broken sender: its requests time out
-                logger.warning("dropped a message from %s: %s", sender_id, e)
-                continue
-            if isinstance(msg, TransferHello):
-                self._welcome(identity, sender_id, msg)
-            elif isinstance(msg, KVChunks):
-                refused = []
-                for chunk, chunk_frames in chunks:
-                    if self._on_chunk(sender_id, chunk, chunk_frames, arrived, refused):
-                        self._batch.append((sender_id, chunk.request_id))
-                        if chunk.last:
-                            self._batch_last.append((identity, chunk.request_id))
-                if refused:
-                    self._send(identity, TransferAcks(refused))
-            elif isinstance(msg, TransferAbort):
-                self._fail(msg.request_id, f"sender aborted: {msg.reason}")
+    def _take_message(self) -> None:
+        """Handle one waiting message (if any); its chunks' writes join the pending batch."""
+        try:
+            identity, header, *frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        arrived = now()
+        identity = bytes(identity)
+        sender_id = identity.decode(errors="replace")
+        try:
+            msg = protocol.decode(header.bytes)
+            chunks = self._split(msg, frames) if isinstance(msg, KVChunks) else []
+        except (ValueError, TypeError) as e:  # a broken sender: its requests time out
+            logger.warning("dropped a message from %s: %s", sender_id, e)
+            return
+        if isinstance(msg, TransferHello):
+            self._welcome(identity, sender_id, msg)
+        elif isinstance(msg, KVChunks):
+            refused = []
+            for chunk, chunk_frames in chunks:
+                if self._on_chunk(sender_id, chunk, chunk_frames, arrived, refused):
+                    self._batch.append((sender_id, chunk.request_id))
+                    if chunk.last:
+                        self._batch_last.append((identity, chunk.request_id))
+            if refused:
+                self._send(identity, TransferAcks(refused))
+        elif isinstance(msg, TransferAbort):
+            self._fail(msg.request_id, f"sender aborted: {msg.reason}")
 
     def _queue_batch(self) -> None:
         """Queue the pending batch's writes together (the plane may merge them into one copy);

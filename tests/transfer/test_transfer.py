@@ -287,6 +287,42 @@ def test_chunks_double_from_the_first_size_up_to_the_largest():
     sender.close()
 
 
+def test_requests_queued_together_travel_in_several_messages(monkeypatch):
+    """32 requests queued at once go out in messages of at most a MESSAGE_DEPTH-th of them, not
+    in one: the receiver takes and acknowledges the first while the sender sends the next."""
+    import threading
+    from pd_serve.transfer import sender as sender_module
+    sizes = []  # chunks per message, as the receiver takes them
+    split = KVReceiver._split
+    monkeypatch.setattr(KVReceiver, "_split", staticmethod(
+        lambda msg, frames: sizes.append(len(msg.chunks)) or split(msg, frames)))
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
+    sender.connect(receiver.address)
+    queued, send_chunks = threading.Event(), sender._send_chunks
+
+    def held(jobs, poller):  # the I/O thread waits until every send is queued
+        queued.wait(10)
+        send_chunks(jobs, poller)
+
+    sender._send_chunks = held
+    plan = {f"r{i}": ([i], [32 + i]) for i in range(32)}
+    for rid, (src, dst) in plan.items():
+        receiver.expect(rid, dst)
+        sender.send(rid, receiver.address, src, dst)
+    queued.set()
+    sent = wait_results(sender, 32, 10)
+    assert sorted(r.request_id for r in sent if r.ok) == sorted(plan)
+    assert sorted(r.request_id for r in wait_results(receiver, 32, 10) if r.ok) == sorted(plan)
+    # (the I/O thread may take the first send alone, before it reaches the wait)
+    assert sum(sizes) == 32 and max(sizes) <= 32 // sender_module.MESSAGE_DEPTH, sizes
+    assert len(sizes) >= sender_module.MESSAGE_DEPTH, sizes
+    expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
+    assert torch.equal(bits(receiver.pool.buffer[:, :, 32:]), bits(expected[:, :, :32]))
+    sender.close()
+    receiver.close()
+
+
 def test_poll_waits_for_a_result_up_to_its_timeout():
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
     sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
