@@ -31,9 +31,11 @@ logger = logging.getLogger(__name__)
 # A receiver's outstanding requests travel in about this many messages, so that while it takes
 # one the sender prepares the next and acknowledgements come back a message at a time. One
 # message for everything queued made the two ends, and the caller that refills as acks come,
-# take turns: ipc, 8 MiB, both ends on one H200 (device-local copies: host time), us a request
-# with 32 / 128 requests in flight, 56-67 / 36-43 so against 33 / 24-25 in messages of 8 / 16
-# to 32 (bench/results/transfer-h200-1gpu-host/message-size-722c373/).
+# take turns. ipc, both ends on one H200 (device-local copies: host time), us a request against
+# one message (bench/results/transfer-h200-1gpu-host/message-depth-089a143/): 128 in flight,
+# 1 / 8 / 64 MiB, 24-31 / 29-31 / 52-59 against 41-45 / 47-53 / 101-109; 32 in flight, 64 MiB
+# 69-75 against 111-132, 8 MiB 51-54 against 54-65, with 1.5-1.9x the CPU a request (messages
+# stay small when the caller refills a few at a time; the cap bounds them, it does not fill them).
 MESSAGE_DEPTH = 4
 
 
