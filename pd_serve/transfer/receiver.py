@@ -62,9 +62,10 @@ class KVReceiver:
     bottleneck), and acknowledges a request once the writes of its last chunk have landed,
     checked without blocking between messages, so acknowledgements go out while later messages
     wait. (Taking every message waiting, up to 64, before queueing and acknowledging any made
-    the pair take turns: KVSender's MESSAGE_DEPTH has the figures.) While writes are landing it busy-polls; between the chunks of
-    a request too for up to `spin_s` after a chunk (default 0: never; a spinning thread holds
-    the GIL that the process's other threads, a decode engine's, need).
+    the pair take turns: KVSender's MESSAGE_DEPTH has the figures.) While writes are landing it
+    busy-polls; between the chunks of a request too for up to `spin_s` after a chunk (default 0:
+    never; a spinning thread holds the GIL that the process's other threads, a decode engine's,
+    need).
     """
 
     QUEUED_BATCHES = 2  # batches of writes queued on the device at a time

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import replace
 
@@ -11,7 +12,7 @@ import torch
 
 from pd_serve.transfer.base import Deadlines, TransferError
 from pd_serve.transfer.receiver import KVReceiver
-from pd_serve.transfer.sender import KVSender
+from pd_serve.transfer.sender import MESSAGE_DEPTH, KVSender
 
 from peer import POISON, poisoned_pool, seeded_pool  # noqa: E402
 
@@ -290,12 +291,14 @@ def test_chunks_double_from_the_first_size_up_to_the_largest():
 def test_requests_queued_together_travel_in_several_messages(monkeypatch):
     """32 requests queued at once go out in messages of at most a MESSAGE_DEPTH-th of them, not
     in one: the receiver takes and acknowledges the first while the sender sends the next."""
-    import threading
-    from pd_serve.transfer import sender as sender_module
     sizes = []  # chunks per message, as the receiver takes them
     split = KVReceiver._split
-    monkeypatch.setattr(KVReceiver, "_split", staticmethod(
-        lambda msg, frames: sizes.append(len(msg.chunks)) or split(msg, frames)))
+
+    def recorded_split(msg, frames):
+        sizes.append(len(msg.chunks))
+        return split(msg, frames)
+
+    monkeypatch.setattr(KVReceiver, "_split", staticmethod(recorded_split))
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
     sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
     sender.connect(receiver.address)
@@ -315,8 +318,8 @@ def test_requests_queued_together_travel_in_several_messages(monkeypatch):
     assert sorted(r.request_id for r in sent if r.ok) == sorted(plan)
     assert sorted(r.request_id for r in wait_results(receiver, 32, 10) if r.ok) == sorted(plan)
     # (the I/O thread may take the first send alone, before it reaches the wait)
-    assert sum(sizes) == 32 and max(sizes) <= 32 // sender_module.MESSAGE_DEPTH, sizes
-    assert len(sizes) >= sender_module.MESSAGE_DEPTH, sizes
+    assert sum(sizes) == 32 and max(sizes) <= 32 // MESSAGE_DEPTH, sizes
+    assert len(sizes) >= MESSAGE_DEPTH, sizes
     expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
     assert torch.equal(bits(receiver.pool.buffer[:, :, 32:]), bits(expected[:, :, :32]))
     sender.close()
@@ -351,7 +354,6 @@ class _Gate:
 def gated_receiver() -> KVReceiver:
     """A tcp receiver whose writes 'land' only when the test sets `plane.open` (or something
     synchronizes), counting its plane's calls, as a GPU plane's queued writes would behave."""
-    import threading
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)
     plane, base = receiver.plane, type(receiver.plane)
 
