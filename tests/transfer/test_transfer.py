@@ -229,6 +229,7 @@ def test_receiver_killed_sender_reports_error_within_timeout(backend, peers):
     (result,) = wait_results(sender, 1, 10)
     assert not result.ok
     assert time.monotonic() - start < 4.0
+    assert sender._outstanding[receiver.address] == 0  # the failed request counted out too
     sender.close()
 
 
@@ -320,6 +321,7 @@ def test_requests_queued_together_travel_in_several_messages(monkeypatch):
     # (the I/O thread may take the first send alone, before it reaches the wait)
     assert sum(sizes) == 32 and max(sizes) <= 32 // MESSAGE_DEPTH, sizes
     assert len(sizes) >= MESSAGE_DEPTH, sizes
+    assert sender._outstanding[receiver.address] == 0  # every result counted out
     expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
     assert torch.equal(bits(receiver.pool.buffer[:, :, 32:]), bits(expected[:, :, :32]))
     sender.close()
