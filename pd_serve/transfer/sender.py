@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # take turns. ipc, both ends on one H200 (device-local copies: host time), us a request against
 # one message (bench/results/transfer-h200-1gpu-host/message-depth-089a143/): 128 in flight,
 # 1 / 8 / 64 MiB, 24-31 / 29-31 / 52-59 against 41-45 / 47-53 / 101-109; 32 in flight, 64 MiB
-# 69-75 against 111-132, 8 MiB 51-54 against 54-65, with 1.5-1.9x the CPU a request (messages
+# 69-75 against 111-132, 8 MiB 51-54 against 54-65, with 1.1-1.9x the CPU a request (messages
 # stay small when the caller refills a few at a time; the cap bounds them, it does not fill them).
 MESSAGE_DEPTH = 4
 
