@@ -16,9 +16,15 @@ Triton is imported when a kernel is first needed, so importing a kernels module 
 Programmatic dependent launch (PDL, Hopper and later), on by default (PD_SERVE_PDL=0 turns it
 off): the GEMV, RMSNorm, RoPE + KV store and paged-attention kernels launch with `launch_pdl`
 where `pdl(x)` says so (the batch-1 decode path is made of them). Such a kernel may be
-scheduled while the kernel before it in the stream is finishing; it starts with `gdc_wait()` (the previous kernel done and
-its writes visible) before it touches memory, then `gdc_launch_dependents()` so the next one
-may be scheduled early in turn: the gap between kernels shrinks. CUDA graphs keep it. On one
+scheduled while the kernel before it in the stream is finishing; it calls `gdc_wait()` (the
+previous kernel done and its writes visible) before it reads what that kernel may write, then
+`gdc_launch_dependents()` so the next one may be scheduled early in turn: the gap between
+kernels shrinks. CUDA graphs keep it. Before the wait a kernel reads only what no kernel of the
+forward writes (weights and their scales, RoPE's cos / sin tables) or what the host staged for
+the batch before it (positions, KV slots): RMSNorm's weight, the RoPE + KV store's rows and the
+FP8 GEMV's first weight tile and scales load there, under the tail of the kernel before
+(FP8 batch-1 decode step 2.48 against 2.63 ms, bench/results/ab-prewait-reads-e356090/).
+tests/kernels/test_pdl_prewait.py holds each kernel to its list of such reads. On one
 H200 at 91373a0 (Llama-3.1-8B shape, --enable-batch1-kernels, same run): decode bs 1 at 1k
 context 4.42 -> 4.26 ms a step, bs 64 7.59 -> 7.33 ms
 (bench/results/one-batch-h200-llama3-8b-pdl{0,1}-91373a0.json).

@@ -60,7 +60,10 @@ f6dabf1 on one machine start: FP8 3.01 against 3.085 ms (bench/results/ab-fp8-pr
 bf16 weights it was 1 % slower (4.29 against 4.24 ms; 56 registers a thread against 48 in the
 gate/up form, `bench/probes/gemv_registers.py` at 8fe3e0d), so they load after the wait, as
 before. (Those FP8 programs, tiled, held 168 registers a thread: 3 programs an SM, in Triton
-3.9's code.)
+3.9's code.) The FP8 scales (and a bias, in any dtype) load before the wait too: read in the
+epilogue, after the K loop, they were a trip to memory at the end of every call. FP8 batch-1
+step 2.48 against 2.56 ms with RMSNorm's and RoPE's reads moved as well, 2.63 with neither
+(bench/results/ab-prewait-reads-e356090/).
 
 Two ways to sum over K (ROWSUM, chosen by _block_config). The tile form keeps the float32
 products in a [BLOCK_N, BLOCK_K] tile, summed once at the end; the row-sum form sums each
@@ -216,6 +219,14 @@ def _kernel(triton):
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # The epilogue's per-channel scales and bias before the PDL wait, as the first tile
+        # below: no kernel writes them, and loaded after the K loop they cost a trip to memory.
+        if FP8:
+            scale = tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
+            if GLU:
+                scale_up = tl.load(w_scale_ptr + N + rn, mask=n_mask, other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=n_mask, other=0.0)
         if FP8:  # the first weight tile(s) before the PDL wait (module docstring)
             first_mask = n_mask[:, None] & (rk < K)[None, :]
             w = tl.load(w_ptr + rows + rk[None, :], mask=first_mask, other=0.0)
@@ -265,17 +276,17 @@ def _kernel(triton):
             if GLU:
                 up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
         if FP8:
-            y = y * tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
+            y = y * scale
         y = y.to(out_ptr.dtype.element_ty)
         if GLU:  # silu(gate) * up as kernels/activation.py rounds it, from the rounded halves
             if FP8:
-                up = up * tl.load(w_scale_ptr + N + rn, mask=n_mask, other=0.0)
+                up = up * scale_up
             up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
             gate = y.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
             y = (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty)
         if HAS_BIAS:
-            y = (y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0)).to(out_ptr.dtype.element_ty)
+            y = (y + bias).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rn, y, mask=n_mask)
 
     return gemv_kernel

@@ -194,24 +194,27 @@ def _rope_kernel(triton):
             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
             BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
             PDL: tl.constexpr):
-        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         # Grid: (tokens, 1 + q head blocks). The two arms of the `if` below share no names:
         # compiled Triton requires a name set in both arms of a runtime `if` to keep one type.
         token = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         dims = tl.arange(0, BLOCK_D)  # within one half
         dim_mask = dims < HALF
+        # Position, slot and the cos / sin rows before the PDL wait (kernels/_triton.py): the
+        # kernel before (q/k/v's projection, or Qwen3's k norm) writes none of them, and after
+        # the wait they were two loads from memory, one behind the other, ahead of the rotation.
         pos = tl.load(pos_ptr + token).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
         cos1 = tl.load(cos_ptr + pos * table_stride + dims, mask=dim_mask, other=0.0)[None, :]
         cos2 = tl.load(cos_ptr + pos * table_stride + HALF + dims, mask=dim_mask,
                        other=0.0)[None, :]
         sin1 = tl.load(sin_ptr + pos * table_stride + dims, mask=dim_mask, other=0.0)[None, :]
         sin2 = tl.load(sin_ptr + pos * table_stride + HALF + dims, mask=dim_mask,
                        other=0.0)[None, :]
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if block == 0:  # this token's K (rotated) and V into its slot; none for slot < 0
-            slot = tl.load(slot_ptr + token).to(tl.int64)
             kv_heads = tl.arange(0, BLOCK_KV)
             kv_mask = ((kv_heads < tl.where(slot >= 0, num_kv_heads, 0))[:, None]
                        & dim_mask[None, :])

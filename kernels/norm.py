@@ -112,16 +112,19 @@ def _kernel(triton):
                         x_inner, x_stride_a, x_stride_b, res_inner, res_stride_a, res_stride_b,
                         BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        col_mask = cols < hidden
+        dtype = out_ptr.dtype.element_ty
+        # The weight before the PDL wait (kernels/_triton.py): no kernel writes it, and after
+        # the wait it would be a load from memory behind the store of s and the row's sum.
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(dtype)
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         # A [BLOCK_ROWS, BLOCK] tile: whole rows. Inputs are found through their row layouts,
         # the outputs are contiguous.
         rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
-        cols = tl.arange(0, BLOCK)
-        col_mask = cols < hidden
         mask = (rows < num_rows)[:, None] & col_mask[None, :]
-        dtype = out_ptr.dtype.element_ty
         x_starts = (rows // x_inner) * x_stride_a + (rows % x_inner) * x_stride_b
         x = tl.load(x_ptr + x_starts[:, None] + cols[None, :], mask=mask, other=0.0)
         out_offsets = rows[:, None] * hidden + cols[None, :]
@@ -138,7 +141,6 @@ def _kernel(triton):
         # process (so a later GPU compile in that process fails).
         mean_square = tl.reduce(xf * xf, 1, tl.standard._sum_combine) / hidden  # [R]
         normed = (xf * tl.math.rsqrt(mean_square + eps)[:, None]).to(dtype)
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(dtype)
         # A float32 product of two dtype values is exact, so this rounds as a dtype multiply.
         out = (normed.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype)
         tl.store(out_ptr + out_offsets, out, mask=mask)

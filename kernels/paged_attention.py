@@ -49,6 +49,8 @@ a169528/; likely the K/V loads no longer pipelined, not checked). Nor reading on
 length before the wait, so that splits with no keys exit unwaited: about 0.01 ms at context
 length 131,072, inside the runs' spread (bench/results/attention-prewait-exit-8290840/), for a
 rule every caller would have to keep (never compute the lengths in the kernel just before).
+Nor reading the row's length and page-list start before the wait (a try, be309a5, not landed):
+2.56 against 2.56 ms, two rounds (bench/results/ab-prewait-reads-e356090/be309a5/).
 
 The page lists are ragged, not a dense [B, max_pages] table: a CUDA graph's table had to be as
 wide as the longest context the engine allows, 8192 pages for a 131072-token Llama-3.1, so a
