@@ -31,12 +31,15 @@ logger = logging.getLogger(__name__)
 # A receiver's outstanding requests travel in about this many messages, so that while it takes
 # one the sender prepares the next and acknowledgements come back a message at a time. One
 # message for everything queued made the two ends, and the caller that refills as acks come,
-# take turns. ipc, both ends on one H200 (device-local copies: host time), us a request against
-# one message (bench/results/transfer-h200-1gpu-host/message-depth-089a143/): 128 in flight,
-# 1 / 8 / 64 MiB, 24-31 / 29-31 / 52-59 against 41-45 / 47-53 / 101-109; 32 in flight, 64 MiB
-# 69-75 against 111-132, 8 MiB 51-54 against 54-65, with 1.1-1.9x the CPU a request (messages
-# stay small when the caller refills a few at a time; the cap bounds them, it does not fill them).
-MESSAGE_DEPTH = 4
+# take turns. ipc, both ends on one H200 (device-local copies: host time), us a request, four
+# messages against one (bench/results/transfer-h200-1gpu-host/message-depth-089a143/): 128 in
+# flight, 1 / 8 / 64 MiB, 24-31 / 29-31 / 52-59 against 41-45 / 47-53 / 101-109; 32 in flight,
+# 64 MiB 69-75 against 111-132, 8 MiB 51-54 against 54-65, with 1.1-1.9x the CPU a request
+# (messages stay small when the caller refills a few at a time; the cap bounds them, it does not
+# fill them). Two against four, the same host, 8 MiB (.../message-depth2-944599d/, a small
+# sample): 32 in flight 45 / 33 against 44 / 49 (two rounds), 128 in flight 26 against 31 (one),
+# each side's CPU a request lower in all three pairs (18-28 against 27-47 us).
+MESSAGE_DEPTH = 2
 
 
 @dataclass
