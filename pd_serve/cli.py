@@ -117,6 +117,34 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill: send each prompt's KV in this many layer groups, each as soon as "
                         "the forward has computed it, overlapping transfer with compute (1: after "
                         "the last layer)")
+    add_cluster_key_arg(g)
+
+
+def add_cluster_key_arg(group) -> None:
+    group.add_argument("--cluster-key-file", default=None,
+                       help="file holding the cluster secret that authenticates every control and "
+                            "KV message (default: $PD_SERVE_CLUSTER_KEY; `launch` makes a fresh one). "
+                            "The gateway and every worker need the same")
+
+
+def cluster_key(path: str | None) -> bytes:
+    """The cluster secret: --cluster-key-file, else $PD_SERVE_CLUSTER_KEY, else none (warned)."""
+    import os
+
+    if path:
+        try:
+            key = open(path, "rb").read().strip()
+        except OSError as e:
+            raise ValueError(f"--cluster-key-file {path}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--cluster-key-file {path} is empty")
+        return key
+    key = os.environ.get("PD_SERVE_CLUSTER_KEY", "").encode()
+    if not key:
+        logging.getLogger("pd_serve").warning(
+            "no cluster key: control and KV sockets accept any peer (set PD_SERVE_CLUSTER_KEY or "
+            "--cluster-key-file on the gateway and every worker; `pd-serve launch` sets one)")
+    return key
 
 
 def worker_config_from_args(args: argparse.Namespace):
@@ -126,7 +154,8 @@ def worker_config_from_args(args: argparse.Namespace):
                         worker_id=args.worker_id, host=args.host, port=args.port,
                         transfer_backend=args.transfer_backend,
                         transfer_timeout_s=args.transfer_timeout,
-                        transfer_layer_groups=args.transfer_layer_groups)
+                        transfer_layer_groups=args.transfer_layer_groups,
+                        cluster_key=cluster_key(args.cluster_key_file))
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
@@ -156,9 +185,20 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-timeout", type=float, default=d.worker_timeout_s,
                    help="seconds without a heartbeat before a worker is dropped")
     g.add_argument("--admit-timeout", type=float, default=d.admit_timeout_s,
-                   help="seconds a request may wait for decode capacity")
+                   help="seconds a request may wait in the gateway's queue for a prefill+decode "
+                        "pair with room (then 503)")
     g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help="longest silence from a worker on a live request")
+    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests waiting in the gateway's queue; beyond this, 429 with Retry-After")
+    g.add_argument("--max-outstanding-requests", type=int, default=d.max_outstanding_requests,
+                   help="requests queued or running; beyond this, 429 with Retry-After")
+    g.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' on /v1/* (default: "
+                        "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds to read a request body (then 408)")
+    add_cluster_key_arg(g)
 
 
 def cmd_gateway(args: argparse.Namespace) -> None:
@@ -173,10 +213,17 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     if not (model_dir / "tokenizer.json").is_file():
         raise ValueError(f"--model {model_dir}: no tokenizer.json there")
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if not args.model else model_dir.name)
+    import os
+
     config = GatewayConfig(control_host=args.control_host, control_port=args.control_port,
                            served_model_name=name, prefill_policy=args.prefill_policy,
                            decode_policy=args.decode_policy, worker_timeout_s=args.worker_timeout,
-                           admit_timeout_s=args.admit_timeout, step_timeout_s=args.step_timeout)
+                           admit_timeout_s=args.admit_timeout, step_timeout_s=args.step_timeout,
+                           max_queued_requests=args.max_queued_requests,
+                           max_outstanding_requests=args.max_outstanding_requests,
+                           api_key=args.api_key or os.environ.get("PD_SERVE_API_KEY", ""),
+                           body_timeout_s=args.body_timeout,
+                           cluster_key=cluster_key(args.cluster_key_file))
     asyncio.run(serve(config, model_dir, args.host, args.port))
 
 

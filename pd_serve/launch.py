@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -61,8 +63,6 @@ def launch_gpu_ids(engine_args: list[str], gpu_ids: list[str] | None) -> list[st
     while there are enough; None on CPU."""
     if gpu_ids or not _on_cuda(engine_args):
         return gpu_ids
-    import os
-
     import torch
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:
@@ -95,6 +95,8 @@ class LocalCluster:
         """gpu_ids: handed to the workers in turn, as many each as its --tp ranks (the --tp in
         engine_args, or role_tp[role], which also adds `--tp N` to that role's workers)."""
         self.port = port
+        # Closed by default: the children share a fresh secret unless one is given.
+        self.cluster_key = os.environ.get("PD_SERVE_CLUSTER_KEY") or secrets.token_hex(32)
         self.control_port = control_port or free_port()
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.base_url = f"http://127.0.0.1:{port}"
@@ -114,8 +116,7 @@ class LocalCluster:
                                         *engine_args, *worker_args, *tp_args], log_level, env_gpu)
 
     def _start(self, name: str, args: list[str], log_level: str, gpu: str | None = None) -> None:
-        import os
-        env = dict(os.environ)
+        env = dict(os.environ, PD_SERVE_CLUSTER_KEY=self.cluster_key)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         cmd = [sys.executable, "-m", "pd_serve.cli", "--log-level", log_level, *args]

@@ -7,9 +7,17 @@ On the wire: msgpack of [type name, field dict]. Never pickle, never tensors.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import logging
+import types
+import typing
 from dataclasses import dataclass, field
 
 import msgpack
+from prometheus_client import CollectorRegistry, Counter
+
+logger = logging.getLogger(__name__)
 
 # ---- KV transfer: sender (prefill) <-> receiver (decode) ------------------------------
 
@@ -92,6 +100,7 @@ class WorkerStatus:
     worker_id: str
     role: str  # "prefill" | "decode" | "colocated"
     model: str
+    incarnation: str = ""  # random per process: a restart under the same worker id is a new one
     transfer_backend: str = ""
     transfer_addresses: list[str] = field(default_factory=list)  # decode: one KV receiver per TP rank
     layout: dict = field(default_factory=dict)  # the model's KV layout (every KV head)
@@ -100,7 +109,8 @@ class WorkerStatus:
     num_free_pages: int = 0
     num_running: int = 0
     num_waiting: int = 0
-    num_outstanding_tokens: int = 0
+    max_running_requests: int = 0
+    max_prefill_tokens: int = 0  # prompt tokens one step takes (--chunked-prefill-size)
     max_model_len: int = 0
     metrics: str = ""
 
@@ -110,6 +120,7 @@ class Heartbeat:
     """Worker -> gateway from the worker's own heartbeat thread: alive, even mid-step."""
 
     worker_id: str
+    incarnation: str = ""
 
 
 @dataclass
@@ -196,9 +207,31 @@ class AbortRequest:
     request_id: str
 
 
+@dataclass
+class GatewayPing:
+    """Gateway -> worker, every heartbeat: the gateway's incarnation and every request it has
+    on this worker. The worker drops whatever else it holds (a lost abort, a restarted
+    gateway), and drops everything once no ping has come for `timeout_s` (a dead gateway)."""
+
+    gateway_id: str
+    request_ids: list[str]
+    timeout_s: float
+
+
 MESSAGES = {cls.__name__: cls for cls in (
     TransferHello, TransferWelcome, KVChunks, TransferAbort, TransferAcks, WorkerStatus, Heartbeat, Admit,
-    AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest)}
+    AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest, GatewayPing)}
+
+# Counted wherever a received message is refused (undecodable, ill-typed, or its cluster-key tag
+# does not verify); every process exposes it beside its own metrics.
+ERRORS_REGISTRY = CollectorRegistry()
+PROTOCOL_ERRORS = Counter("pd_serve:protocol_errors", "received messages refused, by socket",
+                          ["socket"], registry=ERRORS_REGISTRY)
+TAG_BYTES = 16  # HMAC-SHA256, truncated
+
+
+class ProtocolError(ValueError):
+    """A received message that is not one of ours: undecodable, ill-typed or unauthenticated."""
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -214,14 +247,157 @@ def fields_of(msg) -> dict:
     return {name: getattr(msg, name) for name in names}
 
 
-def encode(msg) -> bytes:
-    return msgpack.packb([type(msg).__name__, fields_of(msg)], use_bin_type=True)
+class Codec:
+    """msgpack of [type name, field dict], optionally authenticated by a cluster key.
+
+    With a key every message starts with a TAG_BYTES HMAC-SHA256 tag of its body, and decode
+    refuses a message whose tag does not verify, so only holders of the key can register,
+    send tokens or move KV. (The tag authenticates; it does not encrypt.) Decoded messages
+    are type-checked field by field (`check`), so a handler never sees a list where it
+    expects a request id."""
+
+    def __init__(self, key: bytes = b""):
+        self.key = key
+
+    def encode(self, msg) -> bytes:
+        body = msgpack.packb([type(msg).__name__, fields_of(msg)], use_bin_type=True)
+        return self._tag(body) + body if self.key else body
+
+    def decode(self, data: bytes):
+        """Bytes -> a checked message dataclass; ProtocolError otherwise."""
+        if self.key:
+            tag, data = data[:TAG_BYTES], data[TAG_BYTES:]
+            if not hmac.compare_digest(tag, self._tag(data)):
+                raise ProtocolError("bad or missing cluster-key tag (is the peer started with "
+                                    "the same PD_SERVE_CLUSTER_KEY / --cluster-key-file?)")
+        try:
+            name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias ids
+            msg = MESSAGES[name](**fields)
+        except Exception as e:  # whatever the bytes are, the caller gets a ProtocolError
+            raise ProtocolError(f"undecodable message ({type(e).__name__}: {e})") from None
+        if error := check(msg):
+            raise ProtocolError(f"{name}: {error}")
+        return msg
+
+    def receive(self, data: bytes, socket: str, peer: str = ""):
+        """decode(), or None for a refused message: counted and logged (not every one)."""
+        try:
+            return self.decode(data)
+        except ProtocolError as e:
+            refused(socket, f"a message from {peer or 'a peer'}: {e}")
+            return None
+
+    def _tag(self, body: bytes) -> bytes:
+        return hmac.new(self.key, body, hashlib.sha256).digest()[:TAG_BYTES]
 
 
-def decode(data: bytes):
-    """Bytes -> message dataclass. Unknown types or fields raise ValueError."""
-    try:
-        name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)  # logit_bias ids
-        return MESSAGES[name](**fields)
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
-        raise ValueError(f"undecodable message ({type(e).__name__}: {e})") from None
+def refused(socket: str, what: str) -> None:
+    """Count a refused message on `socket`; log the first few, then every 1000th."""
+    PROTOCOL_ERRORS.labels(socket=socket).inc()
+    count = _REFUSED[socket] = _REFUSED.get(socket, 0) + 1
+    if count <= 10 or count % 1000 == 0:
+        logger.warning("%s socket: refused %s (%d refused so far)", socket, what, count)
+
+
+_REFUSED: dict[str, int] = {}
+_PLAIN = Codec()
+encode, decode = _PLAIN.encode, _PLAIN.decode
+
+
+# ---- checks: every field's type, then each message's own rules ------------------------------
+_HINTS: dict[type, dict] = {}
+
+
+def check(msg) -> str:
+    """'' when every field of `msg` has its annotated type (and the message's own rules hold),
+    else what is wrong."""
+    cls = type(msg)
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    for name, hint in hints.items():
+        if not _is(getattr(msg, name), hint):
+            return f"field {name!r} is not {_name(hint)}: {_short(getattr(msg, name))}"
+    rule = _RULES.get(cls)
+    return rule(msg) if rule else ""
+
+
+def _is(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is(value, h) for h in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_is(v, item) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _rows(rows: list, kinds: tuple, what: str) -> str:
+    for row in rows:
+        if len(row) != len(kinds) or not all(_is(v, k) for v, k in zip(row, kinds)):
+            return f"{what} row {_short(row)} is not ({', '.join(map(_name, kinds))})"
+    return ""
+
+
+def _check_chunks(msg: KVChunks) -> str:
+    if len(msg.chunks) != len(msg.frames) or any(n < 0 for n in msg.frames):
+        return f"{len(msg.chunks)} chunks with frame counts {_short(msg.frames)}"
+    for fields in msg.chunks:
+        try:
+            chunk = KVChunk(**fields)
+        except TypeError as e:
+            return f"a chunk's fields: {e}"
+        if error := check(chunk):
+            return f"a chunk's {error}"
+    return ""
+
+
+def _check_chunk(chunk: KVChunk) -> str:
+    if not 0 <= chunk.layer_start < chunk.layer_end or chunk.nbytes < 0 or chunk.parts < 1:
+        return (f"layers [{chunk.layer_start}, {chunk.layer_end}), nbytes {chunk.nbytes}, parts "
+                f"{chunk.parts}")
+    if any(len(h) not in (0, 2) for h in (chunk.src_heads, chunk.dst_heads)):
+        return "heads must be [] or [start, end]"
+    if any(p < 0 for p in chunk.dst_page_ids) or any(p < 0 for p in chunk.src_page_ids):
+        return "negative page id"
+    return ""
+
+
+def _check_status(msg: WorkerStatus) -> str:
+    if msg.role not in ROLES:
+        return f"role {_short(msg.role)} is not one of {', '.join(ROLES)}"
+    if msg.tp < 1 or msg.num_pages < 0 or msg.num_free_pages < 0:
+        return f"tp {msg.tp}, pages {msg.num_free_pages}/{msg.num_pages}"
+    return ""
+
+
+def _nonnegative_pages(msg) -> str:
+    return "negative page id" if any(p < 0 for p in msg.dst_page_ids) else ""
+
+
+ROLES = ("prefill", "decode", "colocated")
+_TOKEN_ROW = (str, list[int], list[dict] | None, bool, str | None, str)
+_RULES = {
+    KVChunk: _check_chunk,
+    KVChunks: _check_chunks,
+    TransferAcks: lambda m: _rows(m.acks, (str, bool, str), "ack"),
+    TokenBatch: lambda m: _rows(m.items, _TOKEN_ROW, "token"),
+    WorkerStatus: _check_status,
+    AdmitReply: _nonnegative_pages,
+    Prefill: _nonnegative_pages,
+}

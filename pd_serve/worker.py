@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -25,11 +26,13 @@ from pd_serve.config import EngineConfig
 from pd_serve.engine.core import EngineCore, token_stop_reason
 from pd_serve.engine.request import FinishReason, Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
-from pd_serve.protocol import AbortRequest, Generate, Heartbeat, TokenBatch, WorkerStatus
+from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Generate, Heartbeat,
+                               TokenBatch, WorkerStatus)
 from pd_serve.transfer.tp_handoff import model_layout
 
 logger = logging.getLogger(__name__)
-ROLES = ("prefill", "decode", "colocated")
+CONTROL_MAX_BYTES = 64 * 2**20  # largest message taken from the gateway
+PING_GRACE = 1.5  # no gateway ping for this many of its timeouts: the gateway is gone
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class WorkerConfig:
     transfer_layer_groups: int = 1  # prefill: ship the KV in this many layer groups, each as
     # soon as the forward has computed it (1: after the last layer)
     heartbeat_s: float = 1.0
+    cluster_key: bytes = b""  # HMAC key of every control and KV message (empty: none)
 
     def __post_init__(self) -> None:
         if self.transfer_layer_groups < 1:
@@ -83,6 +87,8 @@ class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.worker_id = config.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+        self.incarnation = secrets.token_hex(8)  # a restart under the same id is a new worker
+        self.codec = protocol.Codec(config.cluster_key)
         self.core = EngineCore(config.engine, handoff=self.handoff_spec())
         self.core.warmup()
         self.metrics = WorkerMetrics()
@@ -90,8 +96,11 @@ class Worker:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
         self._sock.connect(config.gateway)
         self._next_heartbeat = 0.0
+        self._gateway_deadline = float("inf")  # no gateway ping by then: the gateway is gone
+        self._ping_timeout_s = 0.0
         self._stop = False
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
@@ -122,6 +131,16 @@ class Worker:
         """What a TP group's followers need for their half of the KV hand-off (None: nothing)."""
         return None
 
+    def held_request_ids(self) -> set[str]:
+        """Every request this worker holds state for (aborting one frees it: handle())."""
+        sched = self.core.scheduler
+        return {r.request_id for r in sched.running + sched.waiting}
+
+    def threads(self) -> list:
+        """Background I/O (a KV sender or receiver) whose death leaves this worker useless:
+        each has `alive` and `error`."""
+        return []
+
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
@@ -129,9 +148,15 @@ class Worker:
                     self.config.gateway)
         try:
             while not self._stop:
-                if self._sock.poll(0 if self.busy() else 10, zmq.POLLIN):
+                if self._sock.poll(self.poll_ms(), zmq.POLLIN):
                     while self._sock.poll(0, zmq.POLLIN):
-                        self.handle(protocol.decode(self._sock.recv()))
+                        msg = self.codec.receive(self._sock.recv(), "control", "the gateway")
+                        if isinstance(msg, GatewayPing):
+                            self._reconcile(msg)
+                        elif msg is not None:
+                            self.handle(msg)
+                if time.monotonic() > self._gateway_deadline:
+                    self._gateway_gone()
                 self.tick()
                 if time.monotonic() >= self._next_heartbeat:
                     self.send(self.status())
@@ -140,27 +165,52 @@ class Worker:
             self._stop = True  # (the heartbeat thread stops watching the TP followers)
             self.core.close()  # a TP group's followers
 
+    def poll_ms(self) -> int:
+        """How long the loop may wait for a message before its next tick."""
+        return 0 if self.busy() else 10
+
     def send(self, msg) -> None:
-        self._sock.send(protocol.encode(msg))
+        self._sock.send(self.codec.encode(msg))
+
+    def _reconcile(self, ping: GatewayPing) -> None:
+        """Drop every request the gateway no longer has here: an abort that never came, or
+        a gateway that restarted (a new one has none of the old one's requests)."""
+        self._ping_timeout_s = PING_GRACE * ping.timeout_s
+        self._gateway_deadline = time.monotonic() + self._ping_timeout_s
+        stale = self.held_request_ids() - set(ping.request_ids)
+        if stale:
+            logger.warning("dropping %d request(s) gateway %s no longer has", len(stale), ping.gateway_id)
+        for request_id in stale:
+            self.handle(AbortRequest(request_id))
+
+    def _gateway_gone(self) -> None:
+        held = self.held_request_ids()
+        logger.warning("no ping from the gateway for %.1f s: dropping its %d request(s)",
+                       self._ping_timeout_s, len(held))
+        for request_id in held:
+            self.handle(AbortRequest(request_id))
+        self._gateway_deadline = float("inf")  # until the next ping
 
     def _heartbeat(self) -> None:
         """Liveness on a socket of its own, so a long step never looks like a dead worker.
         (The full WorkerStatus, with load and metrics, goes out between steps.)
 
-        It also watches a TP group's followers: the group cannot serve without every rank, and
-        on GPU rank 0 would wait inside its next NCCL collective until the group's timeout, so
-        when a follower has exited the worker process ends at once (status 1) and the gateway
-        and the prefill side see a dead worker."""
+        It also watches a TP group's followers and the worker's I/O threads (`threads()`): the
+        worker cannot serve without them (on GPU rank 0 would wait inside its next NCCL
+        collective until the group's timeout), so when one has died the process ends at once
+        (status 1) and the gateway and the prefill side see a dead worker, not a zombie."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.config.gateway)
-        beat = protocol.encode(Heartbeat(self.worker_id))
+        beat = self.codec.encode(Heartbeat(self.worker_id, self.incarnation))
         while not self._stop:
             gone = self.core.exited_tp_ranks()
-            if gone and not self._stop:
-                logger.error("tensor-parallel rank(s) %s exited; %s cannot serve without them: "
-                             "exiting", gone, self.worker_id)
+            dead = [getattr(t, "error", "") or "stopped" for t in self.threads()
+                    if not getattr(t, "alive", True)]
+            if (gone or dead) and not self._stop:
+                why = f"tensor-parallel rank(s) {gone} exited" if gone else f"I/O thread died: {dead[0]}"
+                logger.error("%s; %s cannot serve without it: exiting", why, self.worker_id)
                 logging.shutdown()
                 os._exit(1)
             sock.send(beat)
@@ -173,17 +223,19 @@ class Worker:
         m.pages_total.set(alloc.num_pages)
         m.running.set(len(core.scheduler.running))
         m.waiting.set(len(core.scheduler.waiting))
-        outstanding = sum(r.num_uncomputed_tokens + r.sampling_params.max_tokens - len(r.output_token_ids)
-                          for r in core.scheduler.running + core.scheduler.waiting)
+        sched = core.config.scheduler
         return WorkerStatus(
             worker_id=self.worker_id, role=self.role, model=str(core.model_dir),
-            layout=dataclasses.asdict(model_layout(core)), tp=core.config.tp, num_pages=alloc.num_pages,
-            num_free_pages=alloc.num_free_pages, num_running=len(core.scheduler.running),
-            num_waiting=len(core.scheduler.waiting), num_outstanding_tokens=outstanding,
-            max_model_len=core.max_model_len, metrics=self.metrics_text(), **self.status_fields())
+            incarnation=self.incarnation, layout=dataclasses.asdict(model_layout(core)),
+            tp=core.config.tp, num_pages=alloc.num_pages, num_free_pages=alloc.num_free_pages,
+            num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
+            max_running_requests=sched.max_running_requests,
+            max_prefill_tokens=sched.chunked_prefill_size if sched.chunked_prefill_size > 0
+            else core.max_model_len, max_model_len=core.max_model_len,
+            metrics=self.metrics_text(), **self.status_fields())
 
     def metrics_text(self) -> str:
-        return generate_latest(self.metrics.registry).decode()
+        return (generate_latest(self.metrics.registry) + generate_latest(ERRORS_REGISTRY)).decode()
 
     # ---- shared by decode and colocated: step and stream tokens ------------------------------
     def step_and_stream(self) -> None:

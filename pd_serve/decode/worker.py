@@ -71,7 +71,19 @@ class DecodeWorker(Worker):
         return super().metrics_text() + generate_latest(self.receiver.stats.registry).decode()
 
     def busy(self) -> bool:
-        return bool(self.pending) or self.core.scheduler.has_unfinished()
+        return self.core.scheduler.has_unfinished()
+
+    def poll_ms(self) -> int:
+        """Requests whose token 1 is here wait only for their KV: look again soon (1 ms)."""
+        if self.busy():
+            return 0
+        return 1 if any(p.first_token is not None for p in self.pending.values()) else 10
+
+    def held_request_ids(self) -> set[str]:
+        return super().held_request_ids() | set(self.pending)
+
+    def threads(self) -> list:
+        return [self.receiver]
 
     def handle(self, msg) -> None:
         if isinstance(msg, Admit):

@@ -21,6 +21,7 @@ import multiprocessing
 import signal
 from datetime import timedelta
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -96,22 +97,31 @@ def follow(config, rank: int, port: int, handoff=None, results=None) -> None:
 def broadcast(tp: TPGroup, plan: SchedulerOutput | None, extra=None) -> None:
     """Rank 0: send the step's inputs, and `extra` for the followers' hand-off halves (None:
     the followers exit)."""
-    payload = None if plan is None else ("step", [
-        (c.start, c.num_tokens, c.sample, chunk_ids(c.request, c.start, c.start + c.num_tokens),
-         c.request.page_ids) for c in plan.chunks], extra)
-    dist.broadcast_object_list([payload], src=0, group=tp.control)
+    payload = None if plan is None else ["step", [
+        [c.start, c.num_tokens, c.sample, chunk_ids(c.request, c.start, c.start + c.num_tokens),
+         c.request.page_ids] for c in plan.chunks], extra]
+    _send(tp, payload)
 
 
 def call(tp: TPGroup, name: str, request_id: str, *args) -> None:
     """Rank 0: run a hand-off call on every follower; returns once all have run it."""
-    dist.broadcast_object_list([("call", name, request_id, *args)], src=0, group=tp.control)
+    _send(tp, ["call", name, request_id, *args])
     dist.barrier(group=tp.control)
 
 
+def _send(tp: TPGroup, payload) -> None:
+    """msgpack bytes (never a pickle): their length, then the bytes, broadcast from rank 0."""
+    data = msgpack.packb(payload, use_bin_type=True)
+    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=tp.control)
+    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=tp.control)
+
+
 def receive(tp: TPGroup):
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=tp.control)
-    return box[0]
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=tp.control)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=tp.control)
+    return msgpack.unpackb(data.numpy().tobytes(), raw=False)
 
 
 class _Mirror:

@@ -9,8 +9,12 @@ worker that stops heartbeating is dropped and its requests end with an error eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import heapq
+import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -23,12 +27,15 @@ from pd_serve.cache.pool import KVLayout
 from pd_serve.gateway.metrics import GatewayMetrics
 from pd_serve.gateway.router import Router, WorkerState
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
-from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, Generate, Heartbeat, Prefill,
-                               PrefillDone, StartDecode, TokenBatch, WorkerStatus)
+from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
+                               Prefill, PrefillDone, StartDecode, TokenBatch, WorkerStatus)
 from pd_serve.transfer.base import layout_mismatch
 from pd_serve.transfer.heads import tp_error
 
 logger = logging.getLogger(__name__)
+CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
+FULL_BACKOFF_S = 0.05  # a decode worker whose pool was full gets no new request for this long
+DISPATCH_TICK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -39,13 +46,31 @@ class GatewayConfig:
     prefill_policy: str = "least_load"
     decode_policy: str = "least_load"
     worker_timeout_s: float = 10.0  # no heartbeat for this long: the worker is gone
-    admit_timeout_s: float = 60.0  # how long a request may wait for decode capacity
+    admit_timeout_s: float = 600.0  # longest wait in the gateway's queue for a prefill+decode pair
     step_timeout_s: float = 120.0  # longest silence from a worker on a live request
-    max_outstanding_requests: int = 4096
+    max_queued_requests: int = 4096  # waiting for a pair: beyond this, 429
+    max_outstanding_requests: int = 8192  # queued + running: beyond this, 429
+    api_key: str = ""  # /v1/* need "Authorization: Bearer <key>" when set
+    body_timeout_s: float = 30.0  # longest time to read a request body (408 after)
+    cluster_key: bytes = b""  # HMAC key of every control message (empty: unauthenticated)
+
+    def __post_init__(self) -> None:
+        for name in ("worker_timeout_s", "admit_timeout_s", "step_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0")
+        for name in ("max_queued_requests", "max_outstanding_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
 class ClusterError(Exception):
-    """A request the cluster cannot serve (no workers, no capacity)."""
+    """A request the cluster cannot serve, with the HTTP status it maps to: 400 (it can never
+    fit), 429 (the queue is full), 503 (no workers or no capacity in time), 500 (a worker
+    failed)."""
+
+    def __init__(self, message: str, status: int = 500, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
 
 
 def pair_error(prefill: WorkerStatus, decode: WorkerStatus) -> str:
@@ -66,27 +91,66 @@ def pair_error(prefill: WorkerStatus, decode: WorkerStatus) -> str:
     return ""
 
 
+def status_error(status: WorkerStatus) -> str:
+    """Why a registration is refused ("" if it is fine): its layout must be a KV layout."""
+    if status.role == "colocated" and not status.layout:
+        return ""
+    try:
+        layout = KVLayout(**status.layout)
+    except (TypeError, ValueError) as e:
+        return f"bad KV layout: {e}"
+    sizes = (layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim)
+    if not all(type(n) is int and n >= 1 for n in sizes) or not isinstance(layout.dtype, str):
+        return f"bad KV layout {status.layout!r}"
+    return ""
+
+
 @dataclass
 class _Flight:
-    """One request's mailbox and the workers it is on."""
+    """One request's mailbox, the workers it is on, and the task consuming it."""
 
     queue: asyncio.Queue
+    task: asyncio.Task | None
     workers: list[str] = field(default_factory=list)
+    error: ClusterError | None = None  # a worker it was on failed
+
+    def fail(self, error: ClusterError) -> None:
+        self.error = error
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(error)  # wakes the consumer (a full mailbox wakes it anyway)
+
+
+@dataclass(order=True)
+class _Waiting:
+    """A request in the gateway's queue: served by priority (lower first), then arrival."""
+
+    priority: int
+    seq: int
+    spec: GenerateSpec = field(compare=False)
+    pair: asyncio.Future = field(compare=False)  # -> (decode, prefill) WorkerStates
 
 
 class Cluster(TokenSource):
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.metrics = GatewayMetrics()
+        self.gateway_id = secrets.token_hex(8)  # this incarnation; workers drop what others sent
+        self.codec = protocol.Codec(config.cluster_key)
         self.workers: dict[str, WorkerState] = {}
         self.routers = {"prefill": Router(config.prefill_policy, "prefill"),
                         "decode": Router(config.decode_policy, "decode"),
                         "colocated": Router("least_load", "decode")}
         self._flights: dict[str, _Flight] = {}
+        self._queue: list[_Waiting] = []  # a heap
+        self._seq = itertools.count()
+        self._capacity = asyncio.Event()  # set when a queued request may now find a pair
+        self.fatal = ""  # why a background task died: /health reports it, the server exits
+        self.dead = asyncio.Event()
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
         if config.control_port:
             self._sock.bind(f"tcp://{config.control_host}:{config.control_port}")
             port = config.control_port
@@ -96,9 +160,23 @@ class Cluster(TokenSource):
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._reap())]
+        self._tasks = [asyncio.create_task(coro(), name=coro.__name__)
+                       for coro in (self._receive, self._reap, self._dispatch)]
+        for task in self._tasks:
+            task.add_done_callback(self._supervise)
+
+    def _supervise(self, task: asyncio.Task) -> None:
+        """A background task must never end while the gateway runs: if one does, say why and
+        let the server exit (non-zero) rather than serve as a zombie."""
+        if task.cancelled() and not self.dead.is_set():
+            return  # stop()
+        error = task.exception() if not task.cancelled() else None
+        self.fatal = f"gateway task {task.get_name()} died: {error!r}"
+        logger.critical(self.fatal, exc_info=error)
+        self.dead.set()
 
     async def stop(self) -> None:
+        self.dead.set()
         for t in self._tasks:
             t.cancel()
         self._sock.close()
@@ -114,48 +192,61 @@ class Cluster(TokenSource):
         return sorted((w for w in self.workers.values() if w.status.role == role),
                       key=lambda w: w.worker_id)
 
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
     # ---- one request ------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
         rid = spec.request_id
-        if len(self._flights) >= self.config.max_outstanding_requests:
-            yield TokenEvent([], finished=True, error="gateway at --max-outstanding-requests")
+        if len(self._flights) >= self.config.max_outstanding_requests or rid in self._flights:
+            self.metrics.rejected.labels(reason="outstanding").inc()
+            yield TokenEvent([], finished=True, status=429, retry_after=1,
+                             error=f"gateway at --max-outstanding-requests "
+                                   f"({self.config.max_outstanding_requests}); retry later")
             return
-        flight = self._flights[rid] = _Flight(asyncio.Queue(maxsize=spec.params.max_tokens + 16))
+        flight = self._flights[rid] = _Flight(asyncio.Queue(maxsize=spec.params.max_tokens + 16),
+                                              asyncio.current_task())
         timer = _Timer(self.metrics)
-        finished = False
+        completed = False  # a worker finished it: nothing to abort
         try:
             run = self._disaggregated if self.pool("prefill") and self.pool("decode") else self._colocated
             async for event in run(spec, flight, timer):
-                finished = event.finished
-                if finished:
+                if event.finished:
+                    completed = True
                     event.timings = timer.timings()
-                    self.metrics.finished(event.finish_reason or ("error" if event.error else "abort"))
+                    self.metrics.finished(event.finish_reason or "abort")
                 yield event
         except ClusterError as e:
-            finished = True
             self.metrics.finished("error")
-            yield TokenEvent([], finished=True, error=str(e))
+            yield TokenEvent([], finished=True, error=str(e), status=e.status,
+                             retry_after=e.retry_after)
         finally:
-            del self._flights[rid]
-            for worker_id in flight.workers:
-                state = self.workers.get(worker_id)
-                if state is not None:
-                    state.inflight.pop(rid, None)
-                    if not finished:
-                        self._send(worker_id, AbortRequest(rid))
+            self._end(rid, flight, abort=not completed)
+
+    def _end(self, rid: str, flight: _Flight, abort: bool) -> None:
+        """The request is over at the gateway: forget it on every worker, and abort it on those
+        still holding it (it failed, or its client left), from this one place."""
+        if self._flights.get(rid) is not flight:
+            return
+        del self._flights[rid]
+        for worker_id in flight.workers:
+            state = self.workers.get(worker_id)
+            if state is not None:
+                state.inflight.pop(rid, None)
+                if abort:
+                    self._send(worker_id, AbortRequest(rid))
+        flight.workers.clear()
+        self._capacity.set()
 
     async def _disaggregated(self, spec, flight, timer) -> AsyncIterator[TokenEvent]:
         sampling = dataclasses.asdict(spec.params)
-        estimate = len(spec.prompt_token_ids) + spec.params.max_tokens
-        decode, reply = await self._admit(spec, flight, sampling, estimate)
+        decode, prefill, reply = await self._admit(spec, flight, sampling)
         timer.mark("queue")
-        prefill = self._pick_prefill(spec, decode)
-        self._enlist(flight, prefill, spec.request_id, len(spec.prompt_token_ids))
         self._send(prefill.worker_id, Prefill(spec.request_id, spec.prompt_token_ids, sampling,
                                               reply.transfer_addresses, reply.dst_page_ids, spec.priority))
         done = await self._next(flight, PrefillDone)
-        prefill.inflight.pop(spec.request_id, None)
-        flight.workers.remove(prefill.worker_id)
+        self._leave(flight, prefill, spec.request_id)
         if not done.ok:
             raise ClusterError(f"prefill failed: {done.error}")
         timer.prefill_timings = done.timings
@@ -168,7 +259,8 @@ class Cluster(TokenSource):
     async def _colocated(self, spec, flight, timer) -> AsyncIterator[TokenEvent]:
         workers = self.pool("colocated")
         if not workers:
-            raise ClusterError("no workers: need a prefill and a decode worker, or a colocated one")
+            raise ClusterError("no workers: need a prefill and a decode worker, or a colocated one",
+                               503, self.config.worker_timeout_s)
         worker = self.routers["colocated"].pick(workers, spec.prompt_token_ids)
         self._enlist(flight, worker, spec.request_id, len(spec.prompt_token_ids) + spec.params.max_tokens)
         self._send(worker.worker_id, Generate(spec.request_id, spec.prompt_token_ids,
@@ -177,36 +269,98 @@ class Cluster(TokenSource):
         async for event in self._stream(flight, timer):
             yield event
 
-    async def _admit(self, spec, flight, sampling, estimate) -> tuple[WorkerState, AdmitReply]:
-        """Ask decode workers for pages until one says yes; full pools are retried, bounded."""
+    # ---- flow control: the queue, and a pair for its head ------------------------------------
+    async def _admit(self, spec, flight, sampling) -> tuple[WorkerState, WorkerState, AdmitReply]:
+        """Wait in the queue for a decode worker with room and a prefill worker that can take
+        the prompt soon, then have decode reserve its pages; a full decode pool sends the
+        request back to its place in the queue. Nothing fails merely for waiting its turn,
+        up to --admit-timeout."""
+        self._check_fits(spec)
+        if len(self._queue) >= self.config.max_queued_requests:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise ClusterError(f"the gateway's queue is full (--max-queued-requests "
+                               f"{self.config.max_queued_requests}); retry later", 429, 1)
         deadline = time.monotonic() + self.config.admit_timeout_s
+        entry = _Waiting(spec.priority, next(self._seq), spec, None)
         while True:
-            workers = self.pool("decode")
-            if not workers:
-                raise ClusterError("no decode worker is registered")
-            decode = self.routers["decode"].pick(workers, spec.prompt_token_ids)
-            self._enlist(flight, decode, spec.request_id, estimate)
+            entry.pair = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._queue, entry)
+            self._capacity.set()
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    decode, prefill = await entry.pair
+            except TimeoutError:
+                self.metrics.rejected.labels(reason="admit_timeout").inc()
+                raise ClusterError(f"no prefill+decode capacity within --admit-timeout "
+                                   f"{self.config.admit_timeout_s} s", 503, 1) from None
+            finally:
+                entry.pair.cancel()  # still queued: the dispatcher skips it
             self._send(decode.worker_id, Admit(spec.request_id, spec.prompt_token_ids, sampling,
                                                spec.priority))
             reply = await self._next(flight, AdmitReply)
             if reply.ok:
-                return decode, reply
-            decode.inflight.pop(spec.request_id, None)
-            flight.workers.remove(decode.worker_id)
+                return decode, prefill, reply
+            self._leave(flight, decode, spec.request_id)
+            self._leave(flight, prefill, spec.request_id)
             if not reply.retryable:
-                raise ClusterError(reply.error)
-            if time.monotonic() > deadline:
-                raise ClusterError(f"no decode capacity within {self.config.admit_timeout_s} s "
-                                   f"({reply.error})")
-            await asyncio.sleep(0.02)
+                raise ClusterError(reply.error, 400)
+            decode.full_until = time.monotonic() + FULL_BACKOFF_S
 
-    def _pick_prefill(self, spec, decode: WorkerState) -> WorkerState:
-        prefills = self.pool("prefill")
-        ok = [p for p in prefills if not pair_error(p.status, decode.status)]
-        if not ok:
-            why = "; ".join(f"{p.worker_id}: {pair_error(p.status, decode.status)}" for p in prefills)
-            raise ClusterError(f"no prefill worker can send KV to decode {decode.worker_id} ({why})")
-        return self.routers["prefill"].pick(ok, spec.prompt_token_ids)
+    def _check_fits(self, spec) -> None:
+        """A prompt that no decode or prefill pool could ever hold is a 400 now, not a wait;
+        with no pair that can hand KV over at all, a 503."""
+        if not any(not pair_error(p.status, d.status) for p in self.pool("prefill")
+                   for d in self.pool("decode")):
+            raise ClusterError("no prefill worker can send KV to any decode worker (the gateway's "
+                               "log says why)", 503, self.config.worker_timeout_s)
+        for role in ("decode", "prefill"):
+            pools = [w.status for w in self.pool(role) if w.status.layout]
+            if not pools:
+                raise ClusterError(f"no {role} worker is registered", 503, self.config.worker_timeout_s)
+            need = max(-(-(len(spec.prompt_token_ids) + 1) // s.layout["page_size"]) for s in pools)
+            most = max(s.num_pages for s in pools)
+            if need > most:
+                raise ClusterError(f"the prompt ({len(spec.prompt_token_ids)} tokens) needs {need} KV "
+                                   f"pages; the largest {role} pool holds {most}", 400)
+
+    async def _dispatch(self) -> None:
+        """Hand queued requests, best first, a (decode, prefill) pair while pairs have room.
+        The head waits for room (strict order); woken by every change of capacity, and
+        every DISPATCH_TICK_S (back-offs end, worker statuses come in)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DISPATCH_TICK_S):
+                    await self._capacity.wait()
+            self._capacity.clear()
+            self.metrics.queued.set(len(self._queue))
+            while self._queue:
+                head = self._queue[0]
+                if head.pair.done():  # timed out or its client left
+                    heapq.heappop(self._queue)
+                    continue
+                pair = self._pick_pair(head.spec)
+                if pair is None:
+                    break
+                heapq.heappop(self._queue)
+                head.pair.set_result(pair)
+                # On the pair from now on (so the next pick sees its load, and its end, even
+                # before its coroutine runs again, takes it off both).
+                spec, (decode, prefill) = head.spec, pair
+                flight = self._flights[spec.request_id]
+                self._enlist(flight, decode, spec.request_id,
+                             len(spec.prompt_token_ids) + spec.params.max_tokens)
+                self._enlist(flight, prefill, spec.request_id, len(spec.prompt_token_ids))
+
+    def _pick_pair(self, spec) -> tuple[WorkerState, WorkerState] | None:
+        now = time.monotonic()
+        decodes = [d for d in self.pool("decode")
+                   if d.full_until <= now and len(d.inflight) < d.status.max_running_requests]
+        prefills = [p for p in self.pool("prefill") if p.prefill_has_room(len(spec.prompt_token_ids))]
+        for decode in ([self.routers["decode"].pick(decodes, spec.prompt_token_ids)] if decodes else []):
+            ok = [p for p in prefills if not pair_error(p.status, decode.status)]
+            if ok:
+                return decode, self.routers["prefill"].pick(ok, spec.prompt_token_ids)
+        return None
 
     async def _stream(self, flight, timer) -> AsyncIterator[TokenEvent]:
         while True:
@@ -221,15 +375,18 @@ class Cluster(TokenSource):
                 return
 
     async def _next(self, flight: _Flight, kind):
-        """The request's next message of `kind`; a worker failure arrives as an exception."""
+        """The request's next message of `kind`; a worker failure arrives as an exception.
+        (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that comes
+        as the message does, which left a departed client's request parked forever.)"""
         while True:
+            if flight.error is not None:
+                raise flight.error
             try:
-                msg = await asyncio.wait_for(flight.queue.get(), self.config.step_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.config.step_timeout_s):
+                    msg = await flight.queue.get()
+            except TimeoutError:
                 raise ClusterError(f"no answer from {', '.join(flight.workers)} within "
-                                   f"{self.config.step_timeout_s} s") from None
-            if isinstance(msg, ClusterError):
-                raise msg
+                                   f"--step-timeout {self.config.step_timeout_s} s") from None
             if isinstance(msg, kind):
                 return msg
 
@@ -237,37 +394,73 @@ class Cluster(TokenSource):
         flight.workers.append(worker.worker_id)
         worker.inflight[rid] = tokens
 
+    def _leave(self, flight: _Flight, worker: WorkerState, rid: str) -> None:
+        """The worker holds nothing of the request any more."""
+        worker.inflight.pop(rid, None)
+        if worker.worker_id in flight.workers:
+            flight.workers.remove(worker.worker_id)
+        self._capacity.set()
+
     # ---- control socket ----------------------------------------------------------------------
     def _send(self, worker_id: str, msg) -> None:
         try:
-            self._sock.send_multipart([worker_id.encode(), protocol.encode(msg)], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([worker_id.encode(), self.codec.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # unroutable: the worker is gone
             logger.warning("cannot reach %s: %s", worker_id, e)
             self._drop(worker_id, f"worker {worker_id} unreachable")
 
     async def _receive(self) -> None:
         while True:
-            identity, data = await self._sock.recv_multipart()
+            frames = await self._sock.recv_multipart()
             try:
-                msg = protocol.decode(data)
-            except ValueError as e:
-                logger.warning("dropped a message from %r: %s", identity, e)
-                continue
-            worker_id = msg.worker_id if isinstance(msg, Heartbeat) else identity.decode()
-            state = self.workers.get(worker_id)
-            if isinstance(msg, WorkerStatus):
-                if state is None:
-                    logger.info("registered %s worker %s (tp %d)", msg.role, worker_id, msg.tp)
-                    self.workers[worker_id] = state = WorkerState(msg)
-                    self._check_pairs(msg)
-                state.status = msg
-            if state is not None:
-                state.last_seen = time.monotonic()
-            if isinstance(msg, TokenBatch):
-                for item in msg.items:
-                    self._deliver(item[0], item)
-            elif isinstance(msg, (AdmitReply, PrefillDone)):
-                self._deliver(msg.request_id, msg)
+                self._on_frames(frames)
+            except Exception as e:  # a message we failed to handle must not stop the rest
+                logger.exception("control socket: a message broke its handler")
+                protocol.refused("control", f"a message whose handling failed: {e!r}")
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            protocol.refused("control", f"a message of {len(frames)} frames")
+            return
+        identity, data = frames
+        try:
+            sender = identity.decode()
+        except UnicodeDecodeError:
+            protocol.refused("control", f"a message from a non-UTF-8 identity {identity[:32]!r}")
+            return
+        msg = self.codec.receive(data, "control", sender)
+        if msg is None:
+            return
+        worker_id = sender.removesuffix("/heartbeat") if isinstance(msg, Heartbeat) else sender
+        if getattr(msg, "worker_id", worker_id) != worker_id:
+            protocol.refused("control", f"{type(msg).__name__} of {msg.worker_id!r} from {sender!r}")
+            return
+        state = self.workers.get(worker_id)
+        incarnation = getattr(msg, "incarnation", None)
+        if state is not None and incarnation is not None and incarnation != state.status.incarnation:
+            self._drop(worker_id, f"worker {worker_id} restarted")
+            state = None
+        if isinstance(msg, WorkerStatus):
+            if state is None:
+                if error := status_error(msg):
+                    protocol.refused("control", f"registration of {worker_id}: {error}")
+                    return
+                logger.info("registered %s worker %s (tp %d)", msg.role, worker_id, msg.tp)
+                self.workers[worker_id] = state = WorkerState(msg)
+                self._check_pairs(msg)
+            elif msg.role != state.status.role or msg.layout != state.status.layout:
+                self._drop(worker_id, f"worker {worker_id} changed its role or KV layout")
+                return
+            state.status = msg
+            self._capacity.set()
+        if state is None:
+            return
+        state.last_seen = time.monotonic()
+        if isinstance(msg, TokenBatch):
+            for item in msg.items:
+                self._deliver(item[0], item, worker_id)
+        elif isinstance(msg, (AdmitReply, PrefillDone)):
+            self._deliver(msg.request_id, msg, worker_id)
 
     def _check_pairs(self, status: WorkerStatus) -> None:
         """At registration: say which workers of the other phase this one cannot pair with."""
@@ -278,20 +471,32 @@ class Cluster(TokenSource):
                 logger.error("prefill %s cannot send KV to decode %s: %s", pair[0].worker_id,
                              pair[1].worker_id, error)
 
-    def _deliver(self, rid: str, msg) -> None:
+    def _deliver(self, rid: str, msg, worker_id: str) -> None:
+        """Into the request's mailbox, if the request is on that worker."""
         flight = self._flights.get(rid)
-        if flight is not None:
-            try:
-                flight.queue.put_nowait(msg)
-            except asyncio.QueueFull:
-                logger.warning("request %s: mailbox full, dropping a message", rid)
+        if flight is None or worker_id not in flight.workers:
+            return
+        try:
+            flight.queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            logger.warning("request %s: mailbox full, dropping a message", rid)
 
     async def _reap(self) -> None:
+        """Drop silent workers, end flights whose consumer is gone, and ping every worker with
+        the requests it should hold."""
+        interval = min(0.5, self.config.worker_timeout_s / 4)
         while True:
-            await asyncio.sleep(min(0.5, self.config.worker_timeout_s / 4))
+            await asyncio.sleep(interval)
             cutoff = time.monotonic() - self.config.worker_timeout_s
             for worker_id in [w for w, s in self.workers.items() if s.last_seen < cutoff]:
                 self._drop(worker_id, f"worker {worker_id} stopped responding")
+            for rid, flight in list(self._flights.items()):
+                if flight.task is not None and flight.task.done():
+                    logger.warning("request %s: its consumer ended without closing it", rid)
+                    self._end(rid, flight, abort=True)
+            for worker_id, state in list(self.workers.items()):
+                self._send(worker_id, GatewayPing(self.gateway_id, list(state.inflight),
+                                                  self.config.worker_timeout_s))
 
     def _drop(self, worker_id: str, reason: str) -> None:
         state = self.workers.pop(worker_id, None)
@@ -301,7 +506,10 @@ class Cluster(TokenSource):
         for rid in state.inflight:
             flight = self._flights.get(rid)
             if flight is not None:
-                flight.queue.put_nowait(ClusterError(reason))
+                if worker_id in flight.workers:
+                    flight.workers.remove(worker_id)
+                flight.fail(ClusterError(reason))
+        self._capacity.set()
 
 
 class _Timer:

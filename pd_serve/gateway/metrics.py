@@ -6,9 +6,15 @@ with a `worker` label, merged per metric family so each family appears once.
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from pd_serve.protocol import ERRORS_REGISTRY
+
+logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
@@ -28,6 +34,10 @@ class GatewayMetrics:
         self.queue_time = Histogram("pd_serve:request_queue_time_seconds",
                                     "arrival until decode admitted it", buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pd_serve:requests", "finished requests", ["finish_reason"], registry=r)
+        self.queued = Gauge("pd_serve:num_requests_queued", "requests waiting in the gateway's "
+                            "queue for a prefill+decode pair", registry=r)
+        self.rejected = Counter("pd_serve:requests_rejected", "requests refused before they ran, "
+                                "by why (queue_full, outstanding, admit_timeout)", ["reason"], registry=r)
         self.num_workers = Gauge("pd_serve:num_workers", "registered workers", ["role"], registry=r)
 
     def finished(self, reason: str) -> None:
@@ -39,8 +49,14 @@ def render(gateway: GatewayMetrics, workers: dict) -> bytes:
     for role in ("prefill", "decode", "colocated"):
         gateway.num_workers.labels(role=role).set(sum(w.status.role == role for w in workers.values()))
     families: dict[str, Metric] = {}
-    for worker_id, state in sorted(workers.items()):
-        for fam in text_string_to_metric_families(state.status.metrics):
+    own = generate_latest(ERRORS_REGISTRY).decode()  # named like the workers' own: merged with them
+    for worker_id, text in [("gateway", own)] + [(w, s.status.metrics) for w, s in sorted(workers.items())]:
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except Exception:  # noqa: BLE001 (whatever a worker sent, the scrape goes on)
+            logger.warning("worker %s sent metrics that do not parse; left out", worker_id)
+            continue
+        for fam in parsed:
             merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
             for s in fam.samples:
                 merged.add_sample(s.name, {**s.labels, "worker": worker_id}, s.value, s.timestamp)

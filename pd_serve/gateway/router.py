@@ -12,6 +12,10 @@ from pd_serve.protocol import WorkerStatus
 POLICIES = {"prefill": ("round_robin", "least_load", "prefix"),
             "decode": ("round_robin", "least_load")}
 PREFIX_TOKENS = 64  # requests sharing this many leading tokens go to the same prefill worker
+# A prefill worker is sent prompts while fewer than this many steps' worth of tokens wait on
+# it: it never idles, and the rest wait in the gateway's priority queue, without holding
+# decode pages.
+PREFILL_QUEUE_STEPS = 4
 
 
 @dataclass
@@ -20,6 +24,13 @@ class WorkerState:
     last_seen: float = field(default_factory=time.monotonic)
     # Requests the gateway has routed here and not seen finish, with their token estimate.
     inflight: dict[str, int] = field(default_factory=dict)
+    full_until: float = 0.0  # decode: said its pool was full; no new request before this
+
+    def prefill_has_room(self, num_tokens: int) -> bool:
+        """Prefill: this prompt joins what waits here without passing PREFILL_QUEUE_STEPS
+        steps of work (a worker with nothing takes any prompt)."""
+        budget = PREFILL_QUEUE_STEPS * max(1, self.status.max_prefill_tokens)
+        return not self.inflight or self.load + num_tokens <= budget
 
     @property
     def worker_id(self) -> str:

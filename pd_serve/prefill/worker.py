@@ -64,7 +64,17 @@ class PrefillWorker(Worker):
         return super().metrics_text() + generate_latest(self.sender.stats.registry).decode()
 
     def busy(self) -> bool:
-        return bool(self.jobs)
+        return self.core.scheduler.has_unfinished()
+
+    def poll_ms(self) -> int:
+        """Prompts whose KV is on its way wait only for transfer results: look again soon."""
+        return 0 if self.busy() else (1 if self.jobs else 10)
+
+    def held_request_ids(self) -> set[str]:
+        return set(self.jobs)
+
+    def threads(self) -> list:
+        return [self.sender]
 
     def handle(self, msg) -> None:
         if isinstance(msg, Prefill):
