@@ -2,22 +2,31 @@
 
     app = build_app(EngineSource(AsyncEngine(engine), name="default"), engine.tokenizer)
     runner = await start_server(app, "127.0.0.1", 8000)   # ...; await runner.cleanup()
+
+Every error leaves as OpenAI's JSON error body, aiohttp's own (404, 405, 413) included; with an
+API key, every path but OPEN_PATHS needs "Authorization: Bearer <key>".
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
+import logging
 import secrets
 from typing import Callable, Iterable
 
 from aiohttp import web
 
-from pd_serve.gateway.openai_api import OpenAIServer
+from pd_serve.gateway.openai_api import OpenAIServer, error_response
+from pd_serve.gateway.openai_protocol import ApiError
 from pd_serve.gateway.source import TokenSource
 from pd_serve.model.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 CLIENT_MAX_SIZE = 32 * 2**20  # bytes of request body; a 128k-token prompt as ids is ~1 MiB of JSON
 APP_KEY_OPENAI = web.AppKey("openai", OpenAIServer)
+OPEN_PATHS = ("/health", "/metrics")  # served without the API key (probes, scrapers)
 
 
 def request_id_generator() -> Callable[[str], str]:
@@ -31,19 +40,62 @@ def request_id_generator() -> Callable[[str], str]:
 
 
 def build_app(source: TokenSource, tokenizer: Tokenizer,
-              extra_routes: Iterable[web.RouteDef] | None = None) -> web.Application:
+              extra_routes: Iterable[web.RouteDef] | None = None, *, api_key: str = "",
+              body_timeout_s: float = 30.0) -> web.Application:
     """An application serving the OpenAI API from `source`.
 
     `extra_routes` are added first and win: a route of theirs with the same method and path
-    replaces the built-in one (a cluster gateway's own /health, for example).
+    replaces the built-in one (a cluster gateway's own /health, for example). `api_key`, when
+    set, is required of every request outside OPEN_PATHS; a body slower than `body_timeout_s`
+    is a 408.
     """
-    app = web.Application(client_max_size=CLIENT_MAX_SIZE)
-    server = OpenAIServer(source, tokenizer, request_id_generator())
+    middlewares = [json_errors] + ([require_api_key(api_key)] if api_key else [])
+    app = web.Application(client_max_size=CLIENT_MAX_SIZE, middlewares=middlewares)
+    server = OpenAIServer(source, tokenizer, request_id_generator(), body_timeout_s)
     app[APP_KEY_OPENAI] = server
     extra = list(extra_routes or [])
     taken = {(r.method, r.path) for r in extra}
     app.add_routes(extra + [r for r in server.routes() if (r.method, r.path) not in taken])
     return app
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's HTTP errors (no route 404, wrong method 405, body too large 413, ...) and
+    unexpected exceptions as OpenAI's JSON error bodies; 405 keeps its Allow header."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        detail = e.text if e.text and e.text != f"{e.status}: {e.reason}" else ""
+        message = f"{e.reason} ({request.method} {request.path})" + (f": {detail}" if detail else "")
+        headers = {k: v for k, v in e.headers.items() if k in ("Allow", "Retry-After")}
+        return error_response(ApiError(message, status=e.status), headers)
+    except ConnectionError:
+        raise
+    except Exception as e:
+        logger.exception("%s %s failed", request.method, request.path)
+        return error_response(ApiError(f"internal error: {e!r}", status=500))
+
+
+def require_api_key(api_key: str):
+    """A middleware answering 401 to a request outside OPEN_PATHS without
+    "Authorization: Bearer <api_key>" (compared in constant time)."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization")
+            if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected):
+                message = ("Missing API key: send 'Authorization: Bearer <key>'" if given is None
+                           else "Incorrect API key provided")
+                return error_response(ApiError(message, status=401, code="invalid_api_key"),
+                                      {"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
 
 
 async def start_server(app: web.Application, host: str, port: int) -> web.AppRunner:

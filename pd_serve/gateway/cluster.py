@@ -158,6 +158,7 @@ class Cluster(TokenSource):
             port = self._sock.bind_to_random_port(f"tcp://{config.control_host}")
         self.control_address = f"tcp://{config.control_host}:{port}"
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(coro(), name=coro.__name__)
@@ -168,15 +169,15 @@ class Cluster(TokenSource):
     def _supervise(self, task: asyncio.Task) -> None:
         """A background task must never end while the gateway runs: if one does, say why and
         let the server exit (non-zero) rather than serve as a zombie."""
-        if task.cancelled() and not self.dead.is_set():
-            return  # stop()
+        if self._stopping:
+            return
         error = task.exception() if not task.cancelled() else None
         self.fatal = f"gateway task {task.get_name()} died: {error!r}"
         logger.critical(self.fatal, exc_info=error)
         self.dead.set()
 
     async def stop(self) -> None:
-        self.dead.set()
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         self._sock.close()

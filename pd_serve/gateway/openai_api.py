@@ -6,6 +6,10 @@ text (openai_text: detokenization and stop strings) and OpenAI JSON; the choices
 side, their chunks interleaved as they come. Every exit path closes the source iterators, which
 aborts the requests wherever they run: a stop string (that choice alone), a client gone
 mid-stream (a failed write or a cancelled handler), an error (every choice).
+
+Failures carry their HTTP status: a bad request 400, a full queue 429, no capacity 503 (with
+Retry-After where the source gives one). A stream starts only once its first token is there,
+so a request that fails before that gets its real status; later failures are SSE error events.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -20,8 +25,8 @@ from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
-from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest, parse_chat,
-                                              parse_completion)
+from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest, decode_body,
+                                              parse_chat, parse_completion)
 from pd_serve.gateway.openai_text import OutputText
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.model.tokenizer import Tokenizer
@@ -35,6 +40,10 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 class SourceError(Exception):
     """The token source reported a failure (TokenEvent.error) or broke its contract."""
+
+    def __init__(self, message: str, status: int = 500, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.retry_after = status, retry_after
 
 
 @dataclass
@@ -50,13 +59,15 @@ class _Delta:
 
 
 class OpenAIServer:
-    """The OpenAI routes over one TokenSource. `new_request_id(prefix)` names each request."""
+    """The OpenAI routes over one TokenSource. `new_request_id(prefix)` names each request;
+    a request body that takes longer than `body_timeout_s` to arrive is a 408."""
 
     def __init__(self, source: TokenSource, tokenizer: Tokenizer,
-                 new_request_id: Callable[[str], str]):
+                 new_request_id: Callable[[str], str], body_timeout_s: float = 30.0):
         self.source = source
         self.tokenizer = tokenizer
         self.new_request_id = new_request_id
+        self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
 
     def routes(self) -> list[web.RouteDef]:
@@ -83,9 +94,9 @@ class OpenAIServer:
     async def _serve(self, request: web.Request, parse, shape_cls, id_prefix: str) -> web.StreamResponse:
         try:
             info = ModelInfo(self.source.model_name(), self.tokenizer, self.source.max_model_len())
-            parsed = parse(await _read_json(request), info)
+            parsed = parse(await _read_json(request, self.body_timeout_s), info)
         except ApiError as e:
-            return _error_response(e)
+            return error_response(e)
         request_id = self.new_request_id(id_prefix)
         shape = shape_cls(request_id, info.name, self.tokenizer)
         choices = parsed.choices()
@@ -104,7 +115,7 @@ class OpenAIServer:
         try:
             async for event in events:
                 if event.error:
-                    raise SourceError(event.error)
+                    raise SourceError(event.error, event.status, event.retry_after)
                 n = out.add(event.new_token_ids)
                 finish = "stop" if out.stopped else (
                     (event.finish_reason or "stop") if event.finished else None)
@@ -130,7 +141,7 @@ class OpenAIServer:
                         logger.info("%s: client gone; request aborted", shape.id)
                         return web.Response(status=499)
         except Exception as e:
-            return _error_response(_api_error(e, shape.id))
+            return error_response(_api_error(e, shape.id))
         choices, num_tokens = [], 0
         for i, ds in enumerate(received):  # every choice ended with a final delta
             num_tokens += sum(len(d.token_ids) for d in ds)
@@ -146,36 +157,41 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]], shape,
                       parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
-        response = web.StreamResponse(headers=_SSE_HEADERS)
         extra = {"usage": None} if parsed.include_usage else {}
         num_tokens = 0
-        try:
-            await response.prepare(request)
+        async with aclosing(deltas):
+            try:  # the first delta before the 200: a request failing before it gets its status
+                item = await anext(deltas)
+            except Exception as e:
+                return error_response(_api_error(e, shape.id))
+            response = web.StreamResponse(headers=_SSE_HEADERS)
             try:
-                async with aclosing(deltas):
+                await response.prepare(request)
+                try:
                     for i in range(num_choices):
                         for chunk in shape.opening_chunks(i):
                             await _send(response, chunk | extra)
-                    async for i, d in deltas:
+                    while item is not None:
+                        i, d = item
                         num_tokens += len(d.token_ids)
-                        if not (d.text or d.logprobs or d.finish_reason):
-                            continue  # nothing visible yet (held back or a partial character)
-                        lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs) \
-                            if parsed.logprobs is not None else None
-                        chunk = shape.chunk(i, d.text, lp, d.finish_reason) | extra
-                        if d.finish_reason and d.timings:  # pd-serve's extension, as in a whole reply
-                            chunk["timings"] = d.timings
-                        await _send(response, chunk)
-                if parsed.include_usage:
-                    usage = _usage(sum(map(len, parsed.prompts)), num_tokens)
-                    await _send(response, shape.usage_chunk(usage))
-            except ConnectionResetError:
-                raise
-            except Exception as e:
-                await _send(response, _api_error(e, shape.id).body())
-            await response.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:  # the client left; closing `deltas` aborted the request
-            logger.info("%s: client gone mid-stream; request aborted", shape.id)
+                        if d.text or d.logprobs or d.finish_reason:  # else nothing visible yet
+                            lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs) \
+                                if parsed.logprobs is not None else None
+                            chunk = shape.chunk(i, d.text, lp, d.finish_reason) | extra
+                            if d.finish_reason and d.timings:  # pd-serve's extension, as in a whole reply
+                                chunk["timings"] = d.timings
+                            await _send(response, chunk)
+                        item = await anext(deltas, None)
+                    if parsed.include_usage:
+                        usage = _usage(sum(map(len, parsed.prompts)), num_tokens)
+                        await _send(response, shape.usage_chunk(usage))
+                except ConnectionResetError:
+                    raise
+                except Exception as e:
+                    await _send(response, _api_error(e, shape.id).body())
+                await response.write(b"data: [DONE]\n\n")
+            except ConnectionResetError:  # the client left; closing `deltas` aborts the request
+                logger.info("%s: client gone mid-stream; request aborted", shape.id)
         return response
 
 
@@ -282,15 +298,16 @@ class _ChatShape(_Shape):
 
 
 # ---- helpers -------------------------------------------------------------------------------
-async def _read_json(request: web.Request):
+async def _read_json(request: web.Request, timeout_s: float):
+    """The body's JSON, read within `timeout_s` (a stalled upload must not hold a handler)."""
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(f"the request body did not arrive within {timeout_s:g} s", status=408) from None
     except web.HTTPRequestEntityTooLarge as e:
-        raise ApiError(f"request body too large: {e.text}", status=413)
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise ApiError(f"request body is not valid JSON: {e}")
+        raise ApiError(f"request body too large: {e.text}", status=413) from None
+    return decode_body(raw)
 
 
 async def _send(response: web.StreamResponse, payload: dict) -> None:
@@ -303,18 +320,29 @@ def _client_gone(request: web.Request) -> bool:
 
 
 def _api_error(exc: Exception, request_id: str) -> ApiError:
-    """What a failure while generating becomes: the source's error 500, a rejected prompt 400."""
+    """What a failure while generating becomes: the source's error with the status it names,
+    a prompt the engine rejects 400, anything else (a bug) 500."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ValueError):
         return ApiError(str(exc))
-    if not isinstance(exc, SourceError):
-        logger.exception("%s: generation failed", request_id, exc_info=exc)
-    return ApiError(f"generation failed: {exc}", status=500, type="server_error")
+    if isinstance(exc, SourceError):
+        status = exc.status if 400 <= exc.status < 600 else 500
+        message = str(exc) if status < 500 else f"generation failed: {exc}"
+        return ApiError(message, status=status, retry_after=exc.retry_after)
+    logger.exception("%s: generation failed", request_id, exc_info=exc)
+    return ApiError(f"generation failed: {exc}", status=500)
 
 
-def _error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+def error_response(error: ApiError, headers: dict | None = None) -> web.Response:
+    """The error as OpenAI's JSON body with its status, and Retry-After (whole seconds) if set."""
+    headers = dict(headers or {})
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(max(0, math.ceil(error.retry_after)))
+    response = web.json_response(error.body(), status=error.status, headers=headers)
+    if error.status in (408, 413):  # the body was left unread: the connection cannot go on
+        response.force_close()
+    return response
 
 
 def _usage(num_prompt: int, num_completion: int) -> dict:

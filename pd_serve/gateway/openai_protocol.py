@@ -8,6 +8,7 @@ OpenAI API, with vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -23,15 +24,39 @@ _MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "tool_call_id")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one request: prompts (a completions batch) x n
 _PARAMS_ERROR = re.compile(r"^SamplingParams\.(\w+)=(.*)$", re.S)
+MAX_JSON_DEPTH = 64  # nesting of a request body; real requests need a handful of levels
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_INT64 = (-2**63, 2**63)  # [low, high) of integer fields: what msgpack and the engine carry
+_SEED_RANGE = (-2**63, 2**64)  # a seed may also be an unsigned 64-bit integer
+
+# Body fields each endpoint implements, plus ones accepted and ignored because they do not
+# change the output. Any other field is a 400 unless it is null or in _OFF_VALUES: a request
+# is never served while silently dropping what it asked for (a JSON format, tools, a grammar).
+_COMMON_FIELDS = frozenset((
+    "model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
+    "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs", "priority",
+    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+    "safety_identifier"))
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens"}
+# Unimplemented fields, with the values that ask for nothing beyond plain text.
+_OFF_VALUES = {"response_format": [{"type": "text"}], "tools": [[]], "functions": [[]],
+               "tool_choice": ["none"], "function_call": ["none"], "suffix": [""]}
 
 
 class ApiError(Exception):
-    """A request the gateway refuses: HTTP status plus OpenAI's error object."""
+    """A request the gateway refuses or could not serve: HTTP status plus OpenAI's error object,
+    and optionally the seconds a client should wait before retrying (a Retry-After header)."""
 
     def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
         super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.message, self.param, self.status, self.code = message, param, status, code
+        self.type = type or error_type(status)
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -39,6 +64,56 @@ class ApiError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error type for an HTTP status."""
+    if status == 429:
+        return "rate_limit_error"
+    if status == 503:
+        return "service_unavailable"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def decode_body(raw: bytes):
+    """A request body's JSON, which must be UTF-8. Refused (400) besides malformed JSON: nesting
+    deeper than MAX_JSON_DEPTH, and a lone surrogate ("\\ud800") in any string, which JSON
+    allows but the tokenizer and a UTF-8 reply cannot carry."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ApiError(f"request body is not valid UTF-8: {e}") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise ApiError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise ApiError(f"request body is not valid JSON: {e}") from None
+    # Walk only a body that may fail: more brackets than the depth allows, or a surrogate escape.
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH and not _SURROGATE_ESCAPE.search(text):
+        return body
+    for key, value in (body.items() if isinstance(body, dict) else [(None, body)]):
+        _check_json(key, None)
+        _check_json(value, key)
+    return body
+
+
+def _check_json(value, param: str | None) -> None:
+    """Depth and lone surrogates of one top-level field, walked without recursion (a recursive
+    walk of deep input would hit Python's recursion limit itself)."""
+    where = f"'{param}'" if param is not None else "the request body"
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                raise ApiError(f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                               f"escape): not valid Unicode", param)
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels", param)
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((v, depth + 1) for v in items if isinstance(v, (str, list, dict)))
 
 
 @dataclass
@@ -82,7 +157,7 @@ class ParsedRequest:
 
 def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     """Validate a /v1/completions body and tokenize its prompt (add_special_tokens=True)."""
-    body = _check_common(body, model)
+    body = _check_common(body, model, _COMPLETION_FIELDS)
     if "prompt" not in body:
         raise ApiError("'prompt' is a required field", "prompt")
     prompts = _prompts(body["prompt"], model.tokenizer)
@@ -103,7 +178,7 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
 
 def parse_chat(body, model: ModelInfo) -> ParsedRequest:
     """Validate a /v1/chat/completions body, render the chat template and tokenize it."""
-    body = _check_common(body, model)
+    body = _check_common(body, model, _CHAT_FIELDS)
     if "messages" not in body:
         raise ApiError("'messages' is a required field", "messages")
     messages = _messages(body["messages"])
@@ -133,7 +208,7 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
 
 
 # ---- shared pieces -------------------------------------------------------------------------
-def _check_common(body, model: ModelInfo) -> dict:
+def _check_common(body, model: ModelInfo, fields: frozenset[str]) -> dict:
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {_json_type(body)}")
     name = body.get("model")
@@ -144,6 +219,9 @@ def _check_common(body, model: ModelInfo) -> dict:
     if name != model.name:
         raise ApiError(f"The model `{name}` does not exist. This server serves `{model.name}`.",
                        "model", status=404, type="NotFoundError", code="model_not_found")
+    for key, value in body.items():
+        if key not in fields and value is not None and value not in _OFF_VALUES.get(key, ()):
+            raise ApiError(f"'{key}' is not supported by this server", key)
     n = _opt(body, "n", int)
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise ApiError(f"n={n} must be in [1, {MAX_CHOICES}]", "n")
@@ -174,8 +252,8 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
         kwargs[name] = _opt(body, name, float)
-    for name in ("top_k", "seed"):
-        kwargs[name] = _opt(body, name, int)
+    kwargs["top_k"] = _opt(body, "top_k", int)
+    kwargs["seed"] = _opt(body, "seed", int, int_range=_SEED_RANGE)
     for name in ("ignore_eos", "skip_special_tokens"):
         kwargs[name] = _opt(body, name, bool)
     stop = body.get("stop")
@@ -187,11 +265,11 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
         raise ApiError("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    bad = next((t for t in stop_ids or [] if not _INT64[0] <= t < _INT64[1]), None)
+    if bad is not None:
+        raise ApiError(f"stop_token_ids: {bad} is out of range (a 64-bit integer)", "stop_token_ids")
     kwargs["stop_token_ids"] = stop_ids
     kwargs["logit_bias"] = _logit_bias(body, vocab_size)
-    seed = kwargs["seed"]
-    if seed is not None and not -2**63 <= seed < 2**64:
-        raise ApiError(f"seed={seed} is out of range (a 64-bit integer)", "seed")
     try:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except ValueError as e:
@@ -209,7 +287,8 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20
+        token = int(key) if digits else None
         if token is None or token >= vocab_size:
             raise ApiError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
                            "logit_bias")
@@ -300,8 +379,10 @@ def _text_part(part, where: str) -> str:
     return part["text"]
 
 
-def _opt(body: dict, name: str, kind: type, param: str | None = None):
-    """body[name] if present and not null, checked against a JSON type (float accepts ints)."""
+def _opt(body: dict, name: str, kind: type, param: str | None = None, *,
+         int_range: tuple[int, int] = _INT64):
+    """body[name] if present and not null, checked against a JSON type (float accepts ints);
+    an integer must be in [low, high) of `int_range`, a number must be finite."""
     value = body.get(name)
     if value is None:
         return None
@@ -310,9 +391,16 @@ def _opt(body: dict, name: str, kind: type, param: str | None = None):
     if not ok:
         expected = {bool: "a boolean", int: "an integer", float: "a number", dict: "an object"}[kind]
         raise ApiError(f"'{param or name}' must be {expected}, got {_json_type(value)}", param or name)
-    if kind is float and not math.isfinite(value):
-        raise ApiError(f"'{param or name}' must be a finite number, got {value}", param or name)
-    return float(value) if kind is float else value
+    if kind is int and not int_range[0] <= value < int_range[1]:
+        raise ApiError(f"{param or name}={value} is out of range (a 64-bit integer)", param or name)
+    if kind is float:
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond the float range
+            value = math.inf
+        if not math.isfinite(value):
+            raise ApiError(f"'{param or name}' must be a finite number, got {value}", param or name)
+    return value
 
 
 def _is_int(value) -> bool:

@@ -24,8 +24,9 @@ def make_routes(cluster: Cluster) -> list[web.RouteDef]:
                                  "total_pages": w.status.num_pages, "running": w.status.num_running,
                                  "waiting": w.status.num_waiting, "inflight": len(w.inflight)}
                    for w in cluster.workers.values()}
-        return web.json_response({"status": "ok" if ready else "no workers", "workers": workers},
-                                 status=200 if ready else 503)
+        status = cluster.fatal or ("ok" if ready else "no workers")
+        return web.json_response({"status": status, "queued": cluster.num_queued, "workers": workers},
+                                 status=200 if ready and not cluster.fatal else 503)
 
     async def metrics(_request: web.Request) -> web.Response:
         body = render(cluster.metrics, cluster.workers)
@@ -38,13 +39,18 @@ async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) ->
     tokenizer = Tokenizer.from_dir(model_dir)
     cluster = Cluster(config)
     await cluster.start()
-    runner = await start_server(build_app(cluster, tokenizer, make_routes(cluster)), host, port)
+    app = build_app(cluster, tokenizer, make_routes(cluster), api_key=config.api_key,
+                    body_timeout_s=config.body_timeout_s)
+    runner = await start_server(app, host, port)
     logger.info("gateway: http://%s:%d (model %s), workers register at %s", host, port,
                 config.served_model_name, cluster.control_address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(cluster.dead.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
     await runner.cleanup()
     await cluster.stop()
+    if cluster.fatal:  # a background task died: exit non-zero, not serve as a zombie
+        raise SystemExit(1)

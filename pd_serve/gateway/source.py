@@ -36,6 +36,11 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str = ""  # set when the request failed inside the cluster (worker died, timeout)
     timings: dict = field(default_factory=dict)  # phase timings in seconds, on the last event
+    # With an error: the HTTP status it maps to (400 the request can never be served, 429 the
+    # queue is full, 503 no workers or no capacity in time, 504 a timeout, 500 a failure), and
+    # how many seconds a client should wait before retrying (a Retry-After header), if known.
+    status: int = 500
+    retry_after: float | None = None
 
 
 class TokenSource(ABC):

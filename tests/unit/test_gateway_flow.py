@@ -1,0 +1,345 @@
+"""The gateway's flow control and failure semantics against scripted workers on real zmq
+sockets: the queue's order and bound, clear statuses (400, 429, 503), aborts everywhere, worker
+restarts, reconcile pings, and hostile control messages. No model, no worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from dataclasses import asdict
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from pd_serve import protocol
+from pd_serve.cache.pool import KVLayout
+from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.gateway.cluster import Cluster, GatewayConfig
+from pd_serve.gateway.source import GenerateSpec
+from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Prefill, PrefillDone,
+                               StartDecode, TokenBatch, WorkerStatus)
+
+KEY = b"test-cluster-key"
+LAYOUT = asdict(KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=8, dtype="float32"))
+
+
+class FakeWorker:
+    """A scripted worker: registers, records what the gateway sends, answers as told."""
+
+    def __init__(self, cluster: Cluster, role: str, worker_id: str, *, key: bytes = KEY,
+                 max_running: int = 8, num_pages: int = 64, incarnation: str = "one"):
+        self.role, self.worker_id, self.incarnation = role, worker_id, incarnation
+        self.max_running, self.num_pages = max_running, num_pages
+        self.codec = protocol.Codec(key)
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(cluster.control_address)
+        self.received: list = []
+        self.full_replies = 0  # decode: answer this many Admits "full" first
+        self.finish = True  # decode: end a request at StartDecode
+        self.prefill_ok = True
+        self._task = asyncio.create_task(self._serve())
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(worker_id=self.worker_id, role=self.role, model="m",
+                            incarnation=self.incarnation, transfer_backend="tcp",
+                            transfer_addresses=["tcp://127.0.0.1:1"] if self.role == "decode" else [],
+                            layout=LAYOUT, num_pages=self.num_pages, num_free_pages=self.num_pages,
+                            max_running_requests=self.max_running, max_prefill_tokens=64,
+                            max_model_len=4096)
+
+    def send(self, msg) -> None:
+        self.sock.send(self.codec.encode(msg))
+
+    def of(self, kind) -> list:
+        return [m for m in self.received if isinstance(m, kind)]
+
+    async def _serve(self) -> None:
+        self.send(self.status())
+        while True:
+            if not await self.sock.poll(200):
+                self.send(self.status())  # heartbeat
+                continue
+            msg = self.codec.decode(await self.sock.recv())
+            self.received.append(msg)
+            if isinstance(msg, Admit):
+                if self.full_replies:
+                    self.full_replies -= 1
+                    self.send(AdmitReply(msg.request_id, False, error="full", retryable=True))
+                else:
+                    self.send(AdmitReply(msg.request_id, True, [0], ["tcp://127.0.0.1:1"]))
+            elif isinstance(msg, Prefill):
+                self.send(PrefillDone(msg.request_id, self.prefill_ok, 7,
+                                      error="" if self.prefill_ok else "boom"))
+            elif isinstance(msg, StartDecode) and self.finish:
+                self.send(TokenBatch(self.worker_id, [[msg.request_id, [8], None, True, "length", ""]]))
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.sock.close()
+
+
+def spec(rid: str, num_tokens: int = 4, priority: int = 0) -> GenerateSpec:
+    return GenerateSpec(rid, list(range(1, num_tokens + 1)), SamplingParams(max_tokens=2), priority)
+
+
+async def collect(cluster: Cluster, s: GenerateSpec) -> list:
+    return [e async for e in cluster.generate(s)]
+
+
+async def until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def gateway(**overrides):
+    config = GatewayConfig(cluster_key=KEY, worker_timeout_s=5.0, step_timeout_s=30.0,
+                           admit_timeout_s=30.0, **overrides)
+    cluster = Cluster(config)
+    await cluster.start()
+    workers: list[FakeWorker] = []
+
+    def add(role, worker_id, **kw) -> FakeWorker:
+        workers.append(FakeWorker(cluster, role, worker_id, **kw))
+        return workers[-1]
+
+    try:
+        yield cluster, add
+    finally:
+        for w in workers:
+            await w.close()
+        await cluster.stop()
+
+
+async def ready(cluster: Cluster, n: int) -> None:
+    await until(lambda: len(cluster.workers) == n)
+
+
+def test_requests_complete_and_leave_nothing_behind():
+    async def run():
+        async with gateway() as (cluster, add):
+            decode, prefill = add("decode", "d"), add("prefill", "p")
+            await ready(cluster, 2)
+            events = await asyncio.gather(*(collect(cluster, spec(f"r{i}")) for i in range(20)))
+            assert all(e[-1].finished and not e[-1].error for e in events)
+            assert [e.new_token_ids for e in events[0]] == [[7], [8]]
+            assert not cluster._flights and not cluster._queue
+            assert all(not w.inflight for w in cluster.workers.values())
+            assert len(decode.of(Admit)) == len(prefill.of(Prefill)) == 20
+    asyncio.run(run())
+
+
+def test_queue_serves_by_priority_then_arrival():
+    async def run():
+        async with gateway() as (cluster, add):
+            decode = add("decode", "d", max_running=1)
+            add("prefill", "p")
+            await ready(cluster, 2)
+            decode.finish = False  # the first request holds the only slot
+            first = asyncio.create_task(collect(cluster, spec("first")))
+            await until(lambda: decode.of(StartDecode))
+            rest = [asyncio.create_task(collect(cluster, spec(rid, priority=p)))
+                    for rid, p in (("low", 5), ("mid", 0), ("high", -3), ("mid2", 0))]
+            await until(lambda: cluster.num_queued == 4)
+            decode.finish = True
+            decode.send(TokenBatch("d", [["first", [8], None, True, "length", ""]]))
+            await asyncio.gather(first, *rest)
+            assert [m.request_id for m in decode.of(Admit)] == ["first", "high", "mid", "mid2", "low"]
+    asyncio.run(run())
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    async def run():
+        async with gateway(max_queued_requests=2) as (cluster, add):
+            decode = add("decode", "d", max_running=1)
+            add("prefill", "p")
+            await ready(cluster, 2)
+            decode.finish = False
+            tasks = [asyncio.create_task(collect(cluster, spec("r0")))]
+            await until(lambda: decode.of(StartDecode))
+            tasks += [asyncio.create_task(collect(cluster, spec(f"r{i}"))) for i in (1, 2)]
+            await until(lambda: cluster.num_queued == 2)
+            refused = await collect(cluster, spec("r3"))
+            assert refused[-1].status == 429 and refused[-1].retry_after and "queue is full" in refused[-1].error
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await until(lambda: not cluster._flights)
+    asyncio.run(run())
+
+
+def test_a_full_decode_pool_sends_the_request_back_to_wait():
+    async def run():
+        async with gateway() as (cluster, add):
+            decode = add("decode", "d")
+            add("prefill", "p")
+            await ready(cluster, 2)
+            decode.full_replies = 3
+            events = await collect(cluster, spec("r"))
+            assert not events[-1].error and len(decode.of(Admit)) == 4
+    asyncio.run(run())
+
+
+def test_impossible_requests_fail_at_once_with_a_clear_status():
+    async def run():
+        async with gateway() as (cluster, add):
+            assert (await collect(cluster, spec("none")))[-1].status == 503  # no workers
+            add("decode", "d", num_pages=4)
+            add("prefill", "p")
+            await ready(cluster, 2)
+            start = time.monotonic()
+            too_long = (await collect(cluster, spec("long", num_tokens=100)))[-1]
+            assert too_long.status == 400 and "largest decode pool holds 4" in too_long.error
+            assert time.monotonic() - start < 10
+    asyncio.run(run())
+
+
+def test_a_failed_prefill_aborts_the_request_on_decode():
+    async def run():
+        async with gateway() as (cluster, add):
+            decode, prefill = add("decode", "d"), add("prefill", "p")
+            await ready(cluster, 2)
+            prefill.prefill_ok = False
+            events = await collect(cluster, spec("r"))
+            assert "prefill failed: boom" in events[-1].error
+            await until(lambda: [m.request_id for m in decode.of(AbortRequest)] == ["r"])
+    asyncio.run(run())
+
+
+def test_a_restarted_worker_fails_its_old_requests_at_once():
+    async def run():
+        async with gateway() as (cluster, add):
+            decode = add("decode", "d")
+            add("prefill", "p")
+            await ready(cluster, 2)
+            decode.finish = False
+            task = asyncio.create_task(collect(cluster, spec("r")))
+            await until(lambda: decode.of(StartDecode))
+            start = time.monotonic()
+            decode.incarnation = "two"
+            decode.send(decode.status())
+            events = await task
+            assert "restarted" in events[-1].error and time.monotonic() - start < 5
+    asyncio.run(run())
+
+
+def test_pings_list_each_workers_requests():
+    async def run():
+        async with gateway() as (cluster, add):
+            decode = add("decode", "d")
+            add("prefill", "p")
+            await ready(cluster, 2)
+            decode.finish = False
+            task = asyncio.create_task(collect(cluster, spec("r")))
+            await until(lambda: any("r" in p.request_ids for p in decode.of(GatewayPing)))
+            ping = decode.of(GatewayPing)[-1]
+            assert ping.gateway_id == cluster.gateway_id and ping.timeout_s == 5.0
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await until(lambda: "r" in [m.request_id for m in decode.of(AbortRequest)])
+    asyncio.run(run())
+
+
+def test_a_flight_whose_consumer_ended_is_reaped():
+    async def run():
+        async with gateway() as (cluster, add):
+            decode = add("decode", "d")
+            add("prefill", "p")
+            await ready(cluster, 2)
+            decode.finish = False
+            stream = cluster.generate(spec("r"))
+
+            async def first_event():  # reads one event, then ends without closing the stream
+                return await stream.__anext__()
+            await asyncio.create_task(first_event())
+            await until(lambda: not cluster._flights)
+            await until(lambda: "r" in [m.request_id for m in decode.of(AbortRequest)])
+            await stream.aclose()
+    asyncio.run(run())
+
+
+def _hostile_messages(key: bytes) -> list[tuple[bytes, list[bytes]]]:
+    """(identity, frames) a broken or hostile peer sends the control port; each is refused."""
+    keyed, plain = protocol.Codec(key), protocol.Codec()
+    status = dict(worker_id="evil", role="decode", model="m", layout=LAYOUT)
+    return [
+        (b"evil", [b"\x00" * 8]),
+        (b"evil", [b"a", b"b"]),
+        (b"evil", [b""]),
+        (b"\xff\xfe", [keyed.encode(WorkerStatus(**status))]),  # not UTF-8
+        (b"evil", [plain.encode(WorkerStatus(**status))]),  # without the key
+        (b"evil", [keyed.encode(WorkerStatus(**{**status, "role": ["decode"]}))]),
+        (b"evil", [keyed.encode(WorkerStatus(**{**status, "layout": {"num_layers": "x"}}))]),
+        (b"evil", [keyed.encode(WorkerStatus(**{**status, "layout": 5}))]),
+        (b"evil", [keyed.encode(TokenBatch("evil", [[]]))]),
+        (b"evil", [keyed.encode(TokenBatch("evil", [5]))]),
+        (b"evil", [keyed.encode(TokenBatch("evil", [[["r"], [1], None, True, None, ""]]))]),
+        (b"evil", [keyed.encode(AdmitReply({"id": 1}, True))]),
+        (b"evil", [keyed.encode(PrefillDone(["r"], True))]),
+        (b"evil", [keyed.encode(WorkerStatus(**{**status, "worker_id": "d"}))]),  # another's id
+        (b"evil", [keyed.encode(TokenBatch("d", [["r", [1], None, True, None, ""]]))]),
+    ]
+
+
+def test_hostile_control_messages_are_refused_and_the_gateway_serves_on():
+    async def run():
+        async with gateway() as (cluster, add):
+            add("decode", "d")
+            add("prefill", "p")
+            await ready(cluster, 2)
+            before = _errors("control")
+            ctx = zmq.asyncio.Context.instance()
+            rogues = {}
+            messages = _hostile_messages(KEY)
+            for identity, frames in messages:
+                if identity not in rogues:
+                    rogues[identity] = ctx.socket(zmq.DEALER)
+                    rogues[identity].setsockopt(zmq.IDENTITY, identity)
+                    rogues[identity].setsockopt(zmq.LINGER, 0)
+                    rogues[identity].connect(cluster.control_address)
+                await rogues[identity].send_multipart(frames)
+            host, port = cluster.control_address.removeprefix("tcp://").split(":")
+            raw = socket.create_connection((host, int(port)))
+            raw.sendall(b"\x01\x02\x03\x04\x05\x06\x07\x08")  # not even zmq
+            await until(lambda: _errors("control") - before >= len(messages))
+            raw.close()
+            for rogue in rogues.values():
+                rogue.close()
+            assert sorted(cluster.workers) == ["d", "p"] and not cluster.dead.is_set()
+            assert not (await collect(cluster, spec("after")))[-1].error
+    asyncio.run(run())
+
+
+def _errors(sock: str) -> float:
+    return protocol.PROTOCOL_ERRORS.labels(socket=sock)._value.get()
+
+
+@pytest.mark.parametrize("bad", [
+    ("TokenBatch", {"worker_id": "d", "items": [[]]}),
+    ("AbortRequest", {"request_id": ["r"]}),
+    ("WorkerStatus", {"worker_id": "w", "role": "decode", "model": "m", "tp": "2"}),
+    ("Admit", {"request_id": "r", "prompt_token_ids": [1, "2"], "sampling": {}}),
+    ("KVChunks", {"chunks": [{"request_id": ["r"]}], "frames": [1]}),
+    ("TransferAcks", {"acks": [["r", "yes", ""]]}),
+])
+def test_ill_typed_messages_do_not_decode(bad):
+    import msgpack
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(msgpack.packb(list(bad)))
+
+
+def test_the_cluster_key_tag_is_checked():
+    msg = AbortRequest("r")
+    assert protocol.Codec(KEY).decode(protocol.Codec(KEY).encode(msg)) == msg
+    for data in (protocol.encode(msg), protocol.Codec(b"other").encode(msg)):
+        with pytest.raises(protocol.ProtocolError, match="cluster-key"):
+            protocol.Codec(KEY).decode(data)

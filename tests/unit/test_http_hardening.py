@@ -1,0 +1,268 @@
+"""The HTTP layer under hostile or unlucky traffic: OpenAI error bodies with the right status,
+never a 500 for a client's mistake or a cluster's state, and the API key.
+
+No processes: aiohttp's test server over build_app, with a source that plays scripted events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from pd_serve.gateway.app import build_app
+from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
+from pd_serve.model.tokenizer import Tokenizer
+
+MODEL = "m"
+KEY = "sk-test-key"
+
+
+class ScriptedSource(TokenSource):
+    """Plays `script` (a list of TokenEvents) to every request; `specs` records what came in."""
+
+    def __init__(self, script: list[TokenEvent]):
+        self.script = script
+        self.specs: list[GenerateSpec] = []
+
+    def model_name(self) -> str:
+        return MODEL
+
+    def max_model_len(self) -> int:
+        return 1024
+
+    async def generate(self, spec: GenerateSpec):
+        self.specs.append(spec)
+        for event in self.script:
+            await asyncio.sleep(0)
+            yield event
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def token(tokenizer) -> int:
+    return tokenizer.encode(" hello", add_special_tokens=False)[0]
+
+
+def done(token: int) -> list[TokenEvent]:
+    return [TokenEvent([token], finished=True, finish_reason="length")]
+
+
+@contextlib.asynccontextmanager
+async def serving(tokenizer, script: list[TokenEvent], **kwargs):
+    app = build_app(ScriptedSource(script), tokenizer, **kwargs)
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+def call(tokenizer, script, method: str, path: str, body=None, headers=None, **kwargs):
+    """(status, headers, parsed JSON body or the raw text) of one request."""
+    async def go():
+        async with serving(tokenizer, script, **kwargs) as client:
+            data = body if isinstance(body, bytes) or body is None else json.dumps(body)
+            resp = await client.request(method, path, data=data, headers=headers)
+            text = await resp.text()
+            try:
+                return resp.status, resp.headers, json.loads(text)
+            except ValueError:
+                return resp.status, resp.headers, text
+    return asyncio.run(go())
+
+
+def post(tokenizer, script, body, path="/v1/completions", **kwargs):
+    return call(tokenizer, script, "POST", path, body, **kwargs)
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4} | fields
+
+
+def assert_error(status, body, want_status, param=None, message="", type=None):
+    assert status == want_status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"] and error["param"] == param
+    assert error["type"] == (type or "invalid_request_error")
+
+
+# ---- the API key ---------------------------------------------------------------------------
+def test_api_key_is_required_on_v1_routes_only(tokenizer, token):
+    async def go():
+        async with serving(tokenizer, done(token), api_key=KEY) as client:
+            out = {}
+            for name, headers in [("none", {}), ("wrong", {"Authorization": "Bearer nope"}),
+                                  ("scheme", {"Authorization": KEY}),
+                                  ("right", {"Authorization": f"Bearer {KEY}"})]:
+                resp = await client.post("/v1/completions", json=completion(), headers=headers)
+                out[name] = resp.status, await resp.json()
+            models = await client.get("/v1/models")
+            health = await client.get("/health")
+            return out, models.status, health.status
+    out, models, health = asyncio.run(go())
+    for name in ("none", "wrong", "scheme"):
+        status, body = out[name]
+        assert_error(status, body, 401, message="API key")
+        assert body["error"]["code"] == "invalid_api_key"
+    assert out["right"][0] == 200 and out["right"][1]["choices"][0]["text"] == " hello"
+    assert models == 401 and health == 200
+
+
+# ---- aiohttp's own errors ------------------------------------------------------------------
+def test_wrong_method_and_unknown_path_are_json(tokenizer, token):
+    status, headers, body = call(tokenizer, done(token), "GET", "/v1/completions")
+    assert_error(status, body, 405, message="Method Not Allowed (GET /v1/completions)")
+    assert headers["Allow"] == "POST"
+    status, _, body = call(tokenizer, done(token), "POST", "/v1/nope", b"{}")
+    assert_error(status, body, 404, message="Not Found (POST /v1/nope)")
+
+
+def test_stalled_bodies_time_out_with_408(tokenizer, token):
+    """Clients that send headers and part of the body, then stall: each gets a 408 once
+    body_timeout_s has passed, all at once, and the server still serves others."""
+    async def stalled(port: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        body = await asyncio.wait_for(reader.readexactly(length), 60)
+        writer.close()
+        return head.split(b"\r\n")[0], json.loads(body)
+
+    async def go():
+        async with serving(tokenizer, done(token), body_timeout_s=0.5) as client:
+            port = client.server.port
+            results = await asyncio.gather(*(stalled(port) for _ in range(10)))
+            ok = await client.post("/v1/completions", json=completion())
+            return results, ok.status
+    results, ok = asyncio.run(go())
+    for status_line, body in results:
+        assert status_line.startswith(b"HTTP/1.1 408")
+        assert_error(408, body, 408, message="did not arrive within 0.5 s")
+    assert ok == 200
+
+
+# ---- hostile JSON --------------------------------------------------------------------------
+def test_deep_nesting_is_400(tokenizer, token):
+    deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, _, body = post(tokenizer, done(token), deep)
+    assert_error(status, body, 400, message="nests deeper than")
+    # Deep enough to pass json.loads but not the gateway, in a field otherwise ignored.
+    status, _, body = post(tokenizer, done(token), completion(user=json.loads("[" * 200 + "]" * 200)))
+    assert_error(status, body, 400, "user", "nests deeper than 64 levels")
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "prompt": "a\\ud800b"}',
+    b'{"model": "m", "prompt": "\\udc00"}',
+    b'{"model": "m", "prompt": "ok", "stop": ["x\\ud83d"]}',
+], ids=["high", "low", "in_stop"])
+def test_lone_surrogate_is_400(tokenizer, token, body):
+    status, _, resp = post(tokenizer, done(token), body)
+    assert_error(status, resp, 400, "stop" if b"stop" in body else "prompt", "not valid Unicode")
+
+
+def test_body_must_be_utf8(tokenizer, token):
+    cesu = b'{"model": "m", "prompt": "a\xed\xa0\x80"}'  # a surrogate as raw bytes
+    status, _, resp = post(tokenizer, done(token), cesu)
+    assert_error(status, resp, 400, None, "not valid UTF-8")
+
+
+def test_surrogate_pair_is_fine(tokenizer, token):
+    status, _, body = post(tokenizer, done(token), b'{"model": "m", "prompt": "\\ud83d\\ude00"}')
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 10**30), ("max_tokens", 2**63), ("n", -10**30), ("priority", 2**63),
+    ("logprobs", 10**30), ("seed", 2**64), ("stop_token_ids", [1, 10**30]),
+    ("logit_bias", {"1": 10**30}), ("logit_bias", {"1" * 30: 1}), ("temperature", 10**400),
+], ids=lambda v: str(v)[:12])
+def test_integers_beyond_64_bits_are_400_naming_the_field(tokenizer, token, field, value):
+    status, _, body = post(tokenizer, done(token), completion(**{field: value}))
+    assert_error(status, body, 400, field)
+
+
+def test_64_bit_edges_are_accepted(tokenizer, token):
+    fields = dict(seed=2**64 - 1, priority=-2**63, top_k=2**63 - 1, stop_token_ids=[2**63 - 1])
+    status, _, body = post(tokenizer, done(token), completion(**fields))
+    assert status == 200, body
+
+
+# ---- fields the server does not implement --------------------------------------------------
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),
+    ("/v1/chat/completions", "guided_choice", ["a", "b"]),
+    ("/v1/completions", "guided_regex", "a+"),
+    ("/v1/completions", "suffix", "end"),
+    ("/v1/completions", "structural_tag", "x"),
+    ("/v1/completions", "min_tokens", 3),
+    ("/v1/completions", "messages", []),  # chat's field on the completions route
+    ("/v1/chat/completions", "echo", True),
+])
+def test_unimplemented_fields_are_400_naming_them(tokenizer, token, path, field, value):
+    body = completion() if path == "/v1/completions" else {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    status, _, resp = post(tokenizer, done(token), body | {field: value}, path)
+    assert_error(status, resp, 400, field, f"'{field}' is not supported")
+
+
+def test_harmless_and_off_fields_are_accepted(tokenizer, token):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+            "parallel_tool_calls": False, "user": "u", "metadata": {"a": "b"}, "store": False,
+            "service_tier": "auto", "functions": None, "guided_json": None}
+    status, _, resp = post(tokenizer, done(token), body, "/v1/chat/completions")
+    assert status == 200, resp
+
+
+# ---- the source's errors -------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
+def test_source_rejection_keeps_its_status_and_retry_after(tokenizer, stream, n):
+    full = [TokenEvent([], finished=True, error="the gateway's queue is full", status=429,
+                       retry_after=1.2)]
+    status, headers, body = post(tokenizer, full, completion(stream=stream, n=n))
+    assert_error(status, body, 429, message="queue is full", type="rate_limit_error")
+    assert headers["Retry-After"] == "2"
+    busy = [TokenEvent([], finished=True, error="no workers", status=503, retry_after=10)]
+    status, headers, body = post(tokenizer, busy, completion(stream=stream, n=n))
+    assert_error(status, body, 503, message="no workers", type="service_unavailable")
+    assert headers["Retry-After"] == "10"
+    never = [TokenEvent([], finished=True, error="prompt can never fit", status=400)]
+    status, headers, body = post(tokenizer, never, completion(stream=stream, n=n))
+    assert_error(status, body, 400, message="prompt can never fit")
+    assert "Retry-After" not in headers
+
+
+def test_source_failure_without_a_status_is_500(tokenizer):
+    died = [TokenEvent([], finished=True, error="decode worker 3 died")]
+    for stream in (False, True):
+        status, headers, body = post(tokenizer, died, completion(stream=stream))
+        assert_error(status, body, 500, message="decode worker 3 died", type="server_error")
+        assert "Retry-After" not in headers
+
+
+def test_error_after_the_first_token_is_an_sse_event(tokenizer, token):
+    script = [TokenEvent([token]), TokenEvent([token]),
+              TokenEvent([], finished=True, error="decode worker 3 died", status=503)]
+    status, headers, text = post(tokenizer, script, completion(stream=True))
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == " hello hello"
+    error = json.loads(events[-2])["error"]
+    assert "decode worker 3 died" in error["message"] and error["type"] == "service_unavailable"
