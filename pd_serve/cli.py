@@ -46,8 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "on whether it decoded alone)")
     g.add_argument("--tp", type=int, default=1,
                    help="tensor parallel size: this engine's ranks, one process and one GPU each "
-                        "(cuda:0..tp-1 of the visible ones); colocated workers and the Python "
-                        "Engine for now")
+                        "(cuda:0..tp-1 of the visible ones)")
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="on GPU, wait for each step's tokens before planning the next (by default "
                         "step N+1 is planned while step N runs)")
