@@ -7,7 +7,7 @@ the full-precision SmolLM2 (teacher-forced, pd_serve/eval.py): the figures are p
 (pytest -s) and held to floors that catch regressions. The issue's target for GPTQ (top-1
 agreement >= 95 %, perplexity within 5 %) is out of reach of round-to-nearest 4-bit weights on
 this 135M model, whose bf16 copy alone agrees with float32 on 96.9 % of the positions; FP8
-meets the perplexity target. README's Quantization section has the full-text figures.
+meets the perplexity target. docs/performance.md's Quantization section has the full-text figures.
 
 PD_SERVE_QUANT_EVAL_TOKENS sets how many tokens of the text are scored (default 512; 0: all).
 """
