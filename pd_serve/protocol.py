@@ -305,37 +305,44 @@ encode, decode = _PLAIN.encode, _PLAIN.decode
 
 
 # ---- checks: every field's type, then each message's own rules ------------------------------
-_HINTS: dict[type, dict] = {}
+_CHECKERS: dict[type, list] = {}
 
 
 def check(msg) -> str:
     """'' when every field of `msg` has its annotated type (and the message's own rules hold),
     else what is wrong."""
     cls = type(msg)
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    for name, hint in hints.items():
-        if not _is(getattr(msg, name), hint):
+    checkers = _CHECKERS.get(cls)
+    if checkers is None:
+        checkers = _CHECKERS[cls] = [(name, hint, _checker(hint))
+                                     for name, hint in typing.get_type_hints(cls).items()]
+    for name, hint, ok in checkers:
+        if not ok(getattr(msg, name)):
             return f"field {name!r} is not {_name(hint)}: {_short(getattr(msg, name))}"
     rule = _RULES.get(cls)
     return rule(msg) if rule else ""
 
 
-def _is(value, hint) -> bool:
+def _checker(hint):
+    """A predicate for values of type `hint`, built once per field: messages carry long lists
+    of page and token ids, so the per-element test is one `type(x) is T`."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_is(value, h) for h in typing.get_args(hint))
+        options = [_checker(h) for h in typing.get_args(hint)]
+        return lambda v: any(ok(v) for ok in options)
     if origin is list:
         (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_is(v, item) for v in value)
+        if item in (int, str, bool):  # exact types: True is not an id
+            return lambda v: type(v) is list and all(type(x) is item for x in v)
+        ok = _checker(item)
+        return lambda v: type(v) is list and all(ok(x) for x in v)
     if hint is type(None):
-        return value is None
+        return lambda v: v is None
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: type(v) is int
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, hint)
+        return lambda v: type(v) in (int, float)
+    return lambda v: isinstance(v, hint)
 
 
 def _name(hint) -> str:
@@ -348,10 +355,16 @@ def _short(value) -> str:
 
 
 def _rows(rows: list, kinds: tuple, what: str) -> str:
+    checkers = _ROW_CHECKERS.get(kinds)
+    if checkers is None:
+        checkers = _ROW_CHECKERS[kinds] = [_checker(k) for k in kinds]
     for row in rows:
-        if len(row) != len(kinds) or not all(_is(v, k) for v, k in zip(row, kinds)):
+        if len(row) != len(kinds) or not all(ok(v) for ok, v in zip(checkers, row)):
             return f"{what} row {_short(row)} is not ({', '.join(map(_name, kinds))})"
     return ""
+
+
+_ROW_CHECKERS: dict[tuple, list] = {}
 
 
 def _check_chunks(msg: KVChunks) -> str:
@@ -378,6 +391,20 @@ def _check_chunk(chunk: KVChunk) -> str:
     return ""
 
 
+def _check_token_rows(msg: TokenBatch) -> str:
+    """Each row [request_id, new_token_ids, logprobs or None, finished, finish_reason or None,
+    error]: written out, since a decode step sends one row per running request."""
+    for row in msg.items:
+        if not (len(row) == 6 and type(row[0]) is str and type(row[1]) is list
+                and all(type(t) is int for t in row[1])
+                and (row[2] is None or (type(row[2]) is list and all(type(d) is dict for d in row[2])))
+                and type(row[3]) is bool and (row[4] is None or type(row[4]) is str)
+                and type(row[5]) is str):
+            return (f"token row {_short(row)} is not [request_id, token ids, logprobs or null, "
+                    "finished, finish reason or null, error]")
+    return ""
+
+
 def _check_status(msg: WorkerStatus) -> str:
     if msg.role not in ROLES:
         return f"role {_short(msg.role)} is not one of {', '.join(ROLES)}"
@@ -391,12 +418,11 @@ def _nonnegative_pages(msg) -> str:
 
 
 ROLES = ("prefill", "decode", "colocated")
-_TOKEN_ROW = (str, list[int], list[dict] | None, bool, str | None, str)
 _RULES = {
     KVChunk: _check_chunk,
     KVChunks: _check_chunks,
     TransferAcks: lambda m: _rows(m.acks, (str, bool, str), "ack"),
-    TokenBatch: lambda m: _rows(m.items, _TOKEN_ROW, "token"),
+    TokenBatch: _check_token_rows,
     WorkerStatus: _check_status,
     AdmitReply: _nonnegative_pages,
     Prefill: _nonnegative_pages,

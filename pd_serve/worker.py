@@ -102,7 +102,7 @@ class Worker:
         self._gateway_deadline = float("inf")  # no gateway ping by then: the gateway is gone
         self._ping_timeout_s = 0.0
         self._stop = False
-        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+        self._aborted: set[str] = set()  # requests reconcile has aborted (their ends may lag)
 
     @property
     def transfer_backend(self) -> str:
@@ -144,6 +144,7 @@ class Worker:
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
         logger.info("%s %s: model %s, gateway %s", self.role, self.worker_id, self.core.model_dir,
                     self.config.gateway)
         try:
@@ -177,11 +178,14 @@ class Worker:
         a gateway that restarted (a new one has none of the old one's requests)."""
         self._ping_timeout_s = PING_GRACE * ping.timeout_s
         self._gateway_deadline = time.monotonic() + self._ping_timeout_s
-        stale = self.held_request_ids() - set(ping.request_ids)
+        held = self.held_request_ids()
+        self._aborted &= held
+        stale = held - set(ping.request_ids) - self._aborted
         if stale:
             logger.warning("dropping %d request(s) gateway %s no longer has", len(stale), ping.gateway_id)
         for request_id in stale:
             self.handle(AbortRequest(request_id))
+        self._aborted |= stale
 
     def _gateway_gone(self) -> None:
         held = self.held_request_ids()
@@ -206,8 +210,7 @@ class Worker:
         beat = self.codec.encode(Heartbeat(self.worker_id, self.incarnation))
         while not self._stop:
             gone = self.core.exited_tp_ranks()
-            dead = [getattr(t, "error", "") or "stopped" for t in self.threads()
-                    if not getattr(t, "alive", True)]
+            dead = [t.error or "stopped" for t in self.threads() if not t.alive]
             if (gone or dead) and not self._stop:
                 why = f"tensor-parallel rank(s) {gone} exited" if gone else f"I/O thread died: {dead[0]}"
                 logger.error("%s; %s cannot serve without it: exiting", why, self.worker_id)

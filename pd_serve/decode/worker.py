@@ -11,6 +11,7 @@ expect and cancel with it, and the KV has arrived once every rank's receiver say
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -46,7 +47,8 @@ class DecodeWorker(Worker):
 
     def handoff_spec(self) -> HandoffSpec:
         return HandoffSpec("decode", self.transfer_backend, self.config.transfer_timeout_s,
-                           self.worker_id, host=self.config.host)
+                           self.worker_id, host=self.config.host,
+                           cluster_key=self.config.cluster_key)
 
     def _follower_addresses(self) -> list[str]:
         """The followers' receiver addresses, in rank order (they come first on the queue)."""
@@ -117,9 +119,11 @@ class DecodeWorker(Worker):
             return AdmitReply(msg.request_id, ok=False, error="decode KV cache full", retryable=True)
         request.page_ids = page_ids
         self.pending[msg.request_id] = _Pending(request)
-        self.receiver.expect(msg.request_id, page_ids)
+        # No deadline until the KV starts to arrive: the prompt may wait its turn on prefill, while
+        # the gateway's pings keep the reservation (or drop it: _reconcile, _gateway_gone).
+        self.receiver.expect(msg.request_id, page_ids, wait_s=math.inf)
         if self.core.tp is not None:  # before the reply: no KV reaches a follower unexpected
-            tp_group.call(self.core.tp, "expect", msg.request_id, page_ids)
+            tp_group.call(self.core.tp, "expect", msg.request_id, page_ids, None, math.inf)
         return AdmitReply(msg.request_id, ok=True, dst_page_ids=page_ids,
                           transfer_addresses=self.addresses)
 

@@ -54,7 +54,8 @@ class PrefillWorker(Worker):
 
     def handoff_spec(self) -> HandoffSpec:
         return HandoffSpec("prefill", self.transfer_backend, self.config.transfer_timeout_s,
-                           self.worker_id, layer_groups=self.config.transfer_layer_groups)
+                           self.worker_id, layer_groups=self.config.transfer_layer_groups,
+                           cluster_key=self.config.cluster_key)
 
     def status_fields(self) -> dict:
         return {"transfer_backend": self.transfer_backend}

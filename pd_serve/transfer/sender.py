@@ -2,6 +2,10 @@
 
 All sockets and data-plane calls live on one I/O thread; the caller's methods only queue work
 (bounded) and read results, so the engine loop never blocks on the network.
+
+A receiver's answers are input from the network: one that is not ours is dropped, counted in
+pd_serve:protocol_errors_total{socket="kv-sender"} and logged, and the I/O thread goes on. If it
+dies anyway (a bug), `alive` turns false, `error` says why and every request fails.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from pd_serve.transfer.base import (TRACE, Deadlines, TransferError, TransferRes
                                     now, trace)
 
 logger = logging.getLogger(__name__)
+
+SOCKET = "kv-sender"  # the protocol-error counter's label
+REPLY_MAX_BYTES = 16 * 2**20  # a receiver only sends welcomes and acks: zmq drops one sending more
+MAX_ERROR_CHARS = 300  # of a receiver's error text kept in a result
 
 # A receiver's outstanding requests travel in about this many messages, so that while it takes
 # one the sender prepares the next and acknowledgements come back a message at a time. One
@@ -83,15 +91,21 @@ class KVSender:
     last chunk went out, trading a core for the wake-up latency of a sleeping thread. Default 0
     (never): a spinning thread holds the GIL the caller's thread needs; on 2 x H200, 64 MiB ipc
     transfers with 32 or 128 in flight ran at 71-78 % of the link spinning 2 ms, 85-93 % not.
+
+    With a cluster `key` every message carries its tag and every answer must: a receiver with
+    another key (or none) fails connect() with a TransferError that says so.
     """
 
     def __init__(self, pool: KVPool, backend: str = "tcp", sender_id: str | None = None,
                  timeout_s: float = 30.0, max_queued: int = 4096, stats: TransferStats | None = None,
                  chunk_bytes: int = 64 * 2**20, max_chunk_bytes: int = 512 * 2**20,
-                 spin_s: float = 0.0, model_layout: KVLayout | None = None):
+                 spin_s: float = 0.0, model_layout: KVLayout | None = None, key: bytes = b""):
         """model_layout: the layout announced to receivers, with every KV head of the model
-        (a tensor-parallel rank's pool holds some of them); default: the pool's."""
+        (a tensor-parallel rank's pool holds some of them); default: the pool's. key: the
+        cluster key (b"": messages are not authenticated)."""
         self.pool = pool
+        self.codec = protocol.Codec(key)
+        self.error = ""  # why the I/O thread died ("" while it has not)
         self.model_layout = model_layout or pool.layout
         self.chunk_bytes = chunk_bytes
         self.max_chunk_bytes = max(chunk_bytes, max_chunk_bytes)
@@ -212,12 +226,20 @@ class KVSender:
             results, self._results = self._results, []
         return results
 
+    @property
+    def alive(self) -> bool:
+        """The I/O thread is running: not closed, not crashed (then `error` says why)."""
+        return self._thread.is_alive() and not self.error
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         self.plane.close()
 
     def _put(self, job) -> None:
+        if not self.alive:
+            raise TransferError("the KV sender's I/O thread is not running: "
+                                f"{self.error or 'closed'}")
         if len(self._jobs) >= self.max_queued:
             raise TransferError(f"transfer queue full ({self.max_queued} jobs)")
         self._jobs.append(job)
@@ -229,11 +251,11 @@ class KVSender:
 
     # ---- I/O thread -----------------------------------------------------------------------
     def _serve(self) -> None:
-        if self.pool.buffer.is_cuda:
-            torch.cuda.set_device(self.pool.buffer.device)
         poller = zmq.Poller()
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         try:
+            if self.pool.buffer.is_cuda:
+                torch.cuda.set_device(self.pool.buffer.device)
             while not self._stop.is_set():
                 timeout = 0 if self._jobs or (self._outgoing and now() < self._spin_until) else 50
                 if timeout:
@@ -243,7 +265,7 @@ class KVSender:
                     if isinstance(sock, int):  # the wake-up socket's fd
                         self._drain_wakeups()
                     else:
-                        self._on_message(self._addresses[sock], protocol.decode(sock.recv()))
+                        self._take_reply(sock)
                 self._sleeping = False
                 sends: list[_SendJob] = []  # queued sends go out together, per receiver
                 while self._jobs:
@@ -256,9 +278,24 @@ class KVSender:
                         self._run(job, poller)
                 self._send_chunks(sends, poller)
                 self._expire()
+        except BaseException as e:  # a bug, not input: say so, so the worker exits (alive)
+            self.error = f"{type(e).__name__}: {e}"
+            logger.exception("the KV sender's I/O thread died")
+            self._fail_all(f"the KV sender's I/O thread died: {self.error}")
         finally:
             for sock in self._socks.values():
                 sock.close()
+
+    def _fail_all(self, error: str) -> None:
+        """After a crash: waiting connects and every request sent or queued fail."""
+        results = [self._result(key, False, error) for key in list(self._outgoing)]
+        while self._jobs:
+            job = self._jobs.popleft()
+            if job[0] == "connect":
+                job[2].set_exception(TransferError(error))
+            elif job[0] == "send":
+                results += [TransferResult(j.request_id, False, error) for j in job[1] if j.first]
+        self._publish(results)
 
     def _drain_wakeups(self) -> None:
         try:
@@ -285,21 +322,40 @@ class KVSender:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.sender_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX_BYTES)
         sock.connect(address)
-        sock.send(protocol.encode(TransferHello(self.sender_id, self.backend,
-                                                dataclasses.asdict(self.model_layout),
-                                                self.plane.hello_info())))
-        if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+        sock.send(self.codec.encode(TransferHello(self.sender_id, self.backend,
+                                                  dataclasses.asdict(self.model_layout),
+                                                  self.plane.hello_info())))
+        try:
+            self.plane.connect(address, self._welcome(sock, address).info)
+        except Exception:
             sock.close()
-            raise TransferError(f"{address}: no handshake answer within {self.timeout_s} s")
-        welcome = protocol.decode(sock.recv())
-        if not isinstance(welcome, TransferWelcome) or not welcome.ok:
-            sock.close()
-            raise TransferError(f"{address} refused the pair: {getattr(welcome, 'error', welcome)}")
-        self.plane.connect(address, welcome.info)
+            raise
         self._socks[address] = sock
         self._addresses[sock] = address
         poller.register(sock, zmq.POLLIN)
+
+    def _welcome(self, sock: zmq.Socket, address: str) -> TransferWelcome:
+        """The receiver's answer to our hello, if it accepts the pair; else TransferError."""
+        if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            raise TransferError(f"{address}: no handshake answer within {self.timeout_s} s (is a "
+                                "KV receiver up there, started with the same cluster key?)")
+        frames = sock.recv_multipart()
+        try:
+            if len(frames) != 1:
+                raise protocol.ProtocolError(f"{len(frames)} frames")
+            welcome = self.codec.decode(frames[0])
+        except protocol.ProtocolError as e:
+            protocol.refused(SOCKET, f"the handshake answer of {address}: {e}")
+            raise TransferError(f"{address}: its handshake answer is refused ({e}); is it a KV "
+                                "receiver started with the same cluster key?") from None
+        if not isinstance(welcome, TransferWelcome):
+            protocol.refused(SOCKET, f"a {type(welcome).__name__} from {address} as its welcome")
+            raise TransferError(f"{address} answered the handshake with a {type(welcome).__name__}")
+        if not welcome.ok:
+            raise TransferError(f"{address} refused the pair: {welcome.error[:MAX_ERROR_CHARS]}")
+        return welcome
 
     def _send_chunks(self, jobs: list[_SendJob], poller: zmq.Poller) -> None:
         """One KVChunks message per receiver for all of `jobs` (in order), each chunk's frames
@@ -352,7 +408,7 @@ class KVSender:
                     continue
                 prepared = now()
                 self._socks[address].send_multipart(
-                    [protocol.encode(KVChunks(headers, counts)), *frames], copy=False)
+                    [self.codec.encode(KVChunks(headers, counts)), *frames], copy=False)
                 sent = now()
                 for sent_job in message:
                     self.plane.finish(address, sent_job.chunk, sent_job.src_page_ids, sent_job.ready)
@@ -375,16 +431,33 @@ class KVSender:
                       header_sent=sent, finished=now())
         self._spin_until = now() + self.spin_s
 
-    def _on_message(self, address: str, msg) -> None:
-        if isinstance(msg, TransferAcks):
-            results = []
-            for request_id, ok, error in msg.acks:
-                key = (request_id, address)
-                if key in self._outgoing:
-                    if TRACE:
-                        trace("ack", request_id, self._outgoing[key].started, acked=now())
-                    results.append(self._result(key, ok, error))
-            self._publish(results)
+    def _take_reply(self, sock: zmq.Socket) -> None:
+        """Take one message from a receiver: acks for our requests; anything else is dropped,
+        counted and logged."""
+        address = self._addresses[sock]
+        frames = sock.recv_multipart()
+        try:
+            if len(frames) != 1:
+                protocol.refused(SOCKET, f"a message of {len(frames)} frames from {address}")
+                return
+            msg = self.codec.receive(frames[0], SOCKET, address)
+            if msg is not None and not isinstance(msg, TransferAcks):
+                protocol.refused(SOCKET, f"a {type(msg).__name__} from {address}, not acks")
+            elif msg is not None:
+                self._on_acks(address, msg)
+        except Exception as e:  # what no check foresaw
+            protocol.refused(SOCKET, f"a message from {address} ({type(e).__name__}: {e})")
+            logger.debug("the refused message's handling", exc_info=True)
+
+    def _on_acks(self, address: str, msg: TransferAcks) -> None:
+        results = []
+        for request_id, ok, error in msg.acks:  # (the codec checked their types)
+            key = (request_id, address)
+            if key in self._outgoing:
+                if TRACE:
+                    trace("ack", request_id, self._outgoing[key].started, acked=now())
+                results.append(self._result(key, ok, error[:MAX_ERROR_CHARS]))
+        self._publish(results)
 
     def _abort(self, request_id: str, reason: str) -> None:
         for key in [k for k in self._outgoing if k[0] == request_id]:
@@ -393,7 +466,7 @@ class KVSender:
     def _abort_one(self, key: tuple[str, str], reason: str) -> None:
         sock = self._socks.get(key[1])
         if sock is not None:
-            sock.send(protocol.encode(TransferAbort(key[0], reason)))
+            sock.send(self.codec.encode(TransferAbort(key[0], reason)))
         self._finish(key, ok=False, error=reason)
 
     def _expire(self) -> None:

@@ -12,12 +12,16 @@ to rank 0 on a queue; rank 0 counts a request's parts (one per route) and decide
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass, replace
 
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.heads import head_routes
+
+logger = logging.getLogger(__name__)
 
 RESULTS_BOUND = 65536  # results waiting on the queue to rank 0
 PUT_TIMEOUT_S = 30.0  # a follower waits this long for room on it (rank 0 drains it every tick)
@@ -33,6 +37,7 @@ class HandoffSpec:
     worker_id: str
     host: str = "127.0.0.1"  # decode: where the receivers bind
     layer_groups: int = 1  # prefill: --transfer-layer-groups
+    cluster_key: bytes = b""  # HMAC key of every KV message (b"": none)
 
 
 def model_layout(core):
@@ -67,7 +72,8 @@ class PrefillRank:
         self.local_heads = core.kv_pool.layout.num_kv_heads
         sender_id = spec.worker_id if rank == 0 else f"{spec.worker_id}/tp{rank}"
         self.sender = KVSender(core.kv_pool, spec.backend, sender_id=sender_id,
-                               timeout_s=spec.timeout_s, model_layout=model_layout(core))
+                               timeout_s=spec.timeout_s, model_layout=model_layout(core),
+                               key=spec.cluster_key)
         self.group_ends = group_ends(core.kv_pool.layout.num_layers, spec.layer_groups)
 
     def routes(self, decode_tp: int) -> tuple:
@@ -112,7 +118,8 @@ class DecodeRank:
     def __init__(self, core, spec: HandoffSpec, rank: int, port: int = 0):
         from pd_serve.transfer.receiver import KVReceiver
         self.receiver = KVReceiver(core.kv_pool, spec.backend, host=spec.host, port=port,
-                                   timeout_s=spec.timeout_s, model_layout=model_layout(core))
+                                   timeout_s=spec.timeout_s, model_layout=model_layout(core),
+                                   key=spec.cluster_key)
 
     def poll(self) -> list[TransferResult]:
         return self.receiver.poll()
@@ -128,14 +135,20 @@ class DecodeRank:
 
 
 class Follower:
-    """A follower rank's half, and a thread forwarding its results to rank 0."""
+    """A follower rank's half, and a thread forwarding its results to rank 0.
+
+    A follower whose KV I/O thread has died (or whose results cannot reach rank 0) ends its
+    process with status 1: rank 0 then sees an exited rank and its worker exits, rather than
+    staying registered while this rank's part of every transfer times out."""
 
     def __init__(self, core, spec: HandoffSpec, rank: int, results):
         self.rank, self.results = rank, results
         if spec.role == "prefill":
             self.half = PrefillRank(core, spec, rank, core.tp.size)
+            self.io = self.half.sender
         else:
             self.half = DecodeRank(core, spec, rank)
+            self.io = self.half.receiver
             results.put(("address", rank, self.half.receiver.address))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._forward, name="tp-results", daemon=True)
@@ -152,10 +165,17 @@ class Follower:
         self.half.call(name, request_id, *args)
 
     def _forward(self) -> None:
-        while not self._stop.wait(0.001):
-            for r in self.half.poll():
-                self.results.put(("result", self.rank, r.request_id, r.ok, r.error, r.num_bytes,
-                                  r.seconds), timeout=PUT_TIMEOUT_S)
+        try:
+            while not self._stop.wait(0.001):
+                if not self.io.alive and not self._stop.is_set():
+                    raise RuntimeError(f"the KV I/O thread died: {self.io.error}")
+                for r in self.half.poll():
+                    self.results.put(("result", self.rank, r.request_id, r.ok, r.error,
+                                      r.num_bytes, r.seconds), timeout=PUT_TIMEOUT_S)
+        except Exception:
+            logger.exception("TP rank %d cannot hand off KV: exiting", self.rank)
+            logging.shutdown()
+            os._exit(1)
 
     def close(self) -> None:
         self._stop.set()

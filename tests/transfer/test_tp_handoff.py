@@ -4,17 +4,23 @@ to what a TP-1 -> TP-1 transfer of the same pages delivers."""
 
 from __future__ import annotations
 
+import queue
+import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pd_serve.cache.pool import KVLayout
 from pd_serve.model.parallel import kv_heads_of
+from pd_serve.transfer import tp_handoff
+from pd_serve.transfer.base import TransferError
 from pd_serve.transfer.heads import head_routes, tp_error
 from pd_serve.transfer.receiver import KVReceiver
+from pd_serve.transfer.tp_handoff import DecodeRank, Follower, HandoffSpec, PrefillRank, Send
 
-from peer import LAYOUT, NUM_PAGES, POISON, poisoned_pool  # noqa: E402
+from peer import LAYOUT, NUM_PAGES, POISON, SEED, poisoned_pool, seeded_pool  # noqa: E402
 from test_transfer import bits, wait_results  # noqa: E402
 
 SRC, DST = [5, 2, 9, 30], [40, 3, 17, 8]  # non-contiguous on both sides
@@ -45,30 +51,34 @@ def test_routes_cover_every_decode_head_once_from_a_rank_that_holds_it():
 
 def _hand_off(peers, layout: KVLayout, backend: str, prefill_tp: int, decode_tp: int) -> list:
     """Send pages SRC of a seeded pool, split over prefill_tp sender processes, to pages DST of
-    decode_tp receivers; returns the receivers' pools (all results ok, pages elsewhere poisoned)."""
+    decode_tp receivers; returns the receivers' pools (all results ok, pages elsewhere poisoned).
+    The receivers expect the request only once every sender is up and paired: sender processes
+    each import torch, which on a loaded 2-core machine takes longer than a receiver's timeout."""
     heads = layout.num_kv_heads
     receivers = [KVReceiver(poisoned_pool(replace(layout, num_kv_heads=len(kv_heads_of(d, decode_tp, heads))),
-                                          NUM_PAGES), backend, timeout_s=10, model_layout=layout)
+                                          NUM_PAGES), backend, timeout_s=60, model_layout=layout)
                  for d in range(decode_tp)]
-    senders = [peers("sender", backend, layout=layout, tp=prefill_tp, tp_rank=r) for r in range(prefill_tp)]
+    senders = [peers("sender", backend, layout=layout, tp=prefill_tp, tp_rank=r, timeout=60)
+               for r in range(prefill_tp)]
     routes = head_routes(prefill_tp, decode_tp, heads)
+    for r in routes:
+        assert senders[r.src_rank].call("connect", address=receivers[r.dst_rank].address) == {"ok": True}
     for rec in receivers:
         rec.expect("req", DST)
     for r in routes:
         sender = senders[r.src_rank]
         address = receivers[r.dst_rank].address
-        assert sender.call("connect", address=address) == {"ok": True}
         parts = sum(q.dst_rank == r.dst_rank for q in routes)
         assert sender.call("send", request_id="req", address=address, src_page_ids=SRC,
                            dst_page_ids=DST, heads=[r.src_head, r.dst_head, r.num_heads],
                            parts=parts) == {"ok": True}
     for rank, sender in enumerate(senders):
         mine = sum(r.src_rank == rank for r in routes)
-        results = sender.call("poll", count=mine, wait=10)["results"]
+        results = sender.call("poll", count=mine, wait=60)["results"]
         assert [r["ok"] for r in results] == [True] * mine, results
     pools = []
     for rec in receivers:
-        (result,) = wait_results(rec, 1, 10)
+        (result,) = wait_results(rec, 1, 60)
         assert result.ok, result.error
         untouched = [p for p in range(NUM_PAGES) if p not in DST]
         assert (rec.pool.buffer[:, :, untouched] == POISON).all()
@@ -93,17 +103,22 @@ def test_heterogeneous_tp_pages_equal_a_homogeneous_run(peers, layout, backend, 
 
 def test_a_receiver_refuses_more_parts_than_the_chunks_announce(peers):
     receiver = KVReceiver(poisoned_pool(replace(LAYOUT4, num_kv_heads=2), NUM_PAGES), "tcp",
-                          timeout_s=10, model_layout=LAYOUT4)
-    receiver.expect("req", DST)
-    senders = [peers("sender", "tcp", layout=LAYOUT4, tp=4, tp_rank=r) for r in range(3)]
-    for rank, sender in enumerate(senders):  # three senders, each claiming to be one of two
+                          timeout_s=60, model_layout=LAYOUT4)
+    senders = [peers("sender", "tcp", layout=LAYOUT4, tp=4, tp_rank=r, timeout=60) for r in range(3)]
+    for sender in senders:  # (expected once they are up: see _hand_off)
         sender.call("connect", address=receiver.address)
+    receiver.expect("req", DST)
+    for rank, sender in enumerate(senders):  # three senders, each claiming to be one of two
         sender.call("send", request_id="req", address=receiver.address, src_page_ids=SRC,
                     dst_page_ids=DST, heads=[0, rank % 2, 1], parts=2, layer_start=0,
                     layer_end=1, last=False)  # layer 0 only: the request stays open
-    refusal = senders[2].call("poll", count=1, wait=10)["results"]
-    assert [r["ok"] for r in refusal] == [False]
-    (result,) = wait_results(receiver, 1, 10)
+    # whichever part comes third (the senders run in parallel) is refused; the others wait
+    refusals, deadline = [], time.monotonic() + 60
+    while not refusals and time.monotonic() < deadline:
+        refusals = [r for sender in senders for r in sender.call("poll")["results"]]
+        time.sleep(0.05)
+    assert [r["ok"] for r in refusals] == [False] and "one sender too many" in refusals[0]["error"]
+    (result,) = wait_results(receiver, 1, 60)
     assert not result.ok and "one sender too many" in result.error
     receiver.close()
 
@@ -115,3 +130,44 @@ def test_a_sender_of_another_model_layout_is_refused_at_the_handshake(peers):
     reply = sender.call("connect", address=receiver.address)
     assert "num_kv_heads 2 != 4" in reply["error"]
     receiver.close()
+
+
+def _core(pool):
+    """What the hand-off halves read of an engine core."""
+    heads = pool.layout.num_kv_heads
+    return SimpleNamespace(kv_pool=pool, model_config=SimpleNamespace(num_kv_heads=heads),
+                           tp=SimpleNamespace(size=1))
+
+
+@pytest.mark.parametrize("decode_key", [b"k" * 32, b"o" * 32], ids=["same-key", "other-key"])
+def test_hand_off_ranks_use_the_spec_cluster_key(decode_key):
+    prefill_spec = HandoffSpec("prefill", "tcp", 60.0, "p", cluster_key=b"k" * 32)
+    decode_spec = replace(prefill_spec, role="decode", worker_id="d", cluster_key=decode_key)
+    prefill = PrefillRank(_core(seeded_pool(LAYOUT, NUM_PAGES, SEED)), prefill_spec, 0, 1)
+    decode = DecodeRank(_core(poisoned_pool(LAYOUT, NUM_PAGES)), decode_spec, 0)
+    address = decode.receiver.address
+    if decode_key != prefill_spec.cluster_key:
+        with pytest.raises(TransferError, match="cluster key"):
+            prefill.sender.connect(address)
+    else:
+        decode.call("expect", "req", DST)
+        prefill.send_layers([Send("req", [address], SRC, DST)], LAYOUT.num_layers - 1)
+        assert [r.ok for r in wait_results(decode, 1, 60)] == [True]
+        expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
+        assert torch.equal(bits(decode.receiver.pool.buffer[:, :, DST]), bits(expected[:, :, SRC]))
+    prefill.close()
+    decode.close()
+
+
+def test_a_follower_whose_kv_thread_dies_ends_its_process(monkeypatch):
+    exits = []
+    monkeypatch.setattr(tp_handoff.os, "_exit", exits.append)
+    monkeypatch.setattr(tp_handoff.logging, "shutdown", lambda: None)
+    spec = HandoffSpec("decode", "tcp", 60.0, "d")
+    follower = Follower(_core(poisoned_pool(LAYOUT, NUM_PAGES)), spec, 1, queue.Queue())
+    follower.half.receiver._land = lambda: 1 / 0  # a bug in the I/O thread
+    deadline = time.monotonic() + 60
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert exits == [1]
+    follower.close()

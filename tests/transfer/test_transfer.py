@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -495,4 +496,23 @@ def test_a_request_id_expected_again_keeps_its_new_deadline():
     time.sleep(0.2)
     assert receiver.poll() == [] and receiver.num_expected == 1
     receiver.cancel("req")
+    receiver.close()
+
+
+def test_a_reservation_without_a_wait_limit_times_out_only_from_its_first_chunk():
+    """A decode worker's reservation (wait_s=inf) waits as long as its prompt waits for prefill;
+    once its KV starts to arrive, the transfer has timeout_s to finish."""
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=1.0)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=60)
+    sender.connect(receiver.address)
+    receiver.expect("queued", [1, 2], wait_s=math.inf)
+    receiver.expect("bounded", [3], wait_s=1.0)
+    (result,) = wait_results(receiver, 1, 30)
+    assert result.request_id == "bounded" and "timed out" in result.error
+    assert receiver.num_expected == 1  # "queued" has no deadline before its first chunk
+    sender.send("queued", receiver.address, [3, 4], [1, 2], layer_start=0, layer_end=1, last=False)
+    (result,) = wait_results(receiver, 1, 30)
+    assert result.request_id == "queued" and "timed out" in result.error
+    assert receiver.num_expected == 0
+    sender.close()
     receiver.close()

@@ -111,6 +111,18 @@ class IpcReceiverPlane(ReceiverPlane):
         if len(chunk.src_page_ids) != len(dst_page_ids):
             raise ValueError(f"chunk of {chunk.request_id} names {len(chunk.src_page_ids)} source "
                              f"pages for {len(dst_page_ids)} destination pages")
+        # The copy kernel does not check its indices: pages and heads outside the sender's
+        # pool would read memory that is not KV.
+        remote = self._remote[sender_id]  # [L, 2, P, S, H, D]
+        if any(not 0 <= p < remote.shape[2] for p in chunk.src_page_ids):
+            raise ValueError(f"chunk of {chunk.request_id} names source pages outside the "
+                             f"sender's {remote.shape[2]}")
+        src_heads = head_range(chunk.src_heads) or (0, remote.shape[4])
+        dst_heads = head_range(chunk.dst_heads) or (0, self.pool.layout.num_kv_heads)
+        if (not 0 <= src_heads[0] < src_heads[1] <= remote.shape[4]
+                or src_heads[1] - src_heads[0] != dst_heads[1] - dst_heads[0]):
+            raise ValueError(f"chunk of {chunk.request_id} copies KV heads {src_heads} of the "
+                             f"sender's {remote.shape[4]} into heads {dst_heads}")
         key = (sender_id, chunk.layer_start, chunk.layer_end, head_range(chunk.src_heads),
                head_range(chunk.dst_heads))
         src, dst = self._held.setdefault(key, ([], []))

@@ -15,6 +15,7 @@ on the GPU for its last use.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from datetime import timedelta
 
@@ -87,6 +88,9 @@ class TorchReceiverPlane(ReceiverPlane):
         heads = head_range(chunk.dst_heads)
         shape = staging_shape(self.pool.layout, len(chunk.dst_page_ids), chunk.layer_start,
                               chunk.layer_end, heads)
+        if math.prod(shape) * self.pool.buffer.element_size() > self.pool.num_bytes:
+            # (a refused chunk is received too: its size comes from the sender's header)
+            raise ValueError(f"chunk of {chunk.request_id} is larger than the whole pool")
         with on_stream(self._post_stream):
             if len(self._in_flight) >= NUM_STAGING:  # its memory may come back to this stream
                 _, scattered = self._in_flight.popleft()
