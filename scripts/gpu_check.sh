@@ -32,7 +32,9 @@
 # TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
 # ONEBATCH_ARGS adds flags to the one-batch and fp8 runs (e.g. --profile, --enable-batch1-kernels).
 # PROFILE: the profile the phase-ratio steps take their rates from (default: this run's, from the
-# profile step); PR_TIMEOUT: seconds per phase-ratio step (default 570). Each step gets SIGINT at
+# profile step); PR_TIMEOUT: seconds per phase-ratio step (default 570). burst: 1000 x (2048 in,
+# 128 out) at request rate inf against 1P1D on one GPU over ipc, then colocated x1 (the
+# serving-under-load issue: 0 failed requests; serving-burst-h200-*.json). Each step gets SIGINT at
 # its timeout, so a benchmark still writes what it measured.
 # The GPU machine cannot carry the 94 MB default GGUF, so the end-to-end tests serve a tiny
 # random Llama written there with SmolLM2's tokenizer, under the default model's name.
@@ -107,6 +109,26 @@ e2e() {  # the end-to-end tests in five groups side by side (a cluster start cos
   wait
 }
 
+burst() {  # one cluster at a time on GPU 0, the Llama-3.1-8B shape with dummy weights
+  local cfg launch pid
+  for cfg in 1p1d colocated1; do
+    case $cfg in
+      1p1d) launch="--prefill 1 --decode 1 --mem-fraction-static 0.42" ;;
+      colocated1) launch="--prefill 0 --decode 0 --colocated 1" ;;
+    esac
+    python3 -m pd_serve.cli --log-level warning launch $launch --gpu-ids 0 --port 8400 \
+      --model "$big" --load-format dummy --device cuda >"$OUT/burst-$cfg-cluster.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 300); do curl -sf localhost:8400/health >/dev/null && break; sleep 1; done
+    step burst-$cfg 420 python3 -m pd_serve.cli bench serving --base-url http://127.0.0.1:8400 \
+      --num-prompts 1000 --request-rate inf --input-len 2048 --output-len 128 --no-progress \
+      --output "$OUT/serving-burst-h200-$cfg.json"
+    curl -s localhost:8400/metrics | grep -E '^pd_serve:(kv_pages_used|requests_total|requests_rejected|protocol_errors)' \
+      >"$OUT/burst-$cfg-metrics.txt"
+    kill -INT $pid; wait $pid
+  done
+}
+
 # the phase-ratio steps take their rates from this profile (this run's, else PROFILE=...)
 profile=${PROFILE:-$OUT/profile-h200-llama3-8b.json}
 steps=${*:-tests onebatch e2e}
@@ -177,6 +199,7 @@ for s in $steps; do
              --no-hf --profile --output "$OUT/one-batch-h200-llama3-8b-pdl$v.json"
          done ;;
     e2e) e2e ;;
+    burst) burst ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
