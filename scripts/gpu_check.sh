@@ -119,11 +119,20 @@ burst() {  # one cluster at a time on GPU 0, the Llama-3.1-8B shape with dummy w
     python3 -m pd_serve.cli --log-level warning launch $launch --gpu-ids 0 --port 8400 \
       --model "$big" --load-format dummy --device cuda >"$OUT/burst-$cfg-cluster.log" 2>&1 &
     pid=$!
-    for _ in $(seq 300); do curl -sf localhost:8400/health >/dev/null && break; sleep 1; done
-    step burst-$cfg 420 python3 -m pd_serve.cli bench serving --base-url http://127.0.0.1:8400 \
-      --num-prompts 1000 --request-rate inf --input-len 2048 --output-len 128 --no-progress \
-      --output "$OUT/serving-burst-h200-$cfg.json"
-    curl -s localhost:8400/metrics | grep -E '^pd_serve:(kv_pages_used|requests_total|requests_rejected|protocol_errors)' \
+    python3 - <<'PY'  # until the cluster is ready (at most 5 minutes)
+import time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8400/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+PY
+    step burst-$cfg "${BURST_TIMEOUT:-300}" python3 -m pd_serve.cli bench serving \
+      --base-url http://127.0.0.1:8400 --num-prompts 1000 --request-rate inf --input-len 2048 \
+      --output-len 128 --no-progress --output "$OUT/serving-burst-h200-$cfg.json"
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8400/metrics').read().decode())" \
+      | grep -E '^pd_serve:(kv_pages_used|requests_total|requests_rejected|protocol_errors)' \
       >"$OUT/burst-$cfg-metrics.txt"
     kill -INT $pid; wait $pid
   done

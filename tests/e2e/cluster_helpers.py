@@ -82,3 +82,26 @@ def assert_greedy_completions(cluster, prompts: list[str], texts: list[str], max
         assert out.choices[0].text == text
     state = wait_idle(cluster)
     assert all(used == 0 for used, _ in state.values()), f"pages still used: {state}"
+
+
+def protocol_errors(base_url: str) -> dict[tuple[str, str], float]:
+    """(worker, socket) -> messages refused there (pd_serve:protocol_errors_total); worker
+    "gateway" is the gateway's own count, the others come with each worker's heartbeat."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.labels.get("worker", ""), s.labels["socket"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "pd_serve:protocol_errors_total"}
+
+
+def restart(cluster, name: str, args: list[str] | None = None) -> None:
+    """Start process `name` of the cluster again (killed first if it still runs), from its own
+    command line or from `args` (pd-serve CLI arguments), in its place in cluster.procs. A
+    worker comes back under the same --worker-id: a new incarnation."""
+    i, proc = next((i, p) for i, (n, p) in enumerate(cluster.procs) if n == name)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    level_at = proc.args.index("--log-level")
+    cluster._start(name, args if args is not None else proc.args[level_at + 2:], proc.args[level_at + 1])
+    cluster.procs[i] = cluster.procs.pop()
