@@ -258,8 +258,10 @@ def cmd_launch(args: argparse.Namespace) -> None:
             return
         logging.getLogger("pd_serve").info("cluster ready: %s/v1 (Ctrl-C stops it)", cluster.base_url)
         while not stopping.wait(0.5):
-            if any(p.poll() is not None for _, p in cluster.procs):
-                raise LaunchError("a cluster process exited; stopping the rest")
+            exited = [f"{name} (exit code {p.returncode})" for name, p in cluster.procs
+                      if p.poll() is not None]
+            if exited:
+                raise LaunchError(f"{', '.join(exited)} exited; stopping the rest")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
