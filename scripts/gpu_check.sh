@@ -131,6 +131,7 @@ PY
     step burst-$cfg "${BURST_TIMEOUT:-300}" python3 -m pd_serve.cli bench serving \
       --base-url http://127.0.0.1:8400 --num-prompts 1000 --request-rate inf --input-len 2048 \
       --output-len 128 --no-progress --output "$OUT/serving-burst-h200-$cfg.json"
+    sleep 3  # the workers report their pages once a second
     python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8400/metrics').read().decode())" \
       | grep -E '^pd_serve:(kv_pages_used|requests_total|requests_rejected|protocol_errors)' \
       >"$OUT/burst-$cfg-metrics.txt"
