@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
 FULL_BACKOFF_S = 0.05  # a decode worker whose pool was full gets no new request for this long
 DISPATCH_TICK_S = 0.05
+SILENCE_CHECK_S = 5.0  # how often a waiting request looks whether its workers still step
 
 
 @dataclass(frozen=True)
@@ -376,18 +377,26 @@ class Cluster(TokenSource):
                 return
 
     async def _next(self, flight: _Flight, kind):
-        """The request's next message of `kind`; a worker failure arrives as an exception.
-        (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that comes
-        as the message does, which left a departed client's request parked forever.)"""
+        """The request's next message of `kind`; a worker failure arrives as an exception, and
+        so does a worker whose loop has been silent for --step-timeout (a request may wait its
+        turn longer on a worker that steps on). (asyncio.timeout, not wait_for: 3.11's wait_for
+        can swallow a cancellation that comes as the message does, which left a departed
+        client's request parked forever.)"""
+        timeout = self.config.step_timeout_s
         while True:
             if flight.error is not None:
                 raise flight.error
             try:
-                async with asyncio.timeout(self.config.step_timeout_s):
+                async with asyncio.timeout(min(timeout, SILENCE_CHECK_S)):
                     msg = await flight.queue.get()
             except TimeoutError:
-                raise ClusterError(f"no answer from {', '.join(flight.workers)} within "
-                                   f"--step-timeout {self.config.step_timeout_s} s") from None
+                cutoff = time.monotonic() - timeout
+                silent = [w for w in flight.workers
+                          if w not in self.workers or self.workers[w].last_progress < cutoff]
+                if silent or not flight.workers:
+                    raise ClusterError(f"no answer from {', '.join(silent or ['any worker'])} "
+                                       f"within --step-timeout {timeout} s") from None
+                continue
             if isinstance(msg, kind):
                 return msg
 
@@ -457,6 +466,8 @@ class Cluster(TokenSource):
         if state is None:
             return
         state.last_seen = time.monotonic()
+        if not isinstance(msg, Heartbeat):
+            state.last_progress = state.last_seen
         if isinstance(msg, TokenBatch):
             for item in msg.items:
                 self._deliver(item[0], item, worker_id)
@@ -510,7 +521,17 @@ class Cluster(TokenSource):
                 if worker_id in flight.workers:
                     flight.workers.remove(worker_id)
                 flight.fail(ClusterError(reason))
+        if not (self.pool("prefill") and self.pool("decode")):
+            self._fail_queued(ClusterError(f"no prefill+decode pair is left ({reason})", 503,
+                                           self.config.worker_timeout_s))
         self._capacity.set()
+
+    def _fail_queued(self, error: ClusterError) -> None:
+        """Every queued request gets `error` (no pair is left to serve it)."""
+        for entry in self._queue:
+            if not entry.pair.done():
+                entry.pair.set_exception(error)
+        self._queue.clear()
 
 
 class _Timer:

@@ -21,7 +21,9 @@ PREFILL_QUEUE_STEPS = 4
 @dataclass
 class WorkerState:
     status: WorkerStatus
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # any message, heartbeats too
+    # a message from the worker's loop (it sends its status between steps): it is not stuck
+    last_progress: float = field(default_factory=time.monotonic)
     # Requests the gateway has routed here and not seen finish, with their token estimate.
     inflight: dict[str, int] = field(default_factory=dict)
     full_until: float = 0.0  # decode: said its pool was full; no new request before this

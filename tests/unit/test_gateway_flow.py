@@ -19,8 +19,8 @@ from pd_serve.cache.pool import KVLayout
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.gateway.cluster import Cluster, GatewayConfig
 from pd_serve.gateway.source import GenerateSpec
-from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Prefill, PrefillDone,
-                               StartDecode, TokenBatch, WorkerStatus)
+from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Heartbeat, Prefill,
+                               PrefillDone, StartDecode, TokenBatch, WorkerStatus)
 
 KEY = b"test-cluster-key"
 LAYOUT = asdict(KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=8, dtype="float32"))
@@ -42,6 +42,7 @@ class FakeWorker:
         self.full_replies = 0  # decode: answer this many Admits "full" first
         self.finish = True  # decode: end a request at StartDecode
         self.prefill_ok = True
+        self.stuck = False  # heartbeats only: alive, but its loop never comes round
         self._task = asyncio.create_task(self._serve())
 
     def status(self) -> WorkerStatus:
@@ -62,7 +63,7 @@ class FakeWorker:
         self.send(self.status())
         while True:
             if not await self.sock.poll(200):
-                self.send(self.status())  # heartbeat
+                self.send(Heartbeat(self.worker_id, self.incarnation) if self.stuck else self.status())
                 continue
             msg = self.codec.decode(await self.sock.recv())
             self.received.append(msg)
@@ -102,8 +103,8 @@ async def until(predicate, timeout: float = 20.0) -> None:
 
 @contextlib.asynccontextmanager
 async def gateway(**overrides):
-    config = GatewayConfig(cluster_key=KEY, worker_timeout_s=5.0, step_timeout_s=30.0,
-                           admit_timeout_s=30.0, **overrides)
+    config = GatewayConfig(**{"cluster_key": KEY, "worker_timeout_s": 5.0, "step_timeout_s": 30.0,
+                              "admit_timeout_s": 30.0, **overrides})
     cluster = Cluster(config)
     await cluster.start()
     workers: list[FakeWorker] = []
@@ -212,6 +213,41 @@ def test_a_failed_prefill_aborts_the_request_on_decode():
             events = await collect(cluster, spec("r"))
             assert "prefill failed: boom" in events[-1].error
             await until(lambda: [m.request_id for m in decode.of(AbortRequest)] == ["r"])
+    asyncio.run(run())
+
+
+def test_step_timeout_counts_a_workers_silence_not_a_requests_wait():
+    """A request may wait longer than --step-timeout on a worker whose loop steps on (its turn
+    in a queue); a worker whose loop goes silent fails it."""
+    async def run():
+        async with gateway(step_timeout_s=1.0) as (cluster, add):
+            decode = add("decode", "d")
+            add("prefill", "p")
+            await ready(cluster, 2)
+            decode.finish = False
+            task = asyncio.create_task(collect(cluster, spec("r")))
+            await until(lambda: decode.of(StartDecode))
+            await asyncio.sleep(3.0)  # three step timeouts, the worker's status coming meanwhile
+            assert not task.done()
+            decode.stuck = True
+            events = await task
+            assert "--step-timeout" in events[-1].error and "d" in cluster.workers
+    asyncio.run(run())
+
+
+def test_queued_requests_get_503_when_no_pair_is_left():
+    async def run():
+        async with gateway(worker_timeout_s=1.0) as (cluster, add):
+            decode, prefill = add("decode", "d", max_running=1), add("prefill", "p")
+            await ready(cluster, 2)
+            decode.finish = False
+            tasks = [asyncio.create_task(collect(cluster, spec(f"r{i}"))) for i in range(3)]
+            await until(lambda: cluster.num_queued == 2)
+            await prefill.close()  # silent from now on: dropped after the worker timeout
+            events = await asyncio.gather(*tasks[1:])
+            assert all(e[-1].status == 503 and "no prefill+decode pair" in e[-1].error for e in events)
+            tasks[0].cancel()
+            await asyncio.gather(tasks[0], return_exceptions=True)
     asyncio.run(run())
 
 
