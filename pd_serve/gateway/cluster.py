@@ -23,14 +23,11 @@ import zmq
 import zmq.asyncio
 
 from pd_serve import protocol
-from pd_serve.cache.pool import KVLayout
-from pd_serve.gateway.metrics import GatewayMetrics
-from pd_serve.gateway.router import Router, WorkerState
+from pd_serve.gateway.metrics import GatewayMetrics, RequestTimer
+from pd_serve.gateway.router import Router, WorkerState, pair_error, status_error
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
                                Prefill, PrefillDone, StartDecode, TokenBatch, WorkerStatus)
-from pd_serve.transfer.base import layout_mismatch
-from pd_serve.transfer.heads import tp_error
 
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
@@ -72,38 +69,6 @@ class ClusterError(Exception):
     def __init__(self, message: str, status: int = 500, retry_after: float | None = None):
         super().__init__(message)
         self.status, self.retry_after = status, retry_after
-
-
-def pair_error(prefill: WorkerStatus, decode: WorkerStatus) -> str:
-    """Why this prefill worker cannot hand KV to this decode worker ("" if it can): the same
-    model KV layout and transfer backend, and TP sizes the model's KV heads allow (any two do:
-    each decode rank receives its heads from the prefill ranks holding them)."""
-    if prefill.transfer_backend != decode.transfer_backend:
-        return (f"transfer backends differ ({prefill.transfer_backend} vs "
-                f"{decode.transfer_backend}): start both with the same --transfer-backend")
-    if diff := layout_mismatch(KVLayout(**decode.layout), prefill.layout):
-        return f"KV layouts differ (prefill vs decode): {diff}"
-    heads = decode.layout.get("num_kv_heads", 0)
-    for name, status in (("prefill", prefill), ("decode", decode)):
-        if error := tp_error(status.tp, heads):
-            return f"{name} --tp: {error}"
-    if len(decode.transfer_addresses) != decode.tp:
-        return f"decode reports {len(decode.transfer_addresses)} KV receivers for --tp {decode.tp}"
-    return ""
-
-
-def status_error(status: WorkerStatus) -> str:
-    """Why a registration is refused ("" if it is fine): its layout must be a KV layout."""
-    if status.role == "colocated" and not status.layout:
-        return ""
-    try:
-        layout = KVLayout(**status.layout)
-    except (TypeError, ValueError) as e:
-        return f"bad KV layout: {e}"
-    sizes = (layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim)
-    if not all(type(n) is int and n >= 1 for n in sizes) or not isinstance(layout.dtype, str):
-        return f"bad KV layout {status.layout!r}"
-    return ""
 
 
 @dataclass
@@ -209,7 +174,7 @@ class Cluster(TokenSource):
             return
         flight = self._flights[rid] = _Flight(asyncio.Queue(maxsize=spec.params.max_tokens + 16),
                                               asyncio.current_task())
-        timer = _Timer(self.metrics)
+        timer = RequestTimer(self.metrics)
         completed = False  # a worker finished it: nothing to abort
         try:
             run = self._disaggregated if self.pool("prefill") and self.pool("decode") else self._colocated
@@ -532,43 +497,3 @@ class Cluster(TokenSource):
             if not entry.pair.done():
                 entry.pair.set_exception(error)
         self._queue.clear()
-
-
-class _Timer:
-    """Phase timings of one request, and the latency metrics they feed."""
-
-    def __init__(self, metrics: GatewayMetrics):
-        self.metrics = metrics
-        self.start = time.monotonic()
-        self.marks: dict[str, float] = {}
-        self.prefill_timings: dict = {}
-        self.num_tokens = 0
-        self.last_token = self.start
-
-    def mark(self, name: str) -> None:
-        self.marks[name] = time.monotonic()
-        if name == "queue":
-            self.metrics.queue_time.observe(self.marks[name] - self.start)
-
-    def tokens(self, n: int) -> None:
-        t = time.monotonic()
-        if self.num_tokens == 0:
-            self.marks["first_token"] = t
-            self.metrics.ttft.observe(t - self.start)
-        else:
-            self.metrics.itl.observe(t - self.last_token)
-        self.last_token = t
-        self.num_tokens += n
-
-    def timings(self) -> dict:
-        end = time.monotonic()
-        out = {"e2e": end - self.start, "queue": self.marks.get("queue", end) - self.start,
-               **{k: v for k, v in self.prefill_timings.items()}}
-        if "first_token" in self.marks:
-            out["first_token"] = self.marks["first_token"] - self.start
-            out["decode"] = end - self.marks["first_token"]
-            if self.num_tokens > 1:
-                out["tpot"] = out["decode"] / (self.num_tokens - 1)
-                self.metrics.tpot.observe(out["tpot"])
-        self.metrics.e2e.observe(out["e2e"])
-        return out

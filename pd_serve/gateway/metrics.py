@@ -7,6 +7,7 @@ with a `worker` label, merged per metric family so each family appears once.
 from __future__ import annotations
 
 import logging
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
@@ -71,3 +72,43 @@ class _Static:
 
     def collect(self):
         return self.metrics
+
+
+class RequestTimer:
+    """Phase timings of one request, and the latency metrics they feed."""
+
+    def __init__(self, metrics: GatewayMetrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.marks: dict[str, float] = {}
+        self.prefill_timings: dict = {}
+        self.num_tokens = 0
+        self.last_token = self.start
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.monotonic()
+        if name == "queue":
+            self.metrics.queue_time.observe(self.marks[name] - self.start)
+
+    def tokens(self, n: int) -> None:
+        t = time.monotonic()
+        if self.num_tokens == 0:
+            self.marks["first_token"] = t
+            self.metrics.ttft.observe(t - self.start)
+        else:
+            self.metrics.itl.observe(t - self.last_token)
+        self.last_token = t
+        self.num_tokens += n
+
+    def timings(self) -> dict:
+        end = time.monotonic()
+        out = {"e2e": end - self.start, "queue": self.marks.get("queue", end) - self.start,
+               **{k: v for k, v in self.prefill_timings.items()}}
+        if "first_token" in self.marks:
+            out["first_token"] = self.marks["first_token"] - self.start
+            out["decode"] = end - self.marks["first_token"]
+            if self.num_tokens > 1:
+                out["tpot"] = out["decode"] / (self.num_tokens - 1)
+                self.metrics.tpot.observe(out["tpot"])
+        self.metrics.e2e.observe(out["e2e"])
+        return out

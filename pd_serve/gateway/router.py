@@ -1,4 +1,5 @@
-"""Which worker of a pool takes a request: round_robin, least_load, and prefix for prefill."""
+"""Which worker of a pool takes a request (round_robin, least_load, and prefix for prefill), and
+which prefill and decode workers can pair at all."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from pd_serve.cache.pool import KVLayout
 from pd_serve.protocol import WorkerStatus
+from pd_serve.transfer.base import layout_mismatch
+from pd_serve.transfer.heads import tp_error
 
 POLICIES = {"prefill": ("round_robin", "least_load", "prefix"),
             "decode": ("round_robin", "least_load")}
@@ -59,3 +63,35 @@ class Router:
             head = ",".join(map(str, prompt_token_ids[:PREFIX_TOKENS])).encode()
             return workers[int.from_bytes(hashlib.blake2b(head, digest_size=8).digest(), "big") % len(workers)]
         return min(workers, key=lambda w: (w.load, w.worker_id))
+
+
+def pair_error(prefill: WorkerStatus, decode: WorkerStatus) -> str:
+    """Why this prefill worker cannot hand KV to this decode worker ("" if it can): the same
+    model KV layout and transfer backend, and TP sizes the model's KV heads allow (any two do:
+    each decode rank receives its heads from the prefill ranks holding them)."""
+    if prefill.transfer_backend != decode.transfer_backend:
+        return (f"transfer backends differ ({prefill.transfer_backend} vs "
+                f"{decode.transfer_backend}): start both with the same --transfer-backend")
+    if diff := layout_mismatch(KVLayout(**decode.layout), prefill.layout):
+        return f"KV layouts differ (prefill vs decode): {diff}"
+    heads = decode.layout.get("num_kv_heads", 0)
+    for name, status in (("prefill", prefill), ("decode", decode)):
+        if error := tp_error(status.tp, heads):
+            return f"{name} --tp: {error}"
+    if len(decode.transfer_addresses) != decode.tp:
+        return f"decode reports {len(decode.transfer_addresses)} KV receivers for --tp {decode.tp}"
+    return ""
+
+
+def status_error(status: WorkerStatus) -> str:
+    """Why a registration is refused ("" if it is fine): its layout must be a KV layout."""
+    if status.role == "colocated" and not status.layout:
+        return ""
+    try:
+        layout = KVLayout(**status.layout)
+    except (TypeError, ValueError) as e:
+        return f"bad KV layout: {e}"
+    sizes = (layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim)
+    if not all(type(n) is int and n >= 1 for n in sizes) or not isinstance(layout.dtype, str):
+        return f"bad KV layout {status.layout!r}"
+    return ""

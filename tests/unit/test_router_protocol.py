@@ -53,7 +53,7 @@ def test_pair_error_names_what_keeps_a_prefill_and_a_decode_worker_apart():
     from dataclasses import asdict
 
     from pd_serve.cache.pool import KVLayout
-    from pd_serve.gateway.cluster import pair_error
+    from pd_serve.gateway.router import pair_error
 
     layout = asdict(KVLayout(num_layers=4, page_size=16, num_kv_heads=4, head_dim=8, dtype="bfloat16"))
 
