@@ -125,11 +125,17 @@ async def ready(cluster: Cluster, n: int) -> None:
     await until(lambda: len(cluster.workers) == n)
 
 
+async def one_pair(cluster: Cluster, add, **decode_args) -> tuple[FakeWorker, FakeWorker]:
+    """A registered decode worker "d" (with `decode_args`) and prefill worker "p"."""
+    decode, prefill = add("decode", "d", **decode_args), add("prefill", "p")
+    await ready(cluster, 2)
+    return decode, prefill
+
+
 def test_requests_complete_and_leave_nothing_behind():
     async def run():
         async with gateway() as (cluster, add):
-            decode, prefill = add("decode", "d"), add("prefill", "p")
-            await ready(cluster, 2)
+            decode, prefill = await one_pair(cluster, add)
             events = await asyncio.gather(*(collect(cluster, spec(f"r{i}")) for i in range(20)))
             assert all(e[-1].finished and not e[-1].error for e in events)
             assert [e.new_token_ids for e in events[0]] == [[7], [8]]
@@ -142,9 +148,7 @@ def test_requests_complete_and_leave_nothing_behind():
 def test_queue_serves_by_priority_then_arrival():
     async def run():
         async with gateway() as (cluster, add):
-            decode = add("decode", "d", max_running=1)
-            add("prefill", "p")
-            await ready(cluster, 2)
+            decode, _ = await one_pair(cluster, add, max_running=1)
             decode.finish = False  # the first request holds the only slot
             first = asyncio.create_task(collect(cluster, spec("first")))
             await until(lambda: decode.of(StartDecode))
@@ -161,9 +165,7 @@ def test_queue_serves_by_priority_then_arrival():
 def test_a_full_queue_answers_429_with_retry_after():
     async def run():
         async with gateway(max_queued_requests=2) as (cluster, add):
-            decode = add("decode", "d", max_running=1)
-            add("prefill", "p")
-            await ready(cluster, 2)
+            decode, _ = await one_pair(cluster, add, max_running=1)
             decode.finish = False
             tasks = [asyncio.create_task(collect(cluster, spec("r0")))]
             await until(lambda: decode.of(StartDecode))
@@ -181,9 +183,7 @@ def test_a_full_queue_answers_429_with_retry_after():
 def test_a_full_decode_pool_sends_the_request_back_to_wait():
     async def run():
         async with gateway() as (cluster, add):
-            decode = add("decode", "d")
-            add("prefill", "p")
-            await ready(cluster, 2)
+            decode, _ = await one_pair(cluster, add)
             decode.full_replies = 3
             events = await collect(cluster, spec("r"))
             assert not events[-1].error and len(decode.of(Admit)) == 4
@@ -194,9 +194,7 @@ def test_impossible_requests_fail_at_once_with_a_clear_status():
     async def run():
         async with gateway() as (cluster, add):
             assert (await collect(cluster, spec("none")))[-1].status == 503  # no workers
-            add("decode", "d", num_pages=4)
-            add("prefill", "p")
-            await ready(cluster, 2)
+            await one_pair(cluster, add, num_pages=4)
             start = time.monotonic()
             too_long = (await collect(cluster, spec("long", num_tokens=100)))[-1]
             assert too_long.status == 400 and "largest decode pool holds 4" in too_long.error
@@ -207,8 +205,7 @@ def test_impossible_requests_fail_at_once_with_a_clear_status():
 def test_a_failed_prefill_aborts_the_request_on_decode():
     async def run():
         async with gateway() as (cluster, add):
-            decode, prefill = add("decode", "d"), add("prefill", "p")
-            await ready(cluster, 2)
+            decode, prefill = await one_pair(cluster, add)
             prefill.prefill_ok = False
             events = await collect(cluster, spec("r"))
             assert "prefill failed: boom" in events[-1].error
@@ -221,9 +218,7 @@ def test_step_timeout_counts_a_workers_silence_not_a_requests_wait():
     in a queue); a worker whose loop goes silent fails it."""
     async def run():
         async with gateway(step_timeout_s=1.0) as (cluster, add):
-            decode = add("decode", "d")
-            add("prefill", "p")
-            await ready(cluster, 2)
+            decode, _ = await one_pair(cluster, add)
             decode.finish = False
             task = asyncio.create_task(collect(cluster, spec("r")))
             await until(lambda: decode.of(StartDecode))
@@ -238,8 +233,7 @@ def test_step_timeout_counts_a_workers_silence_not_a_requests_wait():
 def test_queued_requests_get_503_when_no_pair_is_left():
     async def run():
         async with gateway(worker_timeout_s=1.0) as (cluster, add):
-            decode, prefill = add("decode", "d", max_running=1), add("prefill", "p")
-            await ready(cluster, 2)
+            decode, prefill = await one_pair(cluster, add, max_running=1)
             decode.finish = False
             tasks = [asyncio.create_task(collect(cluster, spec(f"r{i}"))) for i in range(3)]
             await until(lambda: cluster.num_queued == 2)
@@ -254,9 +248,7 @@ def test_queued_requests_get_503_when_no_pair_is_left():
 def test_a_restarted_worker_fails_its_old_requests_at_once():
     async def run():
         async with gateway() as (cluster, add):
-            decode = add("decode", "d")
-            add("prefill", "p")
-            await ready(cluster, 2)
+            decode, _ = await one_pair(cluster, add)
             decode.finish = False
             task = asyncio.create_task(collect(cluster, spec("r")))
             await until(lambda: decode.of(StartDecode))
@@ -271,9 +263,7 @@ def test_a_restarted_worker_fails_its_old_requests_at_once():
 def test_pings_list_each_workers_requests():
     async def run():
         async with gateway() as (cluster, add):
-            decode = add("decode", "d")
-            add("prefill", "p")
-            await ready(cluster, 2)
+            decode, _ = await one_pair(cluster, add)
             decode.finish = False
             task = asyncio.create_task(collect(cluster, spec("r")))
             await until(lambda: any("r" in p.request_ids for p in decode.of(GatewayPing)))
@@ -288,9 +278,7 @@ def test_pings_list_each_workers_requests():
 def test_a_flight_whose_consumer_ended_is_reaped():
     async def run():
         async with gateway() as (cluster, add):
-            decode = add("decode", "d")
-            add("prefill", "p")
-            await ready(cluster, 2)
+            decode, _ = await one_pair(cluster, add)
             decode.finish = False
             stream = cluster.generate(spec("r"))
 
@@ -329,9 +317,7 @@ def _hostile_messages(key: bytes) -> list[tuple[bytes, list[bytes]]]:
 def test_hostile_control_messages_are_refused_and_the_gateway_serves_on():
     async def run():
         async with gateway() as (cluster, add):
-            add("decode", "d")
-            add("prefill", "p")
-            await ready(cluster, 2)
+            await one_pair(cluster, add)
             before = _errors("control")
             ctx = zmq.asyncio.Context.instance()
             rogues = {}
