@@ -22,12 +22,10 @@ previous kernel done and its writes visible) before it reads what that kernel ma
 kernels shrinks. CUDA graphs keep it. Before the wait a kernel reads only what no kernel of the
 forward writes (weights and their scales, RoPE's cos / sin tables) or what the host staged for
 the batch before it (positions, KV slots): RMSNorm's weight, the RoPE + KV store's rows and the
-FP8 GEMV's first weight tile and scales load there, under the tail of the kernel before
-(FP8 batch-1 decode step 2.48 against 2.63 ms, bench/results/ab-prewait-reads-e356090/).
-tests/kernels/test_pdl_prewait.py holds each kernel to its list of such reads. On one
-H200 at 91373a0 (Llama-3.1-8B shape, --enable-batch1-kernels, same run): decode bs 1 at 1k
-context 4.42 -> 4.26 ms a step, bs 64 7.59 -> 7.33 ms
-(bench/results/one-batch-h200-llama3-8b-pdl{0,1}-91373a0.json).
+FP8 GEMV's first weight tile and scales load there, under the tail of the kernel before.
+tests/kernels/test_pdl_prewait.py holds each kernel to its list of such reads. On one H200
+(Llama-3.1-8B shape, --enable-batch1-kernels) PDL takes a decode step at 1k context from 4.42
+to 4.26 ms at batch 1 and from 7.59 to 7.33 ms at batch 64.
 """
 
 from __future__ import annotations

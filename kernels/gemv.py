@@ -1,12 +1,12 @@
 """GEMV: `x @ W.T (+ bias)` for one row of x, the shape of every linear layer at decode batch 1.
 
 One row reads each weight once and does two FLOPs per weight element, so the layer is a read
-of W at the memory rate or it is slow. cuBLAS picks GEMM tiles for it (128 x 8 outputs, with a
-split-K reduce kernel after the narrow layers) that read Llama-3.1-8B's q/k/v and o weights at
-only 3.1 and 2.5 TB/s on an H200. Here a program owns BLOCK_N output channels and walks the
-whole K range in BLOCK_K steps, loading a [BLOCK_N, BLOCK_K] weight tile per step and keeping
-float32 products in a tile of the same shape, summed over K once at the end: no split-K, no
-second kernel, and BLOCK_N small enough that every SM has programs in flight.
+of W at the memory rate or it is slow. cuBLAS picks GEMM tiles for it (with a split-K reduce
+kernel after the narrow layers) that read Llama-3.1-8B's q/k/v and o weights at only 2.5-3.1
+TB/s on an H200. Here a program owns BLOCK_N output channels and walks the whole K range in
+BLOCK_K steps: no split-K, no second kernel, and BLOCK_N small enough that every SM has
+programs in flight. From two rows up cuBLAS wins (its tiles share the weight read between
+rows; this kernel's do not), so `linear` takes this path for one row only.
 
 FP8 weights (float8_e4m3fn [N, K] with a float32 per-channel weight_scale [N]) run weight-only
 (W8A16): the weight tile is widened to float32 in registers and multiplied by x as it is, and
@@ -15,79 +15,21 @@ FP8 weights (float8_e4m3fn [N, K] with a float32 per-channel weight_scale [N]) r
 
 x is not rounded to FP8 (which `pd_serve.model.fp8.fp8_linear` does on tensor cores for two
 rows and more): at one row the layer is a read of the weight, and an activation scale would
-cost a pass over x and a division per x element in every program. Until 2026-11-30 this kernel
-did round x (dynamic per-token or static scale, the tensor-core path's arithmetic) and read FP8
-weight at only 2.0-3.0 TB/s (`torch._scaled_mm` / here, us: q/k/v 30.8 / 12.3, o 26.5 / 8.2,
-gate/up 58.7 / 40.9, down 57.2 / 21.0).
+cost a pass over x and a division per x element in every program.
 
-Block sizes are a fixed choice by shape (no autotuning), from timings under CUDA graphs over 32
-distinct copies of each Llama-3.1-8B layer on an H200 (bf16, us per call, cuBLAS / here):
-q/k/v 16.3 / 13.9, o 13.5 / 10.7, gate/up 55.1 / 54.4, down 31.6 / 28.7, LM head 243 / 235.
-FP8 (weight-only) tile configurations came from a sweep of 48 (bench/probes/fp8_gemv_variants.py,
-bench/results/probe-fp8-gemv-variants-h200-3852923.json, us, the choice / the sweep's best):
-q/k/v 11.0 / 10.5, o 7.0 / 7.0, gate/up 36.8 / 36.3, down 19.2 / 19.2, which is 2.3-3.2 TB/s
-of FP8 weight (bf16 here: 3.3-4.4 TB/s); the decode step at batch 1 went from 3.40 to 3.10 ms.
-No faster over the four layers: a tensor-core form (the FP8 tile widened to float16 or
-bfloat16, x in row 0 of a 16-row tl.dot: 12.0 / 9.6 / 34.3 / 26.1 us in float16, faster on
-gate/up alone), loading the next tile ahead, evict-first loads, num_stages (Triton pipelines
-only loads that feed a tl.dot), and widening e4m3 to float32 by bit moves instead of the two
-conversions (bench/probes/fp8_gemv_bits.py, ...-bits-h200-4d49ef6.json: best 10.4 / 7.6 / 35.2 /
-21.1 us against this kernel's 11.1 / 7.1 / 36.8 / 19.3 in the same run: the conversions are not
-what bounds it). A form that builds the
-tile's [BLOCK_N, BLOCK_K] pointers once and moves them along K was 6-8 % faster alone
-(bench/probes/fp8_gemv_prefetch.py, ...-prefetch-h200-117d036.json: 9.1 / 6.7 / 32.6 / 17.2 us
-with (16, 512) tiles) but slower in the model: batch-1 steps of 3.33 ms in FP8 against 3.10,
-and 4.50 ms in bf16 against 4.25 at 3ade399 (bench/results/one-batch-h200-llama3-8b{,-fp8}-
-batch1-kernels-7cb46b5.json). Likely cause, not checked: registers, as the GLU form keeps two
-such pointer tiles live and bf16's (16, 1024) tile alone is 64 int64 pointers a thread. Not
-kept. Nor RMSNorm inside the GEMVs (bench/results/ab-norm-fusion-83dd870/, one run, batch 1,
-ms a step FP8 / bf16, norms as kernels of their own 3.09 / 4.29): the residual add in the
-GEMV before and the norm in the one after, its mean square from per-program partial sums the
-first wrote, 3.27 / 4.58; each program summing the row's squares in its own K loop and
-scaling at the end (no norm launch left in a layer), 3.12 / 4.63. Likely cause, not checked:
-the extra loads and arithmetic in every program of qkv and gate/up cost more than sixty-four
-launches fewer save. The FP8 gate/up with the activation in its epilogue (tiled, block_n
-halved) was 3.13 against 3.09 for the GEMV and the silu_and_mul kernel; in the row-sum form
-(below) it gains: at aaffda0 the FP8 model fuses it, ~0.02 ms a step
-(bench/results/ab-argmax-glu-aaffda0/). From two rows up
-cuBLAS wins (its tiles share the weight read between rows; this kernel's do not), so `linear`
-takes this path for one row only.
+Two ways to sum over K (ROWSUM, chosen with the block sizes by `_block_config`, a fixed choice
+by shape and weight dtype from timings under CUDA graphs on an H200, no autotuning). The tile
+form keeps the float32 products in a [BLOCK_N, BLOCK_K] tile, summed once at the end; the
+row-sum form sums each step's products into [BLOCK_N] (a cross-thread sum a step, but fewer
+registers, so more programs an SM) and issues a step's weight loads (gate and up with
+silu_and_mul) before x's. FP8 layers take the row-sum form, faster on every Llama-3.1-8B layer;
+bf16 layers the tile, as row-summing them gained nothing. The row-sum adds the same terms in
+another order, so it may differ from the tile form in the last bit.
 
-With FP8 weights a program loads its first weight tile (and the up half's with silu_and_mul)
-before the PDL wait (kernels/_triton.py): the kernel before writes x, never the weights, so
-that read overlaps its tail. Batch-1 decode step, Llama-3.1-8B shape, one H200, A/B against
-f6dabf1 on one machine start: FP8 3.01 against 3.085 ms (bench/results/ab-fp8-prewait/). For
-bf16 weights it was 1 % slower (4.29 against 4.24 ms; 56 registers a thread against 48 in the
-gate/up form, `bench/probes/gemv_registers.py` at 8fe3e0d), so they load after the wait, as
-before. (Those FP8 programs, tiled, held 168 registers a thread: 3 programs an SM, in Triton
-3.9's code.) The FP8 scales (and a bias, in any dtype) load before the wait too: read in the
-epilogue, after the K loop, they were a trip to memory at the end of every call. FP8 batch-1
-step 2.48 against 2.56 ms with RMSNorm's and RoPE's reads moved as well, 2.63 with neither
-(bench/results/ab-prewait-reads-e356090/).
-
-Two ways to sum over K (ROWSUM, chosen by _block_config). The tile form keeps the float32
-products in a [BLOCK_N, BLOCK_K] tile, summed once at the end; the row-sum form sums each
-step's products into [BLOCK_N] (a cross-thread sum a step, but registers for more programs an
-SM: 125-128 a thread at the FP8 choices, 4 programs an SM, in Triton 3.9's code); it issues a
-step's weight loads (gate and up with silu_and_mul) before x's, at the row starts plus k0.
-FP8 layers take the row-sum form, bf16 ones the tile. bench/probes/gemv_forms.py times both
-forms in this kernel over 22 configurations, medians of three rounds, FP8, us, row-sum / best
-tile (bench/results/probe-gemv-forms-h200-3969c77.json): q/k/v 8.46 / 9.69, o 5.99 / 6.45,
-gate/up (with silu_and_mul) 30.65 / 34.41, down 16.21 / 17.96. As first written (x loaded
-first, weight pointers at the row starts plus kk, the up half loaded after the gate's sum)
-the row-sum form ran o / gate/up / down at 6.77 / 32.50 / 19.87 us at (4, 2048, 4 warps)
-(probe-gemv-forms-h200-bb0c64c.json); bench/probes/gemv_rowsum_prefetch.py's own kernel,
-ordered as above, at 6.11 / 31.03 / 16.39 on another machine start
-(...-rowsum-prefetch-h200-49c3da2.json). Which of those differences matters was not
-separated. Loading the next weight tile ahead as well was slower on every layer there.
-Batch-1 decode step, Llama-3.1-8B shape, one H200, alternating on one machine start
-(bench/results/ab-gemv-rowsum-3969c77/): FP8 2.746 / 2.744 ms (1.26x the floor) against
-3.042 / 3.041 all tiled (3b2e4e1) and 2.856 / 2.856 with only q/k/v and gate/up row-summed as
-first written (e0d1d24); bf16 4.255 against 4.260. bf16's layers were no faster row-summed
-(probe-gemv-forms-h200-bb0c64c.json: q/k/v 15.2 against 13.5 us tiled; down 32.4 against
-33.3, a step 4.247 against 4.279 ms in one sample, bench/results/ab-gemv-rowsum-e0d1d24/,
-inside the 2 % runs differ by). Sums are the tile form's terms in another order, so a
-row-sum layer may differ from the tile form in the last bit.
+Before the PDL wait (kernels/_triton.py) a program loads its bias and FP8 scales and, with FP8
+weights, its first weight tile (the up half's too with silu_and_mul): the kernel before writes
+x, never these, so the reads overlap its tail instead of costing a trip to memory. bf16 weights
+load after the wait: in their tile form an early tile costs registers and runs slower.
 
 `linear_silu_and_mul` (and `gemv(..., silu_and_mul=True)`, which the FP8 MLP calls through
 pd_serve/model/fp8.py) is the Llama MLP's fused gate/up projection with its activation in the
@@ -191,8 +133,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
 
 def _block_config(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, bool]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, ROWSUM) by the layer's shape and weight dtype
-    (see the module docstring for the timings behind them). n counts the output rows a call
-    reads: both halves with silu_and_mul."""
+    (timed on an H200's Llama-3.1-8B layers; see the module docstring). n counts the output
+    rows a call reads: both halves with silu_and_mul."""
     if fp8:  # q/k/v; o, gate/up (its two halves) and down
         return (8, 1024, 4, 1, True) if k < n < 4 * k else (4, 2048, 4, 1, True)
     return (16, 1024, 8, 4, False) if k >= 8192 else (2, 1024, 4, 2, False)

@@ -184,8 +184,7 @@ class CopyGraph:
 
     A copy is then one host-to-device copy of the ids into the graph's buffer and one graph
     launch, both on the current stream (so copies queued on one stream run in order): on the
-    H200 host a Triton launch costs 52-77 us of host time, a replay a fraction of it
-    (bench/results/probe-flush-h200.json).
+    H200 host a Triton launch costs 52-77 us of host time, a replay a fraction of it.
     """
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, layer_start: int, layer_end: int,
@@ -285,8 +284,8 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
     ids = src_ids if src_ids is not None else dst_ids
     block = min(_MAX_BLOCK, 1 << (chunk - 1).bit_length())
     grid = (programs or num_groups * num_ids, -(-chunk // block))
-    # 8 warps for a 16 KiB row: 64 MiB of pages pulled over NVLink ran at 284 GB/s against
-    # 233 GB/s with 4096-element blocks of 4 warps (H200 pair, probe of 2026-11-30).
+    # 8 warps for a 16 KiB row: 64 MiB of pages pulled over NVLink between two H200s run at
+    # 284 GB/s, against 233 GB/s with 4096-element blocks of 4 warps.
     num_warps = 8 if block >= 8192 else 4
     elsewhere = dst.is_cuda and dst.device.index != torch.cuda.current_device()
     with torch.cuda.device(dst.device) if elsewhere else contextlib.nullcontext():

@@ -13,9 +13,8 @@ BLOCK_Q of that row's queries times all GROUP = Hq // Hkv query heads of the KV 
 gathered through the page table) with a flash-attention online softmax in base 2, so each K/V
 tile is read once for all the heads that share it. Decode is the case BLOCK_Q = 1. Prefill
 launches one program per query block that holds queries (`prefill_blocks`, on the host from
-the rows' lengths), longest first. The grid it replaced, (blocks of the longest row) x rows,
-gave a step of 512 decode rows beside a 7,680-token chunk ~2M programs a layer, nearly all of
-them empty.
+the rows' lengths), longest first: a grid of (blocks of the longest row) x rows would be nearly
+all empty programs when decode rows of one token sit beside a long chunk.
 
 Decode is split-K (flash-decoding): NUM_SPLITS programs share a (row, KV head). A row uses as
 many of them as give each split at least _MIN_TILES_PER_SPLIT key tiles of its own context (from
@@ -25,43 +24,24 @@ tiles, and they write a partial output and its log-sum-exp to float32 buffers al
 counts itself done on an int32 counter of its (row, KV head) (an acquire-release atomic at GPU
 scope, after a barrier over the program's stores); the program that counts last merges the
 splits' partials and resets the counter to zero. So decode is one launch whatever the splits
-(a second merge kernel cost about 2.7 us a layer at batch 1 on an H200, plus its launch gap).
-The counters live in one zeroed buffer per device that every launch leaves zeroed: launches that
-share a device must not run at the same time (one stream per device, as the engine runs them).
-NUM_SPLITS comes from shapes only (rows, KV heads, a bound on the context, the SM count), never
-from tensor values: no host sync, and a CUDA graph captured for one batch replays for another
-of the same shape, whatever its lengths and pages. A row's own split count matters where the
-bound is loose: a server's graphs are sized for its context length (131,072 for Llama-3.1), so
-at batch 1 every 1k-token row got 64 splits, 47 of them empty yet merged. Batch-1 FP8 decode
-step, Llama-3.1-8B shape, 1k context, one H200 (bench/results/attention-splits-h200-fp8-
-3c07592/, ms): 2.72 with 9 splits of two 64-key tiles (the rule's old minimum of two tiles a
-split), 2.69 / 2.69 with 17 of one tile, 2.80 with 5 of four; at context length 131,072, 2.74
-with 64 splits against 2.68 with 16. As kept, against the rule before on one machine start:
-2.651 / 2.653 against 2.703 at 1k (bench/results/ab-l2-prefetch-c93dd87/), 2.722 / 2.714
-against 2.736 / 2.739 at 131,072, where the 47 empty splits a (row, KV head) still launch and
-exit (bench/results/attention-splits-ab-h200-e706d12/).
+(a second merge kernel would cost about 2.7 us a layer at batch 1 on an H200, plus its launch
+gap). The counters live in one zeroed buffer per device that every launch leaves zeroed:
+launches that share a device must not run at the same time (one stream per device, as the
+engine runs them). NUM_SPLITS comes from shapes only (rows, KV heads, a bound on the context,
+the SM count), never from tensor values: no host sync, and a CUDA graph captured for one batch
+replays for another of the same shape, whatever its lengths and pages. A row's own split count
+matters because that bound is loose: a server's graphs are sized for its context length
+(131,072 for Llama-3.1), and a short row would otherwise read and merge dozens of empty splits.
+Decode reads nothing before the PDL wait: loading a split's first K/V tile there is slower, at
+batch 1 and at large batches alike.
 
-Tried and not kept: decode reading its split's first K/V tile, length and page ids before the
-PDL wait (the kernel before stores only the new token's K/V), the loop's first-tile loads masked
-off and the preloaded tile selected: batch-1 FP8 steps 2.77 against 2.72 ms, and on the Triton
-backend bs 64 / 256 8.29 / 20.19 against 7.03 / 15.41 ms (bench/results/ab-attention-prewait-
-a169528/; likely the K/V loads no longer pipelined, not checked). Nor reading only the row's
-length before the wait, so that splits with no keys exit unwaited: about 0.01 ms at context
-length 131,072, inside the runs' spread (bench/results/attention-prewait-exit-8290840/), for a
-rule every caller would have to keep (never compute the lengths in the kernel just before).
-Nor reading the row's length and page-list start before the wait (a try, be309a5, not landed):
-2.56 against 2.56 ms, two rounds (bench/results/ab-prewait-reads-e356090/be309a5/).
+The page lists are ragged, not a dense [B, max_pages] table: a CUDA graph's table would have to
+be as wide as the longest context the engine allows, 8192 pages for a 131072-token Llama-3.1,
+so a batch of 512 would fill and copy 4.2M entries a step for the ~50k its rows hold.
 
-The page lists are ragged, not a dense [B, max_pages] table: a CUDA graph's table had to be as
-wide as the longest context the engine allows, 8192 pages for a 131072-token Llama-3.1, so a
-batch of 512 filled and copied 4.2M entries a step (0.24 s of host time a step on the CPU box,
-a decode step being ~33 ms on the GPU) for the ~50k its rows hold.
-
-Measured on an H200 (Llama-3-8B heads: Hq 32, Hkv 8, D 128, page 16, bf16; one CUDA graph over
-many layers' caches, per-layer times): decode reads K/V at 4.2-4.4 TB/s from batch 32 up (the
-copy ceiling there is about 4.3 TB/s read + write), 3.4-4.0 TB/s at batch 4-16 and 2.2 TB/s at
-batch 1 with 8k contexts; 1k contexts at batch <= 8 are launch-bound (8-15 us for two kernels).
-Prefill runs at about 270-310 TFLOP/s (torch's dense flash SDPA: 400-550 on the same shapes).
+On an H200 (Llama-3-8B heads: Hq 32, Hkv 8, D 128, page 16, bf16) decode reads K/V at about
+4.2-4.4 TB/s from batch 32 up, near the copy ceiling; small batches with short contexts are
+launch-bound. Prefill runs at about 270-310 TFLOP/s (torch's dense flash SDPA: 400-550).
 
 FP8 caches (and any cache holding K / k_scale, V / v_scale): K/V tiles are loaded in the cache's
 dtype and cast to q's (exact from FP8 to fp16/bf16/fp32); k_scale is folded into the softmax
@@ -69,11 +49,10 @@ scale and v_scale multiplies the output, which equals attending over K * k_scale
 V * v_scale. The scales are host floats, fixed per layer, so a CUDA graph may keep them.
 Under a bf16 query the tiles' products run in float16 instead (q and the probabilities rounded
 to float16, which has 3 more mantissa bits than bf16 and is exact for FP8 values; a query
-element beyond float16's +-65504 would overflow): decode at 1536 tokens of context took 11.7
-against 14.0 ms a step in bf16 at batch 256, 22.2 against 26.9 at 512 (32 layers, Llama-3.1-8B
-heads, H200; bench/results/one-batch-h200-llama3-8b-fp8-fp8kv-triton-f16{1,0}-de6517b.json).
-FP8 K/V still take as long as bf16 ones (bf16: 12.2 ms at batch 256, 4.2 TB/s): the kernel is
-bound per element there, not by the bytes it reads, so an FP8 cache buys tokens, not speed.
+element beyond float16's +-65504 would overflow): a Llama-3.1-8B decode step at batch 256 and
+1536 tokens of context takes 11.7 ms against 14.0 with bf16 products. FP8 K/V still take as
+long as bf16 ones: the kernel is bound per element there, not by the bytes it reads, so an FP8
+cache buys tokens, not speed.
 
 The functions run the kernels on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise them); otherwise the torch references (`*_ref`,
@@ -103,11 +82,11 @@ _PREFILL_STAGES = 3
 _PROGRAMS_PER_SM = 4  # decode splits fill one wave of this many programs per SM (H200-tuned)
 _MAX_SPLITS = 64
 _MIN_TILES_PER_SPLIT = 1  # a split reads at least this many key tiles (of the widest row
-# when the host picks NUM_SPLITS, of its own row in the kernel)
+# when the host picks NUM_SPLITS, of its own row in the kernel); at batch 1 and 1k context more
+# splits of one tile beat fewer of two or four on an H200
 _CPU_SMS = 132  # split rule's SM count when there is no GPU (the interpreter): an H200's
 _MERGE_ELEMENTS = 16384  # partial-output elements the merging program loads at a time (32
-# splits at group 4, D 128: FP8 bs 1 step 2.63 ms against 2.66 at 4096 and 2.67 at 8192;
-# bench/results/merge-elements-h200-fp8-9c721e0/)
+# splits at group 4, D 128; faster on an H200 than 4096 or 8192)
 _COUNTERS = 1 << 16  # split counters per device: rows x KV heads of one decode launch
 # device -> its int32 [_COUNTERS] split counters, zero between launches
 _counters: dict[torch.device, torch.Tensor] = {}

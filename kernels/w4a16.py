@@ -33,15 +33,13 @@ three), so (that - 2^23) * (x * 2^-s) is v * x exactly. Per step, sum_k x_k * q_
 accumulated and the group's zero point and scale are applied once per channel:
 scale_n * (sum_k x_k q_kn - zero_n * sum_k x_k).
 
-Measured on an H200 under CUDA graphs (bench/w4a16.py, bf16 x, group 128), us per call, W4A16 /
-bf16 GEMM of the dequantized weight, Llama-3.1-8B's layers at batch 1
-(bench/results/w4a16-h200-8d96aac.json): q/k/v 14.4 / 14.4, o 11.6 / 10.2, gate/up 45.0 /
-55.7, down 21.1 / 31.4 (1.00 / 0.89 / 1.24 / 1.49x; the tiled kernel before it: 0.64-0.79x,
-4b53861). That is 0.75-1.45 TB/s of packed weight, against bf16's 3.3-4.2: still far from the
-memory rate. At batch 16 (the tiled kernel) 0.55-0.77x. The one-row kernel's float trick in
-the tiled kernel (q | 0x4B000000 as a float, minus 2^23 + zero) made batch 16 slower, 0.51-0.67x
-(bench/results/w4a16-h200-aa0d80c.json), so the int-to-float conversion is not what bounds it
-there; unpacking two nibbles at a time into half2 (as Marlin and exllama do) is untried.
+On an H200 under CUDA graphs (bf16 x, group 128, Llama-3.1-8B's layers at batch 1) the one-row
+kernel is as fast as a bf16 GEMM of the dequantized weight on q/k/v, 0.89x on o and 1.24x /
+1.49x on gate/up / down, yet reads only 0.75-1.45 TB/s of packed weight against bf16's 3.3-4.2:
+still far from the memory rate. The tiled kernel runs at 0.55-0.77x at batch 16; the float
+trick does not help it (the int-to-float conversion is not what bounds it there), so it
+converts plainly. Marlin and exllama unpack two nibbles at a time into half2; neither kernel
+here does.
 
 `w4a16_matmul` runs the kernel on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise the kernel); otherwise `w4a16_matmul_ref`.

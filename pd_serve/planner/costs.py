@@ -15,8 +15,8 @@
         and `device`, the same models fitted to each point's device time. A point's device time
         is its whole-step time_s where the device is the slower part (a lone or sustained step is
         then the device's), else its device_s: a step of 16 tokens is 16-18 ms of eager launches
-        for 4.8 ms of device work (an H200, profile 7022454), and the launches hide behind the
-        step before (simulator.py).
+        for 4.8 ms of device work (an H200), and the launches hide behind the step before
+        (simulator.py).
 
 Outside a grid the models clamp at the low end and extrapolate the last segment at the high end.
 """

@@ -8,8 +8,8 @@ machine only ever adds time), except where --sustain-s says otherwise:
            (512 with --quick), each as several prompt mixes (1 prompt of T tokens, 4 of T/4, ...);
            with --sustain-s (default 1 on GPU), the mean of the last --repeats of steps run back
            to back for that long, as a busy prefill worker runs them: a GPU's clocks fall under
-           sustained load (an H200 ran a 2048-token step in 47.5 ms alone and 52-53 ms back to
-           back, bench/probes/prefill_sustained.py);
+           sustained load (an H200 runs a 2048-token step in 47.5 ms alone, 52-53 ms back to
+           back);
   decode   one step of `batch` requests with `context` tokens cached, KV pages allocated but not
            computed (the step's time does not depend on their values); where the engine runs the
            overlap schedule (GPU), the time per step of --repeats + 2 steps back to back instead,
@@ -17,15 +17,15 @@ machine only ever adds time), except where --sustain-s says otherwise:
   mixed    one step with a prompt chunk and a decode batch together (what a colocated worker
            runs), so the planner can check how the two parts add up. Always the least of lone
            steps: a colocated worker's mixed steps alternate with lighter decode steps, and
-           timing them back to back made the planner 25-31 % pessimistic for colocated x2 near
-           its knee (2 x H200 sweeps, bench/results/phase-ratio-h200x2-prefill*).
+           timing them back to back makes the planner 25-31 % pessimistic for colocated x2 near
+           its knee (on 2 x H200).
 Where the engine runs the overlap schedule on a GPU, prefill and mixed points also get host_s
 and device_s, each the least of --repeats: the step launched while the device is held busy by
 a spin kernel, host_s the launch's wall time and device_s the step's time on the device (CUDA
-events around it). A lone step of a few tokens is mostly eager launches (an H200, profile
-7022454: 16 prompt tokens take 16.4 ms whole, 16.4-18.3 ms of it launches, 4.8 ms on the
-device); under the overlap schedule they hide behind the step before, so the planner charges
-such a step its device time (costs.py, pipeline).
+events around it). A lone step of a few tokens is mostly eager launches (on an H200, 16
+prompt tokens take 16.4 ms whole, 16.4-18.3 ms of it launches, 4.8 ms on the device); under
+the overlap schedule they hide behind the step before, so the planner charges such a step its
+device time (costs.py, pipeline).
 The KV transfer is not measured: bytes per token come from the KV layout, the rate and the
 per-transfer latency from --transfer-gbps / --transfer-latency-ms. costs.py fits the models.
 """

@@ -101,10 +101,10 @@ def _scales_mismatch(key: str, theirs: tuple, ours: tuple) -> str:
 
 class PageIds:
     """Page ids to a device without a host sync and without page-locked memory allocated per
-    call (a fresh pinned tensor cost 23-331 us of host time on the H200 host, growing with the
-    ids; bench/results/probe-flush-h200.json). On CUDA the ids are written into one of `slots`
-    reused page-locked buffers, which a non-blocking copy on the current stream reads; a buffer
-    is written again only once that copy has run, so at most `slots` uploads are in flight."""
+    call (a fresh pinned tensor costs 23-331 us of host time on the H200 host, growing with the
+    ids). On CUDA the ids are written into one of `slots` reused page-locked buffers, which a
+    non-blocking copy on the current stream reads; a buffer is written again only once that copy
+    has run, so at most `slots` uploads are in flight."""
 
     def __init__(self, device: torch.device, slots: int = 16):
         self.device = device

@@ -77,8 +77,8 @@ class KVReceiver:
     landing, new chunks wait and join the next, so batches grow when the device is the
     bottleneck), and acknowledges a request once the writes of its last chunk have landed,
     checked without blocking between messages, so acknowledgements go out while later messages
-    wait. (Taking every message waiting, up to 64, before queueing and acknowledging any made
-    the pair take turns: KVSender's MESSAGE_DEPTH has the figures.) While writes are landing it
+    wait. (Taking every waiting message before queueing and acknowledging any would make the
+    pair take turns; KVSender's MESSAGE_DEPTH says why.) While writes are landing it
     busy-polls; between the chunks of a request too for up to `spin_s` after a chunk (default 0:
     never; a spinning thread holds the GIL that the process's other threads, a decode engine's,
     need).

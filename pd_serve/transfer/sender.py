@@ -37,16 +37,12 @@ REPLY_MAX_BYTES = 16 * 2**20  # a receiver only sends welcomes and acks: zmq dro
 MAX_ERROR_CHARS = 300  # of a receiver's error text kept in a result
 
 # A receiver's outstanding requests travel in about this many messages, so that while it takes
-# one the sender prepares the next and acknowledgements come back a message at a time. One
-# message for everything queued made the two ends, and the caller that refills as acks come,
-# take turns. ipc, both ends on one H200 (device-local copies: host time), us a request, four
-# messages against one (bench/results/transfer-h200-1gpu-host/message-depth-089a143/): 128 in
-# flight, 1 / 8 / 64 MiB, 24-31 / 29-31 / 52-59 against 41-45 / 47-53 / 101-109; 32 in flight,
-# 64 MiB 69-75 against 111-132, 8 MiB 51-54 against 54-65, with 1.1-1.9x the CPU a request
-# (messages stay small when the caller refills a few at a time; the cap bounds them, it does not
-# fill them). Two against four, the same host, 8 MiB (.../message-depth2-944599d/, a small
-# sample): 32 in flight 45 / 33 against 44 / 49 (two rounds), 128 in flight 26 against 31 (one),
-# each side's CPU a request lower in all three pairs (18-28 against 27-47 us).
+# one the sender prepares the next and acknowledgements come back a message at a time; one
+# message for everything queued makes the two ends (and a caller that refills as acks come) take
+# turns. The depth caps a message at a share of the outstanding requests, it does not fill it:
+# messages stay small when the caller refills a few at a time. Two messages a receiver: over ipc
+# on one H200, fewer host microseconds a request on each side than four (which in turn take
+# about half of one message's).
 MESSAGE_DEPTH = 2
 
 
@@ -154,7 +150,7 @@ class KVSender:
         its own (about 5 us of host time a send on the H200 host). None on a CPU pool."""
         if not self.pool.buffer.is_cuda:
             return None
-        # by index: 2.4 against 4.3 us a call by device on the H200 host (host_costs probe)
+        # by index: about half the host time of by device
         current = torch.cuda.current_stream(self.pool.buffer.device.index)
         event = torch.cuda.Event()
         event.record(current)

@@ -9,10 +9,9 @@ prefill wrapper (causal, with the cached prefix: chunked prefill, and decode row
 flashinfer's default (FA3 on Hopper) when every row is a prompt chunk, its FA2 kernels when
 decode rows are mixed in. FA3's paged kernels read the cache one token at a time (page ids are
 turned into token offsets on every call), which makes a decode row's long context slow: on an
-H200, a 1920-token chunk with 128 decode rows of 2048 tokens (Llama-3.1-8B shape) spent 41 ms
-of its 94 ms step in FA3 attention and 3.4 ms converting page ids (the FA2 kernel behind the
-tensor-core decode reads the same 128 x 2048 contexts in 8.4 ms); on FA2 that step takes 64 ms
-(bench/results/mixed-step-fa2-vs-fa3-h200.json). For prompts alone FA3 is as fast or faster.
+H200, a 1920-token chunk with 128 decode rows of 2048 tokens (Llama-3.1-8B shape) takes 94 ms
+a step on FA3, 41 ms of it in attention, and 64 ms on FA2. For prompts alone FA3 is as fast or
+faster.
 CUDA graphs use one decode wrapper per captured batch size, each in flashinfer's CUDA-graph
 mode over fixed page-table buffers shared by all sizes; plan_cuda_graph() refills them.
 
@@ -21,7 +20,7 @@ instead (kernels/paged_attention.py, through a TritonAttentionBackend over the s
 which rounds differently from flashinfer's batched decode. On an H200 with Llama-3.1-8B's
 heads, per layer under a CUDA graph: 8.5 / 12.1 / 15.7 us at 1k / 4k / 8k context against
 10.4 / 14.4 / 18.4 us for flashinfer's tensor-core decode and its state merge, both
-latency-bound at batch 1 (bench/results/probe-bs1-attention-h200.json).
+latency-bound at batch 1.
 
 FP8 pools: plan() passes the pool's dtype as kv_data_type (q stays bf16/fp16) and run() passes
 the layer's k_scale / v_scale, which flashinfer folds into sm_scale and multiplies onto the
