@@ -132,6 +132,15 @@ async def one_pair(cluster: Cluster, add, **decode_args) -> tuple[FakeWorker, Fa
     return decode, prefill
 
 
+async def held_request(cluster: Cluster, add) -> tuple[FakeWorker, asyncio.Task]:
+    """Request "r" running on a decode worker that never finishes it (its collector task)."""
+    decode, _ = await one_pair(cluster, add)
+    decode.finish = False
+    task = asyncio.create_task(collect(cluster, spec("r")))
+    await until(lambda: decode.of(StartDecode))
+    return decode, task
+
+
 def test_requests_complete_and_leave_nothing_behind():
     async def run():
         async with gateway() as (cluster, add):
@@ -218,10 +227,7 @@ def test_step_timeout_counts_a_workers_silence_not_a_requests_wait():
     in a queue); a worker whose loop goes silent fails it."""
     async def run():
         async with gateway(step_timeout_s=1.0) as (cluster, add):
-            decode, _ = await one_pair(cluster, add)
-            decode.finish = False
-            task = asyncio.create_task(collect(cluster, spec("r")))
-            await until(lambda: decode.of(StartDecode))
+            decode, task = await held_request(cluster, add)
             await asyncio.sleep(3.0)  # three step timeouts, the worker's status coming meanwhile
             assert not task.done()
             decode.stuck = True
@@ -248,10 +254,7 @@ def test_queued_requests_get_503_when_no_pair_is_left():
 def test_a_restarted_worker_fails_its_old_requests_at_once():
     async def run():
         async with gateway() as (cluster, add):
-            decode, _ = await one_pair(cluster, add)
-            decode.finish = False
-            task = asyncio.create_task(collect(cluster, spec("r")))
-            await until(lambda: decode.of(StartDecode))
+            decode, task = await held_request(cluster, add)
             start = time.monotonic()
             decode.incarnation = "two"
             decode.send(decode.status())
