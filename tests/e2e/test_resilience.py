@@ -501,6 +501,9 @@ def test_soak_rss_stays_flat(cluster, model):
         return results
 
     results = asyncio.run(main())
+    print(f"soak: {len(results)} requests in {SOAK_S:.0f} s after a {SOAK_WARMUP_S:.0f} s warm-up; RSS MiB "
+          + ", ".join(f"{name} {rss['start'][name] / 1024:.0f} -> {rss['end'][name] / 1024:.0f}"
+                      for name in pids))
     no_5xx([reply for _, reply in results])
     incomplete = [r for n, r in results if not r.left and not r.complete(n)]
     assert len(results) > 16 and not incomplete, (len(results), incomplete[:1])
