@@ -318,27 +318,34 @@ def test_worker_without_the_cluster_key_cannot_register(cluster, model, tmp_path
 
 
 # ---- 4. kill -9 of each process mid-request ----------------------------------------------------
+def kill_under_load(cluster, model, pid: int, num_streams: int, stream_long: bool):
+    """Start `num_streams` streams (each past its first token) and three long prompts (in
+    prefill), then kill -9 `pid`. Returns the time of the kill and every client's reply."""
+
+    async def main():
+        started = [asyncio.Event() for _ in range(num_streams)]
+        async with session() as client:
+            tasks = [asyncio.create_task(call(client, cluster.base_url,
+                                              request_body(model, PROMPTS[i], 2000, stream=True),
+                                              started=started[i])) for i in range(num_streams)]
+            for event in started:
+                await asyncio.wait_for(event.wait(), START_S)
+            tasks += [asyncio.create_task(call(client, cluster.base_url, request_body(
+                model, long_prompt(i, 1500), 2000, stream=stream_long and i % 2 == 0)))
+                for i in range(3)]
+            await asyncio.to_thread(wait_for, lambda: inflight(cluster, "prefill"), 60)
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            return killed, await asyncio.gather(*tasks)
+
+    return asyncio.run(main())
+
+
 def test_decode_killed_mid_stream(cluster, model):
     """Streams mid-decode and long prompts in prefill when decode dies: every client gets an
     error within 2x --worker-timeout, and prefill's pages are free by then too."""
     decode, proc = worker(cluster, "decode")
-
-    async def main():
-        started = [asyncio.Event() for _ in range(2)]
-        async with session() as client:
-            tasks = [asyncio.create_task(call(client, cluster.base_url,
-                                              request_body(model, PROMPTS[i], 2000, stream=True),
-                                              started=started[i])) for i in range(2)]
-            for event in started:
-                await asyncio.wait_for(event.wait(), START_S)
-            tasks += [asyncio.create_task(call(client, cluster.base_url, request_body(
-                model, long_prompt(i, 1500), 2000, stream=i % 2 == 0))) for i in range(3)]
-            await asyncio.to_thread(wait_for, lambda: inflight(cluster, "prefill"), 60)
-            os.kill(proc.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            return killed, await asyncio.gather(*tasks)
-
-    killed, replies = asyncio.run(main())
+    killed, replies = kill_under_load(cluster, model, proc.pid, 2, stream_long=True)
     for reply in replies:
         assert reply.error or reply.status >= 500, reply  # never completes: its decode is gone
         assert reply.ended - killed < HANG_S, (reply.ended - killed, reply)
@@ -386,23 +393,7 @@ def test_gateway_killed_mid_stream(cluster, model):
     and free their pages; a gateway started again on the same control port sees every worker
     re-register with no page used, and serves."""
     _, proc = worker(cluster, "gateway")
-
-    async def main():
-        started = [asyncio.Event() for _ in range(3)]
-        async with session() as client:
-            tasks = [asyncio.create_task(call(client, cluster.base_url,
-                                              request_body(model, PROMPTS[i], 2000, stream=True),
-                                              started=started[i])) for i in range(3)]
-            for event in started:
-                await asyncio.wait_for(event.wait(), START_S)
-            tasks += [asyncio.create_task(call(client, cluster.base_url,
-                                               request_body(model, long_prompt(i, 1500), 2000)))
-                      for i in range(3)]
-            await asyncio.to_thread(wait_for, lambda: inflight(cluster, "prefill"), 60)
-            os.kill(proc.pid, signal.SIGKILL)
-            return time.monotonic(), await asyncio.gather(*tasks)
-
-    killed, replies = asyncio.run(main())
+    killed, replies = kill_under_load(cluster, model, proc.pid, 3, stream_long=False)
     for reply in replies:
         assert reply.error and not reply.done, reply
         assert reply.ended - killed < HANG_S, (reply.ended - killed, reply)
