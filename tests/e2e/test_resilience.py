@@ -341,19 +341,25 @@ def kill_under_load(cluster, model, pid: int, num_streams: int, stream_long: boo
     return asyncio.run(main())
 
 
+def recovers(cluster, killed: float, replies, name: str) -> None:
+    """After worker `name` was killed: every client had its answer within 2x --worker-timeout,
+    the other workers' pages are free soon after, and `name` restarted serves."""
+    for reply in replies:
+        assert reply.ended - killed < HANG_S, (reply.ended - killed, reply)
+    free = wait_for(lambda: all(u == 0 for u, _ in pages(cluster.base_url).values()),
+                    killed + HANG_S + REPORT_LAG_S - time.monotonic(), 0.2)
+    assert free, f"pages still held {HANG_S} s after {name} died: {pages(cluster.base_url)}"
+    restart_and_wait(cluster, name)
+    assert_idle(cluster)
+
+
 def test_decode_killed_mid_stream(cluster, model):
     """Streams mid-decode and long prompts in prefill when decode dies: every client gets an
     error within 2x --worker-timeout, and prefill's pages are free by then too."""
     decode, proc = worker(cluster, "decode")
     killed, replies = kill_under_load(cluster, model, proc.pid, 2, stream_long=True)
-    for reply in replies:
-        assert reply.error or reply.status >= 500, reply  # never completes: its decode is gone
-        assert reply.ended - killed < HANG_S, (reply.ended - killed, reply)
-    free = wait_for(lambda: all(u == 0 for u, _ in pages(cluster.base_url).values()),
-                    killed + HANG_S + REPORT_LAG_S - time.monotonic(), 0.2)
-    assert free, f"prefill still holds pages {HANG_S} s after decode died: {pages(cluster.base_url)}"
-    restart_and_wait(cluster, decode)
-    assert_idle(cluster)
+    assert all(r.error or r.status >= 500 for r in replies), replies  # its decode is gone
+    recovers(cluster, killed, replies, decode)
 
 
 def test_prefill_killed_mid_prefill(cluster, model):
@@ -377,14 +383,8 @@ def test_prefill_killed_mid_prefill(cluster, model):
 
     killed, replies = asyncio.run(main())
     assert any(r.error or r.status >= 500 for r in replies), replies
-    for reply in replies:
-        assert reply.complete(16) or reply.error or reply.status >= 500, reply
-        assert reply.ended - killed < HANG_S, (reply.ended - killed, reply)
-    free = wait_for(lambda: all(u == 0 for u, _ in pages(cluster.base_url).values()),
-                    killed + HANG_S + REPORT_LAG_S - time.monotonic(), 0.2)
-    assert free, f"decode still holds pages {HANG_S} s after prefill died: {pages(cluster.base_url)}"
-    restart_and_wait(cluster, prefill)
-    assert_idle(cluster)
+    assert all(r.complete(16) or r.error or r.status >= 500 for r in replies), replies
+    recovers(cluster, killed, replies, prefill)
 
 
 def test_gateway_killed_mid_stream(cluster, model):
