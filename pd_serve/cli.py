@@ -16,7 +16,8 @@ import sys
 import time
 
 from pd_serve.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
-                             SCHEDULE_POLICIES, CacheConfig, EngineConfig, SchedulerConfig)
+                             SCHEDULE_POLICIES, CacheConfig, EngineConfig, SchedulerConfig,
+                             engine_config_from_args)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -69,17 +70,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=d_sched.chunked_prefill_size,
                    help="max prefill tokens per step; -1 disables chunking")
     g.add_argument("--schedule-policy", default=d_sched.schedule_policy, choices=SCHEDULE_POLICIES)
-
-
-ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
-                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
-                "disable_overlap_schedule", "enable_batch1_kernels", "tp", "quantization",
-                "page_size", "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb",
-                "kv_cache_dtype", "max_running_requests", "chunked_prefill_size", "schedule_policy")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_flat(**{name: getattr(args, name) for name in ENGINE_FLAGS})
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -284,15 +274,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
         print(f"tokens: {reply.usage.prompt_tokens} prompt, {reply.usage.completion_tokens} completion")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from bench import phase_ratio, planner_check, serving
-
-    code = {"serving": serving, "phase-ratio": phase_ratio,
-            "planner-check": planner_check}[args.name].main(args.engine_argv)
-    if code:
-        raise SystemExit(code)
-
-
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -351,12 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=128)
     _add_launch_args(demo)
     demo.set_defaults(func=cmd_demo)
-    bench = sub.add_parser("bench", add_help=False, help="benchmarks: serving (load generator against a gateway), "
-                           "phase-ratio (goodput of each xPyD split and colocated serving against request "
-                           "rate), planner-check (pd-serve plan's predictions against a measured "
-                           "phase-ratio sweep); the flags after the name go to it (pd-serve bench serving --help)")
-    bench.add_argument("name", choices=["serving", "phase-ratio", "planner-check"])
-    bench.set_defaults(func=cmd_bench)
     from pd_serve.planner.plan import add_plan_args
     from pd_serve.planner.profile import add_profile_args
 
@@ -375,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("launch", "demo", "bench"):
-        args.engine_argv = rest  # launch/demo: flags for every worker; bench: the benchmark's flags
+    if args.command in ("launch", "demo"):
+        args.engine_argv = rest  # flags for every worker
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

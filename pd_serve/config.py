@@ -94,6 +94,18 @@ class EngineConfig:
         return cls(**kwargs, **parts)
 
 
+ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
+                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
+                "disable_overlap_schedule", "enable_batch1_kernels", "tp", "quantization",
+                "page_size", "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb",
+                "kv_cache_dtype", "max_running_requests", "chunked_prefill_size", "schedule_policy")
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    """The EngineConfig of parsed CLI flags (an argparse.Namespace with every engine flag)."""
+    return EngineConfig.from_flat(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+
+
 def _check(ok: bool, flag: str, value, rule: str) -> None:
     if not ok:
         raise ValueError(f"{flag} {value!r} {rule}")

@@ -128,7 +128,7 @@ for _ in range(300):
     except OSError:
         time.sleep(1)
 PY
-    step burst-$cfg "${BURST_TIMEOUT:-300}" python3 -m pd_serve.cli bench serving \
+    step burst-$cfg "${BURST_TIMEOUT:-300}" python3 bench/serving.py \
       --base-url http://127.0.0.1:8400 --num-prompts 1000 --request-rate inf --input-len 2048 \
       --output-len 128 --no-progress --output "$OUT/serving-burst-h200-$cfg.json"
     sleep 3  # the workers report their pages once a second
