@@ -1,40 +1,11 @@
-"""What every benchmark records next to its numbers: the commit, the devices, and the JSON file."""
+"""What every benchmark records next to its numbers (the commit, the devices, the JSON file:
+pd_serve/planner/provenance.py, which `pd-serve profile` uses too), and a device sync."""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import subprocess
-from pathlib import Path
-
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def git_commit() -> str:
-    """$PD_SERVE_COMMIT when set (the device machine gets a copy of the tree, whose .git may be
-    stale), else HEAD, with "-dirty" when tracked files differ from it (so a stale or edited
-    tree never passes for a commit)."""
-    if os.environ.get("PD_SERVE_COMMIT"):
-        return os.environ["PD_SERVE_COMMIT"]
-    try:
-        head = _git("rev-parse", "HEAD")
-        return head + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+from pd_serve.planner.provenance import device_name, git_commit, write_json  # noqa: F401
 
 
 def sync(*devices: torch.device) -> None:
@@ -42,10 +13,3 @@ def sync(*devices: torch.device) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-
-
-def write_json(path: str | Path, record: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {path}")

@@ -60,6 +60,7 @@ import torch  # noqa: E402
 from bench import serving  # noqa: E402
 from bench._common import device_name, git_commit, write_json  # noqa: E402
 from pd_serve.launch import LaunchError, LocalCluster, free_port, launch_transfer_args  # noqa: E402
+from pd_serve.planner.metrics import RequestRecord, parse_slo, summarize_ms  # noqa: E402
 from pd_serve.planner.profile import busy_cores, busy_machine_warning  # noqa: E402
 from pd_serve.planner.plan import CAPACITY_TARGET, bounded  # noqa: E402
 
@@ -203,12 +204,12 @@ def run_serving(args: argparse.Namespace, base_url: str, rate: float) -> dict:
             raise LaunchError(f"the serving benchmark could not use {base_url} (see above)")
         result = json.loads(out.read_text(encoding="utf-8"))
     errors = sorted({r["error"] for r in result["requests"] if r["error"]})
-    records = [serving.RequestRecord(**r) for r in result["requests"]]
+    records = [RequestRecord(**r) for r in result["requests"]]
     return result["metrics"] | {"errors": errors[:3], "latencies_ms": [_latencies(r) for r in records],
                                 "server_timings_ms": server_phases(records)}
 
 
-def server_phases(records: list[serving.RequestRecord]) -> dict[str, dict[str, float]]:
+def server_phases(records: list[RequestRecord]) -> dict[str, dict[str, float]]:
     """p50 / p90 in ms of each phase the gateway timed (queue, prefill, prefill_step, transfer,
     first_token, ...) over the completed requests that carry timings: where TTFT went."""
     timed = [r.server_timings for r in records if r.success and r.server_timings]
@@ -216,7 +217,7 @@ def server_phases(records: list[serving.RequestRecord]) -> dict[str, dict[str, f
                      if isinstance(v, (int, float)) and not k.endswith("_bytes")})
     out = {}
     for phase in phases:
-        stats = serving.summarize_ms([t[phase] for t in timed if phase in t])
+        stats = summarize_ms([t[phase] for t in timed if phase in t])
         out[phase] = {"p50": round(stats["median"], 3), "p90": round(stats["p90"], 3)}
     return out
 
@@ -244,7 +245,7 @@ def host_cpu_use(before: dict[str, float], after: dict[str, float], duration_s: 
             "wall_s": round(wall, 3), "benchmark_s": round(duration_s, 3)}
 
 
-def _latencies(record: serving.RequestRecord) -> list[float | None] | None:
+def _latencies(record: RequestRecord) -> list[float | None] | None:
     """[TTFT, TPOT, E2E] in ms of a completed request (TPOT None below two tokens); None for a
     failed one. Enough to count goodput under other SLOs later (bench/planner_check.py --slo)."""
     if not record.success:
@@ -454,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Other flags go to bench/serving.py for every run (see its --help): --dataset, "
                "--input-len, --output-len, --range-ratio, --num-prompts, --seed, --burstiness, "
                "--max-concurrency, --endpoint, --request-timeout, --no-progress, ...")
-    p.add_argument("--slo", type=serving.parse_slo, required=True,
+    p.add_argument("--slo", type=parse_slo, required=True,
                    help="SLOs in ms that goodput counts, e.g. ttft=500,tpot=50[,e2e=10000]")
     rates = p.add_mutually_exclusive_group(required=True)
     rates.add_argument("--request-rates", type=parse_rates, help="comma-separated req/s, e.g. 1,2,4")

@@ -34,8 +34,8 @@ if __package__ in (None, ""):  # `python bench/planner_check.py` from a checkout
 
 from bench._common import git_commit, write_json  # noqa: E402
 from bench.phase_ratio import plot_rate_panels, slo_capacity  # noqa: E402
-from bench.serving import parse_slo  # noqa: E402
 from pd_serve.planner.costs import CostModel, load_profile  # noqa: E402
+from pd_serve.planner.metrics import parse_slo  # noqa: E402
 from pd_serve.planner.plan import (CAPACITY_TARGET, bounded, summarize, workload,  # noqa: E402
                                    workload_args)
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits, simulate, to_records  # noqa: E402

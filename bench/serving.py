@@ -31,7 +31,6 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/serving.py` from a checkout
@@ -41,161 +40,11 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench._common import git_commit, write_json  # noqa: E402
+from pd_serve.planner.metrics import RequestRecord, compute_metrics, parse_slo  # noqa: E402
+from pd_serve.planner.workload import (FIRST_REGULAR_ID, Prompt, add_workload_args,  # noqa: E402
+                                       arrival_offsets, make_prompts)
 
-DATASETS = ("random", "sharegpt", "shared-prefix")
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-SLO_KEYS = {"ttft": "ttft", "tpot": "tpot", "e2e": "e2e", "e2el": "e2e"}  # name on the CLI -> metric
-SHAREGPT_LENGTHS = Path(__file__).resolve().parent / "data" / "sharegpt_lengths.json"
-FIRST_REGULAR_ID = 100  # random prompts leave out ids below this (special tokens live there)
-PERCENTILES = (90, 99)
-
-
-# ---- requests to send -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Prompt:
-    """One request: token ids (sent as they are to /v1/completions, decoded for chat)."""
-
-    token_ids: list[int]
-    output_len: int
-
-
-def uniform_lengths(rng: np.random.Generator, length: int, range_ratio: float, num: int) -> np.ndarray:
-    """`num` integers uniform in [length * (1 - r), length * (1 + r)], at least 1."""
-    low = max(1, math.ceil(length * (1 - range_ratio)))
-    high = max(low, math.floor(length * (1 + range_ratio)))
-    return rng.integers(low, high + 1, num)
-
-
-def random_ids(rng: np.random.Generator, num: int, vocab_size: int) -> list[int]:
-    return rng.integers(FIRST_REGULAR_ID, vocab_size, num).tolist()
-
-
-def random_dataset(rng: np.random.Generator, num_prompts: int, input_len: int, output_len: int,
-                   range_ratio: float, vocab_size: int) -> list[Prompt]:
-    inputs = uniform_lengths(rng, input_len, range_ratio, num_prompts)
-    outputs = uniform_lengths(rng, output_len, range_ratio, num_prompts)
-    return [Prompt(random_ids(rng, int(i), vocab_size), int(o)) for i, o in zip(inputs, outputs)]
-
-
-def sharegpt_dataset(rng: np.random.Generator, num_prompts: int, vocab_size: int,
-                     max_model_len: int | None, path: Path = SHAREGPT_LENGTHS) -> list[Prompt]:
-    """Random-id prompts with (input, output) lengths from the shipped ShareGPT-like table.
-
-    Pairs that do not fit in `max_model_len` are left out; the rest are shuffled and taken in
-    turn (again from the start when `num_prompts` exceeds them).
-    """
-    pairs = json.loads(path.read_text(encoding="utf-8"))["pairs"]
-    fits = [(i, o) for i, o in pairs if max_model_len is None or i + o <= max_model_len]
-    if not fits:
-        raise ValueError(f"no (input, output) pair in {path.name} fits max_model_len={max_model_len}")
-    order = rng.permutation(len(fits))
-    picks = [fits[order[k % len(fits)]] for k in range(num_prompts)]
-    return [Prompt(random_ids(rng, i, vocab_size), o) for i, o in picks]
-
-
-def shared_prefix_dataset(rng: np.random.Generator, num_prompts: int, num_prefixes: int,
-                          prefix_len: int, suffix_len: int, output_len: int,
-                          vocab_size: int) -> list[Prompt]:
-    """`num_prefixes` groups sharing a `prefix_len`-id prefix, each prompt with its own
-    `suffix_len`-id suffix; group sizes differ by at most one, and the groups are interleaved
-    in a random order."""
-    prefixes = [random_ids(rng, prefix_len, vocab_size) for _ in range(num_prefixes)]
-    groups = rng.permutation(np.arange(num_prompts) % num_prefixes)
-    return [Prompt(prefixes[g] + random_ids(rng, suffix_len, vocab_size), output_len) for g in groups]
-
-
-def arrival_offsets(rng: np.random.Generator, num: int, request_rate: float,
-                    burstiness: float) -> np.ndarray:
-    """Send times (s) from the start: the first at 0, then gamma-distributed gaps with shape
-    `burstiness` and mean 1 / rate (burstiness 1: a Poisson process); all at 0 for rate inf."""
-    if math.isinf(request_rate):
-        return np.zeros(num)
-    gaps = rng.gamma(burstiness, 1.0 / (request_rate * burstiness), num)
-    return np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-
-
-# ---- what the client saw --------------------------------------------------------------------
-@dataclass
-class RequestRecord:
-    """One request as the client saw it. Times are seconds since the benchmark started."""
-
-    prompt_len: int                  # ids in the request (the prompt sent to the chat template for chat)
-    max_tokens: int                  # the output length asked for (ignore_eos)
-    send_time: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
-    num_output_tokens: int = 0       # usage.completion_tokens, else the number of content chunks
-    num_prompt_tokens: int | None = None  # usage.prompt_tokens
-    error: str | None = None
-    server_timings: dict | None = None  # pd-serve's `timings` on the finishing chunk (seconds)
-
-    @property
-    def success(self) -> bool:
-        return self.error is None and bool(self.chunk_times)
-
-    @property
-    def input_tokens(self) -> int:
-        return self.num_prompt_tokens if self.num_prompt_tokens is not None else self.prompt_len
-
-    @property
-    def ttft(self) -> float:
-        return self.chunk_times[0] - self.send_time
-
-    @property
-    def e2e(self) -> float:
-        return self.chunk_times[-1] - self.send_time
-
-    @property
-    def tpot(self) -> float | None:
-        n = self.num_output_tokens
-        return (self.e2e - self.ttft) / (n - 1) if n > 1 else None
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
-
-
-def summarize_ms(values_s: list[float]) -> dict:
-    """mean, median, p90, p99 in ms (numpy's linear-interpolation percentiles); None when empty."""
-    keys = ["mean", "median"] + [f"p{p}" for p in PERCENTILES]
-    if not values_s:
-        return dict.fromkeys(keys)
-    ms = np.asarray(values_s, dtype=float) * 1000.0
-    stats = [ms.mean(), np.median(ms)] + [np.percentile(ms, p) for p in PERCENTILES]
-    return {k: float(v) for k, v in zip(keys, stats)}
-
-
-def meets_slo(record: RequestRecord, slo_ms: dict[str, float]) -> bool:
-    """Whether a completed request meets every SLO (ms); no TPOT (n <= 1) counts as 0."""
-    values = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2e": record.e2e}
-    return all(values[name] * 1000.0 <= limit for name, limit in slo_ms.items())
-
-
-def compute_metrics(records: list[RequestRecord], duration_s: float,
-                    slo_ms: dict[str, float] | None = None) -> dict:
-    """Aggregate metrics of one run. `slo_ms` maps ttft / tpot / e2e to limits in ms."""
-    done = [r for r in records if r.success]
-    input_tokens = sum(r.input_tokens for r in done)
-    output_tokens = sum(r.num_output_tokens for r in done)
-    num_good = sum(meets_slo(r, slo_ms) for r in done) if slo_ms else None
-    return {
-        "num_requests": len(records),
-        "completed": len(done),
-        "failed": len(records) - len(done),
-        "duration_s": duration_s,
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(done) / duration_s,
-        "input_throughput": input_tokens / duration_s,
-        "output_throughput": output_tokens / duration_s,
-        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
-        "slo_ms": dict(slo_ms) if slo_ms else None,
-        "num_good": num_good,
-        "goodput": num_good / duration_s if slo_ms else None,
-        "ttft_ms": summarize_ms([r.ttft for r in done]),
-        "tpot_ms": summarize_ms([r.tpot for r in done if r.tpot is not None]),
-        "itl_ms": summarize_ms([gap for r in done for gap in r.itls]),
-        "e2e_ms": summarize_ms([r.e2e for r in done]),
-    }
 
 
 # ---- the client -----------------------------------------------------------------------------
@@ -321,64 +170,25 @@ async def fetch_model_card(base_url: str, timeout_s: float) -> dict:
 
 
 # ---- command line ---------------------------------------------------------------------------
-def parse_slo(text: str) -> dict[str, float]:
-    """`ttft=500,tpot=50[,e2e=10000]` (ms) -> {"ttft": 500.0, "tpot": 50.0, ...}."""
-    slo = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name.strip().lower() not in SLO_KEYS:
-            raise argparse.ArgumentTypeError(f"bad SLO {item!r}: use ttft=MS,tpot=MS[,e2e=MS]")
-        try:
-            slo[SLO_KEYS[name.strip().lower()]] = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad SLO value in {item!r}: not a number") from None
-    if not slo:
-        raise argparse.ArgumentTypeError("empty SLO")
-    return slo
-
-
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    """The flags; `prog` names the command in usage lines (`pd-serve bench serving` from the CLI)."""
+    """The flags; `prog` names the command in usage lines (phase_ratio.py passes its own)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="the gateway, or any OpenAI-compatible server (default: %(default)s)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
                    help="completions sends token ids; chat sends them decoded (default: %(default)s)")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default: %(default)s)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="mean requests/s; inf sends all at once (default: %(default)s)")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps between requests: 1 is Poisson, < 1 burstier, "
-                        "> 1 steadier (default: %(default)s)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (default: no limit)")
-    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds one request may take (default: %(default)s)")
-    g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=DATASETS, default="random", help="(default: %(default)s)")
-    g.add_argument("--input-len", type=int, default=1024, help="random: prompt ids (default: %(default)s)")
-    g.add_argument("--output-len", type=int, default=128,
-                   help="random, shared-prefix: output tokens (default: %(default)s)")
-    g.add_argument("--range-ratio", type=float, default=0.0,
-                   help="random: lengths uniform in [len * (1 - r), len * (1 + r)] (default: %(default)s)")
-    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: groups (default: %(default)s)")
-    g.add_argument("--prefix-len", type=int, default=512,
-                   help="shared-prefix: ids shared by a group (default: %(default)s)")
-    g.add_argument("--suffix-len", type=int, default=64,
-                   help="shared-prefix: ids of each prompt's own (default: %(default)s)")
-    g.add_argument("--sharegpt-lengths", type=Path, default=SHAREGPT_LENGTHS,
-                   help="sharegpt: JSON table of (input, output) lengths (default: the shipped "
-                        "bench/data/sharegpt_lengths.json)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="sharegpt: leave out longer pairs (default: max_model_len from /v1/models)")
-    g.add_argument("--vocab-size", type=int, default=49152,
-                   help=f"prompt ids are drawn from [{FIRST_REGULAR_ID}, this) (default: %(default)s)")
-    g.add_argument("--tokenizer", default=None,
+    p.add_argument("--tokenizer", default=None,
                    help="chat: folder with tokenizer.json that turns ids into text (default: the "
                         "embedded model's)")
+    add_workload_args(p)  # --num-prompts, --burstiness, --seed and the dataset group
     o = p.add_argument_group("output")
     o.add_argument("--slo", type=parse_slo, default=None,
                    help="goodput SLOs in ms, e.g. ttft=500,tpot=50[,e2e=10000] (default: none)")
@@ -400,16 +210,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--request-rate and --burstiness must be > 0")
     if args.vocab_size <= FIRST_REGULAR_ID:
         p.error(f"--vocab-size must be > {FIRST_REGULAR_ID}")
-
-
-def make_prompts(args: argparse.Namespace, rng: np.random.Generator, max_model_len: int | None) -> list[Prompt]:
-    if args.dataset == "random":
-        return random_dataset(rng, args.num_prompts, args.input_len, args.output_len,
-                              args.range_ratio, args.vocab_size)
-    if args.dataset == "sharegpt":
-        return sharegpt_dataset(rng, args.num_prompts, args.vocab_size, max_model_len, args.sharegpt_lengths)
-    return shared_prefix_dataset(rng, args.num_prompts, args.num_prefixes, args.prefix_len,
-                                 args.suffix_len, args.output_len, args.vocab_size)
 
 
 def load_tokenizer(path: str | None):

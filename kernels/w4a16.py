@@ -53,7 +53,7 @@ import functools
 import torch
 
 from kernels._triton import lazy_kernel
-from pd_serve.model.gptq import _zero_offset, check_layout, dequantize_t
+from pd_serve.model.gptq import zero_offset, check_layout, dequantize_t
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -109,7 +109,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor | 
     -------
     [..., N] in x's dtype, a new contiguous tensor.
     """
-    offset = _zero_offset(checkpoint_format)
+    offset = zero_offset(checkpoint_format)
     in_features, out_features, num_groups = _check(x, qweight, qzeros, scales, g_idx, perm)
     if not _kernel.runs_on(x):
         return w4a16_matmul_ref(x, qweight, qzeros, scales, g_idx, perm=perm,

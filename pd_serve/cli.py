@@ -15,71 +15,14 @@ import logging
 import sys
 import time
 
-from pd_serve.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
-                             SCHEDULE_POLICIES, CacheConfig, EngineConfig, SchedulerConfig)
+from pd_serve.config import (CacheConfig, EngineConfig, GatewayConfig, SchedulerConfig,
+                             WorkerConfig, add_config_args, config_kwargs, engine_config_from_args)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d_cache, d_sched, d_engine = CacheConfig(), SchedulerConfig(), EngineConfig()
     g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face model folder (config.json, safetensors, tokenizer.json); "
-                        "default: the embedded SmolLM2-135M-Instruct")
-    g.add_argument("--device", default=d_engine.device, help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default=d_engine.dtype,
-                   help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
-    g.add_argument("--context-length", type=int, default=None,
-                   help="max prompt + output tokens (default: the model's max_position_embeddings)")
-    g.add_argument("--seed", type=int, default=d_engine.seed)
-    g.add_argument("--load-format", default=d_engine.load_format, choices=LOAD_FORMATS,
-                   help="dummy: random weights of config.json's shape (for benchmarks)")
-    g.add_argument("--attention-backend", default=d_engine.attention_backend,
-                   choices=ATTENTION_BACKENDS,
-                   help="auto: flashinfer on GPU when installed, else triton; torch on CPU")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=d_engine.cuda_graph_max_bs,
-                   help="largest decode batch replayed through a CUDA graph")
-    g.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
-    g.add_argument("--enable-batch1-kernels", action="store_true",
-                   help="GPU: decode steps of one request run a Triton GEMV for each linear layer "
-                        "and Triton paged attention (faster at batch 1, but such a step rounds "
-                        "differently from a batched one, so a request's greedy output can depend "
-                        "on whether it decoded alone)")
-    g.add_argument("--tp", type=int, default=1,
-                   help="tensor parallel size: this engine's ranks, one process and one GPU each "
-                        "(cuda:0..tp-1 of the visible ones)")
-    g.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="on GPU, wait for each step's tokens before planning the next (by default "
-                        "step N+1 is planned while step N runs)")
-    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="weights: fp8 quantizes a 16/32-bit checkpoint at load (or names an FP8 "
-                        "checkpoint's), gptq names a GPTQ INT4 checkpoint's; default: as the "
-                        "checkpoint's config.json says")
-    g.add_argument("--page-size", type=int, default=d_cache.page_size, help="tokens per KV page")
-    g.add_argument("--max-total-tokens", type=int, default=None,
-                   help="KV cache capacity in tokens (default: from memory)")
-    g.add_argument("--mem-fraction-static", type=float, default=d_cache.mem_fraction_static,
-                   help="GPU: fraction of memory for weights and KV cache")
-    g.add_argument("--cpu-kv-cache-gb", type=float, default=d_cache.cpu_kv_cache_gb,
-                   help="CPU: KV cache size when --max-total-tokens is not given")
-    g.add_argument("--kv-cache-dtype", default=d_cache.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="auto: the model dtype; fp8_e4m3 / fp8_e5m2: FP8 pages, half the bytes of "
-                        "bf16, scaled by the checkpoint's k_scale/v_scale (else 1.0); prefill and "
-                        "decode workers must use the same")
-    g.add_argument("--max-running-requests", type=int, default=d_sched.max_running_requests)
-    g.add_argument("--chunked-prefill-size", type=int, default=d_sched.chunked_prefill_size,
-                   help="max prefill tokens per step; -1 disables chunking")
-    g.add_argument("--schedule-policy", default=d_sched.schedule_policy, choices=SCHEDULE_POLICIES)
-
-
-ENGINE_FLAGS = ("model", "device", "dtype", "context_length", "seed", "load_format",
-                "attention_backend", "cuda_graph_max_bs", "disable_cuda_graph",
-                "disable_overlap_schedule", "enable_batch1_kernels", "tp", "quantization",
-                "page_size", "max_total_tokens", "mem_fraction_static", "cpu_kv_cache_gb",
-                "kv_cache_dtype", "max_running_requests", "chunked_prefill_size", "schedule_policy")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_flat(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+        add_config_args(g, cls)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -105,17 +48,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("worker")
-    g.add_argument("--gateway", required=True, help="the gateway's control address, tcp://HOST:PORT")
-    g.add_argument("--worker-id", default="", help="default: ROLE-HOSTNAME-PID")
-    g.add_argument("--host", default="127.0.0.1", help="address this worker binds and advertises")
-    g.add_argument("--port", type=int, default=0, help="decode: KV receiver port (0 = any free port)")
-    g.add_argument("--transfer-backend", default="auto", choices=["auto", "torch", "ipc", "tcp", "nixl"],
-                   help="auto: tcp on CPU, torch (NCCL) on GPU")
-    g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
-    g.add_argument("--transfer-layer-groups", type=int, default=1,
-                   help="prefill: send each prompt's KV in this many layer groups, each as soon as "
-                        "the forward has computed it, overlapping transfer with compute (1: after "
-                        "the last layer)")
+    add_config_args(g, WorkerConfig)
     add_cluster_key_arg(g)
 
 
@@ -146,15 +79,10 @@ def cluster_key(path: str | None) -> bytes:
     return key
 
 
-def worker_config_from_args(args: argparse.Namespace):
-    from pd_serve.worker import WorkerConfig
-
-    return WorkerConfig(engine=engine_config_from_args(args), gateway=args.gateway,
-                        worker_id=args.worker_id, host=args.host, port=args.port,
-                        transfer_backend=args.transfer_backend,
-                        transfer_timeout_s=args.transfer_timeout,
-                        transfer_layer_groups=args.transfer_layer_groups,
-                        cluster_key=cluster_key(args.cluster_key_file))
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(engine=engine_config_from_args(args),
+                        cluster_key=cluster_key(args.cluster_key_file),
+                        **config_kwargs(WorkerConfig, args))
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
@@ -167,36 +95,12 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    from pd_serve.gateway.cluster import GatewayConfig
-    from pd_serve.gateway.router import POLICIES
-
-    d = GatewayConfig()
     g = parser.add_argument_group("gateway")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
-    g.add_argument("--control-port", type=int, default=8100, help="port workers register on")
-    g.add_argument("--control-host", default="127.0.0.1", help="address workers register on")
     g.add_argument("--model", default=None, help="model folder for the tokenizer and chat template "
                    "(default: the embedded SmolLM2-135M-Instruct); workers must serve the same model")
-    g.add_argument("--served-model-name", default=None, help="the id clients name (default: the folder name)")
-    g.add_argument("--prefill-policy", default=d.prefill_policy, choices=POLICIES["prefill"])
-    g.add_argument("--decode-policy", default=d.decode_policy, choices=POLICIES["decode"])
-    g.add_argument("--worker-timeout", type=float, default=d.worker_timeout_s,
-                   help="seconds without a heartbeat before a worker is dropped")
-    g.add_argument("--admit-timeout", type=float, default=d.admit_timeout_s,
-                   help="seconds a request may wait in the gateway's queue for a prefill+decode "
-                        "pair with room (then 503)")
-    g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
-                   help="longest silence from a worker on a live request")
-    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
-                   help="requests waiting in the gateway's queue; beyond this, 429 with Retry-After")
-    g.add_argument("--max-outstanding-requests", type=int, default=d.max_outstanding_requests,
-                   help="requests queued or running; beyond this, 429 with Retry-After")
-    g.add_argument("--api-key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' on /v1/* (default: "
-                        "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
-    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
-                   help="seconds to read a request body (then 408)")
+    add_config_args(g, GatewayConfig, control_port=8100, served_model_name=None)
     add_cluster_key_arg(g)
 
 
@@ -204,7 +108,6 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     import asyncio
     from pathlib import Path
 
-    from pd_serve.gateway.cluster import GatewayConfig
     from pd_serve.gateway.server import serve
     from pd_serve.model.gguf_default import default_model_dir
 
@@ -214,15 +117,9 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if not args.model else model_dir.name)
     import os
 
-    config = GatewayConfig(control_host=args.control_host, control_port=args.control_port,
-                           served_model_name=name, prefill_policy=args.prefill_policy,
-                           decode_policy=args.decode_policy, worker_timeout_s=args.worker_timeout,
-                           admit_timeout_s=args.admit_timeout, step_timeout_s=args.step_timeout,
-                           max_queued_requests=args.max_queued_requests,
-                           max_outstanding_requests=args.max_outstanding_requests,
-                           api_key=args.api_key or os.environ.get("PD_SERVE_API_KEY", ""),
-                           body_timeout_s=args.body_timeout,
-                           cluster_key=cluster_key(args.cluster_key_file))
+    config = GatewayConfig(**config_kwargs(GatewayConfig, args) | {
+        "served_model_name": name, "api_key": args.api_key or os.environ.get("PD_SERVE_API_KEY", ""),
+        "cluster_key": cluster_key(args.cluster_key_file)})
     asyncio.run(serve(config, model_dir, args.host, args.port))
 
 
@@ -284,15 +181,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
         print(f"tokens: {reply.usage.prompt_tokens} prompt, {reply.usage.completion_tokens} completion")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from bench import phase_ratio, planner_check, serving
-
-    code = {"serving": serving, "phase-ratio": phase_ratio,
-            "planner-check": planner_check}[args.name].main(args.engine_argv)
-    if code:
-        raise SystemExit(code)
-
-
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -351,12 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=128)
     _add_launch_args(demo)
     demo.set_defaults(func=cmd_demo)
-    bench = sub.add_parser("bench", add_help=False, help="benchmarks: serving (load generator against a gateway), "
-                           "phase-ratio (goodput of each xPyD split and colocated serving against request "
-                           "rate), planner-check (pd-serve plan's predictions against a measured "
-                           "phase-ratio sweep); the flags after the name go to it (pd-serve bench serving --help)")
-    bench.add_argument("name", choices=["serving", "phase-ratio", "planner-check"])
-    bench.set_defaults(func=cmd_bench)
     from pd_serve.planner.plan import add_plan_args
     from pd_serve.planner.profile import add_profile_args
 
@@ -375,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("launch", "demo", "bench"):
-        args.engine_argv = rest  # launch/demo: flags for every worker; bench: the benchmark's flags
+    if args.command in ("launch", "demo"):
+        args.engine_argv = rest  # flags for every worker
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

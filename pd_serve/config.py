@@ -1,8 +1,15 @@
-"""Frozen configuration per role. CLI flags map one to one onto these fields (dashes for underscores)."""
+"""Frozen configuration per role: engine (with its cache and scheduler), worker, gateway.
+
+The CLI's flags are generated from these fields (pd_serve/cli.py): `--page-size` sets
+`page_size`; a field's metadata gives its help text, its choices (the tuples below), and a flag
+name where it differs (`transfer_timeout_s` is `--transfer-timeout`; None: no flag). Bool fields
+are store_true flags. Nothing writes a config after start-up.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
 
 SCHEDULE_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
@@ -10,15 +17,26 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
 QUANTIZATIONS = ("fp8", "gptq")  # --quantization; None: as the checkpoint says
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
+TRANSFER_BACKENDS = ("auto", "torch", "ipc", "tcp", "nixl")
+PREFILL_POLICIES = ("round_robin", "least_load", "prefix")
+DECODE_POLICIES = ("round_robin", "least_load")
+
+
+def _opt(default=MISSING, help: str | None = None, **meta):
+    """A config field with its CLI metadata: help, choices, flag (another name; None: none)."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = 16
-    max_total_tokens: int | None = None  # KV capacity in tokens; None: from memory
-    mem_fraction_static: float = 0.88  # GPU: share of total memory for weights + KV pool
-    cpu_kv_cache_gb: float = 1.0  # CPU: KV pool size when max_total_tokens is not given
-    kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8_e4m3 / fp8_e5m2 store scaled FP8
+    page_size: int = _opt(16, "tokens per KV page")
+    max_total_tokens: int | None = _opt(None, "KV cache capacity in tokens (default: from memory)")
+    mem_fraction_static: float = _opt(0.88, "GPU: fraction of memory for weights and KV cache")
+    cpu_kv_cache_gb: float = _opt(1.0, "CPU: KV cache size when --max-total-tokens is not given")
+    kv_cache_dtype: str = _opt(
+        "auto", "auto: the model dtype; fp8_e4m3 / fp8_e5m2: FP8 pages, half the bytes of bf16, "
+        "scaled by the checkpoint's k_scale/v_scale (else 1.0); prefill and decode workers must "
+        "use the same", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "--page-size", self.page_size, "must be >= 1")
@@ -33,9 +51,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 2048  # prefill tokens per step; -1 takes every prompt whole
-    schedule_policy: str = "fcfs"
+    max_running_requests: int = _opt(256)
+    chunked_prefill_size: int = _opt(2048, "max prefill tokens per step; -1 disables chunking")
+    schedule_policy: str = _opt("fcfs", choices=SCHEDULE_POLICIES)
 
     def __post_init__(self) -> None:
         _check(self.max_running_requests >= 1, "--max-running-requests",
@@ -48,23 +66,35 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # Hugging Face folder; None: the embedded SmolLM2-135M-Instruct
-    device: str = "auto"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    context_length: int | None = None  # default: the model's max_position_embeddings
-    seed: int = 0
-    load_format: str = "auto"  # dummy: random weights of config.json's shape (benchmarks)
-    attention_backend: str = "auto"  # auto: flashinfer on GPU if installed, else triton; torch on CPU
-    cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs
-    disable_cuda_graph: bool = False
-    disable_overlap_schedule: bool = False  # GPU: plan step N+1 while step N runs unless set
-    # GPU: one-row decode steps run Triton GEMVs and Triton attention (faster; rounds differently
-    # from batched steps, so greedy output may depend on the batch: off by default)
-    enable_batch1_kernels: bool = False
-    tp: int = 1  # tensor parallel size: ranks (processes, one GPU each) of this engine
-    quantization: str | None = None  # fp8 / gptq; None: the checkpoint's (pd_serve/model/quant.py)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    model: str | None = _opt(None, "Hugging Face model folder (config.json, safetensors, "
+                             "tokenizer.json); default: the embedded SmolLM2-135M-Instruct")
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = _opt("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    context_length: int | None = _opt(
+        None, "max prompt + output tokens (default: the model's max_position_embeddings)")
+    seed: int = _opt(0)
+    load_format: str = _opt("auto", "dummy: random weights of config.json's shape (for benchmarks)",
+                            choices=LOAD_FORMATS)
+    attention_backend: str = _opt(
+        "auto", "auto: flashinfer on GPU when installed, else triton; torch on CPU",
+        choices=ATTENTION_BACKENDS)
+    cuda_graph_max_bs: int = _opt(256, "largest decode batch replayed through a CUDA graph")
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly")
+    enable_batch1_kernels: bool = _opt(
+        False, "GPU: decode steps of one request run a Triton GEMV for each linear layer and "
+        "Triton paged attention (faster at batch 1, but such a step rounds differently from a "
+        "batched one, so a request's greedy output can depend on whether it decoded alone)")
+    tp: int = _opt(1, "tensor parallel size: this engine's ranks, one process and one GPU each "
+                   "(cuda:0..tp-1 of the visible ones)")
+    disable_overlap_schedule: bool = _opt(
+        False, "on GPU, wait for each step's tokens before planning the next (by default step "
+        "N+1 is planned while step N runs)")
+    quantization: str | None = _opt(
+        None, "weights: fp8 quantizes a 16/32-bit checkpoint at load (or names an FP8 "
+        "checkpoint's), gptq names a GPTQ INT4 checkpoint's; default: as the checkpoint's "
+        "config.json says", choices=QUANTIZATIONS)
+    cache: CacheConfig = field(default_factory=CacheConfig, metadata={"flag": None})
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={"flag": None})
 
     def __post_init__(self) -> None:
         _check(self.device in DEVICES or self.device.startswith("cuda:"), "--device", self.device,
@@ -92,6 +122,102 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs, **parts)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A prefill, decode or colocated worker: its engine, and how it reaches the gateway and
+    its peers."""
+
+    engine: EngineConfig = field(metadata={"flag": None})
+    gateway: str = _opt(help="the gateway's control address, tcp://HOST:PORT")
+    worker_id: str = _opt("", "default: ROLE-HOSTNAME-PID")
+    host: str = _opt("127.0.0.1", "address this worker binds and advertises")
+    port: int = _opt(0, "decode: KV receiver port (0 = any free port)")
+    transfer_backend: str = _opt("auto", "auto: tcp on CPU, torch (NCCL) on GPU",
+                                 choices=TRANSFER_BACKENDS)
+    transfer_timeout_s: float = _opt(30.0, "seconds", flag="--transfer-timeout")
+    transfer_layer_groups: int = _opt(
+        1, "prefill: send each prompt's KV in this many layer groups, each as soon as the "
+        "forward has computed it, overlapping transfer with compute (1: after the last layer)")
+    heartbeat_s: float = _opt(1.0, flag=None)
+    cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control and KV message (empty: none)
+
+    def __post_init__(self) -> None:
+        if self.transfer_layer_groups < 1:
+            raise ValueError(f"--transfer-layer-groups {self.transfer_layer_groups} must be >= 1")
+        if not self.gateway.startswith("tcp://"):
+            raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The gateway's cluster: where workers register, routing, limits and timeouts."""
+
+    control_host: str = _opt("127.0.0.1", "address workers register on")
+    control_port: int = _opt(0, "port workers register on")  # 0: any free port
+    served_model_name: str = _opt("default", "the id clients name (default: the folder name)")
+    prefill_policy: str = _opt("least_load", choices=PREFILL_POLICIES)
+    decode_policy: str = _opt("least_load", choices=DECODE_POLICIES)
+    worker_timeout_s: float = _opt(10.0, "seconds without a heartbeat before a worker is dropped",
+                                   flag="--worker-timeout")
+    admit_timeout_s: float = _opt(
+        600.0, "seconds a request may wait in the gateway's queue for a prefill+decode pair "
+        "with room (then 503)", flag="--admit-timeout")
+    step_timeout_s: float = _opt(120.0, "longest silence from a worker on a live request",
+                                 flag="--step-timeout")
+    max_queued_requests: int = _opt(
+        4096, "requests waiting in the gateway's queue; beyond this, 429 with Retry-After")
+    max_outstanding_requests: int = _opt(
+        8192, "requests queued or running; beyond this, 429 with Retry-After")
+    api_key: str = _opt("", "clients must send 'Authorization: Bearer KEY' on /v1/* (default: "
+                        "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
+    body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",
+                                 flag="--body-timeout")
+    cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control message (empty: none)
+
+    def __post_init__(self) -> None:
+        for name in ("worker_timeout_s", "admit_timeout_s", "step_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0")
+        for name in ("max_queued_requests", "max_outstanding_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+# ---- CLI flags from the fields ----------------------------------------------------------------
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_config_args(group, cls, **defaults) -> None:
+    """One flag per field of `cls` that has one; `defaults` overrides a field's default on the CLI
+    (the flag's value still lands under the field's name)."""
+    for f in fields(cls):
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        if flag is None:
+            continue
+        kind = f.type.removesuffix(" | None")
+        help_text = f.metadata.get("help")
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            continue
+        default = defaults.get(f.name, f.default)
+        group.add_argument(flag, dest=f.name, type=_TYPES[kind], help=help_text,
+                           metavar=None if "choices" in f.metadata else flag[2:].replace("-", "_").upper(),
+                           choices=f.metadata.get("choices"), required=default is MISSING,
+                           default=None if default is MISSING else default)
+
+
+def config_kwargs(cls, args: argparse.Namespace) -> dict:
+    """The fields of `cls` that have a flag, read from parsed arguments."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if f.metadata.get("flag", "") is not None}
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed CLI flags (those of EngineConfig, CacheConfig, SchedulerConfig)."""
+    return EngineConfig(**config_kwargs(EngineConfig, args),
+                        cache=CacheConfig(**config_kwargs(CacheConfig, args)),
+                        scheduler=SchedulerConfig(**config_kwargs(SchedulerConfig, args)))
 
 
 def _check(ok: bool, flag: str, value, rule: str) -> None:

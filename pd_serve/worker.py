@@ -15,14 +15,13 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from pd_serve import protocol
-from pd_serve.config import EngineConfig
+from pd_serve.config import WorkerConfig
 from pd_serve.engine.core import EngineCore, token_stop_reason
 from pd_serve.engine.request import FinishReason, Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
@@ -33,27 +32,6 @@ from pd_serve.transfer.tp_handoff import model_layout
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest message taken from the gateway
 PING_GRACE = 1.5  # no gateway ping for this many of its timeouts: the gateway is gone
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    engine: EngineConfig
-    gateway: str  # the gateway's control address, tcp://host:port
-    worker_id: str = ""
-    host: str = "127.0.0.1"  # where this worker binds (decode: its KV receiver)
-    port: int = 0  # decode: KV receiver port (0 = any free port)
-    transfer_backend: str = "auto"  # auto: tcp on CPU, torch on GPU
-    transfer_timeout_s: float = 30.0
-    transfer_layer_groups: int = 1  # prefill: ship the KV in this many layer groups, each as
-    # soon as the forward has computed it (1: after the last layer)
-    heartbeat_s: float = 1.0
-    cluster_key: bytes = b""  # HMAC key of every control and KV message (empty: none)
-
-    def __post_init__(self) -> None:
-        if self.transfer_layer_groups < 1:
-            raise ValueError(f"--transfer-layer-groups {self.transfer_layer_groups} must be >= 1")
-        if not self.gateway.startswith("tcp://"):
-            raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT")
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], sampling: dict, priority: int) -> Request:

@@ -21,7 +21,7 @@
 # --capacity` recommends (--max-running-requests 16 --chunked-prefill-size 1024), at PR_RATES.
 # phaseratio-all-prefill / -decode (the 4-8 GPU issue: nvidia-h200-x4 or -x8): every xPyD split
 # of the machine's GPUs and colocated on all of them, 400-prompt bursts, rates from the profile
-# (PROFILE=bench/results/profile-h200-llama3-8b-7022454.json to skip the profile step); the
+# (PROFILE=bench/results/profile-h200-llama3-8b.json to skip the profile step); the
 # planner's predictions for them are in bench/results/plan-h200-4-8-gpus/.
 # transfer (GPU transfer tests + bench/transfer.py over torch and ipc with 32 requests in flight,
 # then ipc with 8 / 32 / 128 in flight; two GPUs: kind nvidia-h200-x2), transfer-fp8
@@ -128,7 +128,7 @@ for _ in range(300):
     except OSError:
         time.sleep(1)
 PY
-    step burst-$cfg "${BURST_TIMEOUT:-300}" python3 -m pd_serve.cli bench serving \
+    step burst-$cfg "${BURST_TIMEOUT:-300}" python3 bench/serving.py \
       --base-url http://127.0.0.1:8400 --num-prompts 1000 --request-rate inf --input-len 2048 \
       --output-len 128 --no-progress --output "$OUT/serving-burst-h200-$cfg.json"
     sleep 3  # the workers report their pages once a second

@@ -1,4 +1,5 @@
-"""Writes sharegpt_lengths.json: 1000 synthetic (input, output) token-length pairs.
+"""Writes pd_serve/planner/sharegpt_lengths.json, the sharegpt dataset's table: 1000 synthetic
+(input, output) token-length pairs.
 
 Not drawn from the ShareGPT data (nothing is downloaded): each length is an independent
 log-normal draw whose mean matches the ShareGPT averages reported in the vLLM paper (Kwon et al.,
@@ -40,7 +41,7 @@ def main() -> None:
         "columns": ["input_len", "output_len"],
         "pairs": [[int(i), int(o)] for i, o in zip(inputs, outputs)],
     }
-    path = Path(__file__).with_name("sharegpt_lengths.json")
+    path = Path(__file__).resolve().parents[2] / "pd_serve" / "planner" / "sharegpt_lengths.json"
     # one pair per line: readable, and small diffs if the recipe changes
     head = json.dumps({k: v for k, v in table.items() if k != "pairs"}, indent=2)[:-2]
     rows = ",\n".join("    " + json.dumps(p) for p in table["pairs"])

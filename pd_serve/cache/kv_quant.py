@@ -6,7 +6,7 @@ multiplies the scales back: every backend folds k_scale into the softmax scale a
 its output by v_scale, which equals dequantising K and V first, without touching every element.
 
 Scales are per tensor: one k_scale and one v_scale per layer. They come from the checkpoint
-when it has them (the names vLLM reads, below; a per-head tensor is reduced to its max, which
+when it has them (the names vLLM reads: model/checkpoint.py; a per-head tensor is reduced to its max, which
 covers every head), else they are 1.0 with a warning, as in vLLM for a bf16 checkpoint. They
 travel in the KVLayout, so a prefill and a decode worker that disagree on them (or on the KV
 dtype) fail their handshake instead of reading each other's pages wrongly.
@@ -15,25 +15,15 @@ dtype) fail their handshake instead of reading each other's pages wrongly.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
 
+from pd_serve.model.checkpoint import checkpoint_files, read_checkpoint_kv_scales
+
 logger = logging.getLogger(__name__)
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-# model.layers.N.self_attn.<suffix>: which of K and V the scalar scales.
-_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$")
-_SCALE_SUFFIXES = {
-    "k_scale": "k", "v_scale": "v",  # vLLM's current names
-    "kv_scale": "kv",  # vLLM's older name: one scale for both
-    "attn.k_scale": "k", "attn.v_scale": "v",  # vLLM's module path
-    "k_proj.k_scale": "k", "v_proj.v_scale": "v",  # NVIDIA ModelOpt
-    "k_proj.output_scale": "k", "v_proj.output_scale": "v",  # compressed-tensors
-}
-
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool's dtype for `--kv-cache-dtype name` (auto: the model's)."""
@@ -48,38 +38,6 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def kv_scale_target(name: str) -> tuple[int, str] | None:
-    """(layer, "k" | "v" | "kv") when a checkpoint tensor name is a KV-cache scale, else None.
-    (A checkpoint loader skips these names: they are cache settings, not weights.)"""
-    match = _SCALE_NAME.match(name)
-    if match is None or match.group(2) not in _SCALE_SUFFIXES:
-        return None
-    return int(match.group(1)), _SCALE_SUFFIXES[match.group(2)]
-
-
-def read_checkpoint_kv_scales(files: list[Path]) -> dict[tuple[int, str], float]:
-    """{(layer, "k" | "v"): scale} for every KV scale the safetensors files hold (headers are
-    read for the names; only the scale tensors themselves are loaded)."""
-    from safetensors import safe_open
-
-    found: dict[tuple[int, str], float] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target = kv_scale_target(name)
-                if target is None:
-                    continue
-                values = f.get_tensor(name).float().flatten()  # [1], or [Hkv] per head
-                scale = float(values.max()) if values.numel() else float("nan")
-                if not (scale > 0 and scale != float("inf")):
-                    raise ValueError(f"{path}: KV scale {name!r} is {scale}; it must be finite "
-                                     "and > 0")
-                layer, which = target
-                for kv in ("k", "v") if which == "kv" else (which,):
-                    found[(layer, kv)] = scale
-    return found
-
-
 def load_kv_scales(model_dir: Path, num_layers: int, dtype: torch.dtype,
                    flag: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(k_scales, v_scales) for a cache of `dtype`: () and () unless it is FP8; else one per
@@ -87,8 +45,6 @@ def load_kv_scales(model_dir: Path, num_layers: int, dtype: torch.dtype,
     `flag` names the setting in messages (e.g. "--kv-cache-dtype fp8_e4m3")."""
     if not is_fp8(dtype):
         return (), ()
-    from pd_serve.model.loader import checkpoint_files
-
     try:
         files = checkpoint_files(model_dir)
     except ValueError:  # no safetensors (--load-format dummy with a bare config.json)

@@ -15,6 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from pd_serve.config import WorkerConfig
 from pd_serve.engine import tp_group
 from pd_serve.engine.core import token_stop_reason
 from pd_serve.engine.request import Request, TokenLogprob
@@ -22,7 +23,7 @@ from pd_serve.engine.sampler import advance_generator
 from pd_serve.protocol import AbortRequest, Admit, AdmitReply, StartDecode, TokenBatch
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.tp_handoff import DecodeRank, HandoffSpec, drain
-from pd_serve.worker import Worker, WorkerConfig, make_request
+from pd_serve.worker import Worker, make_request
 
 ADDRESS_TIMEOUT_S = 600  # followers report their receivers' addresses once their engines are up
 

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from pd_serve import protocol
+from pd_serve.config import GatewayConfig
 from pd_serve.gateway.metrics import GatewayMetrics, RequestTimer
 from pd_serve.gateway.router import Router, WorkerState, pair_error, status_error
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
@@ -34,31 +35,6 @@ CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt i
 FULL_BACKOFF_S = 0.05  # a decode worker whose pool was full gets no new request for this long
 DISPATCH_TICK_S = 0.05
 SILENCE_CHECK_S = 5.0  # how often a waiting request looks whether its workers still step
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    control_host: str = "127.0.0.1"
-    control_port: int = 0  # 0: any free port
-    served_model_name: str = "default"
-    prefill_policy: str = "least_load"
-    decode_policy: str = "least_load"
-    worker_timeout_s: float = 10.0  # no heartbeat for this long: the worker is gone
-    admit_timeout_s: float = 600.0  # longest wait in the gateway's queue for a prefill+decode pair
-    step_timeout_s: float = 120.0  # longest silence from a worker on a live request
-    max_queued_requests: int = 4096  # waiting for a pair: beyond this, 429
-    max_outstanding_requests: int = 8192  # queued + running: beyond this, 429
-    api_key: str = ""  # /v1/* need "Authorization: Bearer <key>" when set
-    body_timeout_s: float = 30.0  # longest time to read a request body (408 after)
-    cluster_key: bytes = b""  # HMAC key of every control message (empty: unauthenticated)
-
-    def __post_init__(self) -> None:
-        for name in ("worker_timeout_s", "admit_timeout_s", "step_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0")
-        for name in ("max_queued_requests", "max_outstanding_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
 class ClusterError(Exception):

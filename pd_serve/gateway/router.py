@@ -9,12 +9,12 @@ import time
 from dataclasses import dataclass, field
 
 from pd_serve.cache.pool import KVLayout
+from pd_serve.config import DECODE_POLICIES, PREFILL_POLICIES
 from pd_serve.protocol import WorkerStatus
 from pd_serve.transfer.base import layout_mismatch
 from pd_serve.transfer.heads import tp_error
 
-POLICIES = {"prefill": ("round_robin", "least_load", "prefix"),
-            "decode": ("round_robin", "least_load")}
+POLICIES = {"prefill": PREFILL_POLICIES, "decode": DECODE_POLICIES}
 PREFIX_TOKENS = 64  # requests sharing this many leading tokens go to the same prefill worker
 # A prefill worker is sent prompts while fewer than this many steps' worth of tokens wait on
 # it: it never idles, and the rest wait in the gateway's priority queue, without holding

@@ -210,7 +210,7 @@ def quantize_rtn(weight: torch.Tensor, group_size: int, sym: bool, *,
     qweight int32 [in / 8, out], qzeros int32 [n_groups, out / 8], scales fp16 [n_groups, out],
     g_idx int32 [in].
     """
-    offset = _zero_offset(checkpoint_format)
+    offset = zero_offset(checkpoint_format)
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a float [out, in] matrix, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -282,7 +282,7 @@ def dequantize_t(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: tor
                  g_idx: torch.Tensor | None = None, *,
                  checkpoint_format: str = "gptq") -> torch.Tensor:
     """`dequantize(...).T` in float32 as the checkpoint lays it out: [in, out], contiguous."""
-    offset = _zero_offset(checkpoint_format)
+    offset = zero_offset(checkpoint_format)
     in_features, _, num_groups = check_layout(qweight, qzeros, scales, g_idx)
     groups = (g_idx.long() if g_idx is not None  # [in]
               else trivial_g_idx(in_features, in_features // num_groups,
@@ -341,7 +341,8 @@ def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float16).clamp(min=torch.finfo(torch.float16).tiny)
 
 
-def _zero_offset(checkpoint_format: str) -> int:
+def zero_offset(checkpoint_format: str) -> int:
+    """What a reader adds to a stored zero point: 1 for gptq (v1 stores zero - 1), 0 for gptq_v2."""
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"checkpoint_format {checkpoint_format!r} is not one of "
                          f"{sorted(CHECKPOINT_FORMATS)}")

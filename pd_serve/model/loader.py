@@ -6,7 +6,6 @@ quantized ones before any weight is allocated, and load those from the quantized
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pd_serve.cache.kv_quant import kv_scale_target
+from pd_serve.model.checkpoint import checkpoint_files, kv_scale_target
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
 from pd_serve.model.quant import QuantLinear, QuantMethod, quantization_method
@@ -32,26 +31,6 @@ _FUSED = {
 }
 # A decoder layer's linear layers (our names): what quantization replaces.
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards an index names, or model.safetensors."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{model_dir}: no model.safetensors (or index) found; "
-                             "pd-serve loads Hugging Face safetensors checkpoints")
-    for f in files:
-        if not f.is_file():
-            raise ValueError(f"{f}: missing (named by {index.name})")
-    return files
 
 
 def _split_sizes(cfg: ModelConfig, fused: str) -> list[int]:

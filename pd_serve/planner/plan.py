@@ -4,8 +4,8 @@ the most goodput for a workload, predicted by simulation on a recorded profile.
     pd-serve plan --profile bench/results/profile-cpu-smollm2.json --num-gpus 2 \
         --input-len 64 --output-len 16 --request-rate 0.5,1,2 --slo ttft=1500,tpot=150
 
-The workload is bench/serving.py's: the same dataset flags and defaults, and with the same
---seed the same request lengths and arrival times, so a prediction lines up with a measured run
+The workload is bench/serving.py's (planner/workload.py): the same dataset flags and defaults,
+and with the same --seed the same request lengths and arrival times, so a prediction lines up with a measured run
 (bench/phase_ratio.py). For every split, every combination of the limits grids is simulated
 (prefill: --chunk-sizes; decode: --max-running; colocated: both) and the best is kept: most
 goodput, then most SLO attainment, then lowest p90 latencies relative to their SLOs.
@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from pd_serve.planner.costs import CostModel, load_profile
+from pd_serve.planner.metrics import parse_slo
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits, metrics, simulate
+from pd_serve.planner.workload import DATASETS, add_workload_args, arrival_offsets, make_prompts
 
 CAPACITY_TARGET = 0.9  # SLO attainment that defines a split's capacity (DistServe's 90 %)
 CAPACITY_PRECISION = 0.02  # bisection stops when the bracket is this narrow, relative
@@ -69,7 +71,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-latency-ms", type=float, default=None, help="override the profile's")
     parser.add_argument("--json", action="store_true", help="print the result as JSON, not a table")
     g = parser.add_argument_group("workload (bench/serving.py's flags; default: its defaults)")
-    g.add_argument("--dataset", choices=("random", "sharegpt", "shared-prefix"), default=None)
+    g.add_argument("--dataset", choices=DATASETS, default=None)
     for flag in ("input-len", "output-len", "num-prompts", "seed", "max-model-len", "num-prefixes",
                  "prefix-len", "suffix-len"):
         g.add_argument(f"--{flag}", type=int, default=None)
@@ -79,8 +81,6 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from bench.serving import parse_slo
-
     try:
         slo = parse_slo(args.slo)
     except argparse.ArgumentTypeError as e:
@@ -116,10 +116,11 @@ def run(args: argparse.Namespace) -> None:
 
 
 def workload_args(args: argparse.Namespace, max_model_len: int | None) -> argparse.Namespace:
-    """bench/serving.py's arguments with this command's dataset flags laid over its defaults."""
-    from bench.serving import build_parser
-
-    merged = vars(build_parser().parse_args([]))
+    """The workload's flags (bench/serving.py's) with this command's dataset flags laid over
+    their defaults."""
+    defaults = argparse.ArgumentParser()
+    add_workload_args(defaults)
+    merged = vars(defaults.parse_args([]))
     merged.update({k: getattr(args, k) for k in DATASET_FLAGS if getattr(args, k) is not None})
     merged["max_model_len"] = merged["max_model_len"] or max_model_len
     merged["sharegpt_lengths"] = Path(merged["sharegpt_lengths"])
@@ -133,8 +134,6 @@ def workload_args(args: argparse.Namespace, max_model_len: int | None) -> argpar
 def workload(args: argparse.Namespace, rate: float) -> list[tuple[float, int, int]]:
     """(arrival s, input tokens, output tokens) per request, drawn exactly as bench/serving.py
     draws them for this seed and rate."""
-    from bench.serving import arrival_offsets, make_prompts
-
     rng = np.random.default_rng(args.seed)
     prompts = make_prompts(args, rng, args.max_model_len)
     offsets = arrival_offsets(rng, len(prompts), rate, args.burstiness)

@@ -39,6 +39,9 @@ import logging
 import os
 import time
 
+from pd_serve.config import engine_config_from_args
+from pd_serve.planner.provenance import device_name, git_commit, write_json
+
 logger = logging.getLogger(__name__)
 
 # Dense at the small end, where step times bend (see warn_if_noisy: MKL's 2- and 3-row GEMMs)
@@ -104,13 +107,10 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from bench._common import write_json
     write_json(args.output, measure(args))
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from pd_serve.cli import engine_config_from_args
-
     busy_at_start = busy_cores()  # before anything of this run uses the cores
     started, load_at_start = time.perf_counter(), os.getloadavg()[0]
     config = engine_config_from_args(args)
@@ -151,7 +151,6 @@ def measure(args: argparse.Namespace) -> dict:
     mixed = [t.mixed(p, b, c) for p, b, c in mixed]
     warn_if_noisy(prefill, decode)
     layout = core.kv_pool.layout
-    from bench._common import device_name, git_commit
     return {
         "kind": "pd-serve-profile", "version": 1,
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),

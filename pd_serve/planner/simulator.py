@@ -33,6 +33,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from pd_serve.planner.costs import CostModel, attn_pairs
+from pd_serve.planner.metrics import RequestRecord, compute_metrics
 
 
 @dataclass(frozen=True)
@@ -294,17 +295,15 @@ def simulate(spec: ClusterSpec, costs: CostModel,
     return Simulation(spec, costs).run(requests)
 
 
-def to_records(requests: list[SimRequest]):
-    """bench/serving.py's RequestRecords, so its compute_metrics gives the metrics."""
-    from bench.serving import RequestRecord
+def to_records(requests: list[SimRequest]) -> list[RequestRecord]:
+    """The simulated requests as a client would have recorded them."""
     return [RequestRecord(prompt_len=r.input_len, max_tokens=r.output_len, send_time=r.arrival,
                           chunk_times=list(r.token_times), num_output_tokens=r.output_len)
             for r in requests]
 
 
 def metrics(requests: list[SimRequest], slo_ms: dict[str, float] | None = None) -> dict:
-    """bench/serving.py's compute_metrics over the simulated requests; the duration runs from the
-    first arrival (the benchmark's t0) to the last token."""
-    from bench.serving import compute_metrics
+    """The serving metrics (bench/serving.py's) over the simulated requests; the duration runs
+    from the first arrival (the benchmark's t0) to the last token."""
     duration = max(r.token_times[-1] for r in requests) - min(r.arrival for r in requests)
     return compute_metrics(to_records(requests), duration, slo_ms)

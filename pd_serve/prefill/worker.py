@@ -19,12 +19,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pd_serve.config import WorkerConfig
 from pd_serve.engine import tp_group
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.protocol import AbortRequest, Prefill, PrefillDone
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.tp_handoff import HandoffSpec, PrefillRank, Send, drain
-from pd_serve.worker import Worker, WorkerConfig, logprob_dict, make_request
+from pd_serve.worker import Worker, logprob_dict, make_request
 
 
 @dataclass

@@ -136,8 +136,8 @@ def test_a_gpu_profile_runs_colocated_workers_under_the_overlap_schedule():
     """The committed H200 profile has host and device times: colocated x2 at 21 req/s (a
     committed 2 x H200 sweep) comes out within 5 % of its measured goodput. Charged as whole
     steps, the few-token rests of prompts cost their eager launches and it is >10 % low."""
-    profile = load_profile(REPO_ROOT / "bench/results/profile-h200-llama3-8b-7022454.json")
-    results = json.loads((REPO_ROOT / "bench/results/phase-ratio-h200x2-prefill-runs/1df6500/"
+    profile = load_profile(REPO_ROOT / "bench/results/profile-h200-llama3-8b.json")
+    results = json.loads((REPO_ROOT / "bench/results/phase-ratio-h200x2-prefill-runs/run3/"
                           "results.json").read_text())
     results["rows"] = [r for r in results["rows"]
                        if r["config"] == "colocated2" and r["request_rate"] == 21.0]

@@ -15,9 +15,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))                   # bench/ (a checkout need not install it)
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))  # cluster_helpers
 
-from bench.serving import (FIRST_REGULAR_ID, RequestRecord, arrival_offsets, compute_metrics,  # noqa: E402
-                           format_summary, main, parse_slo, random_dataset, shared_prefix_dataset,
-                           sharegpt_dataset)
+from bench.serving import format_summary, main  # noqa: E402
+from pd_serve.planner.metrics import RequestRecord, compute_metrics, parse_slo  # noqa: E402
+from pd_serve.planner.workload import (FIRST_REGULAR_ID, SHAREGPT_LENGTHS, arrival_offsets,  # noqa: E402
+                                       random_dataset, shared_prefix_dataset, sharegpt_dataset)
 
 VOCAB = 49152
 
@@ -107,7 +108,7 @@ def test_shared_prefix_shapes():
 
 
 def test_sharegpt_shapes():
-    table = json.loads((REPO_ROOT / "bench" / "data" / "sharegpt_lengths.json").read_text())
+    table = json.loads(SHAREGPT_LENGTHS.read_text())
     pairs = {tuple(p) for p in table["pairs"]}
     assert len(table["pairs"]) == 1000 and table["description"]
     prompts = sharegpt_dataset(np.random.default_rng(0), num_prompts=50, vocab_size=VOCAB, max_model_len=300)

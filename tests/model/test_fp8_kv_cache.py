@@ -21,7 +21,7 @@ agrees with float32 on 97.0 % of positions, an FP8 V alone (K in float32) on 98.
 alone on 95.2 %: K's rounding is what flips near-ties. So the tests hold the perplexity bar
 (5 %), agreement where the reference is confident, and the measured raw agreement as a floor.
 (Rotating q, K and V by a Hadamard matrix per head before the rounding, which the engine does
-not do, reaches 95.7-96.5 %: bench/probes/fp8_kv_rotation.py.)
+not do, reaches 95.7-96.5 %: docs/performance.md.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from pd_serve.model.hf_export import to_hf_model, to_hf_state_dict
-from pd_serve.model.loader import checkpoint_files, load_model
+from pd_serve.model.checkpoint import checkpoint_files
+from pd_serve.model.loader import load_model
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "mistral"])

@@ -16,8 +16,9 @@ import zmq.asyncio
 
 from pd_serve import protocol
 from pd_serve.cache.pool import KVLayout
+from pd_serve.config import GatewayConfig
 from pd_serve.engine.sampling_params import SamplingParams
-from pd_serve.gateway.cluster import Cluster, GatewayConfig
+from pd_serve.gateway.cluster import Cluster
 from pd_serve.gateway.source import GenerateSpec
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Heartbeat, Prefill,
                                PrefillDone, StartDecode, TokenBatch, WorkerStatus)

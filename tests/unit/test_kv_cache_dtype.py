@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import save_file
 
 from kernels.kv_store import quantize_ref, store_kv_ref
-from pd_serve.cache.kv_quant import (kv_cache_dtype, kv_scale_target, load_kv_scales,
-                                     read_checkpoint_kv_scales)
+from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
 from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.cli import build_parser, engine_config_from_args
 from pd_serve.config import CacheConfig
 from pd_serve.engine.attention.base import AttentionMetadata
 from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
+from pd_serve.model.checkpoint import kv_scale_target, read_checkpoint_kv_scales
 from pd_serve.transfer.base import layout_mismatch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -6,19 +6,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench import serving
 from pd_serve.cli import main
 from pd_serve.planner import plan
 from pd_serve.planner import profile as profile_module
+from pd_serve.planner import workload
 from pd_serve.planner.costs import CostModel, Pipeline, fit_prefill, interp
+from pd_serve.planner.metrics import RequestRecord, compute_metrics
 from pd_serve.planner.simulator import ClusterSpec, PoolLimits, metrics, simulate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # bench/ (a checkout need not install it)
+from bench import serving  # noqa: E402
 RECORDED = REPO_ROOT / "bench" / "results" / "profile-cpu-smollm2.json"
 P, D1, D2, T = 0.5, 0.1, 0.15, 0.2  # prefill, decode step at batch 1 and 2, transfer (s)
 
@@ -147,12 +151,12 @@ def test_colocated_mixes_prefill_chunks_into_decode_steps():
 
 def test_metrics_match_bench_serving_definitions():
     reqs = simulate(one_p_one_d(), const_costs(), [(0.0, 100, 5), (3.0, 100, 1)])
-    records = [serving.RequestRecord(r.input_len, r.output_len, r.arrival, r.token_times,
-                                     r.output_len) for r in reqs]
+    records = [RequestRecord(r.input_len, r.output_len, r.arrival, r.token_times, r.output_len)
+               for r in reqs]
     slo = {"ttft": 800, "tpot": 50}  # A misses TPOT; B (one token, no TPOT) meets both
     m = metrics(reqs, slo)
     duration = reqs[1].token_times[-1]
-    assert m == serving.compute_metrics(records, duration, slo)
+    assert m == compute_metrics(records, duration, slo)
     assert m["num_good"] == 1 and m["goodput"] == pytest.approx(1 / duration)
 
 
@@ -163,8 +167,8 @@ def test_workload_draws_what_bench_serving_draws():
         max_model_len=2048)
     requests = plan.workload(args, rate=2.0)
     rng = np.random.default_rng(0)
-    prompts = serving.random_dataset(rng, 20, 64, 16, 0.5, 49152)
-    offsets = serving.arrival_offsets(rng, 20, 2.0, 1.0)
+    prompts = workload.random_dataset(rng, 20, 64, 16, 0.5, 49152)
+    offsets = workload.arrival_offsets(rng, 20, 2.0, 1.0)
     assert requests == [(float(t), len(p.token_ids), p.output_len) for t, p in zip(offsets, prompts)]
 
 

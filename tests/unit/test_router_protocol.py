@@ -82,7 +82,8 @@ def test_the_gateway_says_at_registration_which_workers_cannot_pair(caplog):
 
     from pd_serve import protocol
     from pd_serve.cache.pool import KVLayout
-    from pd_serve.gateway.cluster import Cluster, GatewayConfig
+    from pd_serve.config import GatewayConfig
+    from pd_serve.gateway.cluster import Cluster
 
     layout = asdict(KVLayout(num_layers=4, page_size=16, num_kv_heads=4, head_dim=8, dtype="bfloat16"))
 

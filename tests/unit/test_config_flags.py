@@ -1,0 +1,51 @@
+"""CLI flags are generated from the config dataclasses: every field with a flag parses back to its
+default, renamed flags land on their fields, and the choices are config.py's tuples."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pd_serve.cli import build_parser, worker_config_from_args
+from pd_serve.config import (KV_CACHE_DTYPES, EngineConfig, GatewayConfig, WorkerConfig,
+                             add_config_args, config_kwargs, engine_config_from_args)
+
+
+def test_engine_flags_default_to_the_config_defaults():
+    args = build_parser().parse_args(["chat", "hi"])
+    assert engine_config_from_args(args) == EngineConfig()
+
+
+def test_flags_set_nested_fields():
+    args = build_parser().parse_args(["chat", "hi", "--page-size", "32", "--kv-cache-dtype",
+                                      "fp8_e5m2", "--schedule-policy", "priority", "--tp", "2",
+                                      "--disable-cuda-graph"])
+    config = engine_config_from_args(args)
+    assert (config.cache.page_size, config.cache.kv_cache_dtype) == (32, "fp8_e5m2")
+    assert config.scheduler.schedule_policy == "priority"
+    assert config.tp == 2 and config.disable_cuda_graph
+
+
+def test_worker_flags_with_other_names(monkeypatch):
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
+    args = build_parser().parse_args(["decode", "--gateway", "tcp://127.0.0.1:1",
+                                      "--transfer-timeout", "5", "--port", "7"])
+    config = worker_config_from_args(args)
+    assert (config.transfer_timeout_s, config.port, config.cluster_key) == (5.0, 7, b"k")
+    assert config.heartbeat_s == WorkerConfig.__dataclass_fields__["heartbeat_s"].default
+
+
+def test_gateway_flags_and_cli_defaults():
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, GatewayConfig, control_port=8100)
+    kwargs = config_kwargs(GatewayConfig, parser.parse_args(["--worker-timeout", "3"]))
+    assert GatewayConfig(**kwargs) == GatewayConfig(control_port=8100, worker_timeout_s=3.0)
+
+
+def test_choices_come_from_config():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "hi", "--kv-cache-dtype", "int4"])
+    kv = next(a for a in build_parser()._subparsers._group_actions[0].choices["chat"]._actions
+              if a.dest == "kv_cache_dtype")
+    assert tuple(kv.choices) == KV_CACHE_DTYPES
