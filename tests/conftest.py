@@ -16,7 +16,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# One torch thread in every test process and in the workers the tests start (they inherit the
+# environment). The tests and their clusters share a few cores; with a thread per core each,
+# OpenMP's barriers wait on descheduled threads, and on a loaded 2-core box a small matmul took
+# 11x longer with 2 threads than with 1.
+if not torch.cuda.is_available():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
