@@ -27,7 +27,7 @@ from pd_serve.gateway.metrics import GatewayMetrics, RequestTimer
 from pd_serve.gateway.router import Router, WorkerState, pair_error, status_error
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
-                               Prefill, PrefillDone, StartDecode, TokenBatch, WorkerStatus)
+                               Prefill, PrefillDone, StartDecode, TokenBatch, TokenDelta, WorkerStatus)
 
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
@@ -331,14 +331,13 @@ class Cluster(TokenSource):
 
     async def _stream(self, flight, timer) -> AsyncIterator[TokenEvent]:
         while True:
-            item = await self._next(flight, list)
-            rid, token_ids, logprobs, finished, reason, error = item
-            if token_ids:
-                timer.tokens(len(token_ids))
-            if error:
-                raise ClusterError(error)
-            yield TokenEvent(token_ids, logprobs, finished, reason)
-            if finished:
+            row = await self._next(flight, TokenDelta)
+            if row.token_ids:
+                timer.tokens(len(row.token_ids))
+            if row.error:
+                raise ClusterError(row.error)
+            yield TokenEvent(row.token_ids, row.logprobs, row.finished, row.finish_reason)
+            if row.finished:
                 return
 
     async def _next(self, flight: _Flight, kind):
@@ -434,8 +433,8 @@ class Cluster(TokenSource):
         if not isinstance(msg, Heartbeat):
             state.last_progress = state.last_seen
         if isinstance(msg, TokenBatch):
-            for item in msg.items:
-                self._deliver(item[0], item, worker_id)
+            for row in msg.items:
+                self._deliver(row.request_id, row, worker_id)
         elif isinstance(msg, (AdmitReply, PrefillDone)):
             self._deliver(msg.request_id, msg, worker_id)
 

@@ -1,0 +1,111 @@
+"""Rows inside messages (TokenDelta, Logprob, ...): they round-trip through the codec as typed
+dataclasses, travel as positional lists, and a bad row refuses its whole message, counted."""
+
+import msgpack
+import pytest
+
+from pd_serve import protocol
+from pd_serve.engine.request import FinishReason, TokenLogprob
+from pd_serve.protocol import Logprob, PrefillDone, StartDecode, TokenBatch, TokenDelta
+
+SOCKET = "test-rows"
+LOGPROB = Logprob(5, -0.25, [(5, -0.25), (9, -1.5)])
+
+
+def raw(name: str, **fields) -> bytes:
+    """A message framed as the codec frames it, whatever its fields hold."""
+    return msgpack.packb([name, fields], use_bin_type=True)
+
+
+def refused_count() -> float:
+    return protocol.PROTOCOL_ERRORS.labels(socket=SOCKET)._value.get()
+
+
+def assert_refused(data: bytes, match: str = "") -> None:
+    """The codec refuses it with a ProtocolError (never another exception), and receive()
+    counts it."""
+    with pytest.raises(protocol.ProtocolError, match=match):
+        protocol.decode(data)
+    before = refused_count()
+    assert protocol.Codec().receive(data, SOCKET) is None
+    assert refused_count() == before + 1
+
+
+@pytest.mark.parametrize("msg", [
+    TokenBatch("w", [TokenDelta("r1", [9], None, False, None, ""),
+                     TokenDelta("r2", [3, 4], [LOGPROB, Logprob(4, 0.0, [])], True, "stop"),
+                     TokenDelta("r3", [], None, True, None, "KV transfer failed")]),
+    TokenBatch("w", []),
+    PrefillDone("r", True, 5, LOGPROB, timings={"prefill": 0.5}),
+    PrefillDone("r", False, error="boom"),
+    StartDecode("r", 5, LOGPROB),
+    StartDecode("r", 5),
+], ids=["deltas", "no-rows", "prefill-done", "prefill-failed", "start", "start-no-logprob"])
+def test_rows_round_trip_as_typed_dataclasses(msg):
+    out = protocol.Codec(b"key").decode(protocol.Codec(b"key").encode(msg))
+    assert out == msg
+    for row in getattr(out, "items", []):
+        assert type(row) is TokenDelta
+        assert all(type(lp) is Logprob and all(type(t) is tuple for t in lp.top)
+                   for lp in row.logprobs or [])
+
+
+def test_rows_travel_as_positional_lists():
+    data = protocol.encode(TokenBatch("w", [TokenDelta("r", [3], [LOGPROB], True, "length")]))
+    assert msgpack.unpackb(data) == [
+        "TokenBatch", {"worker_id": "w",
+                       "items": [["r", [3], [[5, -0.25, [[5, -0.25], [9, -1.5]]]], True, "length", ""]]}]
+
+
+def test_a_logprob_converts_to_and_from_the_engine_one():
+    lp = TokenLogprob(7, -0.5, [(7, -0.5), (2, -3.0)])
+    assert Logprob.of(lp).to_engine() == lp
+    assert protocol.decode(protocol.encode(StartDecode("r", 7, Logprob.of(lp)))).logprob.to_engine() == lp
+
+
+def test_finish_reasons_are_the_engines():
+    assert set(protocol.FINISH_REASONS) == {None} | {r.value for r in FinishReason}
+
+
+def delta(*row) -> bytes:
+    return raw("TokenBatch", worker_id="w", items=[list(row)])
+
+
+GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]]]], True, "stop", ""]
+
+
+@pytest.mark.parametrize("data,match", [
+    (raw("TokenBatch", worker_id="w", items=[GOOD[:5]]), "TokenDelta row"),  # a field short
+    (raw("TokenBatch", worker_id="w", items=[GOOD + [""]]), "TokenDelta row"),  # one too many
+    (raw("TokenBatch", worker_id="w", items=[dict(zip("abcdef", GOOD))]), "TokenDelta row"),
+    (raw("TokenBatch", worker_id="w", items="r"), "items"),
+    (delta(["r"], *GOOD[1:]), "request_id"),
+    (delta("r", [1.0], *GOOD[2:]), "token_ids"),
+    (delta("r", [True], *GOOD[2:]), "token_ids"),
+    (delta("r", [-1], None, True, "stop", ""), "negative token id"),
+    (delta("r", [1], None, 1, "stop", ""), "finished"),
+    (delta("r", [1], None, True, "eos", ""), "finish reason"),
+    (delta("r", [1], None, True, None, None), "error"),
+    (delta("r", [1], [[1, -0.5, []], [1, -0.5, []]], True, None, ""), "2 logprobs for 1 tokens"),
+    (delta("r", [1], [{"token_id": 1, "logprob": -0.5, "top": []}], True, None, ""), "Logprob row"),
+    (delta("r", [1], [[1, "-0.5", []]], True, None, ""), "logprob"),
+    (delta("r", [1], [[1, -0.5, [[1]]]], True, None, ""), "top"),
+    (delta("r", [1], [[1, -0.5, [[1, -0.5, 2]]]], True, None, ""), "top"),
+    (delta("r", [1], [[1, -0.5, [["1", -0.5]]]], True, None, ""), "top"),
+    (delta("r", [1], [[1, -0.5, [[1, -0.5]] * 21]], True, None, ""), "21 top logprobs"),
+    (delta("r", [1], [[1, -0.5, [[[[[]]]]]]], True, None, ""), "top"),  # nested garbage
+    (raw("PrefillDone", request_id="r", ok=True, first_token_id=3, logprob=[3, -0.5]), "logprob"),
+    (raw("PrefillDone", request_id="r", ok=True, first_token_id=3,
+         logprob={"token_id": 3, "logprob": -0.5, "top": []}), "logprob"),
+    (raw("StartDecode", request_id="r", first_token_id=3, logprob=[3, None, []]), "logprob"),
+])
+def test_a_bad_row_refuses_its_message_and_is_counted(data, match):
+    assert_refused(data, match)
+
+
+def test_a_row_of_every_kind_refused_inside_an_otherwise_good_batch():
+    good = protocol.encode(TokenBatch("w", [TokenDelta("a", [1]), TokenDelta("b", [2])]))
+    assert protocol.decode(good).items[1].token_ids == [2]
+    rows = msgpack.unpackb(good)[1]["items"]
+    rows[1][1] = [2, "3"]
+    assert_refused(raw("TokenBatch", worker_id="w", items=rows), "token_ids")
