@@ -1,12 +1,14 @@
-"""Rows inside messages (TokenDelta, Logprob, ...): they round-trip through the codec as typed
-dataclasses, travel as positional lists, and a bad row refuses its whole message, counted."""
+"""Rows inside messages (TokenDelta, Logprob, KVChunk, TransferAck, ...): they round-trip
+through the codec as typed dataclasses, travel as positional lists, and a bad row refuses its
+whole message, counted."""
 
 import msgpack
 import pytest
 
 from pd_serve import protocol
 from pd_serve.engine.request import FinishReason, TokenLogprob
-from pd_serve.protocol import Logprob, PrefillDone, StartDecode, TokenBatch, TokenDelta
+from pd_serve.protocol import (KVChunk, KVChunks, Logprob, PrefillDone, StartDecode, TokenBatch, TokenDelta,
+                               TransferAck, TransferAcks)
 
 SOCKET = "test-rows"
 LOGPROB = Logprob(5, -0.25, [(5, -0.25), (9, -1.5)])
@@ -109,3 +111,48 @@ def test_a_row_of_every_kind_refused_inside_an_otherwise_good_batch():
     rows = msgpack.unpackb(good)[1]["items"]
     rows[1][1] = [2, "3"]
     assert_refused(raw("TokenBatch", worker_id="w", items=rows), "token_ids")
+
+
+# ---- transfer rows: KVChunk inside KVChunks, TransferAck inside TransferAcks ------------------
+
+CHUNK = KVChunk("r", [5, 6], 0, 3, 1024, True, [7, 8], [0, 2], [2, 4], 2)
+
+
+@pytest.mark.parametrize("msg", [
+    KVChunks([CHUNK, KVChunk("q", [], 1, 2, 0, False)], [1, 0]),
+    KVChunks([], []),
+    TransferAcks([TransferAck("r", True), TransferAck("q", False, "no room")]),
+    TransferAcks([]),
+], ids=["chunks", "no-chunks", "acks", "no-acks"])
+def test_transfer_rows_round_trip_as_typed_dataclasses(msg):
+    out = protocol.decode(protocol.encode(msg))
+    assert out == msg
+    rows = out.chunks if isinstance(out, KVChunks) else out.acks
+    assert all(type(r) in (KVChunk, TransferAck) for r in rows)
+
+
+def chunk_row(**change) -> list:
+    fields = protocol.fields_of(CHUNK) | change
+    return list(fields.values())
+
+
+@pytest.mark.parametrize("data,match", [
+    (raw("KVChunks", chunks=[protocol.fields_of(CHUNK)], frames=[1]), "KVChunk row"),  # a dict
+    (raw("KVChunks", chunks=[chunk_row()[:-1]], frames=[1]), "KVChunk row"),
+    (raw("KVChunks", chunks=[chunk_row(request_id=None)], frames=[1]), "request_id"),
+    (raw("KVChunks", chunks=[chunk_row(dst_page_ids=[1, -2])], frames=[1]), "negative page id"),
+    (raw("KVChunks", chunks=[chunk_row(dst_page_ids=[[1]])], frames=[1]), "dst_page_ids"),
+    (raw("KVChunks", chunks=[chunk_row(layer_start=3)], frames=[1]), "layers"),
+    (raw("KVChunks", chunks=[chunk_row(parts=0)], frames=[1]), "parts"),
+    (raw("KVChunks", chunks=[chunk_row(src_heads=[0, 1, 2])], frames=[1]), "heads"),
+    (raw("KVChunks", chunks=[chunk_row(last=1)], frames=[1]), "last"),
+    (raw("KVChunks", chunks=[chunk_row()], frames=[1, 1]), "frame counts"),
+    (raw("KVChunks", chunks=[chunk_row()], frames=[-1]), "frame counts"),
+    (raw("TransferAcks", acks=[["r", "yes", ""]]), "ok"),
+    (raw("TransferAcks", acks=[["r", True]]), "TransferAck row"),
+    (raw("TransferAcks", acks=[["r", True, "", ""]]), "TransferAck row"),
+    (raw("TransferAcks", acks=[[["r"], True, ""]]), "request_id"),
+    (raw("TransferAcks", acks=[{"request_id": "r", "ok": True, "error": ""}]), "TransferAck row"),
+])
+def test_a_bad_transfer_row_refuses_its_message_and_is_counted(data, match):
+    assert_refused(data, match)

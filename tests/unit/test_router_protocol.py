@@ -40,7 +40,7 @@ def test_unknown_policy_is_a_clear_error():
 
 def test_codec_round_trips_and_rejects_garbage():
     for msg in (Admit("r1", [1, 2, 3], {"max_tokens": 4}, 2),
-                KVChunks([protocol.fields_of(KVChunk("r2", [5, 6], 0, 3, 1024, True, [7, 8]))], [1]),
+                KVChunks([KVChunk("r2", [5, 6], 0, 3, 1024, True, [7, 8])], [1]),
                 TokenBatch("w", [TokenDelta("r1", [9], None, False, None, "")])):
         assert protocol.decode(protocol.encode(msg)) == msg
     with pytest.raises(ValueError, match="undecodable"):
