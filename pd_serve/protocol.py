@@ -1,9 +1,9 @@
 """Every message that crosses a process boundary, and the one msgpack codec for them.
 
 Each message is a dataclass of plain fields (ints, floats, strings, lists, dicts, bytes) and
-rows: typed dataclasses inside a message (a TokenBatch's TokenDeltas, a KVChunks' KVChunks).
-On the wire: msgpack of [type name, field dict], each row a positional list of its fields.
-Never pickle, never tensors.
+rows: typed dataclasses inside a message (a TokenBatch's TokenDeltas, a KVChunks' KVChunks, a
+request's SamplingParams). On the wire: msgpack of [type name, field dict], each row a
+positional list of its fields. Never pickle, never tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 from prometheus_client import CollectorRegistry, Counter
+
+from pd_serve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +173,7 @@ class Admit:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     priority: int = 0
 
 
@@ -193,7 +195,7 @@ class Prefill:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     decode_addresses: list[str]  # the decode worker's KV receivers, one per TP rank
     dst_page_ids: list[int]
     priority: int = 0
@@ -226,7 +228,7 @@ class Generate:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     priority: int = 0
 
 

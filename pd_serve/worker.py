@@ -56,10 +56,10 @@ class WorkerConfig:
             raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT")
 
 
-def make_request(request_id: str, prompt_token_ids: list[int], sampling: dict, priority: int) -> Request:
-    """A Request from wire fields; a bad field is a ValueError naming it."""
-    return Request(list(prompt_token_ids), SamplingParams(**sampling), request_id=request_id,
-                   priority=priority)
+def make_request(request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 priority: int) -> Request:
+    """A Request from wire fields (the codec has checked them)."""
+    return Request(list(prompt_token_ids), sampling, request_id=request_id, priority=priority)
 
 
 def new_token_row(request: Request, reason: FinishReason | None) -> TokenDelta:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import heapq
 import itertools
 import logging
@@ -207,10 +206,9 @@ class Cluster(TokenSource):
         self._capacity.set()
 
     async def _disaggregated(self, spec, flight, timer) -> AsyncIterator[TokenEvent]:
-        sampling = dataclasses.asdict(spec.params)
-        decode, prefill, reply = await self._admit(spec, flight, sampling)
+        decode, prefill, reply = await self._admit(spec, flight)
         timer.mark("queue")
-        self._send(prefill.worker_id, Prefill(spec.request_id, spec.prompt_token_ids, sampling,
+        self._send(prefill.worker_id, Prefill(spec.request_id, spec.prompt_token_ids, spec.params,
                                               reply.transfer_addresses, reply.dst_page_ids, spec.priority))
         done = await self._next(flight, PrefillDone)
         self._leave(flight, prefill, spec.request_id)
@@ -230,14 +228,14 @@ class Cluster(TokenSource):
                                503, self.config.worker_timeout_s)
         worker = self.routers["colocated"].pick(workers, spec.prompt_token_ids)
         self._enlist(flight, worker, spec.request_id, len(spec.prompt_token_ids) + spec.params.max_tokens)
-        self._send(worker.worker_id, Generate(spec.request_id, spec.prompt_token_ids,
-                                              dataclasses.asdict(spec.params), spec.priority))
+        self._send(worker.worker_id, Generate(spec.request_id, spec.prompt_token_ids, spec.params,
+                                              spec.priority))
         timer.mark("queue")
         async for event in self._stream(flight, timer):
             yield event
 
     # ---- flow control: the queue, and a pair for its head ------------------------------------
-    async def _admit(self, spec, flight, sampling) -> tuple[WorkerState, WorkerState, AdmitReply]:
+    async def _admit(self, spec, flight) -> tuple[WorkerState, WorkerState, AdmitReply]:
         """Wait in the queue for a decode worker with room and a prefill worker that can take
         the prompt soon, then have decode reserve its pages; a full decode pool sends the
         request back to its place in the queue. Nothing fails merely for waiting its turn,
@@ -262,7 +260,7 @@ class Cluster(TokenSource):
                                    f"{self.config.admit_timeout_s} s", 503, 1) from None
             finally:
                 entry.pair.cancel()  # still queued: the dispatcher skips it
-            self._send(decode.worker_id, Admit(spec.request_id, spec.prompt_token_ids, sampling,
+            self._send(decode.worker_id, Admit(spec.request_id, spec.prompt_token_ids, spec.params,
                                                spec.priority))
             reply = await self._next(flight, AdmitReply)
             if reply.ok:

@@ -1,4 +1,4 @@
-"""Rows inside messages (TokenDelta, Logprob, KVChunk, TransferAck, ...): they round-trip
+"""Rows inside messages (TokenDelta, Logprob, KVChunk, TransferAck, SamplingParams): they round-trip
 through the codec as typed dataclasses, travel as positional lists, and a bad row refuses its
 whole message, counted."""
 
@@ -7,8 +7,9 @@ import pytest
 
 from pd_serve import protocol
 from pd_serve.engine.request import FinishReason, TokenLogprob
-from pd_serve.protocol import (KVChunk, KVChunks, Logprob, PrefillDone, StartDecode, TokenBatch, TokenDelta,
-                               TransferAck, TransferAcks)
+from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.protocol import (Admit, Generate, KVChunk, KVChunks, Logprob, Prefill, PrefillDone,
+                               StartDecode, TokenBatch, TokenDelta, TransferAck, TransferAcks)
 
 SOCKET = "test-rows"
 LOGPROB = Logprob(5, -0.25, [(5, -0.25), (9, -1.5)])
@@ -155,4 +156,48 @@ def chunk_row(**change) -> list:
     (raw("TransferAcks", acks=[{"request_id": "r", "ok": True, "error": ""}]), "TransferAck row"),
 ])
 def test_a_bad_transfer_row_refuses_its_message_and_is_counted(data, match):
+    assert_refused(data, match)
+
+
+# ---- a request's SamplingParams (Admit, Prefill, Generate) ---------------------------------
+
+SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=["\n"],
+                          stop_token_ids=[2], logprobs=4, logit_bias={9: -100, 3: 2.5})
+
+
+@pytest.mark.parametrize("msg", [
+    Admit("r", [1, 2], SAMPLING, 3),
+    Prefill("r", [1, 2], SamplingParams(), ["tcp://h:1", "tcp://h:2"], [4, 5]),
+    Generate("r", [1], SAMPLING, -1),
+], ids=["admit", "prefill", "generate"])
+def test_sampling_round_trips_as_sampling_params(msg):
+    out = protocol.decode(protocol.encode(msg))
+    assert out == msg and type(out.sampling) is SamplingParams
+
+
+def admit(sampling) -> bytes:
+    return raw("Admit", request_id="r", prompt_token_ids=[1], sampling=sampling)
+
+
+def sampling_row(**change) -> list:
+    return list((protocol.fields_of(SAMPLING) | change).values())
+
+
+@pytest.mark.parametrize("data,match", [
+    (admit({"max_tokens": 4}), "SamplingParams row"),  # the field dict is not its wire form
+    (admit(sampling_row()[:-1]), "SamplingParams row"),
+    (admit(sampling_row(max_tokens=0)), "max_tokens=0 must be >= 1"),  # its own validation
+    (admit(sampling_row(max_tokens="4")), "max_tokens"),
+    (admit(sampling_row(temperature=float("nan"))), "temperature"),
+    (admit(sampling_row(seed=True)), "seed"),
+    (admit(sampling_row(stop="\n")), "stop"),
+    (admit(sampling_row(stop=[""])), "stop"),
+    (admit(sampling_row(stop_token_ids=[-1])), "stop_token_ids"),
+    (admit(sampling_row(logprobs=21)), "logprobs"),
+    (admit(sampling_row(logit_bias={"9": 1.0})), "logit_bias"),
+    (admit(sampling_row(logit_bias={9: [1.0]})), "logit_bias"),
+    (admit(sampling_row(logit_bias={9: 101.0})), "logit_bias"),
+    (admit(sampling_row(logit_bias=[[9, 1.0]])), "logit_bias"),
+])
+def test_a_bad_sampling_refuses_its_message_and_is_counted(data, match):
     assert_refused(data, match)
