@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
@@ -290,11 +291,18 @@ def fields_of(msg) -> dict:
     return {name: getattr(msg, name) for name in _names(type(msg))}
 
 
-def _row(value) -> list:
-    """A row's wire form, its fields in order (msgpack's hook for what it cannot pack itself)."""
-    if not dataclasses.is_dataclass(value) or isinstance(value, type):
-        raise TypeError(f"cannot send a {type(value).__name__}")
-    return [getattr(value, name) for name in _names(type(value))]
+_ROW_GETTERS: dict[type, operator.attrgetter] = {}
+
+
+def _row(value) -> tuple:
+    """A row's wire form, its fields in order (msgpack's hook for what it cannot pack itself;
+    it packs the tuple as a list)."""
+    getter = _ROW_GETTERS.get(type(value))
+    if getter is None:
+        if not dataclasses.is_dataclass(value) or isinstance(value, type):
+            raise TypeError(f"cannot send a {type(value).__name__}")
+        getter = _ROW_GETTERS[type(value)] = operator.attrgetter(*_names(type(value)))
+    return getter(value)
 
 
 class Codec:
@@ -409,14 +417,14 @@ def _reader(hint):
                 raise _Bad(f"is not {_name(hint)}: {_short(v)}")
             return [read_item(x) for x in v]
         return read_list
-    if origin is tuple and not any(_builds(h) for h in args):
-        oks = [_checker(h) for h in args]
+    if origin is tuple and len(args) == 2 and not any(_builds(h) for h in args):
+        first, second = map(_checker, args)
 
-        def read_tuple(v):
-            if type(v) is list and len(v) == len(oks) and all(ok(x) for ok, x in zip(oks, v)):
-                return tuple(v)
+        def read_pair(v):
+            if type(v) is list and len(v) == 2 and first(v[0]) and second(v[1]):
+                return v[0], v[1]
             raise _Bad(f"is not {_name(hint)}: {_short(v)}")
-        return read_tuple
+        return read_pair
     raise TypeError(f"no wire reader for {hint}")
 
 
@@ -428,24 +436,31 @@ def _builds(hint) -> bool:
 
 
 def _row_reader(cls):
-    """A row arrives as the list of its fields, in order, all of them: each field is read, the
-    row built (a ValueError from its own __post_init__, SamplingParams' validation, refuses it),
-    then the row's rule checked."""
+    """A row arrives as the list of its fields, in order, all of them: each field is checked
+    (plain ones by a predicate, in place) or built, the row made (a ValueError from its own
+    __post_init__, SamplingParams' validation, refuses it), then the row's rule checked. A
+    decode step sends a row per running request: this is the codec's hot loop."""
     hints = typing.get_type_hints(cls)
-    readers = [(name, _reader(hints[name])) for name in _names(cls)]
+    names = _names(cls)
+    plain = [(i, _checker(hints[n])) for i, n in enumerate(names) if not _builds(hints[n])]
+    built = [(i, _reader(hints[n])) for i, n in enumerate(names) if _builds(hints[n])]
+    size = len(names)
 
     def read_row(v):
-        if type(v) is not list or len(v) != len(readers):
-            raise _Bad(f"has a {cls.__name__} row that is not a list of its {len(readers)} "
-                       f"fields: {_short(v)}")
-        values = []
-        for (name, read), x in zip(readers, v):
+        if type(v) is not list or len(v) != size:
+            raise _Bad(f"has a {cls.__name__} row that is not a list of its {size} fields: "
+                       f"{_short(v)}")
+        for i, ok in plain:
+            if not ok(v[i]):
+                raise _Bad(f"has a {cls.__name__} whose field {names[i]!r} is not "
+                           f"{_name(hints[names[i]])}: {_short(v[i])}")
+        for i, read in built:
             try:
-                values.append(read(x))
+                v[i] = read(v[i])  # (v is the decoder's own list)
             except _Bad as e:
-                raise _Bad(f"has a {cls.__name__} whose field {name!r} {e}") from None
+                raise _Bad(f"has a {cls.__name__} whose field {names[i]!r} {e}") from None
         try:
-            row = cls(*values)
+            row = cls(*v)
         except (ValueError, TypeError) as e:
             raise _Bad(f"has a {cls.__name__} that is not valid: {e}") from None
         rule = _RULES.get(cls)
@@ -460,7 +475,11 @@ def _checker(hint):
     ids, so the per-element test is one `type(x) is T`."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        options = [_checker(h) for h in typing.get_args(hint)]
+        args = typing.get_args(hint)
+        if len(args) == 2 and type(None) in args:  # the common `X | None`, without a loop
+            (ok,) = [_checker(h) for h in args if h is not type(None)]
+            return lambda v: v is None or ok(v)
+        options = [_checker(h) for h in args]
         return lambda v: any(ok(v) for ok in options)
     if origin is list:
         (item,) = typing.get_args(hint)
@@ -473,8 +492,8 @@ def _checker(hint):
         return lambda v: type(v) is dict and all(key(k) and value(x) for k, x in v.items())
     if hint is type(None):
         return lambda v: v is None
-    if hint is int:
-        return lambda v: type(v) is int
+    if hint in (int, str, bool):
+        return lambda v: type(v) is hint
     if hint is float:
         return lambda v: type(v) in (int, float)
     return lambda v: isinstance(v, hint)
@@ -511,7 +530,7 @@ def _check_delta(row: TokenDelta) -> str:
         return f"{len(row.logprobs)} logprobs for {len(row.token_ids)} tokens"
     if row.finish_reason not in FINISH_REASONS:
         return f"finish reason {_short(row.finish_reason)}"
-    if any(t < 0 for t in row.token_ids):
+    if row.token_ids and min(row.token_ids) < 0:
         return "a negative token id"
     return ""
 
