@@ -21,8 +21,9 @@ import torch
 import zmq
 
 from pd_serve import protocol
-from pd_serve.protocol import (ERRORS_REGISTRY, KVChunk, KVChunks, TransferAbort, TransferAck,
-                               TransferAcks, TransferHello, TransferWelcome)
+from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.protocol import (ERRORS_REGISTRY, KVChunk, KVChunks, Logprob, TransferAbort,
+                               TransferAck, TransferAcks, TransferHello, TransferWelcome)
 from pd_serve.transfer.base import TransferError
 from pd_serve.transfer.receiver import HEADER_SLACK_BYTES, KVReceiver
 from pd_serve.transfer.sender import REPLY_MAX_BYTES, KVSender
@@ -248,7 +249,30 @@ def plausible_chunk(rng: random.Random) -> KVChunk:
                  last=rng.random() < 0.5)
 
 
-SPECIAL = {  # (message, field) -> a value given the fields so far
+def plausible_sampling(rng: random.Random) -> list:
+    """A SamplingParams row the codec takes (most often), or one of random fields."""
+    if rng.random() < 0.3:
+        return row(rng, SamplingParams)
+    params = SamplingParams(max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.7]),
+                            seed=rng.choice([None, 3]), logprobs=rng.choice([None, 2]))
+    return list(protocol.fields_of(params).values())
+
+
+def plausible_logprobs(rng: random.Random, delta: dict) -> list | None:
+    """A Logprob row per token (or none), as a TokenDelta the codec takes has them."""
+    tokens = delta.get("token_ids")
+    if rng.random() < 0.3 or not isinstance(tokens, list):
+        return typed(rng, list[Logprob] | None)
+    return [row(rng, Logprob) for _ in tokens]
+
+
+SAMPLING = lambda rng, _: plausible_sampling(rng)  # noqa: E731
+SPECIAL = {  # (message or row, field) -> a value given the fields so far
+    ("Admit", "sampling"): SAMPLING,
+    ("Prefill", "sampling"): SAMPLING,
+    ("Generate", "sampling"): SAMPLING,
+    ("TokenDelta", "logprobs"): plausible_logprobs,
+    ("TokenDelta", "finish_reason"): lambda rng, _: rng.choice([None, "stop", "length", "abort", "eos"]),
     ("KVChunks", "chunks"): lambda rng, _: [
         plausible_chunk(rng) if rng.random() < 0.7 else row(rng, KVChunk)
         for _ in range(rng.randrange(4))],

@@ -201,3 +201,54 @@ def sampling_row(**change) -> list:
 ])
 def test_a_bad_sampling_refuses_its_message_and_is_counted(data, match):
     assert_refused(data, match)
+
+
+# ---- a seeded fuzz: good messages of every row kind with one value deep inside replaced -----
+
+GARBAGE = [None, True, -1, 2**63, 0.5, float("nan"), "", "x" * 300, b"\x00", [], [[]], {}, {1: [2]},
+           [None] * 30]
+
+
+def mutated(rng, value):
+    """`value` with one element, at any depth, replaced by garbage (or a list grown or cut)."""
+    if isinstance(value, list) and value and rng.random() < 0.8:
+        value = list(value)
+        i = rng.randrange(len(value))
+        choice = rng.random()
+        if choice < 0.1:
+            del value[i]
+        elif choice < 0.2:
+            value.append(value[i])
+        else:
+            value[i] = mutated(rng, value[i])
+        return value
+    if isinstance(value, dict) and value and rng.random() < 0.8:
+        key = rng.choice(list(value))
+        return {**value, key: mutated(rng, value[key])}
+    return rng.choice(GARBAGE)
+
+
+def test_fuzzed_rows_are_refused_or_decode_to_typed_rows():
+    import random
+    rng = random.Random(5)
+    good = [TokenBatch("w", [TokenDelta("a", [1, 2], [LOGPROB, LOGPROB], True, "stop")]),
+            PrefillDone("r", True, 5, LOGPROB), StartDecode("r", 5, LOGPROB),
+            KVChunks([CHUNK], [1]), TransferAcks([TransferAck("r", False, "e")]),
+            Admit("r", [1], SAMPLING), Generate("r", [1], SAMPLING)]
+    refused = 0
+    for msg in good:
+        name, fields = msgpack.unpackb(protocol.encode(msg), strict_map_key=False)
+        for _ in range(300):
+            data = msgpack.packb([name, mutated(rng, fields)])
+            try:
+                out = protocol.decode(data)
+            except protocol.ProtocolError:
+                refused += 1
+                continue
+            assert type(out) is type(msg)
+            rows = [*getattr(out, "items", []), *getattr(out, "chunks", []), *getattr(out, "acks", []),
+                    *[getattr(out, f) for f in ("logprob", "sampling") if getattr(out, f, None)]]
+            assert all(type(r) in (TokenDelta, KVChunk, TransferAck, Logprob, SamplingParams) for r in rows)
+            again = protocol.encode(out)  # typed through and through (bytes: NaN != NaN)
+            assert protocol.encode(protocol.decode(again)) == again
+    assert refused > 300 * len(good) // 2
