@@ -301,7 +301,9 @@ def _row(value) -> tuple:
     if getter is None:
         if not dataclasses.is_dataclass(value) or isinstance(value, type):
             raise TypeError(f"cannot send a {type(value).__name__}")
-        getter = _ROW_GETTERS[type(value)] = operator.attrgetter(*_names(type(value)))
+        names = _names(type(value))
+        get = operator.attrgetter(*names)  # (of one name: the value itself, not a tuple)
+        getter = _ROW_GETTERS[type(value)] = get if len(names) > 1 else lambda row: (get(row),)
     return getter(value)
 
 

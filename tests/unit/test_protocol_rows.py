@@ -252,3 +252,15 @@ def test_fuzzed_rows_are_refused_or_decode_to_typed_rows():
             again = protocol.encode(out)  # typed through and through (bytes: NaN != NaN)
             assert protocol.encode(protocol.decode(again)) == again
     assert refused > 300 * len(good) // 2
+
+
+def test_a_row_of_one_field_and_a_value_that_is_no_row():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class One:
+        token_id: int
+
+    assert msgpack.unpackb(msgpack.packb([One(3)], default=protocol._row)) == [[3]]
+    with pytest.raises(TypeError, match="cannot send a set"):
+        protocol.encode(TokenBatch("w", {1}))
