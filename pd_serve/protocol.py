@@ -291,20 +291,50 @@ def fields_of(msg) -> dict:
     return {name: getattr(msg, name) for name in _names(type(msg))}
 
 
-_ROW_GETTERS: dict[type, operator.attrgetter] = {}
+_WRITERS: dict[type, list] = {}
 
 
-def _row(value) -> tuple:
-    """A row's wire form, its fields in order (msgpack's hook for what it cannot pack itself;
-    it packs the tuple as a list)."""
-    getter = _ROW_GETTERS.get(type(value))
-    if getter is None:
-        if not dataclasses.is_dataclass(value) or isinstance(value, type):
-            raise TypeError(f"cannot send a {type(value).__name__}")
-        names = _names(type(value))
+def wire_fields(msg) -> dict:
+    """The message's field dict as it goes on the wire: its rows as the lists of their fields."""
+    writers = _WRITERS.get(type(msg))
+    if writers is None:
+        writers = _WRITERS[type(msg)] = [(name, _writer(hint)) for name, hint
+                                         in typing.get_type_hints(type(msg)).items()]
+    return {name: getattr(msg, name) if write is None else write(getattr(msg, name))
+            for name, write in writers}
+
+
+def _writer(hint):
+    """None for a plain field, else a function that turns the rows in a value of type `hint`
+    into the tuples of their fields (msgpack packs tuples as lists). A value that is not the
+    row it should be is sent as it is: its reader refuses it."""
+    if not _has_rows(hint):
+        return None
+    if dataclasses.is_dataclass(hint):
+        names = _names(hint)
         get = operator.attrgetter(*names)  # (of one name: the value itself, not a tuple)
-        getter = _ROW_GETTERS[type(value)] = get if len(names) > 1 else lambda row: (get(row),)
-    return getter(value)
+        built = [(i, w) for i, n in enumerate(names)
+                 if (w := _writer(typing.get_type_hints(hint)[n])) is not None]
+
+        def write_row(row):
+            if type(row) is not hint:
+                return row
+            values = get(row) if len(names) > 1 else (get(row),)
+            if not built:
+                return values
+            values = list(values)
+            for i, write in built:
+                values[i] = write(values[i])
+            return values
+        return write_row
+    (inner,) = [w for h in typing.get_args(hint) if (w := _writer(h)) is not None]
+    if typing.get_origin(hint) is list:
+        return lambda v: [inner(x) for x in v] if type(v) is list else v
+    return lambda v: None if v is None else inner(v)  # `row | None`, as _reader allows
+
+
+def _has_rows(hint) -> bool:
+    return dataclasses.is_dataclass(hint) or any(_has_rows(h) for h in typing.get_args(hint))
 
 
 class Codec:
@@ -320,7 +350,7 @@ class Codec:
         self.key = key
 
     def encode(self, msg) -> bytes:
-        body = msgpack.packb([type(msg).__name__, fields_of(msg)], use_bin_type=True, default=_row)
+        body = msgpack.packb([type(msg).__name__, wire_fields(msg)], use_bin_type=True)
         return self._tag(body) + body if self.key else body
 
     def decode(self, data: bytes):
