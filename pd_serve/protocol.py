@@ -1,7 +1,9 @@
 """Every message that crosses a process boundary, and the one msgpack codec for them.
 
-Each message is a dataclass of plain fields (ints, floats, strings, lists, dicts, bytes).
-On the wire: msgpack of [type name, field dict]. Never pickle, never tensors.
+Each message is a dataclass of plain fields (ints, floats, strings, lists, dicts, bytes) and
+rows: typed dataclasses inside a message (a TokenBatch's TokenDeltas, a KVChunks' KVChunks, a
+request's SamplingParams). On the wire: msgpack of [type name, field dict], each row a
+positional list of its fields. Never pickle, never tensors.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
 
 import msgpack
 from prometheus_client import CollectorRegistry, Counter
+
+from pd_serve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -74,22 +79,62 @@ class TransferAbort:
 @dataclass
 class KVChunks:
     """Sender -> receiver: every chunk the sender had queued for this receiver, in one message.
-    `chunks` holds KVChunk field dicts; chunk i's data frames, `frames[i]` of them (tcp: 1),
-    follow the header in order."""
+    Chunk i's data frames, `frames[i]` of them (tcp: 1), follow the header in order."""
 
-    chunks: list[dict]
+    chunks: list[KVChunk]
     frames: list[int]
 
 
 @dataclass
-class TransferAcks:
-    """Receiver -> sender: requests whose KV is in place (ok) or was refused / failed, as
-    [request_id, ok, error] triples."""
+class TransferAck:
+    """A request whose KV is in place (ok) or was refused / failed (travels inside TransferAcks)."""
 
-    acks: list[list]
+    request_id: str
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class TransferAcks:
+    """Receiver -> sender: what became of requests' KV."""
+
+    acks: list[TransferAck]
 
 
 # ---- control plane: workers <-> gateway ---------------------------------------------------
+
+
+@dataclass
+class Logprob:
+    """The sampled token's logprob and its top alternatives as (token_id, logprob) pairs: the
+    wire form of engine.request.TokenLogprob (`of` and `to_engine` convert, one way each)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def of(cls, lp) -> Logprob:
+        """From an engine TokenLogprob."""
+        return cls(lp.token_id, lp.logprob, list(lp.top))
+
+    def to_engine(self):
+        from pd_serve.engine.request import TokenLogprob  # (torch: the gateway never needs it)
+        return TokenLogprob(self.token_id, self.logprob, list(self.top))
+
+
+@dataclass
+class TokenDelta:
+    """One request's row in a TokenBatch: its new tokens (with a Logprob each when it asked for
+    them); on its last row finished, with a reason ("stop" | "length" | "abort"), or an error."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[Logprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str = ""
+
 
 
 @dataclass
@@ -129,7 +174,7 @@ class Admit:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     priority: int = 0
 
 
@@ -151,7 +196,7 @@ class Prefill:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     decode_addresses: list[str]  # the decode worker's KV receivers, one per TP rank
     dst_page_ids: list[int]
     priority: int = 0
@@ -164,7 +209,7 @@ class PrefillDone:
     request_id: str
     ok: bool
     first_token_id: int = -1
-    logprob: dict | None = None
+    logprob: Logprob | None = None
     error: str = ""
     timings: dict = field(default_factory=dict)
 
@@ -175,7 +220,7 @@ class StartDecode:
 
     request_id: str
     first_token_id: int
-    logprob: dict | None = None
+    logprob: Logprob | None = None
 
 
 @dataclass
@@ -184,20 +229,16 @@ class Generate:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     priority: int = 0
 
 
 @dataclass
 class TokenBatch:
-    """Decode/colocated -> gateway, once per step: every request's new tokens.
-
-    items: [request_id, new_token_ids, logprobs (list of dicts) or None, finished,
-    finish_reason or None, error] per request.
-    """
+    """Decode/colocated -> gateway, once per step: a row for every request with news."""
 
     worker_id: str
-    items: list[list]
+    items: list[TokenDelta]
 
 
 @dataclass
@@ -237,14 +278,63 @@ class ProtocolError(ValueError):
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def fields_of(msg) -> dict:
-    """A shallow field dict: fields are plain values, and asdict's deep copy of long page-id
-    lists costs more than the send. (Field names are looked up once per class: this runs per
-    KV chunk on the transfer path.)"""
-    names = _FIELD_NAMES.get(type(msg))
+def _names(cls) -> tuple[str, ...]:
+    """Field names, looked up once per class: this runs per KV chunk on the transfer path."""
+    names = _FIELD_NAMES.get(cls)
     if names is None:
-        names = _FIELD_NAMES[type(msg)] = tuple(f.name for f in dataclasses.fields(msg))
-    return {name: getattr(msg, name) for name in names}
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def fields_of(msg) -> dict:
+    """A shallow field dict: asdict's deep copy of long page-id lists costs more than the send."""
+    return {name: getattr(msg, name) for name in _names(type(msg))}
+
+
+_WRITERS: dict[type, list] = {}
+
+
+def wire_fields(msg) -> dict:
+    """The message's field dict as it goes on the wire: its rows as the lists of their fields."""
+    writers = _WRITERS.get(type(msg))
+    if writers is None:
+        writers = _WRITERS[type(msg)] = [(name, _writer(hint)) for name, hint
+                                         in typing.get_type_hints(type(msg)).items()]
+    return {name: getattr(msg, name) if write is None else write(getattr(msg, name))
+            for name, write in writers}
+
+
+def _writer(hint):
+    """None for a plain field, else a function that turns the rows in a value of type `hint`
+    into the tuples of their fields (msgpack packs tuples as lists). A value that is not the
+    row it should be is sent as it is: its reader refuses it."""
+    if not _has_rows(hint):
+        return None
+    if dataclasses.is_dataclass(hint):
+        names = _names(hint)
+        get = operator.attrgetter(*names)  # (of one name: the value itself, not a tuple)
+        built = [(i, w) for i, n in enumerate(names)
+                 if (w := _writer(typing.get_type_hints(hint)[n])) is not None]
+
+        def write_row(row):
+            if type(row) is not hint:
+                return row
+            values = get(row) if len(names) > 1 else (get(row),)
+            if not built:
+                return values
+            values = list(values)
+            for i, write in built:
+                values[i] = write(values[i])
+            return values
+        return write_row
+    (inner,) = [w for h in typing.get_args(hint) if (w := _writer(h)) is not None]
+    if typing.get_origin(hint) is list:
+        return lambda v: [inner(x) for x in v] if type(v) is list else v
+    return lambda v: None if v is None else inner(v)  # `row | None`, as _reader allows
+
+
+def _has_rows(hint) -> bool:
+    return dataclasses.is_dataclass(hint) or any(_has_rows(h) for h in typing.get_args(hint))
 
 
 class Codec:
@@ -253,14 +343,14 @@ class Codec:
     With a key every message starts with a TAG_BYTES HMAC-SHA256 tag of its body, and decode
     refuses a message whose tag does not verify, so only holders of the key can register,
     send tokens or move KV. (The tag authenticates; it does not encrypt.) Decoded messages
-    are type-checked field by field (`check`), so a handler never sees a list where it
-    expects a request id."""
+    are type-checked field by field, rows included (`_read`), so a handler never sees a list
+    where it expects a request id."""
 
     def __init__(self, key: bytes = b""):
         self.key = key
 
     def encode(self, msg) -> bytes:
-        body = msgpack.packb([type(msg).__name__, fields_of(msg)], use_bin_type=True)
+        body = msgpack.packb([type(msg).__name__, wire_fields(msg)], use_bin_type=True)
         return self._tag(body) + body if self.key else body
 
     def decode(self, data: bytes):
@@ -275,7 +365,7 @@ class Codec:
             msg = MESSAGES[name](**fields)
         except Exception as e:  # whatever the bytes are, the caller gets a ProtocolError
             raise ProtocolError(f"undecodable message ({type(e).__name__}: {e})") from None
-        if error := check(msg):
+        if error := _read(msg):
             raise ProtocolError(f"{name}: {error}")
         return msg
 
@@ -304,31 +394,124 @@ _PLAIN = Codec()
 encode, decode = _PLAIN.encode, _PLAIN.decode
 
 
-# ---- checks: every field's type, then each message's own rules ------------------------------
-_CHECKERS: dict[type, list] = {}
+# ---- reading: every field's type, rows built from their lists, then each type's own rules ----
+class _Bad(Exception):
+    """What is wrong with a field's wire value (becomes the ProtocolError's text)."""
 
 
-def check(msg) -> str:
-    """'' when every field of `msg` has its annotated type (and the message's own rules hold),
-    else what is wrong."""
+_READERS: dict[type, list] = {}
+
+
+def _read(msg) -> str:
+    """'' when every field of a just-decoded `msg` has its annotated type (its rows, built in
+    place from their wire lists, included) and the message's own rules hold, else what is wrong."""
     cls = type(msg)
-    checkers = _CHECKERS.get(cls)
-    if checkers is None:
-        checkers = _CHECKERS[cls] = [(name, hint, _checker(hint))
-                                     for name, hint in typing.get_type_hints(cls).items()]
-    for name, hint, ok in checkers:
-        if not ok(getattr(msg, name)):
-            return f"field {name!r} is not {_name(hint)}: {_short(getattr(msg, name))}"
+    readers = _READERS.get(cls)
+    if readers is None:
+        readers = _READERS[cls] = [(name, _reader(hint))
+                                   for name, hint in typing.get_type_hints(cls).items()]
+    for name, read in readers:
+        value = getattr(msg, name)
+        try:
+            built = read(value)
+        except _Bad as e:
+            return f"field {name!r} {e}"
+        if built is not value:
+            setattr(msg, name, built)
     rule = _RULES.get(cls)
     return rule(msg) if rule else ""
 
 
+def _reader(hint):
+    """A function from a wire value of type `hint` to its Python value, raising _Bad; built once
+    per field. Plain values are returned as they are, after one predicate (`_checker`); rows are
+    built from their positional lists, pairs (tuple hints) from their two-element lists."""
+    if not _builds(hint):
+        ok = _checker(hint)
+
+        def read_plain(v):
+            if ok(v):
+                return v
+            raise _Bad(f"is not {_name(hint)}: {_short(v)}")
+        return read_plain
+    if dataclasses.is_dataclass(hint):
+        return _row_reader(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [_reader(h) for h in args if h is not type(None)]  # only `row | None` is built
+        return lambda v: None if v is None else inner(v)
+    if origin is list:
+        (item,) = args
+        read_item = _reader(item)
+
+        def read_list(v):
+            if type(v) is not list:
+                raise _Bad(f"is not {_name(hint)}: {_short(v)}")
+            return [read_item(x) for x in v]
+        return read_list
+    if origin is tuple and len(args) == 2 and not any(_builds(h) for h in args):
+        first, second = map(_checker, args)
+
+        def read_pair(v):
+            if type(v) is list and len(v) == 2 and first(v[0]) and second(v[1]):
+                return v[0], v[1]
+            raise _Bad(f"is not {_name(hint)}: {_short(v)}")
+        return read_pair
+    raise TypeError(f"no wire reader for {hint}")
+
+
+def _builds(hint) -> bool:
+    """Whether values of `hint` are built on reading (rows, pairs), not taken as they come."""
+    if dataclasses.is_dataclass(hint) or typing.get_origin(hint) is tuple:
+        return True
+    return any(_builds(h) for h in typing.get_args(hint))
+
+
+def _row_reader(cls):
+    """A row arrives as the list of its fields, in order, all of them: each field is checked
+    (plain ones by a predicate, in place) or built, the row made (a ValueError from its own
+    __post_init__, SamplingParams' validation, refuses it), then the row's rule checked. A
+    decode step sends a row per running request: this is the codec's hot loop."""
+    hints = typing.get_type_hints(cls)
+    names = _names(cls)
+    plain = [(i, _checker(hints[n])) for i, n in enumerate(names) if not _builds(hints[n])]
+    built = [(i, _reader(hints[n])) for i, n in enumerate(names) if _builds(hints[n])]
+    size = len(names)
+
+    def read_row(v):
+        if type(v) is not list or len(v) != size:
+            raise _Bad(f"has a {cls.__name__} row that is not a list of its {size} fields: "
+                       f"{_short(v)}")
+        for i, ok in plain:
+            if not ok(v[i]):
+                raise _Bad(f"has a {cls.__name__} whose field {names[i]!r} is not "
+                           f"{_name(hints[names[i]])}: {_short(v[i])}")
+        for i, read in built:
+            try:
+                v[i] = read(v[i])  # (v is the decoder's own list)
+            except _Bad as e:
+                raise _Bad(f"has a {cls.__name__} whose field {names[i]!r} {e}") from None
+        try:
+            row = cls(*v)
+        except (ValueError, TypeError) as e:
+            raise _Bad(f"has a {cls.__name__} that is not valid: {e}") from None
+        rule = _RULES.get(cls)
+        if rule is not None and (error := rule(row)):
+            raise _Bad(f"has a {cls.__name__} with {error}")
+        return row
+    return read_row
+
+
 def _checker(hint):
-    """A predicate for values of type `hint`, built once per field: messages carry long lists
-    of page and token ids, so the per-element test is one `type(x) is T`."""
+    """A predicate for plain values of type `hint`: messages carry long lists of page and token
+    ids, so the per-element test is one `type(x) is T`."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        options = [_checker(h) for h in typing.get_args(hint)]
+        args = typing.get_args(hint)
+        if len(args) == 2 and type(None) in args:  # the common `X | None`, without a loop
+            (ok,) = [_checker(h) for h in args if h is not type(None)]
+            return lambda v: v is None or ok(v)
+        options = [_checker(h) for h in args]
         return lambda v: any(ok(v) for ok in options)
     if origin is list:
         (item,) = typing.get_args(hint)
@@ -336,17 +519,20 @@ def _checker(hint):
             return lambda v: type(v) is list and all(type(x) is item for x in v)
         ok = _checker(item)
         return lambda v: type(v) is list and all(ok(x) for x in v)
+    if origin is dict:
+        key, value = map(_checker, typing.get_args(hint))
+        return lambda v: type(v) is dict and all(key(k) and value(x) for k, x in v.items())
     if hint is type(None):
         return lambda v: v is None
-    if hint is int:
-        return lambda v: type(v) is int
+    if hint in (int, str, bool):
+        return lambda v: type(v) is hint
     if hint is float:
         return lambda v: type(v) in (int, float)
     return lambda v: isinstance(v, hint)
 
 
 def _name(hint) -> str:
-    return getattr(hint, "__name__", None) or str(hint)
+    return str(hint) if typing.get_args(hint) else getattr(hint, "__name__", None) or str(hint)
 
 
 def _short(value) -> str:
@@ -354,29 +540,9 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _rows(rows: list, kinds: tuple, what: str) -> str:
-    checkers = _ROW_CHECKERS.get(kinds)
-    if checkers is None:
-        checkers = _ROW_CHECKERS[kinds] = [_checker(k) for k in kinds]
-    for row in rows:
-        if len(row) != len(kinds) or not all(ok(v) for ok, v in zip(checkers, row)):
-            return f"{what} row {_short(row)} is not ({', '.join(map(_name, kinds))})"
-    return ""
-
-
-_ROW_CHECKERS: dict[tuple, list] = {}
-
-
 def _check_chunks(msg: KVChunks) -> str:
     if len(msg.chunks) != len(msg.frames) or any(n < 0 for n in msg.frames):
         return f"{len(msg.chunks)} chunks with frame counts {_short(msg.frames)}"
-    for fields in msg.chunks:
-        try:
-            chunk = KVChunk(**fields)
-        except TypeError as e:
-            return f"a chunk's fields: {e}"
-        if error := check(chunk):
-            return f"a chunk's {error}"
     return ""
 
 
@@ -385,23 +551,25 @@ def _check_chunk(chunk: KVChunk) -> str:
         return (f"layers [{chunk.layer_start}, {chunk.layer_end}), nbytes {chunk.nbytes}, parts "
                 f"{chunk.parts}")
     if any(len(h) not in (0, 2) for h in (chunk.src_heads, chunk.dst_heads)):
-        return "heads must be [] or [start, end]"
+        return "heads neither [] nor [start, end]"
     if any(p < 0 for p in chunk.dst_page_ids) or any(p < 0 for p in chunk.src_page_ids):
-        return "negative page id"
+        return "a negative page id"
     return ""
 
 
-def _check_token_rows(msg: TokenBatch) -> str:
-    """Each row [request_id, new_token_ids, logprobs or None, finished, finish_reason or None,
-    error]: written out, since a decode step sends one row per running request."""
-    for row in msg.items:
-        if not (len(row) == 6 and type(row[0]) is str and type(row[1]) is list
-                and all(type(t) is int for t in row[1])
-                and (row[2] is None or (type(row[2]) is list and all(type(d) is dict for d in row[2])))
-                and type(row[3]) is bool and (row[4] is None or type(row[4]) is str)
-                and type(row[5]) is str):
-            return (f"token row {_short(row)} is not [request_id, token ids, logprobs or null, "
-                    "finished, finish reason or null, error]")
+def _check_delta(row: TokenDelta) -> str:
+    if row.logprobs is not None and len(row.logprobs) != len(row.token_ids):
+        return f"{len(row.logprobs)} logprobs for {len(row.token_ids)} tokens"
+    if row.finish_reason not in FINISH_REASONS:
+        return f"finish reason {_short(row.finish_reason)}"
+    if row.token_ids and min(row.token_ids) < 0:
+        return "a negative token id"
+    return ""
+
+
+def _check_logprob(row: Logprob) -> str:
+    if len(row.top) > MAX_TOP_LOGPROBS:
+        return f"{len(row.top)} top logprobs (at most {MAX_TOP_LOGPROBS})"
     return ""
 
 
@@ -418,11 +586,13 @@ def _nonnegative_pages(msg) -> str:
 
 
 ROLES = ("prefill", "decode", "colocated")
+FINISH_REASONS = (None, "stop", "length", "abort")  # engine.request.FinishReason's values
+MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
 _RULES = {
     KVChunk: _check_chunk,
     KVChunks: _check_chunks,
-    TransferAcks: lambda m: _rows(m.acks, (str, bool, str), "ack"),
-    TokenBatch: _check_token_rows,
+    Logprob: _check_logprob,
+    TokenDelta: _check_delta,
     WorkerStatus: _check_status,
     AdmitReply: _nonnegative_pages,
     Prefill: _nonnegative_pages,

@@ -23,10 +23,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pd_serve import protocol
 from pd_serve.config import WorkerConfig
 from pd_serve.engine.core import EngineCore, token_stop_reason
-from pd_serve.engine.request import FinishReason, Request, TokenLogprob
+from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Generate, Heartbeat,
-                               TokenBatch, WorkerStatus)
+                               Logprob, TokenBatch, TokenDelta, WorkerStatus)
 from pd_serve.transfer.tp_handoff import model_layout
 
 logger = logging.getLogger(__name__)
@@ -34,15 +34,26 @@ CONTROL_MAX_BYTES = 64 * 2**20  # largest message taken from the gateway
 PING_GRACE = 1.5  # no gateway ping for this many of its timeouts: the gateway is gone
 
 
-def make_request(request_id: str, prompt_token_ids: list[int], sampling: dict, priority: int) -> Request:
-    """A Request from wire fields; a bad field is a ValueError naming it."""
-    return Request(list(prompt_token_ids), SamplingParams(**sampling), request_id=request_id,
-                   priority=priority)
+def make_request(request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 priority: int) -> Request:
+    """A Request from wire fields (the codec has checked them)."""
+    return Request(list(prompt_token_ids), sampling, request_id=request_id, priority=priority)
 
 
-def logprob_dict(lp: TokenLogprob | None) -> dict | None:
-    return None if lp is None else {"token_id": lp.token_id, "logprob": lp.logprob,
-                                    "top": [list(t) for t in lp.top]}
+def new_token_row(request: Request, reason: FinishReason | None) -> TokenDelta:
+    """The gateway's row for a request's newest token, with its logprob when the request asked
+    for them; `reason`: the token ended the request."""
+    logprobs = None
+    if request.sampling_params.logprobs is not None:
+        logprobs = [Logprob.of(request.output_logprobs[-1])]
+    return TokenDelta(request.request_id, request.output_token_ids[-1:], logprobs, request.finished,
+                      None if reason is None else reason.value)
+
+
+def end_row(request_id: str, reason: FinishReason | None, error: str = "") -> TokenDelta:
+    """The gateway's row for a request that ended without a new token: finished for `reason`,
+    or failed with `error`."""
+    return TokenDelta(request_id, [], None, True, None if reason is None else reason.value, error)
 
 
 class WorkerMetrics:
@@ -228,12 +239,9 @@ class Worker:
             reason = token_stop_reason(request, self.core.eos_token_ids, self.core.max_model_len)
             if reason is not None:
                 self.core.scheduler.finish(request, reason)
-            lp = request.output_logprobs[-1] if request.sampling_params.logprobs is not None else None
-            items.append([request.request_id, request.output_token_ids[-1:],
-                          None if lp is None else [logprob_dict(lp)], request.finished,
-                          reason.value if reason else None, ""])
+            items.append(new_token_row(request, reason))
         for request in plan.finished:  # ended by the scheduler: more KV than the pool holds
-            items.append([request.request_id, [], None, True, request.finish_reason.value, ""])
+            items.append(end_row(request.request_id, request.finish_reason))
         if items:
             self.send(TokenBatch(self.worker_id, items))
 
@@ -246,7 +254,7 @@ class Worker:
         return False
 
     def fail(self, request_id: str, error: str) -> None:
-        self.send(TokenBatch(self.worker_id, [[request_id, [], None, True, None, error]]))
+        self.send(TokenBatch(self.worker_id, [end_row(request_id, None, error)]))
 
 
 class ColocatedWorker(Worker):

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pd_serve.config import WorkerConfig
 from pd_serve.engine import tp_group
 from pd_serve.engine.core import token_stop_reason
-from pd_serve.engine.request import Request, TokenLogprob
+from pd_serve.engine.request import Request
 from pd_serve.engine.sampler import advance_generator
 from pd_serve.protocol import AbortRequest, Admit, AdmitReply, StartDecode, TokenBatch
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.tp_handoff import DecodeRank, HandoffSpec, drain
-from pd_serve.worker import Worker, make_request
+from pd_serve.worker import Worker, end_row, make_request
 
 ADDRESS_TIMEOUT_S = 600  # followers report their receivers' addresses once their engines are up
 
@@ -168,15 +168,13 @@ class DecodeWorker(Worker):
             request.output_token_ids.append(first.first_token_id)
             advance_generator(request, self.core.model_config.vocab_size)
             if first.logprob is not None:
-                lp = first.logprob
-                request.output_logprobs.append(TokenLogprob(lp["token_id"], lp["logprob"],
-                                                            [tuple(t) for t in lp["top"]]))
+                request.output_logprobs.append(first.logprob.to_engine())
             reason = token_stop_reason(request, self.core.eos_token_ids,
                                        self.core.max_model_len)
             self.core.scheduler.add_running(request)
             if reason is not None:  # token 1 already ends it (EOS, max_tokens=1)
                 self.core.scheduler.finish(request, reason)
-                finished_items.append([request.request_id, [], None, True, reason.value, ""])
+                finished_items.append(end_row(request.request_id, reason))
         if finished_items:
             self.send(TokenBatch(self.worker_id, finished_items))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import heapq
 import itertools
 import logging
@@ -28,7 +27,7 @@ from pd_serve.gateway.metrics import GatewayMetrics, RequestTimer
 from pd_serve.gateway.router import Router, WorkerState, pair_error, status_error
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
-                               Prefill, PrefillDone, StartDecode, TokenBatch, WorkerStatus)
+                               Prefill, PrefillDone, StartDecode, TokenBatch, TokenDelta, WorkerStatus)
 
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
@@ -183,10 +182,9 @@ class Cluster(TokenSource):
         self._capacity.set()
 
     async def _disaggregated(self, spec, flight, timer) -> AsyncIterator[TokenEvent]:
-        sampling = dataclasses.asdict(spec.params)
-        decode, prefill, reply = await self._admit(spec, flight, sampling)
+        decode, prefill, reply = await self._admit(spec, flight)
         timer.mark("queue")
-        self._send(prefill.worker_id, Prefill(spec.request_id, spec.prompt_token_ids, sampling,
+        self._send(prefill.worker_id, Prefill(spec.request_id, spec.prompt_token_ids, spec.params,
                                               reply.transfer_addresses, reply.dst_page_ids, spec.priority))
         done = await self._next(flight, PrefillDone)
         self._leave(flight, prefill, spec.request_id)
@@ -206,14 +204,14 @@ class Cluster(TokenSource):
                                503, self.config.worker_timeout_s)
         worker = self.routers["colocated"].pick(workers, spec.prompt_token_ids)
         self._enlist(flight, worker, spec.request_id, len(spec.prompt_token_ids) + spec.params.max_tokens)
-        self._send(worker.worker_id, Generate(spec.request_id, spec.prompt_token_ids,
-                                              dataclasses.asdict(spec.params), spec.priority))
+        self._send(worker.worker_id, Generate(spec.request_id, spec.prompt_token_ids, spec.params,
+                                              spec.priority))
         timer.mark("queue")
         async for event in self._stream(flight, timer):
             yield event
 
     # ---- flow control: the queue, and a pair for its head ------------------------------------
-    async def _admit(self, spec, flight, sampling) -> tuple[WorkerState, WorkerState, AdmitReply]:
+    async def _admit(self, spec, flight) -> tuple[WorkerState, WorkerState, AdmitReply]:
         """Wait in the queue for a decode worker with room and a prefill worker that can take
         the prompt soon, then have decode reserve its pages; a full decode pool sends the
         request back to its place in the queue. Nothing fails merely for waiting its turn,
@@ -238,7 +236,7 @@ class Cluster(TokenSource):
                                    f"{self.config.admit_timeout_s} s", 503, 1) from None
             finally:
                 entry.pair.cancel()  # still queued: the dispatcher skips it
-            self._send(decode.worker_id, Admit(spec.request_id, spec.prompt_token_ids, sampling,
+            self._send(decode.worker_id, Admit(spec.request_id, spec.prompt_token_ids, spec.params,
                                                spec.priority))
             reply = await self._next(flight, AdmitReply)
             if reply.ok:
@@ -307,14 +305,13 @@ class Cluster(TokenSource):
 
     async def _stream(self, flight, timer) -> AsyncIterator[TokenEvent]:
         while True:
-            item = await self._next(flight, list)
-            rid, token_ids, logprobs, finished, reason, error = item
-            if token_ids:
-                timer.tokens(len(token_ids))
-            if error:
-                raise ClusterError(error)
-            yield TokenEvent(token_ids, logprobs, finished, reason)
-            if finished:
+            row = await self._next(flight, TokenDelta)
+            if row.token_ids:
+                timer.tokens(len(row.token_ids))
+            if row.error:
+                raise ClusterError(row.error)
+            yield TokenEvent(row.token_ids, row.logprobs, row.finished, row.finish_reason)
+            if row.finished:
                 return
 
     async def _next(self, flight: _Flight, kind):
@@ -410,8 +407,8 @@ class Cluster(TokenSource):
         if not isinstance(msg, Heartbeat):
             state.last_progress = state.last_seen
         if isinstance(msg, TokenBatch):
-            for item in msg.items:
-                self._deliver(item[0], item, worker_id)
+            for row in msg.items:
+                self._deliver(row.request_id, row, worker_id)
         elif isinstance(msg, (AdmitReply, PrefillDone)):
             self._deliver(msg.request_id, msg, worker_id)
 

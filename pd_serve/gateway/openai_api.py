@@ -30,6 +30,7 @@ from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest
 from pd_serve.gateway.openai_text import OutputText
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.model.tokenizer import Tokenizer
+from pd_serve.protocol import Logprob
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class _Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[dict] | None  # the source's per-token entries
+    logprobs: list[Logprob] | None  # the source's, one per token
     text_offsets: list[int]
     finish_reason: str | None
     timings: dict  # phase timings (s) from the cluster, on the final delta
@@ -262,11 +263,11 @@ class _CompletionShape(_Shape):
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def logprobs(self, entries: list[dict], offsets: list[int], num_top: int) -> dict:
+    def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int) -> dict:
         """OpenAI's legacy format: parallel lists, top alternatives as {token: logprob}."""
-        return {"tokens": [self._token(e["token_id"]) for e in entries],
-                "token_logprobs": [_clamp(e["logprob"]) for e in entries],
-                "top_logprobs": [{self._token(t): _clamp(lp) for t, lp in e["top"][:num_top]}
+        return {"tokens": [self._token(e.token_id) for e in entries],
+                "token_logprobs": [_clamp(e.logprob) for e in entries],
+                "top_logprobs": [{self._token(t): _clamp(lp) for t, lp in e.top[:num_top]}
                                  for e in entries],
                 "text_offset": list(offsets)}
 
@@ -287,9 +288,9 @@ class _ChatShape(_Shape):
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def logprobs(self, entries: list[dict], offsets: list[int], num_top: int) -> dict:
-        return {"content": [self._entry(e["token_id"], e["logprob"])
-                            | {"top_logprobs": [self._entry(t, lp) for t, lp in e["top"][:num_top]]}
+    def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int) -> dict:
+        return {"content": [self._entry(e.token_id, e.logprob)
+                            | {"top_logprobs": [self._entry(t, lp) for t, lp in e.top[:num_top]]}
                             for e in entries]}
 
     def _entry(self, token_id: int, logprob: float) -> dict:

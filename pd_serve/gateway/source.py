@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.protocol import Logprob
 
 
 @dataclass
@@ -31,7 +32,7 @@ class TokenEvent:
     """New tokens of one request. The last event has finished=True (or an error)."""
 
     new_token_ids: list[int]
-    logprobs: list[dict] | None = None  # per new token: {"token_id", "logprob", "top": [[id, lp], ...]}
+    logprobs: list[Logprob] | None = None  # one per new token, when the request asked for them
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str = ""  # set when the request failed inside the cluster (worker died, timeout)
@@ -80,7 +81,6 @@ class EngineSource(TokenSource):
                 n = len(out.new_token_ids)
                 logprobs = None
                 if out.logprobs is not None:
-                    logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob,
-                                 "top": [list(t) for t in lp.top]} for lp in out.logprobs[-n:]] if n else []
+                    logprobs = [Logprob.of(lp) for lp in out.logprobs[-n:]] if n else []
                 yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason)
                 await asyncio.sleep(0)

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pd_serve.config import WorkerConfig
 from pd_serve.engine import tp_group
 from pd_serve.engine.request import FinishReason, Request
-from pd_serve.protocol import AbortRequest, Prefill, PrefillDone
+from pd_serve.protocol import AbortRequest, Logprob, Prefill, PrefillDone
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.tp_handoff import HandoffSpec, PrefillRank, Send, drain
-from pd_serve.worker import Worker, logprob_dict, make_request
+from pd_serve.worker import Worker, make_request
 
 
 @dataclass
@@ -168,4 +168,4 @@ class PrefillWorker(Worker):
                    "prefill_step": job.step_s, "transfer": job.seconds, "transfer_bytes": job.num_bytes}
         error = job.errors[0] if job.errors else ""
         self.send(PrefillDone(request.request_id, not job.errors, request.output_token_ids[0],
-                              logprob_dict(lp), error, timings))
+                              None if lp is None else Logprob.of(lp), error, timings))

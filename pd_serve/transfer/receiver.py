@@ -26,8 +26,8 @@ import zmq
 
 from pd_serve import protocol
 from pd_serve.cache.pool import KVLayout, KVPool
-from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, TransferHello,
-                               TransferWelcome)
+from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAck, TransferAcks,
+                               TransferHello, TransferWelcome)
 from pd_serve.transfer.backends import make_receiver_plane
 from pd_serve.transfer.base import (TRACE, Deadlines, TransferResult, TransferStats, head_range,
                                     layout_mismatch, now, trace)
@@ -241,10 +241,10 @@ class KVReceiver:
             protocol.refused(SOCKET, f"a message from {sender_id}: {e}")
             with self._lock:
                 self.plane.drop_sender(sender_id)  # (out of step with it)
-                for fields in msg.chunks:
-                    self._fail_locked(fields["request_id"], str(e))
-            self._send(identity, TransferAcks([[rid, False, str(e)] for rid in
-                                               dict.fromkeys(f["request_id"] for f in msg.chunks)]))
+                for chunk in msg.chunks:
+                    self._fail_locked(chunk.request_id, str(e))
+            self._send(identity, TransferAcks([TransferAck(rid, False, str(e)) for rid in
+                                               dict.fromkeys(c.request_id for c in msg.chunks)]))
             return
         refused = []
         for chunk, chunk_frames in chunks:
@@ -307,7 +307,7 @@ class KVReceiver:
         while self._landing and (self._landing[0].event is None or self._landing[0].event.query()):
             landing = self._landing.popleft()
             landed = now()
-            acks: dict[bytes, list[list]] = {}  # one message per sender
+            acks: dict[bytes, list[TransferAck]] = {}  # one message per sender
             with self._lock:
                 done = []
                 for identity, request_id in landing.requests:
@@ -318,11 +318,11 @@ class KVReceiver:
                             done.append(self._result(request_id, ok=True))
                     # not expected: cancelled or timed out here while landing
                     acks.setdefault(identity, []).append(
-                        [request_id, True, ""] if incoming is not None
-                        else [request_id, False, "cancelled by the receiver"])
+                        TransferAck(request_id, True) if incoming is not None
+                        else TransferAck(request_id, False, "cancelled by the receiver"))
                 self._publish(done)
-            for identity, triples in acks.items():
-                self._send(identity, TransferAcks(triples))
+            for identity, rows in acks.items():
+                self._send(identity, TransferAcks(rows))
             if TRACE:
                 for _, request_id in landing.requests:
                     trace("land", request_id, landing.marked, landed=landed, acked=now())
@@ -356,13 +356,13 @@ class KVReceiver:
             raise ValueError(f"KVChunks names {len(msg.chunks)} chunks with frame counts "
                              f"{msg.frames[:16]} but carries {len(frames)} frames")
         out, start = [], 0
-        for fields, count in zip(msg.chunks, msg.frames):
-            out.append((KVChunk(**fields), frames[start:start + count]))
+        for chunk, count in zip(msg.chunks, msg.frames):
+            out.append((chunk, frames[start:start + count]))
             start += count
         return out
 
     def _on_chunk(self, sender_id: str, chunk: KVChunk, frames: list, arrived: float,
-                  refused: list[list]) -> bool:
+                  refused: list[TransferAck]) -> bool:
         """Check the chunk and queue its writes; True when they were queued. A refused chunk
         is consumed and its request (if expected) fails; its ack goes into `refused`."""
         # The lock spans check and queueing, so cancel() cannot free the pages in between.
@@ -389,7 +389,7 @@ class KVReceiver:
             if incoming is not None and error:
                 self._fail_locked(chunk.request_id, error)
         if error:
-            refused.append([chunk.request_id, False, error])
+            refused.append(TransferAck(chunk.request_id, False, error))
         elif not chunk.last:
             self._spin_until = now() + self.spin_s  # the next chunk is on its way
         if TRACE:

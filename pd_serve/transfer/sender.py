@@ -52,7 +52,6 @@ class _Outgoing:
     deadline: float
     started: float = field(default_factory=now)
     num_bytes: int = 0
-    last_sent: bool = False
 
 
 @dataclass
@@ -393,7 +392,7 @@ class KVSender:
                 chunk_frames = self.plane.prepare(address, job.chunk, job.src_page_ids,
                                                   None if self.plane.waits_on_host else job.ready)
                 message.append(job)
-                headers.append(protocol.fields_of(job.chunk))
+                headers.append(job.chunk)
                 counts.append(len(chunk_frames))
                 frames.extend(chunk_frames)
                 frame_bytes += job.chunk.nbytes if chunk_frames else 0
@@ -420,7 +419,6 @@ class KVSender:
         for job in going:
             out = self._outgoing[(job.request_id, address)]
             out.num_bytes += job.chunk.nbytes
-            out.last_sent = job.chunk.last
             if TRACE:
                 prepared, sent = marks[id(job)]
                 trace("send", job.request_id, job.queued, picked=picked, prepared=prepared,
@@ -447,12 +445,12 @@ class KVSender:
 
     def _on_acks(self, address: str, msg: TransferAcks) -> None:
         results = []
-        for request_id, ok, error in msg.acks:  # (the codec checked their types)
-            key = (request_id, address)
+        for ack in msg.acks:
+            key = (ack.request_id, address)
             if key in self._outgoing:
                 if TRACE:
-                    trace("ack", request_id, self._outgoing[key].started, acked=now())
-                results.append(self._result(key, ok, error[:MAX_ERROR_CHARS]))
+                    trace("ack", ack.request_id, self._outgoing[key].started, acked=now())
+                results.append(self._result(key, ack.ok, ack.error[:MAX_ERROR_CHARS]))
         self._publish(results)
 
     def _abort(self, request_id: str, reason: str) -> None:

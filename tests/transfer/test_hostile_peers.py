@@ -6,6 +6,7 @@ transfer lands bit-exact."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -20,8 +21,9 @@ import torch
 import zmq
 
 from pd_serve import protocol
-from pd_serve.protocol import (ERRORS_REGISTRY, KVChunk, KVChunks, TransferAbort, TransferAcks,
-                               TransferHello, TransferWelcome)
+from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.protocol import (ERRORS_REGISTRY, KVChunk, KVChunks, Logprob, TransferAbort,
+                               TransferAck, TransferAcks, TransferHello, TransferWelcome)
 from pd_serve.transfer.base import TransferError
 from pd_serve.transfer.receiver import HEADER_SLACK_BYTES, KVReceiver
 from pd_serve.transfer.sender import REPLY_MAX_BYTES, KVSender
@@ -47,8 +49,10 @@ def wait_for(condition, what: str) -> None:
 
 
 def raw(name: str, **fields) -> bytes:
-    """A message framed as the keyless codec frames it, whatever its fields hold."""
-    return msgpack.packb([name, fields], use_bin_type=True)
+    """A message framed as the keyless codec frames it, whatever its fields hold (rows, such
+    as a KVChunk, as the list of their fields)."""
+    return msgpack.packb([name, fields], use_bin_type=True, default=lambda row: [
+        getattr(row, f.name) for f in dataclasses.fields(row)])
 
 
 def dealer(address: str, identity: bytes = b"") -> zmq.Socket:
@@ -80,17 +84,16 @@ def lands(rec: KVReceiver, snd: KVSender, request_id: str, src: list[int], dst: 
     assert torch.equal(bits(rec.pool.buffer[:, :, dst]), bits(expected[:, :, src]))
 
 
-def chunk(request_id: str = "ghost", pages=(3,), **change) -> dict:
-    """A KVChunk's fields: every layer of `pages`, with `change` applied."""
-    fields = protocol.fields_of(KVChunk(request_id, list(pages), 0, LAYOUT.num_layers,
-                                        len(pages) * PAGE, True))
-    return {**fields, **change}
+def chunk(request_id: str = "ghost", pages=(3,), **change) -> KVChunk:
+    """A KVChunk of every layer of `pages`, with `change` applied (any value: `raw` sends it)."""
+    return dataclasses.replace(KVChunk(request_id, list(pages), 0, LAYOUT.num_layers,
+                                       len(pages) * PAGE, True), **change)
 
 
-def chunks(*fields: dict) -> list[bytes]:
+def chunks(*rows: KVChunk) -> list[bytes]:
     """A KVChunks message with each chunk's data frame (of its nbytes)."""
-    return [protocol.encode(KVChunks(list(fields), [1] * len(fields))),
-            *[bytes(f["nbytes"]) for f in fields]]
+    return [raw("KVChunks", chunks=list(rows), frames=[1] * len(rows)),
+            *[bytes(c.nbytes) for c in rows]]
 
 
 # ---- the receiver -------------------------------------------------------------------------
@@ -110,7 +113,7 @@ def test_crafted_messages_are_refused_and_the_receiver_keeps_serving():
         [raw("KVChunks", chunks=[chunk(), chunk()], frames=[1]), bytes(PAGE)],
         [raw("NoSuchMessage")],
         [hello, b"a frame after it"],
-        [protocol.encode(TransferAcks([["kept", True, ""]]))],  # not a receiver's message
+        [protocol.encode(TransferAcks([TransferAck("kept", True)]))],  # not a receiver's message
         chunks(chunk(layer_end=99)),  # layers, heads, parts and size outside the pool
         chunks(chunk(dst_heads=[1, 5], nbytes=4 * PAGE // 2)),
         chunks(chunk(parts=9)),
@@ -181,9 +184,9 @@ def test_chunks_out_of_layer_order_or_short_of_layers_are_refused():
         "empty": [chunk("empty", [], nbytes=0)],
     }
     rogue = dealer(rec.address)
-    for request_id, fields in cases.items():
-        rec.expect(request_id, [p for f in fields for p in f["dst_page_ids"]] or [30])
-        rogue.send_multipart(chunks(*fields))
+    for request_id, rows in cases.items():
+        rec.expect(request_id, [p for c in rows for p in c.dst_page_ids] or [30])
+        rogue.send_multipart(chunks(*rows))
     failed = {r.request_id: r.error for r in wait_results(rec, len(cases), WAIT_S)}
     assert "layers [1, 4) do not follow layer 0" in failed["skips"], failed
     assert "leaves layers [2, 4) unwritten" in failed["short"], failed
@@ -216,6 +219,13 @@ def typed(rng: random.Random, hint):
     if origin is list:
         (item,) = typing.get_args(hint)
         return [typed(rng, item) for _ in range(rng.randrange(4))]
+    if origin is tuple:
+        return [typed(rng, h) for h in typing.get_args(hint)]
+    if origin is dict:
+        key, value = typing.get_args(hint)
+        return {typed(rng, key): typed(rng, value) for _ in range(rng.randrange(3))}
+    if dataclasses.is_dataclass(hint):
+        return row(rng, hint)
     simple = {int: lambda: rng.randint(-1, 8), float: lambda: rng.uniform(-1, 9),
               bool: lambda: rng.random() < 0.5, str: lambda: rng.choice(["", "req", "ghost"]),
               type(None): lambda: None, dict: lambda: {"k": anything(rng, 1)},
@@ -223,7 +233,13 @@ def typed(rng: random.Random, hint):
     return simple[hint]()
 
 
-def plausible_chunk(rng: random.Random) -> dict:
+def row(rng: random.Random, cls) -> list:
+    """A row as it travels, the list of its fields: half the time each of its type, else a
+    field may be missing or anything."""
+    return list(fields(rng, cls).values())
+
+
+def plausible_chunk(rng: random.Random) -> KVChunk:
     """A chunk the codec takes: pages of this pool, a consistent size, maybe for "req"."""
     start = rng.randrange(LAYOUT.num_layers)
     end = rng.randrange(start + 1, LAYOUT.num_layers + 1)
@@ -233,15 +249,37 @@ def plausible_chunk(rng: random.Random) -> dict:
                  last=rng.random() < 0.5)
 
 
-SPECIAL = {  # (message, field) -> a value given the fields so far
+def plausible_sampling(rng: random.Random) -> list:
+    """A SamplingParams row the codec takes (most often), or one of random fields."""
+    if rng.random() < 0.3:
+        return row(rng, SamplingParams)
+    params = SamplingParams(max_tokens=rng.randint(1, 8), temperature=rng.choice([0.0, 0.7]),
+                            seed=rng.choice([None, 3]), logprobs=rng.choice([None, 2]))
+    return list(protocol.fields_of(params).values())
+
+
+def plausible_logprobs(rng: random.Random, delta: dict) -> list | None:
+    """A Logprob row per token (or none), as a TokenDelta the codec takes has them."""
+    tokens = delta.get("token_ids")
+    if rng.random() < 0.3 or not isinstance(tokens, list):
+        return typed(rng, list[Logprob] | None)
+    return [row(rng, Logprob) for _ in tokens]
+
+
+SAMPLING = lambda rng, _: plausible_sampling(rng)  # noqa: E731
+SPECIAL = {  # (message or row, field) -> a value given the fields so far
+    ("Admit", "sampling"): SAMPLING,
+    ("Prefill", "sampling"): SAMPLING,
+    ("Generate", "sampling"): SAMPLING,
+    ("TokenDelta", "logprobs"): plausible_logprobs,
+    ("TokenDelta", "finish_reason"): lambda rng, _: rng.choice([None, "stop", "length", "abort", "eos"]),
     ("KVChunks", "chunks"): lambda rng, _: [
-        plausible_chunk(rng) if rng.random() < 0.7 else fields(rng, KVChunk)
+        plausible_chunk(rng) if rng.random() < 0.7 else row(rng, KVChunk)
         for _ in range(rng.randrange(4))],
     ("KVChunks", "frames"): lambda rng, msg: ([1] * len(msg["chunks"]) if rng.random() < 0.8 and
                                               isinstance(msg.get("chunks"), list)
                                               else typed(rng, list[int])),
-    ("TransferAcks", "acks"): lambda rng, _: [[typed(rng, str), typed(rng, bool), typed(rng, str)]
-                                              for _ in range(rng.randrange(3))],
+    ("TransferAcks", "acks"): lambda rng, _: [row(rng, TransferAck) for _ in range(rng.randrange(3))],
     ("TransferHello", "layout"): lambda rng, _: {**asdict(LAYOUT), **(
         {rng.choice(list(asdict(LAYOUT))): anything(rng)} if rng.random() < 0.5 else {})},
 }
@@ -270,7 +308,7 @@ def fuzzed_messages(seed: int, per_type: int) -> list[list[bytes]]:
             counts = msg.get("frames")
             if (isinstance(counts, list) and all(isinstance(c, int) and 0 <= c < 4 for c in counts)
                     and isinstance(msg.get("chunks"), list) and rng.random() < 0.7):
-                sizes = [c.get("nbytes") if isinstance(c, dict) else 8 for c in msg["chunks"]]
+                sizes = [c.nbytes if isinstance(c, KVChunk) else 8 for c in msg["chunks"]]
                 sizes = [s if isinstance(s, int) and 0 <= s <= 4 * PAGE else 8 for s in sizes]
                 frames += [bytes(size) for size, n in zip(sizes, counts) for _ in range(n)]
             else:
@@ -374,7 +412,7 @@ def test_bad_acks_are_refused_requests_still_end_and_a_real_transfer_works():
     before = errors("kv-sender")
     for frames in bad:
         fake.sock.send_multipart([identity, *frames])
-    long_error = TransferAcks([["r1", False, "no!" * 10**4]])
+    long_error = TransferAcks([TransferAck("r1", False, "no!" * 10**4)])
     fake.sock.send_multipart([identity, protocol.encode(long_error)])
     results = {r.request_id: r for r in wait_results(snd, 2, WAIT_S)}
     assert results["r1"].error.startswith("no!no!") and len(results["r1"].error) < 1000

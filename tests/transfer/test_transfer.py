@@ -455,7 +455,7 @@ def test_a_malformed_chunk_message_is_dropped_and_the_receiver_keeps_serving():
     rogue.connect(receiver.address)
     chunk = KVChunk("bad", [3], 0, LAYOUT.num_layers, LAYOUT.bytes_per_page, True)
     # says one frame follows, sends none; then a message that is not a message at all
-    rogue.send_multipart([protocol.encode(KVChunks([protocol.fields_of(chunk)], [1]))])
+    rogue.send_multipart([protocol.encode(KVChunks([chunk], [1]))])
     rogue.send_multipart([b"\x93garbage"])
     sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=10)
     sender.connect(receiver.address)

@@ -21,7 +21,7 @@ from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.gateway.cluster import Cluster
 from pd_serve.gateway.source import GenerateSpec
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Heartbeat, Prefill,
-                               PrefillDone, StartDecode, TokenBatch, WorkerStatus)
+                               PrefillDone, StartDecode, TokenBatch, TokenDelta, WorkerStatus)
 
 KEY = b"test-cluster-key"
 LAYOUT = asdict(KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=8, dtype="float32"))
@@ -78,7 +78,7 @@ class FakeWorker:
                 self.send(PrefillDone(msg.request_id, self.prefill_ok, 7,
                                       error="" if self.prefill_ok else "boom"))
             elif isinstance(msg, StartDecode) and self.finish:
-                self.send(TokenBatch(self.worker_id, [[msg.request_id, [8], None, True, "length", ""]]))
+                self.send(TokenBatch(self.worker_id, [TokenDelta(msg.request_id, [8], None, True, "length")]))
 
     async def close(self) -> None:
         self._task.cancel()
@@ -166,7 +166,7 @@ def test_queue_serves_by_priority_then_arrival():
                     for rid, p in (("low", 5), ("mid", 0), ("high", -3), ("mid2", 0))]
             await until(lambda: cluster.num_queued == 4)
             decode.finish = True
-            decode.send(TokenBatch("d", [["first", [8], None, True, "length", ""]]))
+            decode.send(TokenBatch("d", [TokenDelta("first", [8], None, True, "length")]))
             await asyncio.gather(first, *rest)
             assert [m.request_id for m in decode.of(Admit)] == ["first", "high", "mid", "mid2", "low"]
     asyncio.run(run())
@@ -314,7 +314,7 @@ def _hostile_messages(key: bytes) -> list[tuple[bytes, list[bytes]]]:
         (b"evil", [keyed.encode(AdmitReply({"id": 1}, True))]),
         (b"evil", [keyed.encode(PrefillDone(["r"], True))]),
         (b"evil", [keyed.encode(WorkerStatus(**{**status, "worker_id": "d"}))]),  # another's id
-        (b"evil", [keyed.encode(TokenBatch("d", [["r", [1], None, True, None, ""]]))]),
+        (b"evil", [keyed.encode(TokenBatch("d", [TokenDelta("r", [1], None, True)]))]),
     ]
 
 

@@ -3,8 +3,9 @@
 import pytest
 
 from pd_serve import protocol
+from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.gateway.router import Router, WorkerState
-from pd_serve.protocol import Admit, KVChunk, KVChunks, TokenBatch, WorkerStatus
+from pd_serve.protocol import Admit, KVChunk, KVChunks, TokenBatch, TokenDelta, WorkerStatus
 
 
 def workers(n: int) -> list[WorkerState]:
@@ -39,14 +40,14 @@ def test_unknown_policy_is_a_clear_error():
 
 
 def test_codec_round_trips_and_rejects_garbage():
-    for msg in (Admit("r1", [1, 2, 3], {"max_tokens": 4}, 2),
-                KVChunks([protocol.fields_of(KVChunk("r2", [5, 6], 0, 3, 1024, True, [7, 8]))], [1]),
-                TokenBatch("w", [["r1", [9], None, False, None, ""]])):
+    for msg in (Admit("r1", [1, 2, 3], SamplingParams(max_tokens=4, logit_bias={3: -1.5}), 2),
+                KVChunks([KVChunk("r2", [5, 6], 0, 3, 1024, True, [7, 8])], [1]),
+                TokenBatch("w", [TokenDelta("r1", [9], None, False, None, "")])):
         assert protocol.decode(protocol.encode(msg)) == msg
     with pytest.raises(ValueError, match="undecodable"):
         protocol.decode(b"\x93garbage")
     with pytest.raises(ValueError, match="undecodable"):
-        protocol.decode(protocol.encode(Admit("r", [], {})).replace(b"Admit", b"Evict"))
+        protocol.decode(protocol.encode(Admit("r", [], SamplingParams())).replace(b"Admit", b"Evict"))
 
 
 def test_pair_error_names_what_keeps_a_prefill_and_a_decode_worker_apart():
