@@ -9,8 +9,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pd_serve.config import GatewayConfig
 from pd_serve.gateway.app import build_app, start_server
-from pd_serve.gateway.cluster import Cluster, GatewayConfig
+from pd_serve.gateway.cluster import Cluster
 from pd_serve.gateway.metrics import render
 from pd_serve.model.tokenizer import Tokenizer
 
