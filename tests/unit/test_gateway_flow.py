@@ -122,6 +122,19 @@ async def gateway(**overrides):
         await cluster.stop()
 
 
+def with_gateway(**overrides):
+    """Run an async test body `(cluster, add)` against a started gateway (`gateway(**overrides)`)."""
+    def wrap(body):
+        def test():
+            async def run():
+                async with gateway(**overrides) as (cluster, add):
+                    await body(cluster, add)
+            asyncio.run(run())
+        test.__doc__ = body.__doc__
+        return test
+    return wrap
+
+
 async def ready(cluster: Cluster, n: int) -> None:
     await until(lambda: len(cluster.workers) == n)
 
@@ -133,166 +146,147 @@ async def one_pair(cluster: Cluster, add, **decode_args) -> tuple[FakeWorker, Fa
     return decode, prefill
 
 
-async def held_request(cluster: Cluster, add) -> tuple[FakeWorker, asyncio.Task]:
-    """Request "r" running on a decode worker that never finishes it (its collector task)."""
-    decode, _ = await one_pair(cluster, add)
+async def held_request(cluster: Cluster, add, **decode_args) -> tuple[FakeWorker, FakeWorker, asyncio.Task]:
+    """Request "r" running on a decode worker "d" (with `decode_args`) that never finishes it:
+    the decode and prefill workers, and the request's collector task."""
+    decode, prefill = await one_pair(cluster, add, **decode_args)
     decode.finish = False
     task = asyncio.create_task(collect(cluster, spec("r")))
     await until(lambda: decode.of(StartDecode))
-    return decode, task
+    return decode, prefill, task
 
 
-def test_requests_complete_and_leave_nothing_behind():
-    async def run():
-        async with gateway() as (cluster, add):
-            decode, prefill = await one_pair(cluster, add)
-            events = await asyncio.gather(*(collect(cluster, spec(f"r{i}")) for i in range(20)))
-            assert all(e[-1].finished and not e[-1].error for e in events)
-            assert [e.new_token_ids for e in events[0]] == [[7], [8]]
-            assert not cluster._flights and not cluster._queue
-            assert all(not w.inflight for w in cluster.workers.values())
-            assert len(decode.of(Admit)) == len(prefill.of(Prefill)) == 20
-    asyncio.run(run())
+async def queued(cluster: Cluster, specs: list[GenerateSpec]) -> list[asyncio.Task]:
+    """Requests sent (their collector tasks) once each waits in the gateway's queue."""
+    tasks = [asyncio.create_task(collect(cluster, s)) for s in specs]
+    await until(lambda: cluster.num_queued == len(specs))
+    return tasks
 
 
-def test_queue_serves_by_priority_then_arrival():
-    async def run():
-        async with gateway() as (cluster, add):
-            decode, _ = await one_pair(cluster, add, max_running=1)
-            decode.finish = False  # the first request holds the only slot
-            first = asyncio.create_task(collect(cluster, spec("first")))
-            await until(lambda: decode.of(StartDecode))
-            rest = [asyncio.create_task(collect(cluster, spec(rid, priority=p)))
-                    for rid, p in (("low", 5), ("mid", 0), ("high", -3), ("mid2", 0))]
-            await until(lambda: cluster.num_queued == 4)
-            decode.finish = True
-            decode.send(TokenBatch("d", [TokenDelta("first", [8], None, True, "length")]))
-            await asyncio.gather(first, *rest)
-            assert [m.request_id for m in decode.of(Admit)] == ["first", "high", "mid", "mid2", "low"]
-    asyncio.run(run())
+async def held_then_queued(cluster: Cluster, add, num_queued: int) -> tuple[FakeWorker, list[asyncio.Task]]:
+    """Request "r" holding the decode worker's only slot, then `num_queued` requests waiting
+    behind it: the prefill worker, and every request's collector task ("r" first)."""
+    _, prefill, held = await held_request(cluster, add, max_running=1)
+    return prefill, [held] + await queued(cluster, [spec(f"r{i}") for i in range(1, num_queued + 1)])
 
 
-def test_a_full_queue_answers_429_with_retry_after():
-    async def run():
-        async with gateway(max_queued_requests=2) as (cluster, add):
-            decode, _ = await one_pair(cluster, add, max_running=1)
-            decode.finish = False
-            tasks = [asyncio.create_task(collect(cluster, spec("r0")))]
-            await until(lambda: decode.of(StartDecode))
-            tasks += [asyncio.create_task(collect(cluster, spec(f"r{i}"))) for i in (1, 2)]
-            await until(lambda: cluster.num_queued == 2)
-            refused = await collect(cluster, spec("r3"))
-            assert refused[-1].status == 429 and refused[-1].retry_after and "queue is full" in refused[-1].error
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await until(lambda: not cluster._flights)
-    asyncio.run(run())
+@with_gateway()
+async def test_requests_complete_and_leave_nothing_behind(cluster, add):
+    decode, prefill = await one_pair(cluster, add)
+    events = await asyncio.gather(*(collect(cluster, spec(f"r{i}")) for i in range(20)))
+    assert all(e[-1].finished and not e[-1].error for e in events)
+    assert [e.new_token_ids for e in events[0]] == [[7], [8]]
+    assert not cluster._flights and not cluster._queue
+    assert all(not w.inflight for w in cluster.workers.values())
+    assert len(decode.of(Admit)) == len(prefill.of(Prefill)) == 20
 
 
-def test_a_full_decode_pool_sends_the_request_back_to_wait():
-    async def run():
-        async with gateway() as (cluster, add):
-            decode, _ = await one_pair(cluster, add)
-            decode.full_replies = 3
-            events = await collect(cluster, spec("r"))
-            assert not events[-1].error and len(decode.of(Admit)) == 4
-    asyncio.run(run())
+@with_gateway()
+async def test_queue_serves_by_priority_then_arrival(cluster, add):
+    decode, _, first = await held_request(cluster, add, max_running=1)  # the only slot
+    rest = await queued(cluster, [spec(rid, priority=p) for rid, p in
+                                  (("low", 5), ("mid", 0), ("high", -3), ("mid2", 0))])
+    decode.finish = True
+    decode.send(TokenBatch("d", [TokenDelta("r", [8], None, True, "length")]))
+    await asyncio.gather(first, *rest)
+    assert [m.request_id for m in decode.of(Admit)] == ["r", "high", "mid", "mid2", "low"]
 
 
-def test_impossible_requests_fail_at_once_with_a_clear_status():
-    async def run():
-        async with gateway() as (cluster, add):
-            assert (await collect(cluster, spec("none")))[-1].status == 503  # no workers
-            await one_pair(cluster, add, num_pages=4)
-            start = time.monotonic()
-            too_long = (await collect(cluster, spec("long", num_tokens=100)))[-1]
-            assert too_long.status == 400 and "largest decode pool holds 4" in too_long.error
-            assert time.monotonic() - start < 10
-    asyncio.run(run())
+@with_gateway(max_queued_requests=2)
+async def test_a_full_queue_answers_429_with_retry_after(cluster, add):
+    _, tasks = await held_then_queued(cluster, add, 2)
+    refused = await collect(cluster, spec("r3"))
+    assert refused[-1].status == 429 and refused[-1].retry_after and "queue is full" in refused[-1].error
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await until(lambda: not cluster._flights)
 
 
-def test_a_failed_prefill_aborts_the_request_on_decode():
-    async def run():
-        async with gateway() as (cluster, add):
-            decode, prefill = await one_pair(cluster, add)
-            prefill.prefill_ok = False
-            events = await collect(cluster, spec("r"))
-            assert "prefill failed: boom" in events[-1].error
-            await until(lambda: [m.request_id for m in decode.of(AbortRequest)] == ["r"])
-    asyncio.run(run())
+@with_gateway()
+async def test_a_full_decode_pool_sends_the_request_back_to_wait(cluster, add):
+    decode, _ = await one_pair(cluster, add)
+    decode.full_replies = 3
+    events = await collect(cluster, spec("r"))
+    assert not events[-1].error and len(decode.of(Admit)) == 4
 
 
-def test_step_timeout_counts_a_workers_silence_not_a_requests_wait():
+@with_gateway()
+async def test_impossible_requests_fail_at_once_with_a_clear_status(cluster, add):
+    assert (await collect(cluster, spec("none")))[-1].status == 503  # no workers
+    await one_pair(cluster, add, num_pages=4)
+    start = time.monotonic()
+    too_long = (await collect(cluster, spec("long", num_tokens=100)))[-1]
+    assert too_long.status == 400 and "largest decode pool holds 4" in too_long.error
+    assert time.monotonic() - start < 10
+
+
+@with_gateway()
+async def test_a_failed_prefill_aborts_the_request_on_decode(cluster, add):
+    decode, prefill = await one_pair(cluster, add)
+    prefill.prefill_ok = False
+    events = await collect(cluster, spec("r"))
+    assert "prefill failed: boom" in events[-1].error
+    await until(lambda: [m.request_id for m in decode.of(AbortRequest)] == ["r"])
+
+
+@with_gateway(step_timeout_s=1.0)
+async def test_step_timeout_counts_a_workers_silence_not_a_requests_wait(cluster, add):
     """A request may wait longer than --step-timeout on a worker whose loop steps on (its turn
     in a queue); a worker whose loop goes silent fails it."""
-    async def run():
-        async with gateway(step_timeout_s=1.0) as (cluster, add):
-            decode, task = await held_request(cluster, add)
-            await asyncio.sleep(3.0)  # three step timeouts, the worker's status coming meanwhile
-            assert not task.done()
-            decode.stuck = True
-            events = await task
-            assert "--step-timeout" in events[-1].error and "d" in cluster.workers
-    asyncio.run(run())
+    decode, _, task = await held_request(cluster, add)
+    await asyncio.sleep(3.0)  # three step timeouts, the worker's status coming meanwhile
+    assert not task.done()
+    decode.stuck = True
+    events = await task
+    assert "--step-timeout" in events[-1].error and "d" in cluster.workers
 
 
-def test_queued_requests_get_503_when_no_pair_is_left():
-    async def run():
-        async with gateway(worker_timeout_s=1.0) as (cluster, add):
-            decode, prefill = await one_pair(cluster, add, max_running=1)
-            decode.finish = False
-            tasks = [asyncio.create_task(collect(cluster, spec(f"r{i}"))) for i in range(3)]
-            await until(lambda: cluster.num_queued == 2)
-            await prefill.close()  # silent from now on: dropped after the worker timeout
-            events = await asyncio.gather(*tasks[1:])
-            assert all(e[-1].status == 503 and "no prefill+decode pair" in e[-1].error for e in events)
-            tasks[0].cancel()
-            await asyncio.gather(tasks[0], return_exceptions=True)
-    asyncio.run(run())
+@with_gateway(worker_timeout_s=1.0)
+async def test_queued_requests_get_503_when_no_pair_is_left(cluster, add):
+    prefill, tasks = await held_then_queued(cluster, add, 2)
+    await prefill.close()  # silent from now on: dropped after the worker timeout
+    events = await asyncio.gather(*tasks[1:])
+    assert all(e[-1].status == 503 and "no prefill+decode pair" in e[-1].error for e in events)
+    tasks[0].cancel()
+    await asyncio.gather(tasks[0], return_exceptions=True)
 
 
-def test_a_restarted_worker_fails_its_old_requests_at_once():
-    async def run():
-        async with gateway() as (cluster, add):
-            decode, task = await held_request(cluster, add)
-            start = time.monotonic()
-            decode.incarnation = "two"
-            decode.send(decode.status())
-            events = await task
-            assert "restarted" in events[-1].error and time.monotonic() - start < 5
-    asyncio.run(run())
+@with_gateway()
+async def test_a_restarted_worker_fails_its_old_requests_at_once(cluster, add):
+    decode, _, task = await held_request(cluster, add)
+    start = time.monotonic()
+    decode.incarnation = "two"
+    decode.send(decode.status())
+    events = await task
+    assert "restarted" in events[-1].error and time.monotonic() - start < 5
 
 
-def test_pings_list_each_workers_requests():
-    async def run():
-        async with gateway() as (cluster, add):
-            decode, _ = await one_pair(cluster, add)
-            decode.finish = False
-            task = asyncio.create_task(collect(cluster, spec("r")))
-            await until(lambda: any("r" in p.request_ids for p in decode.of(GatewayPing)))
-            ping = decode.of(GatewayPing)[-1]
-            assert ping.gateway_id == cluster.gateway_id and ping.timeout_s == 5.0
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await until(lambda: "r" in [m.request_id for m in decode.of(AbortRequest)])
-    asyncio.run(run())
+@with_gateway()
+async def test_pings_list_each_workers_requests(cluster, add):
+    decode, _ = await one_pair(cluster, add)
+    decode.finish = False
+    task = asyncio.create_task(collect(cluster, spec("r")))
+    await until(lambda: any("r" in p.request_ids for p in decode.of(GatewayPing)))
+    ping = decode.of(GatewayPing)[-1]
+    assert ping.gateway_id == cluster.gateway_id and ping.timeout_s == 5.0
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await until(lambda: "r" in [m.request_id for m in decode.of(AbortRequest)])
 
 
-def test_a_flight_whose_consumer_ended_is_reaped():
-    async def run():
-        async with gateway() as (cluster, add):
-            decode, _ = await one_pair(cluster, add)
-            decode.finish = False
-            stream = cluster.generate(spec("r"))
+@with_gateway()
+async def test_a_flight_whose_consumer_ended_is_reaped(cluster, add):
+    decode, _ = await one_pair(cluster, add)
+    decode.finish = False
+    stream = cluster.generate(spec("r"))
 
-            async def first_event():  # reads one event, then ends without closing the stream
-                return await stream.__anext__()
-            await asyncio.create_task(first_event())
-            await until(lambda: not cluster._flights)
-            await until(lambda: "r" in [m.request_id for m in decode.of(AbortRequest)])
-            await stream.aclose()
-    asyncio.run(run())
+    async def first_event():  # reads one event, then ends without closing the stream
+        return await stream.__anext__()
+    await asyncio.create_task(first_event())
+    await until(lambda: not cluster._flights)
+    await until(lambda: "r" in [m.request_id for m in decode.of(AbortRequest)])
+    await stream.aclose()
 
 
 def _hostile_messages(key: bytes) -> list[tuple[bytes, list[bytes]]]:
@@ -318,31 +312,29 @@ def _hostile_messages(key: bytes) -> list[tuple[bytes, list[bytes]]]:
     ]
 
 
-def test_hostile_control_messages_are_refused_and_the_gateway_serves_on():
-    async def run():
-        async with gateway() as (cluster, add):
-            await one_pair(cluster, add)
-            before = _errors("control")
-            ctx = zmq.asyncio.Context.instance()
-            rogues = {}
-            messages = _hostile_messages(KEY)
-            for identity, frames in messages:
-                if identity not in rogues:
-                    rogues[identity] = ctx.socket(zmq.DEALER)
-                    rogues[identity].setsockopt(zmq.IDENTITY, identity)
-                    rogues[identity].setsockopt(zmq.LINGER, 0)
-                    rogues[identity].connect(cluster.control_address)
-                await rogues[identity].send_multipart(frames)
-            host, port = cluster.control_address.removeprefix("tcp://").split(":")
-            raw = socket.create_connection((host, int(port)))
-            raw.sendall(b"\x01\x02\x03\x04\x05\x06\x07\x08")  # not even zmq
-            await until(lambda: _errors("control") - before >= len(messages))
-            raw.close()
-            for rogue in rogues.values():
-                rogue.close()
-            assert sorted(cluster.workers) == ["d", "p"] and not cluster.dead.is_set()
-            assert not (await collect(cluster, spec("after")))[-1].error
-    asyncio.run(run())
+@with_gateway()
+async def test_hostile_control_messages_are_refused_and_the_gateway_serves_on(cluster, add):
+    await one_pair(cluster, add)
+    before = _errors("control")
+    ctx = zmq.asyncio.Context.instance()
+    rogues = {}
+    messages = _hostile_messages(KEY)
+    for identity, frames in messages:
+        if identity not in rogues:
+            rogues[identity] = ctx.socket(zmq.DEALER)
+            rogues[identity].setsockopt(zmq.IDENTITY, identity)
+            rogues[identity].setsockopt(zmq.LINGER, 0)
+            rogues[identity].connect(cluster.control_address)
+        await rogues[identity].send_multipart(frames)
+    host, port = cluster.control_address.removeprefix("tcp://").split(":")
+    raw = socket.create_connection((host, int(port)))
+    raw.sendall(b"\x01\x02\x03\x04\x05\x06\x07\x08")  # not even zmq
+    await until(lambda: _errors("control") - before >= len(messages))
+    raw.close()
+    for rogue in rogues.values():
+        rogue.close()
+    assert sorted(cluster.workers) == ["d", "p"] and not cluster.dead.is_set()
+    assert not (await collect(cluster, spec("after")))[-1].error
 
 
 def _errors(sock: str) -> float:
