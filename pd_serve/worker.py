@@ -8,6 +8,7 @@ handles the gateway's messages between steps, and steps its engine while it has 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -28,6 +29,7 @@ from pd_serve.engine.request import FinishReason, Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Generate, Heartbeat,
                                TokenBatch, WorkerStatus)
+from pd_serve.transfer import tp_handoff
 from pd_serve.transfer.tp_handoff import model_layout
 
 logger = logging.getLogger(__name__)
@@ -89,7 +91,9 @@ class Worker:
         self.worker_id = config.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.incarnation = secrets.token_hex(8)  # a restart under the same id is a new worker
         self.codec = protocol.Codec(config.cluster_key)
-        self.core = EngineCore(config.engine, handoff=self.handoff_spec())
+        spec = self.handoff_spec()
+        self.core = EngineCore(config.engine, tp_follower_io=None if spec is None
+                               else functools.partial(tp_handoff.follower, spec))
         self.core.warmup()
         self.metrics = WorkerMetrics()
         self._ctx = zmq.Context.instance()

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pd_serve.engine import tp_group
 from pd_serve.engine.core import token_stop_reason
 from pd_serve.engine.request import Request, TokenLogprob
-from pd_serve.engine.sampler import advance_generator
 from pd_serve.protocol import AbortRequest, Admit, AdmitReply, StartDecode, TokenBatch
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.tp_handoff import DecodeRank, HandoffSpec, drain
@@ -61,7 +60,7 @@ class DecodeWorker(Worker):
             if remaining <= 0:
                 raise RuntimeError(f"TP followers reported {len(addresses)} of {tp.size - 1} KV "
                                    f"receiver addresses within {ADDRESS_TIMEOUT_S} s")
-            _, rank, address = self.core.tp_results.get(timeout=remaining)
+            _, rank, address = self.core.tp_reports.get(timeout=remaining)
             addresses[rank] = address
         return [addresses[r] for r in range(1, tp.size)]
 
@@ -135,8 +134,8 @@ class DecodeWorker(Worker):
 
     def _results(self) -> list[tuple[int, TransferResult]]:
         results = [(0, r) for r in self.receiver.poll()]
-        if self.core.tp_results is not None:
-            results += drain(self.core.tp_results, self.receiver.stats)
+        if self.core.tp_reports is not None:
+            results += drain(self.core.tp_reports, self.receiver.stats)
         return results
 
     def tick(self) -> None:
@@ -165,7 +164,6 @@ class DecodeWorker(Worker):
             del self.pending[request.request_id]
             request.num_computed_tokens = request.num_prompt_tokens
             request.output_token_ids.append(first.first_token_id)
-            advance_generator(request, self.core.model_config.vocab_size)
             if first.logprob is not None:
                 lp = first.logprob
                 request.output_logprobs.append(TokenLogprob(lp["token_id"], lp["logprob"],

@@ -23,7 +23,8 @@ from pd_serve.engine import tp_group
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.protocol import AbortRequest, Prefill, PrefillDone
 from pd_serve.transfer.base import TransferResult
-from pd_serve.transfer.tp_handoff import HandoffSpec, PrefillRank, Send, drain
+from pd_serve.engine.plan import KVSend
+from pd_serve.transfer.tp_handoff import HandoffSpec, PrefillRank, drain
 from pd_serve.worker import Worker, WorkerConfig, logprob_dict, make_request
 
 
@@ -50,7 +51,6 @@ class PrefillWorker(Worker):
         self.rank = PrefillRank(self.core, self.handoff_spec(), 0, tp.size if tp else 1)
         self.sender = self.rank.sender
         self.jobs: dict[str, _Job] = {}  # computing or sending
-        self.core.step_extra = self._step_extra
 
     def handoff_spec(self) -> HandoffSpec:
         return HandoffSpec("prefill", self.transfer_backend, self.config.transfer_timeout_s,
@@ -101,19 +101,12 @@ class PrefillWorker(Worker):
                 self.core.scheduler.finish(job.request, FinishReason.ABORT)
                 del self.jobs[msg.request_id]
 
-    def _sends(self, plan) -> list[Send]:
-        """The prompts whose last chunk is in this step: their KV is complete after it."""
-        return [Send(c.request.request_id, self.jobs[c.request.request_id].decode_addresses,
-                     c.request.page_ids, self.jobs[c.request.request_id].dst_page_ids)
-                for c in plan.chunks if c.sample]
-
-    def _step_extra(self, plan) -> list[tuple]:
-        """What the TP followers send during this step (they send their own KV heads)."""
-        return [(s.request_id, s.addresses, s.src_page_ids, s.dst_page_ids) for s in self._sends(plan)]
-
-    def _send_finished_layers(self, plan, layer: int) -> None:
-        """Called by the forward after each layer: queue the KV of the layer group it ends."""
-        self.rank.send_layers(self._sends(plan), layer)
+    def _sends(self, scheduled) -> list[KVSend]:
+        """The prompts whose last chunk is in this step: their KV is complete after it (every
+        rank sends its own KV heads of them, layer group by layer group, from the forward)."""
+        return [KVSend(c.request.request_id, self.jobs[c.request.request_id].decode_addresses,
+                       list(c.request.page_ids), self.jobs[c.request.request_id].dst_page_ids)
+                for c in scheduled.chunks if c.sample]
 
     def _abort_transfers(self, request_id: str) -> None:
         self.sender.abort(request_id)
@@ -122,8 +115,8 @@ class PrefillWorker(Worker):
 
     def _results(self) -> list[TransferResult]:
         results = self.sender.poll()
-        if self.core.tp_results is not None:
-            results += [result for _, result in drain(self.core.tp_results, self.sender.stats)]
+        if self.core.tp_reports is not None:
+            results += [result for _, result in drain(self.core.tp_reports, self.sender.stats)]
         return results
 
     def tick(self) -> None:
@@ -143,7 +136,7 @@ class PrefillWorker(Worker):
         if not self.core.scheduler.has_unfinished():
             return
         start = time.monotonic()
-        plan, sampled = self.core.step(on_layer=self._send_finished_layers)
+        plan, sampled = self.core.step(kv_sends=self._sends, on_layer=self.rank.send_layers)
         self.metrics.prompt_tokens.inc(plan.num_tokens)
         for request in sampled:  # token 1 is out; its KV is on its way
             job = self.jobs[request.request_id]

@@ -4,9 +4,9 @@ A TP worker's ranks each keep the KV heads they compute in their own pool (the s
 every rank). So every rank of a prefill worker has a sender, every rank of a decode worker a
 receiver, and each prefill rank sends the heads a decode rank needs straight to that rank
 (transfer/heads.py: routes), in the same batched chunks as without TP; equal TP sizes pair rank
-i with rank i, all heads. Rank 0 (the worker) drives its followers through the group's step
-broadcasts (engine/tp_group.py): prefill followers send from inside their forward, like rank 0;
-decode followers expect and cancel when rank 0 does. Followers report their transfers' results
+i with rank i, all heads. Rank 0 (the worker) drives its followers through the TP group
+(engine/tp_group.py): prefill followers send a plan's KV sends from inside their forward, like
+rank 0; decode followers expect and cancel when rank 0 calls them to. Followers report their transfers' results
 to rank 0 on a queue; rank 0 counts a request's parts (one per route) and decides.
 """
 
@@ -18,12 +18,12 @@ import queue
 import threading
 from dataclasses import dataclass, replace
 
+from pd_serve.engine.plan import KVSend
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.heads import head_routes
 
 logger = logging.getLogger(__name__)
 
-RESULTS_BOUND = 65536  # results waiting on the queue to rank 0
 PUT_TIMEOUT_S = 30.0  # a follower waits this long for room on it (rank 0 drains it every tick)
 
 
@@ -52,16 +52,6 @@ def group_ends(num_layers: int, groups: int) -> dict[int, int]:
     return {round(num_layers * (g + 1) / groups) - 1: g for g in range(groups)}
 
 
-@dataclass
-class Send:
-    """A prompt whose KV this step completes, and where it goes (one receiver per decode rank)."""
-
-    request_id: str
-    addresses: list[str]
-    src_page_ids: list[int]
-    dst_page_ids: list[int]
-
-
 class PrefillRank:
     """One prefill rank's sender, and the routes from this rank to each decode TP size."""
 
@@ -79,7 +69,7 @@ class PrefillRank:
     def routes(self, decode_tp: int) -> tuple:
         return head_routes(self.tp, decode_tp, self.num_kv_heads)
 
-    def send_layers(self, sends: list[Send], layer: int) -> None:
+    def send_layers(self, sends: list[KVSend], layer: int) -> None:
         """Called as the forward finishes `layer`: at a group's last layer, queue that group's KV
         of every prompt in `sends`, this rank's heads to the decode ranks that need them."""
         if layer not in self.group_ends:
@@ -154,12 +144,10 @@ class Follower:
         self._thread = threading.Thread(target=self._forward, name="tp-results", daemon=True)
         self._thread.start()
 
-    def after_layer(self, extra):
-        """The forward's per-layer hook for a step (prefill: the sends it completes)."""
-        if not extra or not isinstance(self.half, PrefillRank):
-            return None
-        sends = [Send(*s) for s in extra]
-        return lambda layer: self.half.send_layers(sends, layer)
+    def send_layers(self, sends: list[KVSend], layer: int) -> None:
+        """The forward's per-layer hook for a plan's KV sends (prefill)."""
+        if isinstance(self.half, PrefillRank):
+            self.half.send_layers(sends, layer)
 
     def call(self, name: str, request_id: str, *args) -> None:
         self.half.call(name, request_id, *args)
@@ -181,6 +169,12 @@ class Follower:
         self._stop.set()
         self._thread.join(timeout=5)
         self.half.close()
+
+
+def follower(spec: HandoffSpec, executor, rank: int, results) -> Follower:
+    """A follower rank's half, built in its process (EngineCore's tp_follower_io, bound to a
+    spec with functools.partial)."""
+    return Follower(executor, spec, rank, results)
 
 
 def drain(results, stats, limit: int = 4096) -> list[tuple[int, TransferResult]]:

@@ -18,7 +18,8 @@ from pd_serve.transfer import tp_handoff
 from pd_serve.transfer.base import TransferError
 from pd_serve.transfer.heads import head_routes, tp_error
 from pd_serve.transfer.receiver import KVReceiver
-from pd_serve.transfer.tp_handoff import DecodeRank, Follower, HandoffSpec, PrefillRank, Send
+from pd_serve.engine.plan import KVSend as Send
+from pd_serve.transfer.tp_handoff import DecodeRank, Follower, HandoffSpec, PrefillRank
 
 from peer import LAYOUT, NUM_PAGES, POISON, SEED, poisoned_pool, seeded_pool  # noqa: E402
 from test_transfer import bits, wait_results  # noqa: E402
