@@ -29,8 +29,9 @@ from pd_serve.engine.request import FinishReason, Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Generate, Heartbeat,
                                TokenBatch, WorkerStatus)
-from pd_serve.transfer import tp_handoff
-from pd_serve.transfer.tp_handoff import model_layout
+from pd_serve.config import TransferConfig
+from pd_serve.transfer import connector
+from pd_serve.transfer.connector import model_layout
 
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest message taken from the gateway
@@ -91,10 +92,12 @@ class Worker:
         self.worker_id = config.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.incarnation = secrets.token_hex(8)  # a restart under the same id is a new worker
         self.codec = protocol.Codec(config.cluster_key)
-        spec = self.handoff_spec()
-        self.core = EngineCore(config.engine, tp_follower_io=None if spec is None
-                               else functools.partial(tp_handoff.follower, spec))
+        transfer = self.transfer_config()
+        self.core = EngineCore(config.engine, tp_follower_io=None if transfer is None
+                               else functools.partial(connector.follower_io, transfer))
         self.core.warmup()
+        # prefill and decode: the KV hand-off over every TP rank
+        self.connector = None if transfer is None else connector.connector(transfer, self.core)
         self.metrics = WorkerMetrics()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -131,8 +134,8 @@ class Worker:
     def status_fields(self) -> dict:
         return {}
 
-    def handoff_spec(self):
-        """What a TP group's followers need for their half of the KV hand-off (None: nothing)."""
+    def transfer_config(self) -> TransferConfig | None:
+        """This worker's KV hand-off (None: none, colocated)."""
         return None
 
     def held_request_ids(self) -> set[str]:
@@ -143,7 +146,7 @@ class Worker:
     def threads(self) -> list:
         """Background I/O (a KV sender or receiver) whose death leaves this worker useless:
         each has `alive` and `error`."""
-        return []
+        return [] if self.connector is None else [self.connector]
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
