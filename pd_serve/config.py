@@ -223,3 +223,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _check(ok: bool, flag: str, value, rule: str) -> None:
     if not ok:
         raise ValueError(f"{flag} {value!r} {rule}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """A prefill or decode worker's KV hand-off (transfer/connector.py), the same on every TP
+    rank (it travels to the followers' processes)."""
+
+    role: str  # "prefill" | "decode"
+    backend: str  # tcp / torch / ipc / nixl (resolved: not auto)
+    timeout_s: float = 30.0
+    worker_id: str = ""
+    host: str = "127.0.0.1"  # decode: where the receivers bind
+    port: int = 0  # decode: rank 0's receiver port (0: any free port; followers: any)
+    layer_groups: int = 1  # prefill: --transfer-layer-groups
+    cluster_key: bytes = b""  # HMAC key of every KV message (b"": none)
+
+    def __post_init__(self) -> None:
+        _check(self.role in ("prefill", "decode"), "role", self.role, "must be prefill or decode")
+        _check(self.layer_groups >= 1, "--transfer-layer-groups", self.layer_groups, "must be >= 1")

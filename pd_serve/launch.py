@@ -9,11 +9,12 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
+
+from pd_serve.ports import free_port  # noqa: F401 (the launcher's, and its callers')
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -21,12 +22,6 @@ PR_SET_PDEATHSIG = 1
 
 class LaunchError(RuntimeError):
     """A cluster process failed to start or exited."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def flag_value(args: list[str], flag: str, default: str) -> str:

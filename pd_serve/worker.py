@@ -8,6 +8,7 @@ handles the gateway's messages between steps, and steps its engine while it has 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -21,13 +22,14 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from pd_serve import protocol
-from pd_serve.config import WorkerConfig
+from pd_serve.config import TransferConfig, WorkerConfig
 from pd_serve.engine.core import EngineCore, token_stop_reason
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Generate, Heartbeat,
                                Logprob, TokenBatch, TokenDelta, WorkerStatus)
-from pd_serve.transfer.tp_handoff import model_layout
+from pd_serve.transfer import connector
+from pd_serve.transfer.connector import model_layout
 
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest message taken from the gateway
@@ -78,8 +80,12 @@ class Worker:
         self.worker_id = config.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.incarnation = secrets.token_hex(8)  # a restart under the same id is a new worker
         self.codec = protocol.Codec(config.cluster_key)
-        self.core = EngineCore(config.engine, handoff=self.handoff_spec())
+        transfer = self.transfer_config()
+        self.core = EngineCore(config.engine, tp_follower_io=None if transfer is None
+                               else functools.partial(connector.follower_io, transfer))
         self.core.warmup()
+        # prefill and decode: the KV hand-off over every TP rank
+        self.connector = None if transfer is None else connector.connector(transfer, self.core)
         self.metrics = WorkerMetrics()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -116,8 +122,8 @@ class Worker:
     def status_fields(self) -> dict:
         return {}
 
-    def handoff_spec(self):
-        """What a TP group's followers need for their half of the KV hand-off (None: nothing)."""
+    def transfer_config(self) -> TransferConfig | None:
+        """This worker's KV hand-off (None: none, colocated)."""
         return None
 
     def held_request_ids(self) -> set[str]:
@@ -128,7 +134,7 @@ class Worker:
     def threads(self) -> list:
         """Background I/O (a KV sender or receiver) whose death leaves this worker useless:
         each has `alive` and `error`."""
-        return []
+        return [] if self.connector is None else [self.connector]
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:

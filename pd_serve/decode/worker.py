@@ -4,35 +4,26 @@ Lifecycle of a request here: Admit (pages reserved, receiver told to expect them
 arrives (transfer result) and StartDecode brings token 1 -> running in the batch -> finished.
 Abort or a failed transfer at any point frees the pages exactly once.
 
-Under --tp N every rank receives its own KV heads on a receiver of its own
-(transfer/tp_handoff.py; the gateway hands prefill all N addresses): rank 0 has the followers
-expect and cancel with it, and the KV has arrived once every rank's receiver says so.
+Under --tp N every rank receives its own KV heads on a receiver of its own (the gateway hands
+prefill all N addresses); the connector (transfer/connector.py) expects and cancels on every
+rank and reports the KV arrived once every rank's receiver says so.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pd_serve.config import WorkerConfig
-from pd_serve.engine import tp_group
+from pd_serve.config import TransferConfig, WorkerConfig
 from pd_serve.engine.core import token_stop_reason
 from pd_serve.engine.request import Request
-from pd_serve.engine.sampler import advance_generator
 from pd_serve.protocol import AbortRequest, Admit, AdmitReply, StartDecode, TokenBatch
-from pd_serve.transfer.base import TransferResult
-from pd_serve.transfer.tp_handoff import DecodeRank, HandoffSpec, drain
 from pd_serve.worker import Worker, end_row, make_request
-
-ADDRESS_TIMEOUT_S = 600  # followers report their receivers' addresses once their engines are up
 
 
 @dataclass
 class _Pending:
     request: Request
-    ranks_landed: set[int] = field(default_factory=set)  # TP ranks whose receivers have the KV
-    kv_arrived: bool = False
+    kv_arrived: bool = False  # in every rank's pages
     first_token: StartDecode | None = None
 
 
@@ -41,37 +32,20 @@ class DecodeWorker(Worker):
 
     def __init__(self, config: WorkerConfig):
         super().__init__(config)
-        self.rank = DecodeRank(self.core, self.handoff_spec(), 0, config.port)
-        self.receiver = self.rank.receiver
-        self.addresses = [self.receiver.address] + self._follower_addresses()
+        self.addresses = self.connector.addresses  # one KV receiver per TP rank
         self.pending: dict[str, _Pending] = {}
 
-    def handoff_spec(self) -> HandoffSpec:
-        return HandoffSpec("decode", self.transfer_backend, self.config.transfer_timeout_s,
-                           self.worker_id, host=self.config.host,
-                           cluster_key=self.config.cluster_key)
-
-    def _follower_addresses(self) -> list[str]:
-        """The followers' receiver addresses, in rank order (they come first on the queue)."""
-        tp = self.core.tp
-        if tp is None:
-            return []
-        addresses, deadline = {}, time.monotonic() + ADDRESS_TIMEOUT_S
-        while len(addresses) < tp.size - 1:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RuntimeError(f"TP followers reported {len(addresses)} of {tp.size - 1} KV "
-                                   f"receiver addresses within {ADDRESS_TIMEOUT_S} s")
-            _, rank, address = self.core.tp_results.get(timeout=remaining)
-            addresses[rank] = address
-        return [addresses[r] for r in range(1, tp.size)]
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig("decode", self.transfer_backend, self.config.transfer_timeout_s,
+                              self.worker_id, host=self.config.host, port=self.config.port,
+                              cluster_key=self.config.cluster_key)
 
     def status_fields(self) -> dict:
         return {"transfer_backend": self.transfer_backend, "transfer_addresses": self.addresses}
 
     def metrics_text(self) -> str:
         from prometheus_client import generate_latest
-        return super().metrics_text() + generate_latest(self.receiver.stats.registry).decode()
+        return super().metrics_text() + generate_latest(self.connector.stats.registry).decode()
 
     def busy(self) -> bool:
         return self.core.scheduler.has_unfinished()
@@ -85,9 +59,6 @@ class DecodeWorker(Worker):
     def held_request_ids(self) -> set[str]:
         return super().held_request_ids() | set(self.pending)
 
-    def threads(self) -> list:
-        return [self.receiver]
-
     def handle(self, msg) -> None:
         if isinstance(msg, Admit):
             self.send(self._admit(msg))
@@ -99,7 +70,7 @@ class DecodeWorker(Worker):
         elif isinstance(msg, AbortRequest):
             pending = self.pending.pop(msg.request_id, None)
             if pending is not None:
-                self._cancel(msg.request_id)
+                self.connector.cancel(msg.request_id)
                 self._free(pending.request)
             else:
                 self.abort_in_scheduler(msg.request_id)
@@ -122,35 +93,20 @@ class DecodeWorker(Worker):
         self.pending[msg.request_id] = _Pending(request)
         # No deadline until the KV starts to arrive: the prompt may wait its turn on prefill, while
         # the gateway's pings keep the reservation (or drop it: _reconcile, _gateway_gone).
-        self.receiver.expect(msg.request_id, page_ids, wait_s=math.inf)
-        if self.core.tp is not None:  # before the reply: no KV reaches a follower unexpected
-            tp_group.call(self.core.tp, "expect", msg.request_id, page_ids, None, math.inf)
+        # Before the reply: no KV reaches a rank that does not expect it.
+        self.connector.expect(msg.request_id, page_ids)
         return AdmitReply(msg.request_id, ok=True, dst_page_ids=page_ids,
                           transfer_addresses=self.addresses)
 
-    def _cancel(self, request_id: str) -> None:
-        """Stop every rank's receiver expecting it; on return no rank writes into its pages."""
-        self.receiver.cancel(request_id)
-        if self.core.tp is not None:
-            tp_group.call(self.core.tp, "cancel", request_id)
-
-    def _results(self) -> list[tuple[int, TransferResult]]:
-        results = [(0, r) for r in self.receiver.poll()]
-        if self.core.tp_results is not None:
-            results += drain(self.core.tp_results, self.receiver.stats)
-        return results
-
     def tick(self) -> None:
-        for rank, result in self._results():
+        for result in self.connector.poll():  # a failed one is cancelled on every rank already
             pending = self.pending.get(result.request_id)
             if pending is None:
                 continue
             if result.ok:
-                pending.ranks_landed.add(rank)
-                pending.kv_arrived = len(pending.ranks_landed) == len(self.addresses)
+                pending.kv_arrived = True
             else:
                 del self.pending[result.request_id]
-                self._cancel(result.request_id)  # the other ranks' parts
                 self._free(pending.request)
                 self.fail(result.request_id, f"KV transfer failed: {result.error}")
         self._start_ready()
@@ -166,7 +122,6 @@ class DecodeWorker(Worker):
             del self.pending[request.request_id]
             request.num_computed_tokens = request.num_prompt_tokens
             request.output_token_ids.append(first.first_token_id)
-            advance_generator(request, self.core.model_config.vocab_size)
             if first.logprob is not None:
                 request.output_logprobs.append(first.logprob.to_engine())
             reason = token_stop_reason(request, self.core.eos_token_ids,

@@ -1,7 +1,9 @@
-"""The parts every worker role shares: model, KV pool, allocator, scheduler, runner.
+"""What every worker role is built on: a scheduler and allocator over an executor (model, KV
+pool, runner: engine/executor.py), and under --tp the follower ranks' executors.
 
-EngineCore.step() is schedule -> run -> take the sampled tokens back. It knows token ids only;
-text, stop strings and APIs live above it (the colocated Engine, the prefill and decode workers).
+EngineCore.step() is schedule -> plan (PlanBuilder) -> execute -> take the sampled tokens back.
+It knows token ids only; text, stop strings and APIs live above it (the colocated Engine, the
+prefill and decode workers).
 
 The overlap schedule (on by default on GPU; --disable-overlap-schedule, as SGLang names it):
 step() plans and launches step N while step N-1 is still on the device, then waits for N-1's
@@ -14,119 +16,60 @@ tokens) or report finished layers (prefill) wait for the step before them first.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from kernels._triton import interpret_requested
 from pd_serve.cache.allocator import PageAllocator
-from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
-from pd_serve.cache.pool import KVLayout, KVPool
-from pd_serve.config import CacheConfig, EngineConfig
+from pd_serve.config import EngineConfig
 from pd_serve.engine import tp_group
-from pd_serve.engine.attention import create_backend, resolve_backend_name
+from pd_serve.engine.executor import Executor, resolve_device
+from pd_serve.engine.plan import StepPlan, StepResult
 from pd_serve.engine.request import FinishReason, Request
-from pd_serve.engine.runner import ModelRunner
-from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput, needs_penalties
+from pd_serve.engine.sampler import PendingSample, needs_penalties
 from pd_serve.engine.sampling_params import SamplingParams
-from pd_serve.engine.scheduler import Scheduler, SchedulerOutput
-from pd_serve.launch import free_port
-from pd_serve.model.config import ModelConfig, resolve_dtype
-from pd_serve.model.llama import use_batch1_kernels
-from pd_serve.model.loader import load_model
-from pd_serve.model.parallel import shard_model
+from pd_serve.engine.scheduler import PlanBuilder, Scheduler, SchedulerOutput
+from pd_serve.model.config import ModelConfig
 from pd_serve.model.tokenizer import Tokenizer
+from pd_serve.ports import free_port
 
 logger = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_port: int = 0, handoff=None):
-        """tp_rank, tp_port: a follower rank of a tensor-parallel engine (engine/tp_group.py).
-        handoff: a prefill or decode worker's HandoffSpec, from which rank 0 has its followers
-        build their half of the KV hand-off (transfer/tp_handoff.py)."""
+    def __init__(self, config: EngineConfig, tp_follower_io=None):
+        """tp_follower_io(executor, rank, reports): builds a follower rank's part of the KV
+        hand-off in its process (picklable; see follow()), for a prefill or decode worker under
+        --tp; its reports reach rank 0 on `tp_reports`."""
         self.config = config
-        self.tp, self._tp_followers, self.tp_results = None, [], None
-        self._handoff = handoff
-        # step_extra(plan): what a step's broadcast carries for the followers' hand-off halves
-        self.step_extra = None
-        self._build(tp_rank, tp_port)
-
-    def _build(self, tp_rank: int, tp_port: int) -> None:
-        cfg = self.config
-        model_dir = Path(cfg.model) if cfg.model else _default_model_dir()
-        if not model_dir.is_dir():
-            raise ValueError(f"--model {model_dir}: no such directory")
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA device is available; use --device cpu")
-        self.device = torch.device(device)
-        if cfg.tp > 1:
-            self._join_tp(tp_rank, tp_port)
-        self.dtype = resolve_dtype(cfg.dtype, self.device.type)
-        self.model_dir = model_dir
-        self.model_config = ModelConfig.from_dir(model_dir)
+        cfg = config
+        self.model_dir, model_config, self.max_model_len = resolve_model(cfg)
         # A dummy-weight model (benchmarks) may come as a bare config.json: token ids only then.
-        has_tokenizer = (model_dir / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer or cfg.load_format != "dummy" else None
+        has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
+        self.tokenizer = (Tokenizer.from_dir(self.model_dir)
+                          if has_tokenizer or cfg.load_format != "dummy" else None)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        limit = self.model_config.max_position_embeddings
-        if cfg.context_length and cfg.context_length > limit:
-            raise ValueError(f"--context-length {cfg.context_length} exceeds the model's "
-                             f"max_position_embeddings ({limit}) in {model_dir}/config.json")
-        self.max_model_len = cfg.context_length or limit
-        if self.tp is None:
-            self.model = load_model(model_dir, self.dtype, self.device, cfg.load_format, cfg.seed,
-                                    cfg.quantization)
-        else:  # every rank loads the whole model on the host and keeps its shard
-            full = load_model(model_dir, self.dtype, "cpu", cfg.load_format, cfg.seed, cfg.quantization)
-            self.model = shard_model(full, self.tp).to(self.device)
-            del full
-        mc = self.model.config  # this rank's shape (its heads) under TP
-        kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
-        k_scales, v_scales = load_kv_scales(model_dir, mc.num_layers, kv_dtype,
-                                            f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}")
-        layout = KVLayout(mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
-                          str(kv_dtype).removeprefix("torch."), k_scales, v_scales)
-        num_pages = _num_kv_pages(cfg.cache, layout, self.device)
-        if self.tp is not None:  # the same page ids on every rank: the smallest pool
-            smallest = torch.tensor([num_pages])
-            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.tp.control)
-            num_pages = int(smallest)
-        self.kv_pool = KVPool(layout, num_pages, self.device)
-        self.allocator = PageAllocator(num_pages)
-        logger.info("KV cache: %d pages x %d tokens = %d tokens, %s, %d bytes per token, %.2f GiB",
-                    num_pages, layout.page_size, self.kv_pool.num_tokens, layout.dtype,
-                    layout.bytes_per_token, self.kv_pool.num_bytes / 2**30)
-        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype,
-                                                      mc.head_dim)
-        attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
-                              mc.head_dim ** -0.5, self.dtype,
-                              batch1_kernels=cfg.enable_batch1_kernels)
-        if cfg.enable_batch1_kernels:
-            use_batch1_kernels(self.model)
-            if self.device.type != "cuda" and not interpret_requested():
-                logger.warning("--enable-batch1-kernels has no effect on %s: its kernels run on "
-                               "GPUs", self.device)
-        self.runner = ModelRunner(self.model, attn, Sampler(cfg.seed), layout.page_size)
-        if self.tp is not None and self.tp.rank == 0:
-            self.runner.on_launch = lambda plan: tp_group.broadcast(
-                self.tp, plan, self.step_extra(plan) if self.step_extra else None)
-        if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph \
-                and self.tp is None:
-            max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
-            if cfg.scheduler.max_running_requests > cfg.cuda_graph_max_bs:
-                logger.warning("decode batches above %d run without CUDA graphs (eagerly, several "
-                               "times slower): --max-running-requests %d > --cuda-graph-max-bs %d; "
-                               "raise --cuda-graph-max-bs to capture them", max_bs,
-                               cfg.scheduler.max_running_requests, cfg.cuda_graph_max_bs)
-            self.runner.capture_cuda_graphs(max_bs, -(-self.max_model_len // layout.page_size))
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator, layout.page_size)
+        device = resolve_device(cfg.device)
+        self.tp, self._tp_followers, self.tp_reports = None, [], None
+        if cfg.tp > 1:
+            self.tp, self._tp_followers, self.tp_reports = tp_group.start(
+                cfg, free_port(), follow, (tp_follower_io,))
+            device = _rank_device(device, 0)
+        self.executor = Executor(cfg, self.model_dir, self.max_model_len, device, self.tp)
+        ex = self.executor
+        self.device, self.dtype, self.model, self.model_config = ex.device, ex.dtype, ex.model, ex.model_config
+        self.kv_pool, self.runner, self.attention_backend = ex.kv_pool, ex.runner, ex.attention_backend
+        self.allocator = PageAllocator(self.kv_pool.num_pages)
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.kv_pool.layout.page_size)
         self.scheduler.max_model_len = self.max_model_len
+        self.plans = PlanBuilder()
         # PD_SERVE_OVERLAP_CPU=1 turns it on for CPU too (where nothing runs asynchronously): for
         # tests of its bookkeeping in real workers.
         on_device = self.device.type == "cuda" or os.environ.get("PD_SERVE_OVERLAP_CPU") == "1"
@@ -136,26 +79,16 @@ class EngineCore:
                     "on" if self.overlap else "off", f", tp {cfg.tp}" if self.tp else "")
         self._in_flight: InFlight | None = None
 
-    def _join_tp(self, rank: int, port: int) -> None:
-        """Start (rank 0) or join the tensor-parallel group; on GPU rank r runs on cuda:r."""
-        if rank == 0:
-            self.tp, self._tp_followers, self.tp_results = tp_group.start(
-                self.config, free_port(), self._handoff)
-        else:
-            self.tp = tp_group.join(self.config, rank, port)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", rank)
-
     def exited_tp_ranks(self) -> list[int]:
         """Ranks of this (rank 0) engine's tensor-parallel followers that have exited."""
         return [rank for rank, p in enumerate(self._tp_followers, 1) if p.exitcode is not None]
 
     def close(self) -> None:
         """End a tensor-parallel group's followers (a no-op without TP); the engine is unusable after."""
-        if self.tp is None or self.tp.rank != 0:
+        if self.tp is None:
             return
         try:
-            tp_group.broadcast(self.tp, None)
+            tp_group.send(self.tp, None)
         except RuntimeError as e:  # a follower is gone already
             logger.warning("tensor-parallel group: %s", e)
         for p in self._tp_followers:
@@ -192,34 +125,44 @@ class EngineCore:
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
 
-    def step(self, on_layer=None) -> tuple[SchedulerOutput, list[Request]]:
-        """One batch. Returns a plan and the requests that got a new token from it (appended):
-        this step's, or under the overlap schedule the step before's (module docstring).
+    def step(self, kv_sends=None, on_layer=None) -> tuple[SchedulerOutput, list[Request]]:
+        """One batch. Returns what was scheduled and the requests that got a new token from it
+        (appended): this step's, or under the overlap schedule the step before's (module
+        docstring).
 
-        on_layer(plan, i), if given, is called as the forward finishes layer i."""
-        if on_layer is not None and self._in_flight is not None:
-            raise RuntimeError("step(on_layer) needs the synchronous schedule: a step is in flight")
-        if not self.overlap or on_layer is not None:
-            plan = self.scheduler.schedule()
-            after_layer = None if on_layer is None else (lambda i: on_layer(plan, i))
-            sampled = self.runner.execute(plan, after_layer) if plan.chunks else SamplerOutput([], [])
-            self.scheduler.update(plan, sampled.token_ids)
-            return plan, _with_logprobs([c.request for c in plan.chunks if c.sample], sampled.logprobs)
+        kv_sends(scheduled) -> list[KVSend]: the prompts whose KV the step completes, and where
+        it goes (prefill); on_layer(kv_sends, layer) is then called on every rank as the forward
+        finishes each layer. A step with KV sends runs synchronously."""
+        if kv_sends is not None and self._in_flight is not None:
+            raise RuntimeError("step(kv_sends) needs the synchronous schedule: a step is in flight")
+        if not self.overlap or kv_sends is not None:
+            out = self.scheduler.schedule()
+            plan = self.plans.build(out, kv_sends(out) if kv_sends is not None and out.chunks else None)
+            sampled = self._execute(plan, on_layer) if plan is not None else StepResult([], [])
+            self.scheduler.update(out, sampled.token_ids)
+            return out, _with_logprobs([c.request for c in out.chunks if c.sample], sampled.logprobs)
         done = None
         if self._in_flight is not None and needs_penalties(self._in_flight.requests):
             done = self._settle(self._in_flight)  # penalties read the tokens: wait for them
             self._in_flight = None
-        plan = self.scheduler.schedule()
+        out = self.scheduler.schedule()
+        plan = self.plans.build(out)
         previous, self._in_flight = self._in_flight, None
-        if plan.chunks:
-            sample = self.runner.launch(plan, prev_tokens=previous.sample.tokens if previous else None)
-            self.scheduler.update(plan, None)
-            self._in_flight = InFlight(plan, sample, self.scheduler.launched())
+        if plan is not None:
+            sample = self.executor.launch(plan, prev=previous.sample if previous else None)
+            self.scheduler.update(out, None)
+            self._in_flight = InFlight(out, sample, self.scheduler.launched())
         if previous is not None:
             done = self._settle(previous)
-        if not plan.chunks:  # nothing launched: what scheduling ended is reported now
-            return _merged(done, plan), done[1] if done else []
+        if plan is None:  # nothing launched: what scheduling ended is reported now
+            return _merged(done, out), done[1] if done else []
         return done or (SchedulerOutput(), [])
+
+    def _execute(self, plan: StepPlan, on_layer) -> StepResult:
+        """Run a plan on every rank (rank 0 sends it to the followers first) and wait for it."""
+        if self.tp is not None:
+            tp_group.send(self.tp, ["plan", plan.to_wire()])
+        return self.executor.execute(plan, on_layer)
 
     def drain(self) -> None:
         """Wait for the step in flight and settle it (its tokens are appended, not returned):
@@ -283,21 +226,52 @@ def token_stop_reason(request: Request, eos_token_ids, max_model_len: int) -> Fi
     return None
 
 
+def resolve_model(config: EngineConfig) -> tuple[Path, ModelConfig, int]:
+    """--model's folder (checked), its config and the context length (--context-length, checked
+    against the model's limit)."""
+    model_dir = Path(config.model) if config.model else _default_model_dir()
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {model_dir}: no such directory")
+    model_config = ModelConfig.from_dir(model_dir)
+    limit = model_config.max_position_embeddings
+    if config.context_length and config.context_length > limit:
+        raise ValueError(f"--context-length {config.context_length} exceeds the model's "
+                         f"max_position_embeddings ({limit}) in {model_dir}/config.json")
+    return model_dir, model_config, config.context_length or limit
+
+
+def follow(config: EngineConfig, rank: int, port: int, reports, tp_follower_io=None) -> None:
+    """A TP follower's process: join the group, build this rank's executor (which does not
+    sample) and its KV hand-off part, then run the plans and calls rank 0 sends until it sends
+    None."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    model_dir, _, max_model_len = resolve_model(config)
+    device = resolve_device(config.device)
+    tp = tp_group.join(config, rank, port)
+    executor = Executor(config, model_dir, max_model_len, _rank_device(device, rank), tp, samples=False)
+    io = tp_follower_io(executor, rank, reports) if tp_follower_io is not None else None
+    try:
+        while (msg := tp_group.receive(tp)) is not None:
+            if msg[0] == "plan":
+                executor.launch(StepPlan.from_wire(msg[1]), io.send_layers if io is not None else None)
+            else:  # ["call", name, *args]: then meet rank 0 at the barrier
+                if io is not None:
+                    io.call(*msg[1:])
+                dist.barrier(group=tp.control)
+    finally:
+        if io is not None:
+            io.close()
+    dist.destroy_process_group()
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    """On GPU, TP rank r runs on cuda:r."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
 def _default_model_dir() -> Path:
     from pd_serve.model.gguf_default import default_model_dir
     return default_model_dir()
-
-
-def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
-    """Pool size in pages: --max-total-tokens if given, else from free memory."""
-    if cache.max_total_tokens is not None:
-        return -(-cache.max_total_tokens // layout.page_size)
-    if device.type == "cpu":
-        budget = cache.cpu_kv_cache_gb * 2**30
-    else:
-        total = torch.cuda.get_device_properties(device).total_memory
-        budget = total * cache.mem_fraction_static - torch.cuda.memory_allocated(device)
-        if budget < layout.bytes_per_page:
-            raise ValueError(f"--mem-fraction-static {cache.mem_fraction_static} leaves no room "
-                             "for the KV cache after the weights; raise it")
-    return int(budget // layout.bytes_per_page)

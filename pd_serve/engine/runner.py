@@ -1,4 +1,5 @@
-"""Executes a scheduler plan: builds the flat batch, runs the model, samples. Never mutates requests.
+"""Runs one batch (the executor's, engine/executor.py): builds the flat batch, runs the model,
+samples. Reads the executor's cached requests; never mutates them.
 
 On GPU, batches of one new token per row (decode) replay CUDA graphs captured at bucketed batch
 sizes: the batch is padded to the next bucket (padded rows store no KV: slot -1); its token
@@ -9,7 +10,7 @@ whose rows are all greedy (no logprobs, no penalties) takes its tokens from the 
 any other goes through the Sampler.
 
 launch() queues a step and its sampling without waiting for the device; a token still pending
-from the step before (Request.token_at gives -1 - row) is read on the device from that step's
+from the step before (CachedRequest.token_at gives -1 - row) is read on the device from that step's
 sampled tokens (kernels/pending.py; in the graph, from its fixed token buffer), so the host can
 plan step N+1 while step N runs (the overlap schedule).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +27,6 @@ from kernels.argmax import argmax
 from kernels.pending import fill_pending_
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
 from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput
-from pd_serve.engine.scheduler import SchedulerOutput
 from pd_serve.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,26 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+@dataclass
+class BatchChunk:
+    """Positions [start, start + num_tokens) of a request (the executor's CachedRequest: token_at,
+    all_token_ids, page_ids, sampling_params); sample after them if `sample`."""
+
+    request: object
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class Batch:
+    chunks: list[BatchChunk]
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, attn: AttentionBackend, sampler: Sampler, page_size: int):
+    def __init__(self, model: CausalLM, attn: AttentionBackend, sampler: Sampler | None, page_size: int):
+        """sampler None: compute the logits of the sampling rows but sample nothing (a TP
+        follower: the logits all-gather needs every rank)."""
         self.model = model
         self.attn = attn
         self.sampler = sampler
@@ -50,14 +69,13 @@ class ModelRunner:
         # it before planning, so no host staging buffer (ours or flashinfer's) is rewritten
         # while a copy from it may still be queued behind the step in flight.
         self._inputs_copied: torch.cuda.Event | None = None
-        self.on_launch = None  # on_launch(plan) before each step: a TP group's rank 0 broadcasts it
 
-    def _flat_batch(self, plan: SchedulerOutput):
+    def _flat_batch(self, batch: Batch):
         """Token ids, positions and cache slots of every new token (int64 CPU tensors [T]),
         and the rows to sample."""
         ids, positions, slots, sample_rows = [], [], [], []
         num_tokens = 0
-        for chunk in plan.chunks:
+        for chunk in batch.chunks:
             request, end = chunk.request, chunk.start + chunk.num_tokens
             pos = torch.arange(chunk.start, end)
             pages = torch.tensor(request.page_ids[chunk.start // self.page_size:
@@ -72,46 +90,46 @@ class ModelRunner:
         return torch.cat(ids), torch.cat(positions), torch.cat(slots), sample_rows
 
     @staticmethod
-    def _metadata(plan: SchedulerOutput, slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def _metadata(batch: Batch, slot_mapping: torch.Tensor) -> AttentionMetadata:
         return AttentionMetadata(
-            query_lens=[c.num_tokens for c in plan.chunks],
-            seq_lens=[c.start + c.num_tokens for c in plan.chunks],
-            page_tables=[c.request.page_ids for c in plan.chunks],
+            query_lens=[c.num_tokens for c in batch.chunks],
+            seq_lens=[c.start + c.num_tokens for c in batch.chunks],
+            page_tables=[c.request.page_ids for c in batch.chunks],
             slot_mapping=slot_mapping,
         )
 
-    def execute(self, plan: SchedulerOutput, after_layer=None) -> SamplerOutput:
-        """Run the plan and wait for its tokens; after_layer(i) is called as layer i finishes
+    def execute(self, batch: Batch, after_layer=None) -> SamplerOutput:
+        """Run the batch and wait for its tokens; after_layer(i) is called as layer i finishes
         (eager path only)."""
-        pending = self.launch(plan, after_layer)
+        pending = self.launch(batch, after_layer)
         return pending.result() if pending.params else SamplerOutput(token_ids=[], logprobs=[])
 
     @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput, after_layer=None,
+    def launch(self, batch: Batch, after_layer=None,
                prev_tokens: torch.Tensor | None = None) -> PendingSample:
-        """Queue the plan and its sampling (no rows when it samples nothing). prev_tokens: the
-        sampled tokens of the step still in flight, where this plan's pending inputs are."""
+        """Queue the batch and its sampling (no rows when it samples nothing). prev_tokens: the
+        sampled tokens of the step still in flight, where this batch's pending inputs are."""
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
-        if self.on_launch is not None:
-            self.on_launch(plan)
-        graphable = all(c.num_tokens == 1 for c in plan.chunks) and after_layer is None
-        if self.graphs and graphable and len(plan.chunks) <= max(self.graphs):
-            return self._launch_graph(plan, prev_tokens)
-        ids, positions, slots, sample_rows = self._flat_batch(plan)
+        graphable = all(c.num_tokens == 1 for c in batch.chunks) and after_layer is None
+        if self.graphs and graphable and len(batch.chunks) <= max(self.graphs):
+            return self._launch_graph(batch, prev_tokens)
+        ids, positions, slots, sample_rows = self._flat_batch(batch)
         pending = bool(ids.min() < 0)
         # One host->device copy for the three index tensors.
         ids, positions, slots = self._to_device(torch.stack([ids, positions, slots]))
         if pending:
             fill_pending_(ids, _prev(prev_tokens))
-        self.attn.plan(self._metadata(plan, slots))
+        self.attn.plan(self._metadata(batch, slots))
         self._record_inputs_copied()
         hidden = self.model(ids, positions, self.attn, after_layer)  # [T, hidden]
         if not sample_rows:
             return self._nothing_sampled()
         rows = self._to_device(torch.tensor(sample_rows))
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
-        return self.sampler.launch(logits, [c.request for c in plan.chunks if c.sample])
+        if self.sampler is None:
+            return self._nothing_sampled()
+        return self.sampler.launch(logits, [c.request for c in batch.chunks if c.sample])
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -173,17 +191,17 @@ class ModelRunner:
         end = 3 * bs + staged  # copy what this batch filled, not the bucket's capacity
         device[:end].copy_(host[:end], non_blocking=True)
 
-    def _launch_graph(self, plan: SchedulerOutput, prev_tokens: torch.Tensor | None) -> PendingSample:
-        n = len(plan.chunks)
+    def _launch_graph(self, batch: Batch, prev_tokens: torch.Tensor | None) -> PendingSample:
+        n = len(batch.chunks)
         bs = min(size for size in self.graphs if size >= n)
         ids, positions, slots, seq_lens = [], [], [], []
-        for c in plan.chunks:
+        for c in batch.chunks:
             pos = c.start
             ids.append(c.request.token_at(pos))
             positions.append(pos)
             slots.append(c.request.page_ids[pos // self.page_size] * self.page_size + pos % self.page_size)
             seq_lens.append(pos + 1)
-        self._plan_graph(bs, ids, positions, slots, seq_lens, [c.request.page_ids for c in plan.chunks])
+        self._plan_graph(bs, ids, positions, slots, seq_lens, [c.request.page_ids for c in batch.chunks])
         if min(ids) < 0:
             prev = _prev(prev_tokens)
             if len(prev) > len(self.graph_tokens):  # an eager step sampled more rows than it holds
@@ -192,14 +210,14 @@ class ModelRunner:
                 self.graph_tokens[:len(prev)].copy_(prev)
         self._record_inputs_copied()
         self.graphs[bs].replay()
-        sampled = [c.request for c in plan.chunks if c.sample]
-        if not sampled:
+        sampled = [c.request for c in batch.chunks if c.sample]
+        if not sampled or self.sampler is None:
             return self._nothing_sampled()
         if len(sampled) == n and self.sampler.argmax_only(sampled):
             return PendingSample(self.graph_tokens[:n], [r.sampling_params for r in sampled])
         logits = self.graph_logits[bs]
         if len(sampled) < bs:
-            sample_rows = [i for i, c in enumerate(plan.chunks) if c.sample]
+            sample_rows = [i for i, c in enumerate(batch.chunks) if c.sample]
             logits = logits[:n] if len(sampled) == n else logits[torch.tensor(sample_rows, device=self.device)]
         return self.sampler.launch(logits, sampled)
 

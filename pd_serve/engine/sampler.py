@@ -8,21 +8,14 @@ sampler's, and are drawn on CPU per row so a seeded row's token never depends on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels.argmax import argmax
+from pd_serve.engine.plan import StepResult
 from pd_serve.engine.request import Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
 
-
-@dataclass
-class SamplerOutput:
-    """One sampled token per row, and its logprobs where the request asked for them."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+SamplerOutput = StepResult  # one sampled token per row, and its logprobs where asked for
 
 
 class PendingSample:
@@ -248,8 +241,9 @@ def _logprobs(lp: torch.Tensor, top_ids: torch.Tensor, token_list: list[int],
     return out
 
 
-def advance_generator(request: Request, vocab_size: int) -> None:
-    """Consume the random draws one sampled token takes from a seeded request's generator.
+def advance_generator(request, vocab_size: int) -> None:
+    """Consume the random draws one sampled token takes from a seeded request's generator
+    (request: anything with `generator` and `sampling_params`).
 
     A request whose first token was sampled in another process (prefill) continues here
     (decode) from the same point of its random stream, so seeded output does not depend on

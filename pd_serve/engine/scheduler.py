@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill: decides which tokens of which requests run each step.
 
-The scheduler returns a plan (SchedulerOutput); the runner executes it without touching
-scheduler state; update() takes the sampled tokens back.
+The scheduler returns what runs (SchedulerOutput), which PlanBuilder turns into the executor's
+StepPlan; the executor runs it without touching scheduler state; update() takes the sampled
+tokens back.
 
 Under the overlap schedule (engine/core.py) a step can still be running on the device when
 requests end or are preempted: their pages are freed only once the device is done with every
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pd_serve.cache.allocator import PageAllocator
 from pd_serve.config import SchedulerConfig
+from pd_serve.engine.plan import NewRequest, RequestDiff, StepChunk, StepPlan, sampling_to_wire
 from pd_serve.engine.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -218,3 +220,55 @@ class Scheduler:
                 self.allocator.free(request.page_ids)
         request.page_ids = []
         request.num_computed_tokens = 0
+
+
+class PlanBuilder:
+    """Turns SchedulerOutputs into StepPlans (engine/plan.py): remembers what the executor has
+    been sent of each request, so a request goes out in full once and then as diffs.
+
+    Every SchedulerOutput goes through build(); one with no chunks launches nothing and gives
+    None, and what it preempted goes out with the next plan. A request that has finished (or
+    been detached) is named in the next plan's finished_ids and forgotten."""
+
+    def __init__(self):
+        self._sent: dict[str, tuple[Request, int, int]] = {}  # id -> (request, tokens, pages) sent
+        self._preempted: list[str] = []
+
+    def build(self, out: SchedulerOutput, kv_sends: list | None = None) -> StepPlan | None:
+        """The plan of a step that runs out.chunks and sends kv_sends; None without chunks."""
+        for request in out.preempted:
+            if request.request_id in self._sent:
+                self._preempted.append(request.request_id)
+                self._sent[request.request_id] = (request, self._sent[request.request_id][1], 0)
+        if not out.chunks:
+            return None
+        plan = StepPlan(kv_sends=list(kv_sends or ()))
+        plan.finished_ids = [i for i, (r, _, _) in self._sent.items() if r.finished]
+        for request_id in plan.finished_ids:
+            del self._sent[request_id]
+        plan.preempted_ids, self._preempted = [i for i in self._preempted if i in self._sent], []
+        for chunk in out.chunks:
+            request = chunk.request
+            request_id = request.request_id
+            num_known = request.num_known_tokens
+            if request_id not in self._sent:
+                plan.new_requests.append(NewRequest(
+                    request_id, request.all_token_ids, request.num_prompt_tokens,
+                    list(request.page_ids), sampling_to_wire(request.sampling_params)))
+            else:
+                _, num_tokens, num_pages = self._sent[request_id]
+                new_pages = request.page_ids[num_pages:]
+                if num_tokens < num_known or new_pages:
+                    plan.request_diffs.append(RequestDiff(
+                        request_id, _known_tokens(request, num_tokens), list(new_pages)))
+            self._sent[request_id] = (request, num_known, len(request.page_ids))
+            plan.chunks.append(StepChunk(request_id, chunk.start, chunk.num_tokens, chunk.sample))
+        return plan
+
+
+def _known_tokens(request: Request, start: int) -> list[int]:
+    """The request's known token ids from position start on."""
+    n = request.num_prompt_tokens
+    if start >= n:
+        return request.output_token_ids[start - n:]
+    return request.prompt_token_ids[start:] + request.output_token_ids

@@ -10,8 +10,8 @@ layers overlaps the compute of later ones. Token 1 is sampled after the forward 
 in PrefillDone, once the transfer's result is in.
 
 Under --tp N every rank sends its own KV heads to the decode ranks that hold them
-(transfer/tp_handoff.py); the pages are freed once every part's result is in, and a failed
-part aborts the others.
+(transfer/connector.py); the connector reports a request once every part's result is in (a
+failed part aborts the others), and only then are its pages freed.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pd_serve.config import WorkerConfig
-from pd_serve.engine import tp_group
+from pd_serve.config import TransferConfig, WorkerConfig
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.protocol import AbortRequest, Logprob, Prefill, PrefillDone
 from pd_serve.transfer.base import TransferResult
-from pd_serve.transfer.tp_handoff import HandoffSpec, PrefillRank, Send, drain
+from pd_serve.engine.plan import KVSend
 from pd_serve.worker import Worker, make_request
 
 
@@ -36,10 +35,6 @@ class _Job:
     arrived: float = field(default_factory=time.monotonic)
     computed: float = 0.0  # when token 1 was sampled
     step_s: float = 0.0  # the step that computed the prompt's last chunk, token 1 included
-    parts_left: int = 0  # transfers (one per head route) without a result yet
-    errors: list[str] = field(default_factory=list)
-    num_bytes: int = 0
-    seconds: float = 0.0
 
 
 class PrefillWorker(Worker):
@@ -47,23 +42,19 @@ class PrefillWorker(Worker):
 
     def __init__(self, config: WorkerConfig):
         super().__init__(config)
-        tp = self.core.tp
-        self.rank = PrefillRank(self.core, self.handoff_spec(), 0, tp.size if tp else 1)
-        self.sender = self.rank.sender
         self.jobs: dict[str, _Job] = {}  # computing or sending
-        self.core.step_extra = self._step_extra
 
-    def handoff_spec(self) -> HandoffSpec:
-        return HandoffSpec("prefill", self.transfer_backend, self.config.transfer_timeout_s,
-                           self.worker_id, layer_groups=self.config.transfer_layer_groups,
-                           cluster_key=self.config.cluster_key)
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig("prefill", self.transfer_backend, self.config.transfer_timeout_s,
+                              self.worker_id, layer_groups=self.config.transfer_layer_groups,
+                              cluster_key=self.config.cluster_key)
 
     def status_fields(self) -> dict:
         return {"transfer_backend": self.transfer_backend}
 
     def metrics_text(self) -> str:
         from prometheus_client import generate_latest
-        return super().metrics_text() + generate_latest(self.sender.stats.registry).decode()
+        return super().metrics_text() + generate_latest(self.connector.stats.registry).decode()
 
     def busy(self) -> bool:
         return self.core.scheduler.has_unfinished()
@@ -75,9 +66,6 @@ class PrefillWorker(Worker):
     def held_request_ids(self) -> set[str]:
         return set(self.jobs)
 
-    def threads(self) -> list:
-        return [self.sender]
-
     def handle(self, msg) -> None:
         if isinstance(msg, Prefill):
             try:
@@ -86,7 +74,7 @@ class PrefillWorker(Worker):
                 needed = -(-request.num_prompt_tokens // self.core.kv_pool.layout.page_size)
                 if needed != len(msg.dst_page_ids):
                     raise ValueError(f"decode reserved {len(msg.dst_page_ids)} pages, the prompt needs {needed}")
-                self.rank.routes(len(msg.decode_addresses))  # a decode TP size the heads allow
+                self.connector.routes(len(msg.decode_addresses))  # a decode TP size the heads allow
             except (ValueError, TypeError) as e:
                 self.send(PrefillDone(msg.request_id, ok=False, error=str(e)))
                 return
@@ -97,75 +85,47 @@ class PrefillWorker(Worker):
             if job is None:
                 return
             if job.computed:
-                self._abort_transfers(msg.request_id)  # their results free the pages
+                self.connector.cancel(msg.request_id)  # its result frees the pages
             else:
                 self.core.scheduler.finish(job.request, FinishReason.ABORT)
                 del self.jobs[msg.request_id]
 
-    def _sends(self, plan) -> list[Send]:
-        """The prompts whose last chunk is in this step: their KV is complete after it."""
-        return [Send(c.request.request_id, self.jobs[c.request.request_id].decode_addresses,
-                     c.request.page_ids, self.jobs[c.request.request_id].dst_page_ids)
-                for c in plan.chunks if c.sample]
-
-    def _step_extra(self, plan) -> list[tuple]:
-        """What the TP followers send during this step (they send their own KV heads)."""
-        return [(s.request_id, s.addresses, s.src_page_ids, s.dst_page_ids) for s in self._sends(plan)]
-
-    def _send_finished_layers(self, plan, layer: int) -> None:
-        """Called by the forward after each layer: queue the KV of the layer group it ends."""
-        self.rank.send_layers(self._sends(plan), layer)
-
-    def _abort_transfers(self, request_id: str) -> None:
-        self.sender.abort(request_id)
-        if self.core.tp is not None:
-            tp_group.call(self.core.tp, "abort", request_id)
-
-    def _results(self) -> list[TransferResult]:
-        results = self.sender.poll()
-        if self.core.tp_results is not None:
-            results += [result for _, result in drain(self.core.tp_results, self.sender.stats)]
-        return results
+    def _sends(self, scheduled) -> list[KVSend]:
+        """The prompts whose last chunk is in this step: their KV is complete after it (every
+        rank sends its own KV heads of them, layer group by layer group, from the forward)."""
+        return [KVSend(c.request.request_id, self.jobs[c.request.request_id].decode_addresses,
+                       list(c.request.page_ids), self.jobs[c.request.request_id].dst_page_ids)
+                for c in scheduled.chunks if c.sample]
 
     def tick(self) -> None:
-        for result in self._results():
+        for result in self.connector.poll():
             job = self.jobs.get(result.request_id)
-            if job is None or not job.computed:
-                continue
-            job.parts_left -= 1
-            job.num_bytes += result.num_bytes
-            job.seconds = max(job.seconds, result.seconds)
-            if not result.ok:
-                if not job.errors:  # the other parts end now too (their results still come)
-                    self._abort_transfers(result.request_id)
-                job.errors.append(result.error)
-            if job.parts_left == 0:
-                self._done(job)
+            if job is not None and job.computed:
+                self._done(job, result)
         if not self.core.scheduler.has_unfinished():
             return
         start = time.monotonic()
-        plan, sampled = self.core.step(on_layer=self._send_finished_layers)
+        plan, sampled = self.core.step(kv_sends=self._sends, on_layer=self.connector.send_layers)
         self.metrics.prompt_tokens.inc(plan.num_tokens)
         for request in sampled:  # token 1 is out; its KV is on its way
             job = self.jobs[request.request_id]
             job.computed = time.monotonic()
             job.step_s = job.computed - start
-            job.parts_left = len(self.rank.routes(len(job.decode_addresses)))
             self.core.scheduler.detach(request)
         for request in plan.finished:  # longer than this worker's whole KV pool
             self.jobs.pop(request.request_id, None)
             self.send(PrefillDone(request.request_id, ok=False,
                                   error="the prompt needs more KV pages than the prefill pool holds"))
 
-    def _done(self, job: _Job) -> None:
-        """Every part's result is in: no rank reads the pages any more."""
+    def _done(self, job: _Job, result: TransferResult) -> None:
+        """The transfer's result (every part's) is in: no rank reads the pages any more."""
         request = job.request
         del self.jobs[request.request_id]
         self.core.allocator.free(request.page_ids)
         request.page_ids = []
         lp = request.output_logprobs[0] if request.output_logprobs else None
         timings = {"prefill_queue": 0.0, "prefill": job.computed - job.arrived,
-                   "prefill_step": job.step_s, "transfer": job.seconds, "transfer_bytes": job.num_bytes}
-        error = job.errors[0] if job.errors else ""
-        self.send(PrefillDone(request.request_id, not job.errors, request.output_token_ids[0],
-                              None if lp is None else Logprob.of(lp), error, timings))
+                   "prefill_step": job.step_s, "transfer": result.seconds,
+                   "transfer_bytes": result.num_bytes}
+        self.send(PrefillDone(request.request_id, result.ok, request.output_token_ids[0],
+                              None if lp is None else Logprob.of(lp), result.error, timings))

@@ -1,6 +1,7 @@
 """KV hand-off between pools of different TP sizes (real sender processes, real sockets): each
 decode rank receives exactly its KV heads from the prefill ranks that hold them, bit-identical
-to what a TP-1 -> TP-1 transfer of the same pages delivers."""
+to what a TP-1 -> TP-1 transfer of the same pages delivers; and the connector reporting a
+request once over all its parts."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import pytest
 import torch
 
 from pd_serve.cache.pool import KVLayout
+from pd_serve.config import TransferConfig
+from pd_serve.engine.plan import KVSend as Send
 from pd_serve.model.parallel import kv_heads_of
-from pd_serve.transfer import tp_handoff
-from pd_serve.transfer.base import TransferError
+from pd_serve.transfer import connector
+from pd_serve.transfer.base import TransferError, TransferResult
+from pd_serve.transfer.connector import DecodeRank, FollowerIO, PrefillRank
 from pd_serve.transfer.heads import head_routes, tp_error
 from pd_serve.transfer.receiver import KVReceiver
-from pd_serve.transfer.tp_handoff import DecodeRank, Follower, HandoffSpec, PrefillRank, Send
 
 from peer import LAYOUT, NUM_PAGES, POISON, SEED, poisoned_pool, seeded_pool  # noqa: E402
 from test_transfer import bits, wait_results  # noqa: E402
@@ -141,7 +144,7 @@ def _core(pool):
 
 @pytest.mark.parametrize("decode_key", [b"k" * 32, b"o" * 32], ids=["same-key", "other-key"])
 def test_hand_off_ranks_use_the_spec_cluster_key(decode_key):
-    prefill_spec = HandoffSpec("prefill", "tcp", 60.0, "p", cluster_key=b"k" * 32)
+    prefill_spec = TransferConfig("prefill", "tcp", 60.0, "p", cluster_key=b"k" * 32)
     decode_spec = replace(prefill_spec, role="decode", worker_id="d", cluster_key=decode_key)
     prefill = PrefillRank(_core(seeded_pool(LAYOUT, NUM_PAGES, SEED)), prefill_spec, 0, 1)
     decode = DecodeRank(_core(poisoned_pool(LAYOUT, NUM_PAGES)), decode_spec, 0)
@@ -150,7 +153,7 @@ def test_hand_off_ranks_use_the_spec_cluster_key(decode_key):
         with pytest.raises(TransferError, match="cluster key"):
             prefill.sender.connect(address)
     else:
-        decode.call("expect", "req", DST)
+        decode.expect("req", DST)
         prefill.send_layers([Send("req", [address], SRC, DST)], LAYOUT.num_layers - 1)
         assert [r.ok for r in wait_results(decode, 1, 60)] == [True]
         expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
@@ -161,13 +164,69 @@ def test_hand_off_ranks_use_the_spec_cluster_key(decode_key):
 
 def test_a_follower_whose_kv_thread_dies_ends_its_process(monkeypatch):
     exits = []
-    monkeypatch.setattr(tp_handoff.os, "_exit", exits.append)
-    monkeypatch.setattr(tp_handoff.logging, "shutdown", lambda: None)
-    spec = HandoffSpec("decode", "tcp", 60.0, "d")
-    follower = Follower(_core(poisoned_pool(LAYOUT, NUM_PAGES)), spec, 1, queue.Queue())
-    follower.half.receiver._land = lambda: 1 / 0  # a bug in the I/O thread
+    monkeypatch.setattr(connector.os, "_exit", exits.append)
+    monkeypatch.setattr(connector.logging, "shutdown", lambda: None)
+    spec = TransferConfig("decode", "tcp", 60.0, "d")
+    follower = FollowerIO(_core(poisoned_pool(LAYOUT, NUM_PAGES)), spec, 1, queue.Queue())
+    follower.part.receiver._land = lambda: 1 / 0  # a bug in the I/O thread
     deadline = time.monotonic() + 60
     while not exits and time.monotonic() < deadline:
         time.sleep(0.01)
     assert exits == [1]
     follower.close()
+
+
+def _scripted_connector(monkeypatch, role: str, pool):
+    """A rank-0 connector of a 2-rank worker with no follower processes: rank 1's results come
+    on the queue by hand, rank 0's part polls what the test gives it, TP calls are recorded."""
+    calls, reports = [], queue.Queue()
+    monkeypatch.setattr(connector.tp_group, "call", lambda tp, *args: calls.append(args))
+    if role == "decode":
+        reports.put(("address", 1, "tcp://rank1"))
+    core = SimpleNamespace(kv_pool=pool, model_config=SimpleNamespace(num_kv_heads=4),
+                           tp=SimpleNamespace(size=2), tp_reports=reports)
+    conn = connector.connector(TransferConfig(role, "tcp", 60.0, "w"), core)
+    rank0 = []
+    monkeypatch.setattr(conn.part, "poll", lambda: [rank0.pop(0)] if rank0 else [])
+    return conn, calls, rank0, reports
+
+
+def _part(rank, request_id, ok=True, num_bytes=10):
+    return ("result", rank, request_id, ok, "" if ok else "boom", num_bytes, 0.5)
+
+
+def test_a_decode_connector_reports_a_request_once_every_rank_has_its_kv(monkeypatch):
+    conn, calls, rank0, reports = _scripted_connector(
+        monkeypatch, "decode", poisoned_pool(replace(LAYOUT4, num_kv_heads=2), NUM_PAGES))
+    try:
+        assert conn.addresses[1] == "tcp://rank1"
+        conn.expect("a", DST)
+        assert calls == [("expect", "a", DST)]
+        rank0.append(TransferResult("a", True, "", 10, 0.5))
+        assert conn.poll() == []  # one rank of two
+        reports.put(_part(1, "a"))
+        assert conn.poll() == [TransferResult("a", True, "", 20, 0.5)]
+        conn.expect("b", SRC)
+        reports.put(_part(1, "b", ok=False))
+        (failed,) = conn.poll()  # at once, and every rank has stopped expecting it
+        assert (failed.request_id, failed.ok, failed.error) == ("b", False, "boom")
+        assert calls[-1] == ("cancel", "b")
+        rank0.append(TransferResult("b", True))
+        assert conn.poll() == []  # a late part of a cancelled request
+    finally:
+        conn.close()
+
+
+def test_a_prefill_connector_waits_for_every_part_after_a_failure(monkeypatch):
+    conn, calls, rank0, reports = _scripted_connector(
+        monkeypatch, "prefill", seeded_pool(replace(LAYOUT4, num_kv_heads=2), NUM_PAGES, SEED))
+    try:
+        monkeypatch.setattr(conn.part, "send_layers", lambda sends, layer: None)
+        conn.send_layers([Send("a", ["tcp://d0"], SRC, DST)], 0)  # 2 prefill ranks -> 1: 2 parts
+        reports.put(_part(1, "a", ok=False))
+        assert conn.poll() == []  # rank 0 may still read the pages
+        assert calls == [("cancel", "a")]
+        rank0.append(TransferResult("a", True, "", 10, 0.2))
+        assert conn.poll() == [TransferResult("a", False, "boom", 20, 0.5)]
+    finally:
+        conn.close()

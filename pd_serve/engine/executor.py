@@ -1,0 +1,195 @@
+"""Runs StepPlans on one rank: this rank's model (its shard under TP), KV pool and runner.
+
+The executor is the engine less the scheduler. It keeps what it needs of each request the
+plans have named (token ids, page ids, sampling fields, the seeded generator) and builds the
+runner's batch from a plan and that cache; it never sees a scheduler's Request. Every rank of a
+tensor-parallel group runs the same executor on the same plans (rank 0 sends them: core.py);
+only the one built with `samples=True` (rank 0) samples, the others compute the logits (the
+all-gather needs every rank) and stop there.
+
+A token of the step still in flight (overlap schedule, engine/core.py) is not in the cache
+yet: the runner reads it on the device, from row `pending_row` of that step's samples, which
+the executor recorded when it launched the step. The plans bring it once it is known.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kernels._triton import interpret_requested
+from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
+from pd_serve.cache.pool import KVLayout, KVPool
+from pd_serve.config import CacheConfig, EngineConfig
+from pd_serve.engine.attention import create_backend, resolve_backend_name
+from pd_serve.engine.plan import NewRequest, StepPlan, StepResult, sampling_from_wire
+from pd_serve.engine.runner import Batch, BatchChunk, ModelRunner
+from pd_serve.engine.sampler import PendingSample, Sampler, advance_generator
+from pd_serve.model.config import ModelConfig, resolve_dtype
+from pd_serve.model.llama import use_batch1_kernels
+from pd_serve.model.loader import load_model
+from pd_serve.model.parallel import TPGroup, shard_model
+
+logger = logging.getLogger(__name__)
+
+
+class CachedRequest:
+    """What an executor knows of a request: what the runner and the sampler read."""
+
+    def __init__(self, new: NewRequest, vocab_size: int):
+        self.request_id = new.request_id
+        self.token_ids = list(new.token_ids)  # prompt + known outputs
+        self.num_prompt_tokens = new.num_prompt_tokens
+        self.page_ids = list(new.page_ids)
+        self.sampling_params = sampling_from_wire(new.sampling)
+        self.pending_row = -1  # its row in the samples of the step in flight
+        seed = self.sampling_params.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        for _ in range(len(self.token_ids) - self.num_prompt_tokens):
+            advance_generator(self, vocab_size)  # sampled elsewhere: skip their draws
+
+    def token_at(self, pos: int) -> int:
+        """The token id at pos; past the known ones, -(1 + its row in the step in flight)."""
+        return self.token_ids[pos] if pos < len(self.token_ids) else -1 - self.pending_row
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int, device: torch.device,
+                 tp: TPGroup | None = None, samples: bool = True):
+        """device: this rank's; tp: its tensor-parallel group (joined); samples: rank 0's."""
+        self.config, self.device, self.tp = config, device, tp
+        self.dtype = resolve_dtype(config.dtype, device.type)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.requests: dict[str, CachedRequest] = {}
+        self._build(model_dir, max_model_len, samples)
+
+    def _build(self, model_dir: Path, max_model_len: int, samples: bool) -> None:
+        cfg = self.config
+        if self.tp is None:
+            self.model = load_model(model_dir, self.dtype, self.device, cfg.load_format, cfg.seed,
+                                    cfg.quantization)
+        else:  # every rank loads the whole model on the host and keeps its shard
+            full = load_model(model_dir, self.dtype, "cpu", cfg.load_format, cfg.seed, cfg.quantization)
+            self.model = shard_model(full, self.tp).to(self.device)
+            del full
+        mc = self.model.config  # this rank's shape (its heads) under TP
+        kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
+        k_scales, v_scales = load_kv_scales(model_dir, mc.num_layers, kv_dtype,
+                                            f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}")
+        layout = KVLayout(mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
+                          str(kv_dtype).removeprefix("torch."), k_scales, v_scales)
+        num_pages = _num_kv_pages(cfg.cache, layout, self.device)
+        if self.tp is not None:  # the same page ids on every rank: the smallest pool
+            smallest = torch.tensor([num_pages])
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.tp.control)
+            num_pages = int(smallest)
+        self.kv_pool = KVPool(layout, num_pages, self.device)
+        logger.info("KV cache: %d pages x %d tokens = %d tokens, %s, %d bytes per token, %.2f GiB",
+                    num_pages, layout.page_size, self.kv_pool.num_tokens, layout.dtype,
+                    layout.bytes_per_token, self.kv_pool.num_bytes / 2**30)
+        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype,
+                                                      mc.head_dim)
+        attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
+                              mc.head_dim ** -0.5, self.dtype,
+                              batch1_kernels=cfg.enable_batch1_kernels)
+        if cfg.enable_batch1_kernels:
+            use_batch1_kernels(self.model)
+            if self.device.type != "cuda" and not interpret_requested():
+                logger.warning("--enable-batch1-kernels has no effect on %s: its kernels run on "
+                               "GPUs", self.device)
+        sampler = Sampler(cfg.seed) if samples else None
+        self.runner = ModelRunner(self.model, attn, sampler, layout.page_size)
+        if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph \
+                and self.tp is None:
+            max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+            if cfg.scheduler.max_running_requests > cfg.cuda_graph_max_bs:
+                logger.warning("decode batches above %d run without CUDA graphs (eagerly, several "
+                               "times slower): --max-running-requests %d > --cuda-graph-max-bs %d; "
+                               "raise --cuda-graph-max-bs to capture them", max_bs,
+                               cfg.scheduler.max_running_requests, cfg.cuda_graph_max_bs)
+            self.runner.capture_cuda_graphs(max_bs, -(-max_model_len // layout.page_size))
+
+    # ---- plans ----------------------------------------------------------------------------------
+    def update(self, plan: StepPlan) -> None:
+        """Apply what the plan says changed (its docstring gives the order)."""
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+        for request_id in plan.preempted_ids:
+            if request_id in self.requests:
+                self.requests[request_id].page_ids = []
+        for new in plan.new_requests:
+            self.requests[new.request_id] = CachedRequest(new, self.model_config.vocab_size)
+        for diff in plan.request_diffs:
+            cached = self.requests[diff.request_id]
+            cached.token_ids.extend(diff.new_token_ids)
+            cached.page_ids.extend(diff.new_page_ids)
+
+    def launch(self, plan: StepPlan, on_layer=None,
+               prev: PendingSample | None = None) -> PendingSample:
+        """Apply the plan and queue its step without waiting for the device (no rows when it
+        samples nothing or this rank does not sample). prev: the step still in flight, where
+        this plan's pending tokens are. on_layer(kv_sends, layer), for a plan with KV sends, is
+        called as the forward finishes each layer (prefill's layer-wise KV send)."""
+        self.update(plan)
+        pending = self.runner.launch(self._batch(plan), _after_layer(plan, on_layer),
+                                     prev_tokens=prev.tokens if prev is not None else None)
+        row = 0
+        for chunk in plan.chunks:
+            if chunk.sample:
+                self.requests[chunk.request_id].pending_row = row
+                row += 1
+        return pending
+
+    def execute(self, plan: StepPlan, on_layer=None) -> StepResult:
+        """Run the plan and wait for its tokens (the synchronous schedule)."""
+        self.update(plan)
+        return self.runner.execute(self._batch(plan), _after_layer(plan, on_layer))
+
+    def _batch(self, plan: StepPlan) -> Batch:
+        return Batch([BatchChunk(self.requests[c.request_id], c.start, c.num_tokens, c.sample)
+                      for c in plan.chunks])
+
+
+def _after_layer(plan: StepPlan, on_layer):
+    """The forward's per-layer hook for a plan with KV sends (None: no hook, the graph path)."""
+    if on_layer is None or not plan.kv_sends:
+        return None
+    return lambda layer: on_layer(plan.kv_sends, layer)
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: auto is cuda when there is a GPU, else cpu."""
+    device = name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available; use --device cpu")
+    return torch.device(device)
+
+
+def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
+    """Pool size in pages: --max-total-tokens if given, else from free memory."""
+    if cache.max_total_tokens is not None:
+        return -(-cache.max_total_tokens // layout.page_size)
+    if device.type == "cpu":
+        budget = cache.cpu_kv_cache_gb * 2**30
+    else:
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = total * cache.mem_fraction_static - torch.cuda.memory_allocated(device)
+        if budget < layout.bytes_per_page:
+            raise ValueError(f"--mem-fraction-static {cache.mem_fraction_static} leaves no room "
+                             "for the KV cache after the weights; raise it")
+    return int(budget // layout.bytes_per_page)
