@@ -77,7 +77,7 @@ class EngineCore:
         logger.info("attention backend %s, CUDA graphs %s, overlap schedule %s%s",
                     self.attention_backend, "on" if self.runner.graphs else "off",
                     "on" if self.overlap else "off", f", tp {cfg.tp}" if self.tp else "")
-        self._in_flight: InFlight | None = None
+        self._launched: LaunchedStep | None = None
 
     def exited_tp_ranks(self) -> list[int]:
         """Ranks of this (rank 0) engine's tensor-parallel followers that have exited."""
@@ -133,7 +133,7 @@ class EngineCore:
         kv_sends(scheduled) -> list[KVSend]: the prompts whose KV the step completes, and where
         it goes (prefill); on_layer(kv_sends, layer) is then called on every rank as the forward
         finishes each layer. A step with KV sends runs synchronously."""
-        if kv_sends is not None and self._in_flight is not None:
+        if kv_sends is not None and self._launched is not None:
             raise RuntimeError("step(kv_sends) needs the synchronous schedule: a step is in flight")
         if not self.overlap or kv_sends is not None:
             out = self.scheduler.schedule()
@@ -142,16 +142,16 @@ class EngineCore:
             self.scheduler.update(out, sampled.token_ids)
             return out, _with_logprobs([c.request for c in out.chunks if c.sample], sampled.logprobs)
         done = None
-        if self._in_flight is not None and needs_penalties(self._in_flight.requests):
-            done = self._settle(self._in_flight)  # penalties read the tokens: wait for them
-            self._in_flight = None
+        if self._launched is not None and needs_penalties(self._launched.requests):
+            done = self._settle(self._launched)  # penalties read the tokens: wait for them
+            self._launched = None
         out = self.scheduler.schedule()
         plan = self.plans.build(out)
-        previous, self._in_flight = self._in_flight, None
+        previous, self._launched = self._launched, None
         if plan is not None:
             sample = self.executor.launch(plan, prev=previous.sample if previous else None)
             self.scheduler.update(out, None)
-            self._in_flight = InFlight(out, sample, self.scheduler.launched())
+            self._launched = LaunchedStep(out, sample, self.scheduler.launched())
         if previous is not None:
             done = self._settle(previous)
         if plan is None:  # nothing launched: what scheduling ended is reported now
@@ -167,21 +167,21 @@ class EngineCore:
     def drain(self) -> None:
         """Wait for the step in flight and settle it (its tokens are appended, not returned):
         for callers that stop stepping with work launched (warm-up, benchmarks)."""
-        if self._in_flight is not None:
-            flight, self._in_flight = self._in_flight, None
-            self._settle(flight)
+        if self._launched is not None:
+            step, self._launched = self._launched, None
+            self._settle(step)
 
-    def _settle(self, flight: "InFlight") -> tuple[SchedulerOutput, list[Request]]:
+    def _settle(self, step: LaunchedStep) -> tuple[SchedulerOutput, list[Request]]:
         """Wait for a launched step; append its tokens to its requests that are still live."""
-        sampled = flight.sample.result()
-        self.scheduler.completed(flight.number)
+        sampled = step.sample.result()
+        self.scheduler.completed(step.number)
         live = []
-        for request, token, logprob in zip(flight.requests, sampled.token_ids, sampled.logprobs):
+        for request, token, logprob in zip(step.requests, sampled.token_ids, sampled.logprobs):
             request.num_pending -= 1
             if not request.finished:
                 request.output_token_ids.append(token)
                 live.append((request, logprob))
-        return flight.plan, _with_logprobs([r for r, _ in live], [lp for _, lp in live])
+        return step.plan, _with_logprobs([r for r, _ in live], [lp for _, lp in live])
 
 
 def _with_logprobs(requests: list[Request], logprobs: list) -> list[Request]:
@@ -193,7 +193,7 @@ def _with_logprobs(requests: list[Request], logprobs: list) -> list[Request]:
 
 
 @dataclass
-class InFlight:
+class LaunchedStep:
     """A step launched on the device whose tokens are not yet known."""
 
     plan: SchedulerOutput

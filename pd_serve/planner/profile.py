@@ -312,7 +312,7 @@ class _Timer:
                 self.core.step()  # nothing in flight: it launches and returns
                 hosts.append(time.perf_counter() - began)
                 end.record()
-            launched = self.core._in_flight.plan.num_tokens
+            launched = self.core._launched.plan.num_tokens
             self.core.drain()
             self.core.overlap = False
             self._sync()

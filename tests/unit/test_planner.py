@@ -314,7 +314,7 @@ def test_profile_times_decode_back_to_back_under_the_overlap_schedule(tmp_path, 
                               "--decode-contexts", "8", "--repeats", "2"])
     result = profile_mod.measure(args)
     core = built[0]
-    assert core.overlap is False and core._in_flight is None
+    assert core.overlap is False and core._launched is None
     assert core.allocator.num_used_pages == 0
     assert result["decode"]["time_s"][0][0] > 0
     # prefill: 2 whole steps; decode: 2 untimed + repeats + 2 timed, overlapped; mixed: none fit
