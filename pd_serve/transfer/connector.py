@@ -92,7 +92,19 @@ def group_ends(num_layers: int, groups: int) -> dict[int, int]:
 
 
 # ---- one rank's part ---------------------------------------------------------------------------
-class PrefillRank:
+class _RankPart:
+    """What both ranks' parts share: `io`, their sender or receiver, polled and closed alike."""
+
+    io = None
+
+    def poll(self) -> list[TransferResult]:
+        return self.io.poll()
+
+    def close(self) -> None:
+        self.io.close()
+
+
+class PrefillRank(_RankPart):
     """One prefill rank's sender, and the routes from this rank to each decode TP size.
     core: what it reads of an engine (kv_pool, model_config): an EngineCore or an Executor."""
 
@@ -136,14 +148,8 @@ class PrefillRank:
     def cancel(self, request_id: str) -> None:
         self.sender.abort(request_id)
 
-    def poll(self) -> list[TransferResult]:
-        return self.sender.poll()
 
-    def close(self) -> None:
-        self.sender.close()
-
-
-class DecodeRank:
+class DecodeRank(_RankPart):
     """One decode rank's receiver (rank 0's binds the worker's --port; followers' any port)."""
 
     def __init__(self, core, config: TransferConfig, rank: int, port: int = 0):
@@ -159,12 +165,6 @@ class DecodeRank:
 
     def cancel(self, request_id: str) -> None:
         self.receiver.cancel(request_id)
-
-    def poll(self) -> list[TransferResult]:
-        return self.receiver.poll()
-
-    def close(self) -> None:
-        self.receiver.close()
 
 
 def _rank_part(core, config: TransferConfig, rank: int, tp: int):
