@@ -28,7 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def cmd_chat(args: argparse.Namespace) -> None:
     from pd_serve import Engine, SamplingParams
 
-    engine = Engine.from_config(engine_config_from_args(args))
+    engine = Engine(config=engine_config_from_args(args))
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.message}]
     prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages),
@@ -86,12 +86,9 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
-    from pd_serve.decode.worker import DecodeWorker
-    from pd_serve.prefill.worker import PrefillWorker
-    from pd_serve.worker import ColocatedWorker
+    from pd_serve.worker import Worker
 
-    cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}[args.command]
-    cls(worker_config_from_args(args)).run()
+    Worker(worker_config_from_args(args), args.command).run()
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:

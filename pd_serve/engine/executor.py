@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from kernels._triton import interpret_requested
 from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
-from pd_serve.cache.pool import KVLayout, KVPool
+from pd_serve.cache.pool import KVLayout, KVPool, pages_for
 from pd_serve.config import CacheConfig, EngineConfig
 from pd_serve.engine.attention import create_backend, resolve_backend_name
 from pd_serve.engine.plan import NewRequest, StepPlan, StepResult, sampling_from_wire
@@ -122,7 +122,7 @@ class Executor:
                                "times slower): --max-running-requests %d > --cuda-graph-max-bs %d; "
                                "raise --cuda-graph-max-bs to capture them", max_bs,
                                cfg.scheduler.max_running_requests, cfg.cuda_graph_max_bs)
-            self.runner.capture_cuda_graphs(max_bs, -(-max_model_len // layout.page_size))
+            self.runner.capture_cuda_graphs(max_bs, pages_for(max_model_len, layout.page_size))
 
     # ---- plans ----------------------------------------------------------------------------------
     def update(self, plan: StepPlan) -> None:
@@ -183,7 +183,7 @@ def resolve_device(name: str) -> torch.device:
 def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
     """Pool size in pages: --max-total-tokens if given, else from free memory."""
     if cache.max_total_tokens is not None:
-        return -(-cache.max_total_tokens // layout.page_size)
+        return pages_for(cache.max_total_tokens, layout.page_size)
     if device.type == "cpu":
         budget = cache.cpu_kv_cache_gb * 2**30
     else:
