@@ -36,7 +36,7 @@ from pd_serve.transfer.connector import model_layout
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest message taken from the gateway
 PING_GRACE = 1.5  # no gateway ping for this many of its timeouts: the gateway is gone
-ROLES = {"colocated": ColocatedScheduler, "prefill": PrefillScheduler, "decode": DecodeScheduler}
+ROLE_SCHEDULERS = {"colocated": ColocatedScheduler, "prefill": PrefillScheduler, "decode": DecodeScheduler}
 
 
 class Worker:
@@ -53,7 +53,7 @@ class Worker:
         # prefill and decode: the KV hand-off over every TP rank
         self.connector = None if transfer is None else connector.connector(transfer, self.core)
         self.metrics = WorkerMetrics()
-        self.scheduler = ROLES[role](self.core, self.worker_id, self.connector, self.metrics)
+        self.scheduler = ROLE_SCHEDULERS[role](self.core, self.worker_id, self.connector, self.metrics)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
