@@ -132,7 +132,10 @@ class WorkerConfig:
     engine: EngineConfig = field(metadata={"flag": None})
     gateway: str = _opt(help="the gateway's control address, tcp://HOST:PORT")
     worker_id: str = _opt("", "default: ROLE-HOSTNAME-PID")
-    host: str = _opt("127.0.0.1", "address this worker binds and advertises")
+    host: str = _opt("127.0.0.1", "decode: address the KV receivers bind (0.0.0.0: every interface)")
+    advertise_host: str | None = _opt(
+        None, "address other hosts reach this worker at, as peers are told (default: --host; "
+        "needed with --host 0.0.0.0)")
     port: int = _opt(0, "decode: KV receiver port (0 = any free port)")
     transfer_backend: str = _opt("auto", "auto: tcp on CPU, torch (NCCL) on GPU",
                                  choices=TRANSFER_BACKENDS)
@@ -148,6 +151,14 @@ class WorkerConfig:
             raise ValueError(f"--transfer-layer-groups {self.transfer_layer_groups} must be >= 1")
         if not self.gateway.startswith("tcp://"):
             raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT")
+        if self.reachable_host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"--host {self.host!r} binds every interface: give --advertise-host, "
+                             "the address peers reach this worker at")
+
+    @property
+    def reachable_host(self) -> str:
+        """The address peers reach this worker at: --advertise-host, else --host."""
+        return self.advertise_host or self.host
 
 
 @dataclass(frozen=True)
@@ -235,6 +246,7 @@ class TransferConfig:
     timeout_s: float = 30.0
     worker_id: str = ""
     host: str = "127.0.0.1"  # decode: where the receivers bind
+    advertise_host: str | None = None  # decode: where senders reach them (None: host)
     port: int = 0  # decode: rank 0's receiver port (0: any free port; followers: any)
     layer_groups: int = 1  # prefill: --transfer-layer-groups
     cluster_key: bytes = b""  # HMAC key of every KV message (b"": none)

@@ -92,10 +92,12 @@ class KVReceiver:
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None,
-                 spin_s: float = 0.0, model_layout: KVLayout | None = None, key: bytes = b""):
+                 spin_s: float = 0.0, model_layout: KVLayout | None = None, key: bytes = b"",
+                 advertise_host: str | None = None):
         """model_layout: the layout senders must announce, with every KV head of the model (a
         tensor-parallel rank's pool holds some of them); default: the pool's. key: the cluster
-        key (b"": messages are not authenticated)."""
+        key (b"": messages are not authenticated). host: where the socket binds (0.0.0.0: every
+        interface); advertise_host: where senders reach it, in `address` (default: host)."""
         self.pool = pool
         self.codec = protocol.Codec(key)
         self.error = ""  # why the I/O thread died ("" while it has not)
@@ -105,7 +107,8 @@ class KVReceiver:
         self.backend = backend
         self.timeout_s = timeout_s
         self.stats = stats or TransferStats("recv", backend)
-        self.plane = make_receiver_plane(backend, pool, timeout_s, host)
+        reachable = advertise_host or host
+        self.plane = make_receiver_plane(backend, pool, timeout_s, reachable)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -114,7 +117,7 @@ class KVReceiver:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        self.address = f"tcp://{reachable}:{port}"
         self._lock = threading.Lock()
         self._expected: dict[str, _Incoming] = {}
         self._deadlines = Deadlines()  # of the _expected records
