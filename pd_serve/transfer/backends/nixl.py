@@ -205,11 +205,16 @@ class NixlReceiverPlane(ReceiverPlane):
 
     def after_welcome(self, sender_id: str, hello_info: dict) -> None:
         with self._lock:
-            self.drop_sender(sender_id)  # a sender back under its old id has a new agent
-            name = self.agent.add_remote_agent(hello_info["agent"])
-            name = name.decode() if isinstance(name, bytes) else name
-            if name != hello_info["agent_name"] or any(p.agent == name for p in self._peers.values()):
-                raise ValueError(f"the nixl agent {name!r} is not the one announced or not new")
+            self.drop_sender(sender_id)  # (a sender back under its old id: maybe a new agent)
+            name = hello_info["agent_name"]
+            if any(p.agent == name for p in self._peers.values()):
+                raise ValueError(f"the nixl agent {name!r} is another sender's")
+            loaded = self.agent.add_remote_agent(hello_info["agent"])
+            loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+            if loaded != name:
+                raise ValueError(f"the nixl metadata is {loaded!r}'s, not {name!r}'s")
+            if name in self._retired:  # the same agent paired again: keep it loaded
+                self._retired.remove(name)
             self._peers[sender_id] = _Peer(name, hello_info["address"], hello_info["device_id"],
                                            hello_info["mem"], hello_info["shape"])
 
