@@ -73,3 +73,28 @@ def test_a_read_that_fails_fails_the_request_on_both_sides_and_the_receiver_serv
     assert torch.equal(bits(receiver.pool.buffer[:, :, [1, 2]]), bits(expected[:, :, [3, 4]]))
     for node in (liar, sender, receiver):
         node.close()
+
+
+@needs_nixl
+def test_a_sender_paired_again_with_the_same_agent_is_still_read_from():
+    """A sender that reconnects (after a failed send) brings the same agent: dropping the old
+    pairing must not unload the agent the new one uses."""
+    from pd_serve.protocol import KVChunk
+
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "nixl", timeout_s=5)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "nixl", timeout_s=5)
+    plane, info = receiver.plane, sender.plane.hello_info()
+    for _ in range(2):
+        plane.after_welcome("prefill-0", info)
+    expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
+    for rid, src, dst in [("first", [3, 4], [1, 2]), ("second", [5], [6])]:  # polls in between
+        chunk = KVChunk(rid, dst, 0, LAYOUT.num_layers, len(dst) * LAYOUT.bytes_per_page, True,
+                        src, [], [], 1)
+        with receiver._lock:  # as the I/O thread does
+            plane.receive("prefill-0", chunk, [], dst)
+            plane.flush()
+            plane.synchronize()
+        assert plane.failed() == {}
+        assert torch.equal(bits(receiver.pool.buffer[:, :, dst]), bits(expected[:, :, src]))
+    sender.close()
+    receiver.close()
