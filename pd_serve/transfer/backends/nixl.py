@@ -1,4 +1,4 @@
-"""nixl: NIXL agents (RDMA, CUDA IPC, shared memory or TCP, whichever UCX finds) move the pages.
+"""nixl: NIXL agents move the pages (UCX: RDMA, CUDA IPC, cross-memory attach or TCP).
 
 Each side has one agent that registers its whole KV pool once. The sender's hello carries its
 agent's metadata and where its pool lies; the receiver loads that metadata and, for every batch
@@ -59,7 +59,7 @@ def _import_api():
 
 
 def nixl_available() -> bool:
-    """Is a build of NIXL installed? (Found without importing it: that takes seconds.)"""
+    """Is a build of NIXL installed? (Found without importing it.)"""
     return any(importlib.util.find_spec(name.split(".")[0]) is not None for name in _MODULES)
 
 
