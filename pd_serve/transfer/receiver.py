@@ -58,7 +58,7 @@ class _Incoming:
 @dataclass
 class _Landing:
     """Last chunks whose writes were queued before `event` (None: already done)."""
-    event: torch.cuda.Event | None
+    event: torch.cuda.Event | None  # (or the plane's own mark with a query())
     requests: list[tuple[bytes, str]]  # (sender identity, request id)
     marked: float  # when the event was recorded
 
@@ -312,6 +312,9 @@ class KVReceiver:
             landed = now()
             acks: dict[bytes, list[TransferAck]] = {}  # one message per sender
             with self._lock:
+                failed = self.plane.failed()  # those requests are no longer expected below
+                for request_id, error in failed.items():
+                    self._fail_locked(request_id, error)
                 done = []
                 for identity, request_id in landing.requests:
                     incoming = self._expected.get(request_id)
@@ -322,7 +325,8 @@ class KVReceiver:
                     # not expected: cancelled or timed out here while landing
                     acks.setdefault(identity, []).append(
                         TransferAck(request_id, True) if incoming is not None
-                        else TransferAck(request_id, False, "cancelled by the receiver"))
+                        else TransferAck(request_id, False,
+                                         failed.get(request_id, "cancelled by the receiver")))
                 self._publish(done)
             for identity, rows in acks.items():
                 self._send(identity, TransferAcks(rows))

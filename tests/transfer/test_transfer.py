@@ -19,7 +19,11 @@ from pd_serve.transfer.sender import MESSAGE_DEPTH, KVSender
 from peer import POISON, poisoned_pool, seeded_pool  # noqa: E402
 
 from peer import LAYOUT, NUM_PAGES, SEED  # noqa: E402
-BACKENDS = ["tcp", "torch"]
+from pd_serve.transfer.backends.nixl import nixl_available  # noqa: E402
+
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl is not installed (pip install pd-serve[nixl])"))
+BACKENDS = ["tcp", "torch", NIXL]
 
 
 def wait_results(node, count: int, timeout: float) -> list:
@@ -130,12 +134,16 @@ def test_fp8_sender_fp32_receiver_fails_the_handshake_naming_the_kv_dtype(peers)
     receiver.close()
 
 
-def test_backend_mismatch_and_unknown_backend():
+def test_backend_mismatch_and_unknown_backend(monkeypatch):
+    from pd_serve.transfer.backends import nixl
+
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=5)
     sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "torch", timeout_s=5)
     with pytest.raises(TransferError, match="backend mismatch"):
         sender.connect(receiver.address)
-    with pytest.raises(TransferError, match="'nixl' package, which is not installed; use --transfer-backend torch, ipc or tcp"):
+    monkeypatch.setattr(nixl, "_MODULES", ("no_such_nixl._api",))  # as where it is not installed
+    with pytest.raises(TransferError, match=r"'nixl' package, which is not installed \(pip install "
+                                            r"pd-serve\[nixl\]\); use --transfer-backend torch, ipc or tcp"):
         KVSender(seeded_pool(LAYOUT, 4, SEED), "nixl")
     with pytest.raises(TransferError, match="not one of torch, ipc, tcp, nixl"):
         KVSender(seeded_pool(LAYOUT, 4, SEED), "carrier-pigeon")
