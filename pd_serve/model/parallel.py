@@ -56,6 +56,9 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
             raise ValueError(f"--tp {tp} does not divide this model: {what}")
 
     check(tp >= 1, "tp must be >= 1")
+    if cfg.num_experts and tp > 1:
+        raise ValueError(f"--tp {tp}: {cfg.architecture} is a mixture of experts; tensor "
+                         "parallelism runs dense models only (for now)")
     check(cfg.num_heads % tp == 0, f"{cfg.num_heads} attention heads")
     check(cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0,
           f"{cfg.num_kv_heads} KV heads (tp must divide them, or be a multiple of them)")
