@@ -12,6 +12,17 @@ and a token's K products are summed in float32 in top-k order, then rounded once
 `select_experts` is the routing (softmax over the router's logits in float32, torch.topk, so
 ties go as transformers' go; renormalised to sum 1 where the config says), `fused_moe_ref`
 the torch reference (a loop over the experts that received tokens: it syncs with the host).
+
+`fused_moe` runs two Triton kernels over the (token, expert) pairs sorted by expert, each
+expert's run padded to the block size (`moe_align`, as SGLang's and vLLM's
+moe_align_block_size), so every block of rows reads one expert's weights:
+  1. gate/up: a grouped GEMM of the block's tokens with their expert's [gate | up] rows, both
+     halves accumulated side by side, SiLU-and-mul in the epilogue -> [T*K, I];
+  2. down: a grouped GEMM with the expert's down rows, each row times its routing weight ->
+     float32 [T*K, H], summed over K in torch.
+Nothing syncs with the host (the padded length is read on the device, the grid is sized for
+the worst case), so CUDA graphs capture it. It runs on CUDA tensors, or on CPU tensors when
+PD_SERVE_TRITON_CPU=1 (Triton's interpreter); otherwise the reference.
 """
 
 from __future__ import annotations
@@ -19,9 +30,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels._triton import lazy_kernel
 from kernels.activation import silu_and_mul_ref
 
+# Kernel launches so far; the tests read it to confirm the Triton path really ran.
+triton_launches = 0
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+tl = None  # triton.language, bound when _kernels is first built
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -57,6 +73,139 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weighted = pairs.float() * topk_weights.reshape(-1, 1)  # [T*K, H] float32
     return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
+
+# ----------------------------------------------------------------------------- Triton
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts (shapes in the module docstring) by the fused Triton kernels where they run,
+    else `fused_moe_ref`. Returns [T, H] in x's dtype."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    if not _kernels.runs_on(x):
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    global triton_launches
+    gate_up_kernel, down_kernel = _kernels.load()
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if num_tokens == 0:
+        return x.new_empty(0, hidden)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    block_m = 16 if num_tokens * top_k <= 4 * num_experts else 64
+    sorted_ids, block_experts, num_padded = moe_align(topk_ids, num_experts, block_m)
+    num_pairs = num_tokens * top_k
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    h = x.new_empty(num_pairs, inter)  # [T*K, I]
+    block_n, block_k = 64, 32
+    grid = (block_experts.numel(), -(-inter // block_n))
+    gate_up_kernel[grid](x, w13, h, sorted_ids, block_experts, num_padded, num_pairs, top_k,
+                         hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         PRECISION=precision, num_warps=4)
+    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*K, H]
+    grid = (block_experts.numel(), -(-hidden // block_n))
+    down_kernel[grid](h, w2, out, topk_weights.float().contiguous(), sorted_ids, block_experts,
+                      num_padded, num_pairs, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+    triton_launches += 2
+    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs sorted by expert, each expert's run padded to block_m rows.
+
+    Pair p = t * K + k is token t's k-th expert. Returns sorted_ids int32 [P] (pair ids in
+    expert order, stable, so a token's pairs keep token order; padding rows hold T*K),
+    block_experts int32 [P / block_m] (the expert of each block of rows; blocks past the used
+    length hold the last expert) and num_padded int32 [1] (rows used). P = T*K + min(E, T*K) *
+    (block_m - 1), rounded up to block_m: the most any routing can use. Torch ops only, no
+    host sync."""
+    flat = topk_ids.reshape(-1).long()  # [T*K]
+    num_pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)  # pairs by expert
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    size = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[(padded_end - padded)[expert_of] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, size, block_m, device=device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True)
+    block_experts = block_experts.clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
+
+
+@lazy_kernel("the fused MoE")
+def _kernels(triton):
+    """(gate/up + SiLU-and-mul kernel, down + routing-weight kernel)."""
+    @triton.jit
+    def gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, experts_ptr, num_padded_ptr, num_pairs,
+                       top_k, hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+        valid = pairs < num_pairs
+        tokens = (pairs // top_k).to(tl.int64)
+        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of I
+        col_ok = cols < inter
+        w_base = w_ptr + expert * 2 * inter * hidden
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < hidden
+            a = tl.load(x_ptr + tokens[:, None] * hidden + ks[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            w_gate = tl.load(w_base + cols[None, :] * hidden + ks[:, None], mask=w_mask, other=0.0)
+            w_up = tl.load(w_base + (inter + cols[None, :]) * hidden + ks[:, None], mask=w_mask,
+                           other=0.0)  # [BK, BN]
+            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+        dtype = h_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)  # the GEMM's output rounds to the dtype ...
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # ... then silu_and_mul's arithmetic
+        out = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(h_ptr + pairs.to(tl.int64)[:, None] * inter + cols[None, :], out,
+                 mask=valid[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
+                    num_pairs, hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        valid = pairs < num_pairs
+        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
+        col_ok = cols < hidden
+        w_base = w_ptr + expert * hidden * inter
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < inter
+            a = tl.load(h_ptr + pairs[:, None] * inter + ks[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            w = tl.load(w_base + cols[None, :] * inter + ks[:, None],
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0)  # float32 [BM]
+        out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
+        tl.store(out_ptr + pairs[:, None] * hidden + cols[None, :], out,
+                 mask=valid[:, None] & col_ok[None, :])
+
+    return gate_up_kernel, down_kernel
+
+
+# ----------------------------------------------------------------------------- validation
 
 def _check(x, w13, w2, topk_weights, topk_ids) -> None:
     if x.dim() != 2 or x.dtype not in _DTYPES:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.fused_moe import fused_moe_ref, select_experts
+from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
+from pd_serve.config import MOE_RUNNER_BACKENDS
 from pd_serve.model.config import ModelConfig
 
 
@@ -52,5 +53,25 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def _run_experts(self):
-        return fused_moe_ref
+        return fused_moe if self.backend == "triton" else fused_moe_ref
+
+
+def resolve_moe_backend(name: str, device: torch.device) -> str:
+    """--moe-runner-backend: auto is triton on CUDA, torch elsewhere. Triton on the CPU runs in
+    its interpreter under PD_SERVE_TRITON_CPU=1, else the reference (kernels/fused_moe.py)."""
+    if name not in MOE_RUNNER_BACKENDS:
+        raise ValueError(f"--moe-runner-backend {name!r} must be one of "
+                         f"{', '.join(MOE_RUNNER_BACKENDS)}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+def set_moe_backend(model: nn.Module, backend: str) -> bool:
+    """Every MoE block of `model` runs its experts on `backend` (triton or torch); returns
+    whether the model has any."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        block.backend = backend
+    return bool(blocks)
 

@@ -100,3 +100,35 @@ def test_dummy_moe_model_is_deterministic(tiny_moe_checkpoints):
     block = a.model.layers[0].mlp
     assert isinstance(block, SparseMoeBlock) and block.experts.gate_up_proj.std() > 0.01
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_moe_runner_backend_flag_and_resolution():
+    from pd_serve.cli import build_parser
+    from pd_serve.config import engine_config_from_args
+    from pd_serve.model.moe import resolve_moe_backend
+
+    args = build_parser().parse_args(["chat", "hi", "--moe-runner-backend", "triton"])
+    assert engine_config_from_args(args).moe_runner_backend == "triton"
+    assert resolve_moe_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_moe_backend("auto", torch.device("cuda", 0)) == "triton"
+    with pytest.raises(ValueError, match="moe-runner-backend"):
+        resolve_moe_backend("cutlass", torch.device("cpu"))
+
+
+def test_triton_moe_backend_generates_the_torch_backends_tokens(tiny_moe_checkpoints, monkeypatch):
+    """The fused kernel in Triton's interpreter through the whole engine (prefill and decode)."""
+    from kernels import fused_moe
+    from pd_serve import Engine, SamplingParams
+
+    model_dir = tiny_moe_checkpoints["qwen3_moe"]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (4, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1" if backend == "triton" else "0")
+        launches = fused_moe.triton_launches
+        engine = Engine(model_dir, device="cpu", max_total_tokens=512, moe_runner_backend=backend)
+        outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+        assert (fused_moe.triton_launches > launches) == (backend == "triton")
+    assert outs["triton"] == outs["torch"]
