@@ -54,16 +54,23 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Torch reference of the experts (shapes in the module docstring); [T, H] in x's dtype."""
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
+                  reduce: bool = True) -> torch.Tensor:
+    """Torch reference of the experts (shapes in the module docstring); [T, H] in x's dtype.
+
+    Expert parallelism: w13 / w2 hold experts [expert_offset, expert_offset + E) only; pairs
+    routed elsewhere add zero. reduce=False returns the weighted pairs, float32 [T, K, H], for
+    the ranks to sum before the sum over K (then any EP size rounds as one rank does)."""
     _check(x, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)  # [T*K]: pair p is token p // K's k-th choice
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync
-    pairs = x.new_empty(num_tokens * top_k, x.shape[1])  # [T*K, H]
+    num_experts = w13.shape[0]
+    local = topk_ids.reshape(-1) - expert_offset  # [T*K]: pair p is token p // K's k-th choice
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    order = local.argsort(stable=True)
+    counts = torch.bincount(local, minlength=num_experts + 1).tolist()  # host sync
+    pairs = x.new_zeros(num_tokens * top_k, x.shape[1])  # [T*K, H]
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):
         if count == 0:
             continue
         rows = order[start:start + count]
@@ -71,28 +78,35 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h = silu_and_mul_ref(F.linear(x[rows // top_k], w13[expert]))  # [n, I]
         pairs[rows] = F.linear(h, w2[expert])
     weighted = pairs.float() * topk_weights.reshape(-1, 1)  # [T*K, H] float32
-    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return _finish(weighted.view(num_tokens, top_k, -1), x.dtype, reduce)
+
+
+def _finish(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.Tensor:
+    """float32 [T, K, H] -> the sum over K in top-k order, rounded once (or as it is)."""
+    return weighted.sum(dim=1).to(dtype) if reduce else weighted
 
 
 # ----------------------------------------------------------------------------- Triton
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
+              reduce: bool = True) -> torch.Tensor:
     """The experts (shapes in the module docstring) by the fused Triton kernels where they run,
-    else `fused_moe_ref`. Returns [T, H] in x's dtype."""
+    else `fused_moe_ref` (expert_offset and reduce as there). Returns [T, H] in x's dtype."""
     _check(x, w13, w2, topk_weights, topk_ids)
     if not _kernels.runs_on(x):
-        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, reduce)
     global triton_launches
     gate_up_kernel, down_kernel = _kernels.load()
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     if num_tokens == 0:
-        return x.new_empty(0, hidden)
+        return _finish(x.new_zeros(0, top_k, hidden, dtype=torch.float32), x.dtype, reduce)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     block_m = 16 if num_tokens * top_k <= 4 * num_experts else 64
-    sorted_ids, block_experts, num_padded = moe_align(topk_ids, num_experts, block_m)
+    sorted_ids, block_experts, num_padded = moe_align(topk_ids - expert_offset, num_experts,
+                                                      block_m)
     num_pairs = num_tokens * top_k
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = x.new_empty(num_pairs, inter)  # [T*K, I]
@@ -101,37 +115,43 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     gate_up_kernel[grid](x, w13, h, sorted_ids, block_experts, num_padded, num_pairs, top_k,
                          hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          PRECISION=precision, num_warps=4)
-    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*K, H]
+    out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*K, H]
     grid = (block_experts.numel(), -(-hidden // block_n))
     down_kernel[grid](h, w2, out, topk_weights.float().contiguous(), sorted_ids, block_experts,
                       num_padded, num_pairs, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, PRECISION=precision, num_warps=4)
     triton_launches += 2
-    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return _finish(out.view(num_tokens, top_k, hidden), x.dtype, reduce)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, expert) pairs sorted by expert, each expert's run padded to block_m rows.
 
-    Pair p = t * K + k is token t's k-th expert. Returns sorted_ids int32 [P] (pair ids in
-    expert order, stable, so a token's pairs keep token order; padding rows hold T*K),
+    Pair p = t * K + k is token t's k-th expert; ids outside [0, E) (another rank's experts)
+    are left out. Returns sorted_ids int32 [P] (pair ids in expert order, stable, so an
+    expert's pairs keep token order; padding rows hold T*K),
     block_experts int32 [P / block_m] (the expert of each block of rows; blocks past the used
     length hold the last expert) and num_padded int32 [1] (rows used). P = T*K + min(E, T*K) *
     (block_m - 1), rounded up to block_m: the most any routing can use. Torch ops only, no
     host sync."""
     flat = topk_ids.reshape(-1).long()  # [T*K]
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: elsewhere
     num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
     padded_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)  # pairs by expert
+    order = flat.argsort(stable=True)  # pairs by expert, those elsewhere last
     expert_of = flat[order]
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
     size = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
-    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids[(padded_end - padded)[expert_of] + rank] = order.to(torch.int32)
+    sorted_ids = torch.full((size + 1,), num_pairs, dtype=torch.int32, device=device)
+    dest = torch.where(expert_of < num_experts, (padded_end - padded)[expert_of] + rank, size)
+    sorted_ids[dest] = order.to(torch.int32)
+    sorted_ids = sorted_ids[:size]  # slot `size` took the pairs elsewhere
+    padded_end = padded_end[:num_experts]
     block_starts = torch.arange(0, size, block_m, device=device)
     block_experts = torch.searchsorted(padded_end, block_starts, right=True)
     block_experts = block_experts.clamp_(max=num_experts - 1).to(torch.int32)

@@ -42,12 +42,19 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.backend = "torch"  # set_moe_backend
+        # Expert parallelism (model/parallel.py): the group whose ranks hold the other experts,
+        # and the first expert this one holds.
+        self.ep = None
+        self.expert_offset = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                  topk_weights, topk_ids)
+                                  topk_weights, topk_ids, self.expert_offset,
+                                  reduce=self.ep is None)
+        if self.ep is not None:  # every rank's pairs [T, K, H], then the sum over K
+            out = self.ep.all_reduce(out).sum(dim=1).to(x.dtype)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -81,3 +81,18 @@ def test_moe_align_sorts_and_pads_by_expert(block_m):
         assert (rows.diff() > 0).all()  # stable: token order inside an expert
     counts = torch.bincount(flat, minlength=num_experts)
     assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+@needs_triton
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("fn", ["fused_moe", "fused_moe_ref"])
+def test_expert_slices_sum_to_the_whole(device, dtype, fn):
+    """Expert parallelism: two ranks' unreduced pairs (experts 0-3 and 4-7), summed, then
+    reduced over K, are bit for bit the one-rank result."""
+    run = getattr(fm, fn)
+    x, w13, w2, weights, ids = _inputs((9, 64, 32, 8, 3), device, dtype, seed=2)
+    halves = [run(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, ids,
+                  expert_offset=r * 4, reduce=False) for r in range(2)]
+    assert halves[0].dtype == torch.float32 and halves[0].shape == (9, 3, 64)
+    whole = run(x, w13, w2, weights, ids)
+    assert torch.equal((halves[0] + halves[1]).sum(dim=1).to(dtype), whole)
