@@ -10,6 +10,9 @@ them from per-expert checkpoint tensors).
 
 `backend` is `--moe-runner-backend`: "triton" (kernels/fused_moe.py's fused kernel; no host
 sync, so CUDA graphs capture it) or "torch" (its reference, a loop over the experts hit).
+Under expert parallelism (`--ep-size`, model/parallel.py) a block holds a slice of the experts
+from `expert_offset`; the ranks all-reduce their weighted (token, expert) pairs before the sum
+over the top k, so the result rounds as on one rank.
 """
 
 from __future__ import annotations
