@@ -96,3 +96,21 @@ def test_expert_slices_sum_to_the_whole(device, dtype, fn):
     assert halves[0].dtype == torch.float32 and halves[0].shape == (9, 3, 64)
     whole = run(x, w13, w2, weights, ids)
     assert torch.equal((halves[0] + halves[1]).sum(dim=1).to(dtype), whole)
+
+
+@needs_cuda
+@pytest.mark.parametrize("device", ["cuda"])
+def test_fused_moe_replays_in_a_cuda_graph(device):
+    """No host sync: captured once, replayed on new inputs and new routing, it follows them."""
+    x, w13, w2, weights, ids = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=3)
+    fm.fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, w13, w2, weights, ids)
+    x2, _, _, weights2, ids2 = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=4)
+    x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, fm.fused_moe_ref(x, w13, w2, weights, ids),
+                               rtol=TOLERANCE[torch.bfloat16][0], atol=TOLERANCE[torch.bfloat16][1])
