@@ -141,7 +141,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # (an in-place kernel: capturable in a CUDA graph)
     padded_end = padded.cumsum(0)
     order = flat.argsort(stable=True)  # pairs by expert, those elsewhere last
     expert_of = flat[order]
