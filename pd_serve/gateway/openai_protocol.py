@@ -3,6 +3,9 @@
 Parsing knows the tokenizer (prompts become token ids here) and the served model's name and
 context length, nothing about where tokens come from. Field names and defaults follow the
 OpenAI API, with vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...).
+Structured outputs: OpenAI's response_format (json_object, json_schema), vLLM's guided_json /
+guided_regex / guided_grammar and SGLang's regex / ebnf become one SamplingParams.grammar,
+checked here (a schema, regex or grammar that does not parse is a 400).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.engine.grammar import canonical_json, check_grammar
+from pd_serve.engine.sampling_params import Grammar, SamplingParams
 from pd_serve.model.tokenizer import Tokenizer
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -38,11 +42,12 @@ _COMMON_FIELDS = frozenset((
     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs", "priority",
     "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-    "safety_identifier"))
+    "safety_identifier", "response_format", "guided_json", "guided_regex", "guided_grammar",
+    "regex", "ebnf"))
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens"}
 # Unimplemented fields, with the values that ask for nothing beyond plain text.
-_OFF_VALUES = {"response_format": [{"type": "text"}], "tools": [[]], "functions": [[]],
+_OFF_VALUES = {"tools": [[]], "functions": [[]],
                "tool_choice": ["none"], "function_call": ["none"], "suffix": [""]}
 
 
@@ -270,6 +275,7 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
         raise ApiError(f"stop_token_ids: {bad} is out of range (a 64-bit integer)", "stop_token_ids")
     kwargs["stop_token_ids"] = stop_ids
     kwargs["logit_bias"] = _logit_bias(body, vocab_size)
+    kwargs["grammar"] = _grammar(body)
     try:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except ValueError as e:
@@ -297,6 +303,69 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
                            "logit_bias")
         out[token] = float(value)
     return out
+
+
+# Body fields that constrain the output with a grammar: the Grammar kind each gives.
+_GRAMMAR_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "regex": "regex",
+                   "guided_grammar": "ebnf", "ebnf": "ebnf"}
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """The one grammar the body asks for (response_format or a vLLM / SGLang field), checked."""
+    asked = [(name, g) for name in ("response_format", *_GRAMMAR_FIELDS)
+             if body.get(name) is not None and (g := _grammar_field(body, name)) is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(f"{' and '.join(n for n, _ in asked)} each constrain the output; give one",
+                       asked[1][0])
+    name, grammar = asked[0]
+    try:
+        check_grammar(grammar)
+    except ValueError as e:
+        raise ApiError(f"{name}: {e}", name) from None
+    return grammar
+
+
+def _grammar_field(body: dict, name: str) -> Grammar | None:
+    value = body[name]
+    if name == "response_format":
+        return _response_format(value)
+    kind = _GRAMMAR_FIELDS[name]
+    if kind == "json_schema":
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ApiError(f"guided_json is not valid JSON: {e}", name) from None
+        if not isinstance(value, dict):
+            raise ApiError(f"'{name}' must be a JSON schema object, got {_json_type(value)}", name)
+        return Grammar(kind, canonical_json(value))
+    if not isinstance(value, str) or not value:
+        raise ApiError(f"'{name}' must be a non-empty string, got {_json_type(value)}", name)
+    return Grammar(kind, value)
+
+
+def _response_format(value) -> Grammar | None:
+    """OpenAI's response_format: text (no grammar), json_object, or json_schema with a schema."""
+    param = "response_format"
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json_object", "")
+    if kind != "json_schema":
+        raise ApiError(f"response_format.type must be text, json_object or json_schema, got "
+                       f"{kind!r}", param)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError("response_format.json_schema must be an object with the 'schema'",
+                       f"{param}.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ApiError(f"response_format.json_schema.schema must be a JSON schema object, got "
+                       f"{_json_type(schema)}", f"{param}.json_schema.schema")
+    return Grammar("json_schema", canonical_json(schema))
 
 
 def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
