@@ -37,7 +37,7 @@ def check_grammar(grammar: Grammar) -> None:
     import xgrammar as xgr
     try:
         if grammar.kind == "json_schema":
-            xgr.Grammar.from_json_schema(grammar.spec, **_JSON_OPTIONS)
+            xgr.Grammar.from_json_schema(_schema_text(grammar.spec), **_JSON_OPTIONS)
         elif grammar.kind == "regex":
             xgr.Grammar.from_regex(grammar.spec)
         elif grammar.kind == "ebnf":
@@ -77,7 +77,7 @@ class GrammarCompiler:
     def _compile(self, grammar: Grammar):
         c = self._compiler
         if grammar.kind == "json_schema":
-            return c.compile_json_schema(grammar.spec, **_JSON_OPTIONS)
+            return c.compile_json_schema(_schema_text(grammar.spec), **_JSON_OPTIONS)
         if grammar.kind == "json_object":  # any object: a schema that names no properties
             return c.compile_json_schema('{"type": "object"}', strict_mode=False, **_JSON_OPTIONS)
         if grammar.kind == "regex":
@@ -126,6 +126,40 @@ def apply_grammars(logits: torch.Tensor, requests) -> None:
     if logits.device.type == "cuda":
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+# A JSON string's characters that need no escape, as a regex class: not '"', '\\' or U+0000-U+001F.
+_PLAIN_CHAR = '[^"\\\\\\x00-\\x1f]'
+
+
+def _schema_text(spec: str) -> str:
+    """The schema xgrammar compiles: xgrammar 0.2.9 turns a string's minLength / maxLength into
+    that many characters of a class that lets control characters through (the output is then
+    not JSON), so such a string gets a pattern with the same bounds over the characters JSON
+    allows unescaped instead."""
+    if "Length" not in spec:
+        return spec
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        return spec  # xgrammar says what is wrong with it
+    _bound_strings(schema)
+    return json.dumps(schema)
+
+
+def _bound_strings(node) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _bound_strings(item)
+    if not isinstance(node, dict):
+        return
+    low, high = node.get("minLength", 0), node.get("maxLength", "")
+    if node.get("type") == "string" and ("minLength" in node or "maxLength" in node) \
+            and "pattern" not in node and "format" not in node \
+            and isinstance(low, int) and isinstance(high, (int, str)):
+        node["pattern"] = f"^{_PLAIN_CHAR}{{{low},{high}}}$"
+    for value in node.values():
+        _bound_strings(value)
 
 
 def _first_line(error: Exception) -> str:

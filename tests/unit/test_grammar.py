@@ -156,3 +156,12 @@ def test_bad_grammar_fields_are_400_naming_them(tokenizer, fields, param, messag
     with pytest.raises(ApiError, match=message) as e:
         chat(tokenizer, **fields)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_bounded_strings_stay_json(compiler):
+    """A string's maxLength gives no control characters (xgrammar 0.2.9 lets them through: the
+    executor compiles such strings as a pattern with the same bounds)."""
+    for text, ok in [('{"name": "ab\x01', False), ('{"name": "ab\\"', False),
+                     ('{"name": "abcdefg', False), ('{"name": "abcdef", "n": 1, "ok": true}', True)]:
+        state = compiler.matcher(JSON_GRAMMAR)
+        assert state.matcher.accept_string(text) == ok, text
