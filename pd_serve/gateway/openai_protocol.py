@@ -136,6 +136,7 @@ class ParsedRequest:
 
     prompts: one prompt's token ids, or a /v1/completions batch's. Each prompt gets n choices.
     logprobs: None, or N top alternatives per token (chat's top_logprobs, completions' logprobs).
+    echo_texts: completions' echo: each prompt's text, put in front of its choices' text.
     """
 
     prompts: list[list[int]]
@@ -145,6 +146,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None
     priority: int
+    echo_texts: list[str] | None = None
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, in the response's order (choice index prompt * n + i).
@@ -166,8 +168,7 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     if "prompt" not in body:
         raise ApiError("'prompt' is a required field", "prompt")
     prompts = _prompts(body["prompt"], model.tokenizer)
-    if _opt(body, "echo", bool):
-        raise ApiError("echo=true is not supported", "echo")
+    echo = _opt(body, "echo", bool) or False
     best_of = _opt(body, "best_of", int)
     if best_of is not None and best_of != 1:
         raise ApiError("best_of > 1 is not supported (one sequence per request)", "best_of")
@@ -178,7 +179,14 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
                               logprobs, {"logprobs": "logprobs"}, model.tokenizer.vocab_size)
     for ids in prompts:
         _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
-    return _parsed(body, prompts, params, logprobs)
+    parsed = _parsed(body, prompts, params, logprobs)
+    if echo:
+        if logprobs is not None:  # they would need the prompt's logprobs, which are not computed
+            raise ApiError("echo=true with logprobs is not supported", "echo")
+        texts = body["prompt"] if _is_batch(body["prompt"]) else [body["prompt"]]
+        parsed.echo_texts = [t if isinstance(t, str) else model.tokenizer.decode(ids)
+                             for t, ids in zip(texts, prompts)]
+    return parsed
 
 
 def parse_chat(body, model: ModelInfo) -> ParsedRequest:
@@ -383,11 +391,15 @@ def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
 
 def _prompts(prompt, tokenizer: Tokenizer) -> list[list[int]]:
     """A string or a list of token ids (one prompt), or a list of those (a batch)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if _is_batch(prompt):
         if len(prompt) > MAX_CHOICES:
             raise ApiError(f"{len(prompt)} prompts; at most {MAX_CHOICES} per request", "prompt")
         return [_prompt_token_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
     return [_prompt_token_ids(prompt, tokenizer, "prompt")]
+
+
+def _is_batch(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
 
 def _prompt_token_ids(prompt, tokenizer: Tokenizer, where: str) -> list[int]:
