@@ -95,9 +95,9 @@ class GrammarState:
     def accept(self, output_token_ids: list[int]) -> None:
         """Advance over the output tokens not taken yet (the list is every output token so far)."""
         for token in output_token_ids[self.num_accepted:]:
-            # Refused only after the grammar has ended (a stop token under ignore_eos): the rest
-            # of the output is then unconstrained.
-            if not self.matcher.accept_token(token) and not self.matcher.is_terminated():
+            # After the grammar has ended (its stop token sampled under ignore_eos) the rest of
+            # the output is unconstrained.
+            if self.active and not self.matcher.accept_token(token):
                 logger.warning("grammar refused token %d after %d output tokens", token,
                                self.num_accepted)
             self.num_accepted += 1
