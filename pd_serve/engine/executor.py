@@ -87,6 +87,7 @@ class Executor:
         self.requests: dict[str, CachedRequest] = {}
         self.model_dir, self.samples = model_dir, samples
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar
+        self._num_grammar_requests = 0  # cached requests with a matcher: 0, no grammar work
         self._build(model_dir, max_model_len, samples)
 
     def _build(self, model_dir: Path, max_model_len: int, samples: bool) -> None:
@@ -139,7 +140,9 @@ class Executor:
     def update(self, plan: StepPlan) -> None:
         """Apply what the plan says changed (its docstring gives the order)."""
         for request_id in plan.finished_ids:
-            self.requests.pop(request_id, None)
+            cached = self.requests.pop(request_id, None)
+            if cached is not None and cached.grammar is not None:
+                self._num_grammar_requests -= 1
         for request_id in plan.preempted_ids:
             if request_id in self.requests:
                 self.requests[request_id].page_ids = []
@@ -148,6 +151,7 @@ class Executor:
             if cached.sampling_params.grammar is not None and self.samples:
                 cached.grammar = self.grammars().matcher(cached.sampling_params.grammar)
                 cached.grammar.accept(cached.output_token_ids)  # sampled elsewhere: replayed
+                self._num_grammar_requests += 1
         for diff in plan.request_diffs:
             cached = self.requests[diff.request_id]
             cached.token_ids.extend(diff.new_token_ids)
@@ -171,7 +175,7 @@ class Executor:
         this plan's pending tokens are. on_layer(kv_sends, layer), for a plan with KV sends, is
         called as the forward finishes each layer (prefill's layer-wise KV send)."""
         self.update(plan)
-        if prev is not None:
+        if prev is not None and self._num_grammar_requests:
             self._accept_pending(plan, prev)
         pending = self.runner.launch(self._batch(plan), _after_layer(plan, on_layer),
                                      prev_tokens=prev.tokens if prev is not None else None)
