@@ -13,10 +13,11 @@ the executor recorded when it launched the step. The plans bring it once it is k
 
 Structured outputs (engine/grammar.py): the sampling rank keeps a grammar matcher per request
 that has a grammar, advanced over its output tokens as the plans bring them. A grammar row
-whose previous token is still in flight cannot be masked before that token is known: such a
-step waits for the step before it (its tokens copied to the host) and advances the matcher
-over the pending token first. This gives up the overlap for steps with grammar rows only, the
-simplest choice that is correct; steps without them never wait.
+whose input token is still in flight cannot be masked before that token is known: its matcher
+is told where the token is (`GrammarState.defer`), and the sampler, once this step's forward
+is queued behind the step in flight, waits for that step's tokens and takes the token before
+it fills the mask. So the device does not idle: only the host waits, and only in steps with
+grammar rows; steps without them never wait.
 """
 
 from __future__ import annotations
@@ -187,14 +188,13 @@ class Executor:
         return pending
 
     def _accept_pending(self, plan: StepPlan, prev: PendingSample) -> None:
-        """Advance the grammar rows whose input token is still in flight over it: wait for the
-        step before (module docstring). Nothing happens, no wait, without grammar rows."""
+        """Tell the grammar rows whose input token is still in flight where it is (module
+        docstring): the sampler takes it before it masks."""
         for chunk in plan.chunks:
             cached = self.requests[chunk.request_id]
             if chunk.sample and cached.grammar is not None \
                     and chunk.start + chunk.num_tokens > len(cached.token_ids):
-                token = prev.result().token_ids[cached.pending_row]
-                cached.grammar.accept(cached.output_token_ids + [token])
+                cached.grammar.defer(prev, cached.pending_row)
 
     def execute(self, plan: StepPlan, on_layer=None) -> StepResult:
         """Run the plan and wait for its tokens (the synchronous schedule)."""

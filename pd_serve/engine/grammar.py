@@ -13,8 +13,10 @@ grammar request: a worker that serves none never loads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -86,21 +88,38 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's matcher, and how many of its output tokens it has taken."""
+    """One request's matcher, how many of its output tokens it has taken, and where its next
+    token is while that is still on the device (overlap schedule: `defer`)."""
 
     def __init__(self, matcher):
         self.matcher = matcher
         self.num_accepted = 0
+        self._pending = None  # (PendingSample, row) of the newest output token, not known yet
 
     def accept(self, output_token_ids: list[int]) -> None:
         """Advance over the output tokens not taken yet (the list is every output token so far)."""
+        self.catch_up()  # a deferred token first: it is among them
         for token in output_token_ids[self.num_accepted:]:
-            # After the grammar has ended (its stop token sampled under ignore_eos) the rest of
-            # the output is unconstrained.
-            if self.active and not self.matcher.accept_token(token):
-                logger.warning("grammar refused token %d after %d output tokens", token,
-                               self.num_accepted)
-            self.num_accepted += 1
+            self._take(token)
+
+    def defer(self, sample, row: int) -> None:
+        """The next output token is row `row` of `sample` (a PendingSample): taken, with a
+        wait for it, by catch_up(), just before the mask is needed."""
+        self._pending = (sample, row)
+
+    def catch_up(self) -> None:
+        if self._pending is not None:
+            sample, row = self._pending
+            self._pending = None
+            self._take(sample.result().token_ids[row])
+
+    def _take(self, token: int) -> None:
+        # After the grammar has ended (its stop token sampled under ignore_eos) the rest of the
+        # output is unconstrained.
+        if self.active and not self.matcher.accept_token(token):
+            logger.warning("grammar refused token %d after %d output tokens", token,
+                           self.num_accepted)
+        self.num_accepted += 1
 
     @property
     def active(self) -> bool:
@@ -114,15 +133,19 @@ def needs_grammar(requests) -> bool:
 
 def apply_grammars(logits: torch.Tensor, requests) -> None:
     """Set to -inf, in place, the logits [B, V] (float32) of the tokens each row's grammar
-    forbids next. The bitmask is filled on the host and applied on the logits' device."""
+    forbids next. Deferred tokens are taken first (a wait for the step before, whose samples
+    are queued ahead of this step's forward). The bitmask is filled on the host, rows in
+    parallel threads, and applied on the logits' device."""
     import xgrammar as xgr
-    rows = [i for i, r in enumerate(requests)
-            if getattr(r, "grammar", None) is not None and r.grammar.active]
+    states = [getattr(r, "grammar", None) for r in requests]
+    for state in states:
+        if state is not None:
+            state.catch_up()
+    rows = [i for i, state in enumerate(states) if state is not None and state.active]
     if not rows:
         return
     bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[1])  # [B, ceil(V / 32)] int32
-    for i in rows:
-        requests[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
+    _batch_matcher().batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
     if logits.device.type == "cuda":
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
@@ -157,9 +180,18 @@ def _bound_strings(node) -> None:
     if node.get("type") == "string" and ("minLength" in node or "maxLength" in node) \
             and "pattern" not in node and "format" not in node \
             and isinstance(low, int) and isinstance(high, (int, str)):
-        node["pattern"] = f"^{_PLAIN_CHAR}{{{low},{high}}}$"
+        node["pattern"] = f"^{_PLAIN_CHAR}{{{low},{high}}}$"  # the bounds move into it
+        node.pop("minLength", None)
+        node.pop("maxLength", None)
     for value in node.values():
         _bound_strings(value)
+
+
+@functools.cache
+def _batch_matcher():
+    """xgrammar's thread pool that fills many rows' bitmasks at once."""
+    import xgrammar as xgr
+    return xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
 
 
 def _first_line(error: Exception) -> str:
