@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pd_serve.cache.pool import pages_for
 from pd_serve.engine.attention.base import AttentionMetadata
 from pd_serve.engine.core import EngineCore
 
@@ -87,7 +88,7 @@ def score_tokens(core: EngineCore, token_ids: list[int], chunk_size: int = 512) 
     if num_tokens > core.max_model_len:
         raise ValueError(f"{num_tokens} tokens exceed the context length {core.max_model_len}")
     page_size = core.kv_pool.layout.page_size
-    page_ids = core.allocator.allocate(-(-num_tokens // page_size))
+    page_ids = core.allocator.allocate(pages_for(num_tokens, page_size))
     if page_ids is None:
         raise ValueError(f"{num_tokens} tokens do not fit in the free KV pages; raise "
                          "--max-total-tokens")

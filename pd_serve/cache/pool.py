@@ -7,6 +7,11 @@ from dataclasses import dataclass
 import torch
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold num_tokens tokens."""
+    return -(-num_tokens // page_size)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Everything two workers must agree on before one writes KV pages into the other's pool."""

@@ -67,8 +67,8 @@ class EngineCore:
         self.device, self.dtype, self.model, self.model_config = ex.device, ex.dtype, ex.model, ex.model_config
         self.kv_pool, self.runner, self.attention_backend = ex.kv_pool, ex.runner, ex.attention_backend
         self.allocator = PageAllocator(self.kv_pool.num_pages)
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.kv_pool.layout.page_size)
-        self.scheduler.max_model_len = self.max_model_len
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.kv_pool.layout.page_size,
+                                   self.max_model_len)
         self.plans = PlanBuilder()
         # PD_SERVE_OVERLAP_CPU=1 turns it on for CPU too (where nothing runs asynchronously): for
         # tests of its bookkeeping in real workers.
@@ -157,6 +157,19 @@ class EngineCore:
         if plan is None:  # nothing launched: what scheduling ended is reported now
             return _merged(done, out), done[1] if done else []
         return done or (SchedulerOutput(), [])
+
+    def apply_stops(self, requests: list[Request], stop_reason=None) -> list[tuple[Request, FinishReason | None]]:
+        """The stop rules on each request's newest token; the requests it ends are finished
+        (their pages freed). stop_reason(request) says why the token ends it; by default
+        token_stop_reason (EOS, stop ids, max_tokens, context); the Engine adds stop strings."""
+        ended = []
+        for request in requests:
+            reason = (stop_reason(request) if stop_reason is not None
+                      else token_stop_reason(request, self.eos_token_ids, self.max_model_len))
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+            ended.append((request, reason))
+        return ended
 
     def _execute(self, plan: StepPlan, on_layer) -> StepResult:
         """Run a plan on every rank (rank 0 sends it to the followers first) and wait for it."""

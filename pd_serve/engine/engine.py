@@ -23,20 +23,18 @@ class Engine(EngineCore):
     """Continuous-batching engine over a paged KV cache, with text in and out. Not thread-safe:
     see AsyncEngine."""
 
-    def __init__(self, model: str | Path | None = None, **options):
+    def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
+                 **options):
         """model: a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct). options:
         any engine flag by its CLI name with underscores (device="cpu", max_total_tokens=4096,
-        attention_backend="triton", ...); see EngineConfig, CacheConfig, SchedulerConfig."""
-        EngineCore.__init__(self, EngineConfig.from_flat(model=None if model is None else str(model),
-                                                         **options))
+        attention_backend="triton", ...); see EngineConfig, CacheConfig, SchedulerConfig.
+        config: a whole EngineConfig instead of model and options."""
+        if config is None:
+            config = EngineConfig.from_flat(model=None if model is None else str(model), **options)
+        elif model is not None or options:
+            raise TypeError("Engine: pass either config or model and options, not both")
+        super().__init__(config)
         self._trackers: dict[str, OutputTracker] = {}
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "Engine":
-        engine = cls.__new__(cls)
-        EngineCore.__init__(engine, config)
-        engine._trackers = {}
-        return engine
 
     # ---- request API ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -102,10 +100,7 @@ class Engine(EngineCore):
 
     # ---- internals --------------------------------------------------------------------
     def _postprocess(self, plan, sampled: list[Request]) -> list[RequestOutput]:
-        for request in sampled:
-            reason = self._trackers[request.request_id].on_token(request.output_token_ids[-1])
-            if reason is not None:
-                self.scheduler.finish(request, reason)
+        self.apply_stops(sampled, lambda r: self._trackers[r.request_id].on_token(r.output_token_ids[-1]))
         outputs = [self._trackers[r.request_id].make_output() for r in sampled + plan.finished]
         for out in outputs:
             if out.finished:

@@ -7,8 +7,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pd_serve.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -45,8 +43,8 @@ class Request:
 
     Under the overlap schedule a sampled token can still be on the device when the next step is
     planned: num_pending counts it into num_tokens (1; 2 between launching a step and settling
-    the one before), and pending_row says which row of the newest step holds it.
-    output_token_ids holds known tokens only.
+    the one before); output_token_ids holds known tokens only. (Where the device finds a pending
+    token is the executor's business: engine/executor.py.)
     """
 
     prompt_token_ids: list[int]
@@ -61,13 +59,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
     num_pending: int = 0
-    pending_row: int = -1
-
-    def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,15 +73,6 @@ class Request:
     @property
     def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_at(self, pos: int) -> int:
-        """The token id at position pos; a pending one is -(1 + its row in the step in flight)."""
-        n = len(self.prompt_token_ids)
-        if pos < n:
-            return self.prompt_token_ids[pos]
-        if pos - n < len(self.output_token_ids):
-            return self.output_token_ids[pos - n]
-        return -1 - self.pending_row
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pd_serve.cache.allocator import PageAllocator
+from pd_serve.cache.pool import pages_for
 from pd_serve.config import SchedulerConfig
 from pd_serve.engine.plan import NewRequest, RequestDiff, StepChunk, StepPlan, sampling_to_wire
 from pd_serve.engine.request import FinishReason, Request, RequestStatus
@@ -45,13 +46,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
+                 max_model_len: int = 1 << 62):
+        """max_model_len: the context length (a request at it gets no more steps)."""
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
+        self.max_model_len = max_model_len
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.max_model_len = 1 << 62  # the engine sets the context length
         self._num_launched = 0  # steps handed to the device
         self._num_completed = 0  # of those, the ones known to be done
         self._deferred: list[tuple[int, list[int]]] = []  # (steps launched then, pages)
@@ -59,6 +62,20 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def get(self, request_id: str) -> Request | None:
+        """The running or waiting request of that id."""
+        return next((r for r in self.running + self.waiting if r.request_id == request_id), None)
+
+    def request_ids(self) -> set[str]:
+        return {r.request_id for r in self.running + self.waiting}
+
+    def abort(self, request_id: str) -> bool:
+        """End a running or waiting request (its pages are freed); False if there is none."""
+        request = self.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORT)
+        return request is not None
 
     def has_unfinished(self) -> bool:
         """Requests to run, or pages still waiting for a step in flight (step again to settle)."""
@@ -76,16 +93,31 @@ class Scheduler:
             self.allocator.free(pages)
         self._deferred = [d for d in self._deferred if d[0] > step]
 
+    def reserve_prompt(self, request: Request) -> bool:
+        """Give a request that is in no table pages for its whole prompt, whose KV will come
+        from elsewhere (decode); False when the pool has no room. The caller owns the pages
+        until add_running() or release()."""
+        page_ids = self.allocator.allocate(pages_for(request.num_prompt_tokens, self.page_size))
+        if page_ids is None:
+            return False
+        request.page_ids = page_ids
+        return True
+
     def add_running(self, request: Request) -> None:
-        """Admit a request whose KV is already in its pages (decode after a transfer)."""
+        """Admit a request whose prompt's KV is already in its pages (decode after a transfer)."""
+        request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
     def detach(self, request: Request) -> None:
-        """Take a running request out but keep its pages: the caller now owns and frees them
-        (prefill, while the pages are being sent)."""
+        """Take a running request out but keep its pages: the caller now owns them and hands
+        them back with release() (prefill, while the pages are being sent)."""
         self.running.remove(request)
         request.status = RequestStatus.FINISHED
+
+    def release(self, request: Request) -> None:
+        """Free the pages of a request in no table (detached, or reserved and never started)."""
+        self._release(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request from any state; its pages are freed exactly once."""
@@ -133,9 +165,8 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int] | None) -> None:
         """Advance the requests of a step; sampled ids come in order of sampling chunks. None:
-        the step is in flight, its tokens become pending (row i of the step's samples)."""
+        the step is in flight, its tokens become pending."""
         tokens = iter(sampled_token_ids or ())
-        row = 0
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_tokens
@@ -143,8 +174,6 @@ class Scheduler:
                 continue
             if sampled_token_ids is None:
                 request.num_pending += 1  # the step before's may still be pending too, briefly
-                request.pending_row = row
-                row += 1
             else:
                 request.output_token_ids.append(next(tokens))
 
@@ -170,7 +199,7 @@ class Scheduler:
         return ScheduledChunk(request, start, num, sample=start + num == request.num_tokens)
 
     def _pages_needed(self, request: Request, num: int) -> int:
-        total = -(-(request.num_computed_tokens + num) // self.page_size)
+        total = pages_for(request.num_computed_tokens + num, self.page_size)
         return max(0, total - len(request.page_ids))
 
     def _reserve(self, request: Request, num: int) -> bool:

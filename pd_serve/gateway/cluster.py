@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from pd_serve import protocol
+from pd_serve.cache.pool import pages_for
 from pd_serve.config import GatewayConfig
 from pd_serve.gateway.metrics import GatewayMetrics, RequestTimer
 from pd_serve.gateway.router import Router, WorkerState, pair_error, status_error
@@ -258,7 +259,7 @@ class Cluster(TokenSource):
             pools = [w.status for w in self.pool(role) if w.status.layout]
             if not pools:
                 raise ClusterError(f"no {role} worker is registered", 503, self.config.worker_timeout_s)
-            need = max(-(-(len(spec.prompt_token_ids) + 1) // s.layout["page_size"]) for s in pools)
+            need = max(pages_for(len(spec.prompt_token_ids) + 1, s.layout["page_size"]) for s in pools)
             most = max(s.num_pages for s in pools)
             if need > most:
                 raise ClusterError(f"the prompt ({len(spec.prompt_token_ids)} tokens) needs {need} KV "

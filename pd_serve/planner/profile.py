@@ -39,6 +39,7 @@ import logging
 import os
 import time
 
+from pd_serve.cache.pool import pages_for
 from pd_serve.config import engine_config_from_args
 from pd_serve.planner.provenance import device_name, git_commit, write_json
 
@@ -131,7 +132,7 @@ def measure(args: argparse.Namespace) -> dict:
                          "--sustain-s >= 0")
     # Room for the largest grid point; the limits the profile is for are recorded as given.
     page = config.cache.page_size
-    decoding = lambda b, c: b * _pages(c + repeats + DECODE_SPARE, page) * page  # noqa: E731
+    decoding = lambda b, c: b * pages_for(c + repeats + DECODE_SPARE, page) * page  # noqa: E731
     need = max([decoding(max(batches), max(contexts)), max(tokens) + max(args.prefill_mixes) * page]
                + [decoding(b, c) + p + page for p, b, c in mixed])
     cache = config.cache if config.cache.max_total_tokens else \
@@ -336,7 +337,7 @@ class _Timer:
         token 1 out, pages for the steps to come reserved."""
         request = _request(context)
         page = self.core.kv_pool.layout.page_size
-        page_ids = self.core.allocator.allocate(_pages(context + self.repeats + DECODE_SPARE, page))
+        page_ids = self.core.allocator.allocate(pages_for(context + self.repeats + DECODE_SPARE, page))
         if page_ids is None:
             raise ValueError("the KV cache is too small for the decode grid; raise --max-total-tokens")
         request.page_ids = page_ids
@@ -418,7 +419,3 @@ def _powers(start: int, limit: int) -> list[int]:
     while values[-1] * 2 <= limit:
         values.append(values[-1] * 2)
     return values + ([limit] if values[-1] != limit and limit > start else [])
-
-
-def _pages(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)

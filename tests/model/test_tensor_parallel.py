@@ -1,8 +1,8 @@
 """Tensor-parallel shards (model/parallel.py) in real processes over gloo: greedy tokens and
 logits of TP 2 and TP 4 equal the unsharded model's, on a Llama and a Qwen3 tiny checkpoint.
 
-Every rank runs the same scheduler and runner on its own KV pool (its KV heads), as the ranks of
-a TP worker will; TP 4 on a model with 2 KV heads replicates each KV head on two ranks."""
+Every rank runs the same scheduler, plans and executor on its own KV pool (its KV heads), as
+the ranks of a TP worker do; TP 4 on a model with 2 KV heads replicates each KV head on two ranks."""
 
 from __future__ import annotations
 
@@ -13,41 +13,38 @@ import pytest
 import torch
 
 from pd_serve.cache.allocator import PageAllocator
-from pd_serve.cache.pool import KVLayout, KVPool
-from pd_serve.config import SchedulerConfig
-from pd_serve.engine.attention import create_backend
+from pd_serve.config import EngineConfig
+from pd_serve.engine.executor import Executor
 from pd_serve.engine.request import FinishReason, Request
-from pd_serve.engine.runner import ModelRunner
-from pd_serve.engine.sampler import Sampler
 from pd_serve.engine.sampling_params import SamplingParams
-from pd_serve.engine.scheduler import Scheduler
-from pd_serve.launch import free_port
+from pd_serve.engine.scheduler import PlanBuilder, Scheduler
 from pd_serve.model.loader import load_model
 from pd_serve.model.parallel import TPGroup, kv_heads_of, shard_config, shard_model
+from pd_serve.ports import free_port
 
 PAGE_SIZE, NUM_PAGES, STEPS = 4, 64, 12
 PROMPTS = [[5, 17, 300, 42, 9, 1000, 7], [88, 3, 4096], [12] * 11]
 
 
-def greedy(model) -> tuple[list[list[int]], list[torch.Tensor]]:
+def greedy(model_dir: str | Path, tp: TPGroup | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of PROMPTS batched together (chunked prefill of 8 tokens), and the logits of
-    every step, through the engine's scheduler and runner."""
-    cfg = model.config
-    pool = KVPool(KVLayout(cfg.num_layers, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, "float32"),
-                  NUM_PAGES, "cpu")
-    attn = create_backend("torch", pool, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5)
-    runner = ModelRunner(model, attn, Sampler(0), PAGE_SIZE)
-    scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=8), PageAllocator(NUM_PAGES), PAGE_SIZE)
+    every step, through the engine's scheduler, its plans and an executor (this rank's shard)."""
+    config = EngineConfig.from_flat(model=str(model_dir), device="cpu", dtype="float32",
+                                    attention_backend="torch", page_size=PAGE_SIZE,
+                                    max_total_tokens=NUM_PAGES * PAGE_SIZE, chunked_prefill_size=8)
+    executor = Executor(config, Path(model_dir), 1024, torch.device("cpu"), tp)
+    scheduler = Scheduler(config.scheduler, PageAllocator(NUM_PAGES), PAGE_SIZE)
+    plans = PlanBuilder()
     requests = [Request(p, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True))
                 for p in PROMPTS]
     for r in requests:
         scheduler.add(r)
     logits: list[torch.Tensor] = []
-    compute = model.compute_logits
-    model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
+    compute = executor.model.compute_logits
+    executor.model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
     while scheduler.has_unfinished():
-        plan = scheduler.schedule()
-        scheduler.update(plan, runner.execute(plan).token_ids)
+        out = scheduler.schedule()
+        scheduler.update(out, executor.execute(plans.build(out)).token_ids)
         for r in requests:
             if len(r.output_token_ids) >= STEPS and not r.finished:
                 scheduler.finish(r, FinishReason.LENGTH)
@@ -58,8 +55,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                          rank=rank, world_size=world)
     torch.set_num_threads(1)
-    model = shard_model(load_model(model_dir, torch.float32, "cpu"), TPGroup(rank, world))
-    torch.save(greedy(model), Path(out) / f"rank{rank}.pt")
+    torch.save(greedy(model_dir, TPGroup(rank, world)), Path(out) / f"rank{rank}.pt")
     # Every rank done before any tears down: rank 0 holds the group's TCP store, and leaving it
     # while another rank still talks to it aborted rank 0 once in CI (exit -6, "terminate
     # called without an active exception").
@@ -86,7 +82,7 @@ def run_tp(model_dir: Path, world: int, out: Path) -> list[tuple]:
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_shards_give_the_unsharded_tokens_and_logits(kind, tp, tiny_checkpoints, tmp_path):
-    want_tokens, want_logits = greedy(load_model(tiny_checkpoints[kind], torch.float32, "cpu"))
+    want_tokens, want_logits = greedy(tiny_checkpoints[kind])
     ranks = run_tp(tiny_checkpoints[kind], tp, tmp_path)
     for tokens, logits in ranks:  # every rank sampled the same tokens from the gathered logits
         assert tokens == want_tokens

@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from pd_serve.cache.pool import KVPool
+from pd_serve.cache.pool import KVPool, pages_for
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
 
@@ -96,7 +96,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         copies host indices into its buffer with a blocking copy, which would wait for the step
         in flight and undo the overlap schedule."""
         page_size = self.page_size
-        num_pages = [-(-n // page_size) for n in meta.seq_lens]
+        num_pages = [pages_for(n, page_size) for n in meta.seq_lens]
         indices: list[int] = []
         for pages, n in zip(meta.page_tables, num_pages):
             indices += pages[:n]

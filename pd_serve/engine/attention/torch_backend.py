@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kernels.kv_store import store_kv_ref
 from kernels.rope import apply_rope_ref_
+from pd_serve.cache.pool import pages_for
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 
 
@@ -39,7 +40,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.prefill_rows: list[_PrefillRow] = []
         start = 0
         for num_new, seq_len, pages in zip(meta.query_lens, meta.seq_lens, meta.page_tables):
-            num_pages = -(-seq_len // page_size)
+            num_pages = pages_for(seq_len, page_size)
             page_ids = torch.tensor(pages[:num_pages], dtype=torch.int64, device=device)
             slots = (page_ids[:, None] * page_size + offsets).flatten()[:seq_len]  # [L]
             if num_new == 1:

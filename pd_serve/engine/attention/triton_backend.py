@@ -22,7 +22,7 @@ import torch
 
 from kernels.paged_attention import (decode_num_splits, paged_decode_attention,
                                      paged_prefill_attention, prefill_blocks)
-from pd_serve.cache.pool import KVPool
+from pd_serve.cache.pool import KVPool, pages_for
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 
 
@@ -44,7 +44,7 @@ class TritonAttentionBackend(AttentionBackend):
         error."""
         indptr, indices, widest = [0], [], 0
         for pages, n in zip(meta.page_tables, meta.seq_lens):
-            used = -(-n // self.page_size)
+            used = pages_for(n, self.page_size)
             if max_pages is not None and used > max_pages:
                 raise ValueError(f"a row needs {used} pages; a graph row holds {max_pages}")
             indices += pages[:used]

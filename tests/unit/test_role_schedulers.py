@@ -1,0 +1,224 @@
+"""Each role's scheduler (role.py, prefill/scheduler.py, decode/scheduler.py) driven by hand,
+without processes or sockets: messages in, messages out, and every page back in the pool.
+
+The KV hand-off is a connector that records what it is asked to do; the P/D test copies the
+pages from the prefill engine's pool into the decode engine's itself, where the transfer layer
+would, and checks the tokens against the colocated role's."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_serve.config import EngineConfig
+from pd_serve.decode.scheduler import DecodeScheduler
+from pd_serve.engine.core import EngineCore
+from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.prefill.scheduler import PrefillScheduler
+from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, Generate, Prefill, PrefillDone,
+                               StartDecode, TokenBatch)
+from pd_serve.role import ColocatedScheduler
+from pd_serve.transfer.base import TransferResult
+from pd_serve.transfer.connector import KVConnector
+
+PAGE_SIZE = 16
+PROMPTS = [list(range(5, 5 + n)) for n in (7, 20, 33)]
+
+
+class RecordingConnector(KVConnector):
+    """Records the hand-off's calls; results are queued by the test."""
+
+    addresses = ["tcp://decode-rank-0"]
+
+    def __init__(self, num_layers: int):
+        self.last_layer = num_layers - 1
+        self.sent, self.expected, self.cancelled, self.results = [], {}, [], []
+
+    def routes(self, decode_tp: int) -> tuple:
+        return ()
+
+    def send_layers(self, sends, layer: int) -> None:
+        if layer == self.last_layer:
+            self.sent.extend(sends)
+
+    def expect(self, request_id: str, page_ids: list[int]) -> None:
+        self.expected[request_id] = list(page_ids)
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def poll(self) -> list[TransferResult]:
+        results, self.results = self.results, []
+        return results
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def cores(tiny_checkpoints) -> dict[str, EngineCore]:
+    def core(num_pages: int) -> EngineCore:
+        return EngineCore(EngineConfig.from_flat(
+            model=str(tiny_checkpoints["llama3"]), device="cpu", page_size=PAGE_SIZE,
+            max_total_tokens=num_pages * PAGE_SIZE, chunked_prefill_size=16))
+    return {"colocated": core(16), "prefill": core(16), "decode": core(16)}
+
+
+def greedy(max_tokens: int = 6) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def roles(cores):
+    """A fresh prefill and decode scheduler over the module's engines."""
+    prefill = PrefillScheduler(cores["prefill"], "p0", RecordingConnector(cores["prefill"].kv_pool.layout.num_layers))
+    decode = DecodeScheduler(cores["decode"], "d0", RecordingConnector(cores["decode"].kv_pool.layout.num_layers))
+    return prefill, decode
+
+
+def rows(messages) -> list:
+    return [row for m in messages if isinstance(m, TokenBatch) for row in m.items]
+
+
+def run_to_end(role, limit: int = 200) -> dict[str, list[int]]:
+    """Step until no work is left; each request's streamed tokens (rows must end each once)."""
+    tokens: dict[str, list[int]] = {}
+    ended = set()
+    for _ in range(limit):
+        if not role.has_work():
+            break
+        for row in rows(role.step()):
+            assert row.request_id not in ended
+            tokens.setdefault(row.request_id, []).extend(row.token_ids)
+            if row.finished:
+                ended.add(row.request_id)
+    assert not role.has_work()
+    return tokens
+
+
+def assert_all_pages_free(core: EngineCore) -> None:
+    assert core.allocator.num_free_pages == core.allocator.num_pages
+
+
+def colocated_tokens(cores) -> dict[str, list[int]]:
+    colocated = ColocatedScheduler(cores["colocated"], "c0")
+    for i, prompt in enumerate(PROMPTS):
+        assert colocated.handle(Generate(f"r{i}", prompt, greedy())) == []
+    tokens = run_to_end(colocated)
+    assert_all_pages_free(cores["colocated"])
+    return tokens
+
+
+def test_colocated_streams_every_token_once_and_frees_every_page(cores):
+    tokens = colocated_tokens(cores)
+    assert sorted(tokens) == ["r0", "r1", "r2"] and all(len(t) == 6 for t in tokens.values())
+
+
+def test_colocated_refuses_a_bad_prompt_and_aborts_free_pages(cores):
+    colocated = ColocatedScheduler(cores["colocated"], "c0")
+    [batch] = colocated.handle(Generate("bad", [], greedy()))
+    assert batch.items[0].finished and "empty" in batch.items[0].error
+    colocated.handle(Generate("a", PROMPTS[2], greedy(50)))
+    colocated.step()
+    assert colocated.held_request_ids() == {"a"}
+    assert colocated.handle(AbortRequest("a")) == []
+    assert colocated.held_request_ids() == set()
+    run_to_end(colocated)
+    assert_all_pages_free(cores["colocated"])
+
+
+def test_prefill_holds_pages_until_the_transfer_result(cores):
+    prefill, _ = roles(cores)
+    core, conn = cores["prefill"], prefill.connector
+    prompt = PROMPTS[1]  # 20 tokens, 2 pages, 2 chunks of 16
+    assert prefill.handle(Prefill("p", prompt, greedy(), conn.addresses, [7, 9])) == []
+    messages = []
+    while prefill.has_work():
+        messages += prefill.step()
+    assert messages == [] and [s.request_id for s in conn.sent] == ["p"]
+    assert conn.sent[0].dst_page_ids == [7, 9] and len(conn.sent[0].src_page_ids) == 2
+    assert prefill.held_request_ids() == {"p"} and core.allocator.num_used_pages == 2
+    [done] = prefill.on_transfer(TransferResult("p", ok=True, num_bytes=123, seconds=0.5))
+    assert isinstance(done, PrefillDone) and done.ok and done.first_token_id >= 0
+    assert done.timings["transfer_bytes"] == 123
+    assert prefill.held_request_ids() == set()
+    assert_all_pages_free(core)
+
+
+def test_prefill_refuses_and_aborts(cores):
+    prefill, _ = roles(cores)
+    core, conn = cores["prefill"], prefill.connector
+    [refused] = prefill.handle(Prefill("x", PROMPTS[1], greedy(), conn.addresses, [1]))
+    assert not refused.ok and "reserved 1 pages, the prompt needs 2" in refused.error
+    # aborted while waiting: gone at once
+    prefill.handle(Prefill("w", PROMPTS[0], greedy(), conn.addresses, [3]))
+    prefill.handle(AbortRequest("w"))
+    assert prefill.held_request_ids() == set() and not prefill.has_work()
+    # aborted while its KV is on its way: cancelled, pages kept until the result
+    prefill.handle(Prefill("s", PROMPTS[0], greedy(), conn.addresses, [3]))
+    prefill.step()
+    prefill.handle(AbortRequest("s"))
+    assert conn.cancelled == ["s"] and core.allocator.num_used_pages == 1
+    [done] = prefill.on_transfer(TransferResult("s", ok=False, error="cancelled"))
+    assert not done.ok
+    assert_all_pages_free(core)
+
+
+def test_decode_admission_limits(cores):
+    _, decode = roles(cores)
+    core = cores["decode"]
+    big = list(range(5, 5 + 15 * PAGE_SIZE))  # 15 of the 16 pages
+    ok = decode.handle(Admit("big", big, greedy()))[0]
+    assert isinstance(ok, AdmitReply) and ok.ok and len(ok.dst_page_ids) == 15
+    assert decode.connector.expected["big"] == ok.dst_page_ids
+    full = decode.handle(Admit("more", PROMPTS[2], greedy()))[0]
+    assert not full.ok and full.retryable and "KV cache full" in full.error
+    bad = decode.handle(Admit("bad", [core.model_config.vocab_size], greedy()))[0]
+    assert not bad.ok and not bad.retryable and "outside the vocabulary" in bad.error
+    decode.handle(AbortRequest("big"))
+    assert decode.connector.cancelled == ["big"] and decode.held_request_ids() == set()
+    assert_all_pages_free(core)
+
+
+def test_decode_failed_transfer_and_a_first_token_that_ends_the_request(cores):
+    _, decode = roles(cores)
+    core = cores["decode"]
+    decode.handle(Admit("f", PROMPTS[0], greedy()))
+    decode.connector.results.append(TransferResult("f", ok=False, error="peer died"))
+    [batch] = decode.on_transfer(decode.connector.poll()[0])
+    assert batch.items[0].finished and "KV transfer failed: peer died" in batch.items[0].error
+    # max_tokens=1: token 1 (from prefill) is the last; the request ends at its start
+    decode.handle(Admit("one", PROMPTS[0], greedy(max_tokens=1)))
+    assert decode.handle(StartDecode("one", 42)) == []  # its KV is not in yet
+    [batch] = decode.on_transfer(TransferResult("one", ok=True))
+    assert [(r.request_id, r.token_ids, r.finished, r.finish_reason) for r in batch.items] == \
+        [("one", [], True, "length")]
+    assert decode.held_request_ids() == set() and not decode.has_work()
+    assert_all_pages_free(core)
+
+
+def test_prefill_then_decode_equals_colocated(cores):
+    """The whole P/D hand-off in one process: the gateway's part (Admit, Prefill, StartDecode)
+    and the transfer's (page copies, results) done here."""
+    expected = colocated_tokens(cores)
+    prefill, decode = roles(cores)
+    p_pool, d_pool = cores["prefill"].kv_pool.buffer, cores["decode"].kv_pool.buffer
+    firsts: dict[str, int] = {}
+    for i, prompt in enumerate(PROMPTS):
+        [reply] = decode.handle(Admit(f"r{i}", prompt, greedy()))
+        assert reply.ok
+        prefill.handle(Prefill(f"r{i}", prompt, greedy(), reply.transfer_addresses, reply.dst_page_ids))
+    while prefill.has_work():
+        assert prefill.step() == []
+    for send in prefill.connector.sent:
+        d_pool[:, :, send.dst_page_ids] = p_pool[:, :, send.src_page_ids]
+        [done] = prefill.on_transfer(TransferResult(send.request_id, ok=True))
+        firsts[done.request_id] = done.first_token_id
+        assert decode.on_transfer(TransferResult(send.request_id, ok=True)) == []
+        assert decode.handle(StartDecode(done.request_id, done.first_token_id)) == []
+    assert_all_pages_free(cores["prefill"])
+    tokens = run_to_end(decode)
+    assert {i: [firsts[i]] + t for i, t in tokens.items()} == expected
+    assert_all_pages_free(cores["decode"])
