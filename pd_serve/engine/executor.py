@@ -10,6 +10,14 @@ all-gather needs every rank) and stop there.
 A token of the step still in flight (overlap schedule, engine/core.py) is not in the cache
 yet: the runner reads it on the device, from row `pending_row` of that step's samples, which
 the executor recorded when it launched the step. The plans bring it once it is known.
+
+Structured outputs (engine/grammar.py): the sampling rank keeps a grammar matcher per request
+that has a grammar, advanced over its output tokens as the plans bring them. A grammar row
+whose input token is still in flight cannot be masked before that token is known: its matcher
+is told where the token is (`GrammarState.defer`), and the sampler, once this step's forward
+is queued behind the step in flight, waits for that step's tokens and takes the token before
+it fills the mask. So the device does not idle: only the host waits, and only in steps with
+grammar rows; steps without them never wait.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
 from pd_serve.cache.pool import KVLayout, KVPool, pages_for
 from pd_serve.config import CacheConfig, EngineConfig
 from pd_serve.engine.attention import create_backend, resolve_backend_name
+from pd_serve.engine.grammar import GrammarCompiler, GrammarState
 from pd_serve.engine.plan import NewRequest, StepPlan, StepResult, sampling_from_wire
 from pd_serve.engine.runner import Batch, BatchChunk, ModelRunner
 from pd_serve.engine.sampler import PendingSample, Sampler, advance_generator
@@ -47,6 +56,7 @@ class CachedRequest:
         self.page_ids = list(new.page_ids)
         self.sampling_params = sampling_from_wire(new.sampling)
         self.pending_row = -1  # its row in the samples of the step in flight
+        self.grammar: GrammarState | None = None  # set by a sampling executor (structured output)
         seed = self.sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
         for _ in range(len(self.token_ids) - self.num_prompt_tokens):
@@ -77,6 +87,9 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, device.type)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.requests: dict[str, CachedRequest] = {}
+        self.model_dir, self.samples = model_dir, samples
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar
+        self._num_grammar_requests = 0  # cached requests with a matcher: 0, no grammar work
         self._build(model_dir, max_model_len, samples)
 
     def _build(self, model_dir: Path, max_model_len: int, samples: bool) -> None:
@@ -132,16 +145,33 @@ class Executor:
     def update(self, plan: StepPlan) -> None:
         """Apply what the plan says changed (its docstring gives the order)."""
         for request_id in plan.finished_ids:
-            self.requests.pop(request_id, None)
+            cached = self.requests.pop(request_id, None)
+            if cached is not None and cached.grammar is not None:
+                self._num_grammar_requests -= 1
         for request_id in plan.preempted_ids:
             if request_id in self.requests:
                 self.requests[request_id].page_ids = []
         for new in plan.new_requests:
-            self.requests[new.request_id] = CachedRequest(new, self.model_config.vocab_size)
+            cached = self.requests[new.request_id] = CachedRequest(new, self.model_config.vocab_size)
+            if cached.sampling_params.grammar is not None and self.samples:
+                cached.grammar = self.grammars().matcher(cached.sampling_params.grammar)
+                cached.grammar.accept(cached.output_token_ids)  # sampled elsewhere: replayed
+                self._num_grammar_requests += 1
         for diff in plan.request_diffs:
             cached = self.requests[diff.request_id]
             cached.token_ids.extend(diff.new_token_ids)
             cached.page_ids.extend(diff.new_page_ids)
+            if cached.grammar is not None:
+                cached.grammar.accept(cached.output_token_ids)
+
+    def grammars(self) -> GrammarCompiler:
+        """The compiler for this model's tokenizer (built, importing xgrammar, on first use)."""
+        if self._grammar_compiler is None:
+            from pd_serve.model.tokenizer import Tokenizer
+            stop_ids = sorted(Tokenizer.from_dir(self.model_dir).eos_token_ids)
+            self._grammar_compiler = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
+                                                     stop_ids)
+        return self._grammar_compiler
 
     def launch(self, plan: StepPlan, on_layer=None,
                prev: PendingSample | None = None) -> PendingSample:
@@ -150,6 +180,8 @@ class Executor:
         this plan's pending tokens are. on_layer(kv_sends, layer), for a plan with KV sends, is
         called as the forward finishes each layer (prefill's layer-wise KV send)."""
         self.update(plan)
+        if prev is not None and self._num_grammar_requests:
+            self._accept_pending(plan, prev)
         pending = self.runner.launch(self._batch(plan), _after_layer(plan, on_layer),
                                      prev_tokens=prev.tokens if prev is not None else None)
         row = 0
@@ -158,6 +190,15 @@ class Executor:
                 self.requests[chunk.request_id].pending_row = row
                 row += 1
         return pending
+
+    def _accept_pending(self, plan: StepPlan, prev: PendingSample) -> None:
+        """Tell the grammar rows whose input token is still in flight where it is (module
+        docstring): the sampler takes it before it masks."""
+        for chunk in plan.chunks:
+            cached = self.requests[chunk.request_id]
+            if chunk.sample and cached.grammar is not None \
+                    and chunk.start + chunk.num_tokens > len(cached.token_ids):
+                cached.grammar.defer(prev, cached.pending_row)
 
     def execute(self, plan: StepPlan, on_layer=None) -> StepResult:
         """Run the plan and wait for its tokens (the synchronous schedule)."""

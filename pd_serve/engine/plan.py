@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pd_serve.engine.request import TokenLogprob
-from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.engine.sampling_params import Grammar, SamplingParams
 
 # The SamplingParams fields an executor samples with (stop rules stay with the scheduler).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -22,15 +22,19 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 
 
 def sampling_to_wire(params: SamplingParams) -> list:
-    bias = params.logit_bias
+    """The fields an executor samples with, then logit_bias as [id, bias] pairs and the grammar
+    as [kind, spec] (each None when absent)."""
+    bias, grammar = params.logit_bias, params.grammar
     return [getattr(params, f) for f in SAMPLING_FIELDS] + [
-        None if bias is None else [[t, b] for t, b in bias.items()]]
+        None if bias is None else [[t, b] for t, b in bias.items()],
+        None if grammar is None else [grammar.kind, grammar.spec]]
 
 
 def sampling_from_wire(row: list) -> SamplingParams:
-    *values, bias = row
+    *values, bias, grammar = row
     return SamplingParams(**dict(zip(SAMPLING_FIELDS, values)),
-                          logit_bias=None if bias is None else {t: b for t, b in bias})
+                          logit_bias=None if bias is None else {t: b for t, b in bias},
+                          grammar=None if grammar is None else Grammar(*grammar))
 
 
 @dataclass

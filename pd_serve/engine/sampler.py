@@ -1,6 +1,7 @@
 """Turns one step's logits into one token per request, with vLLM's sampling semantics.
 
-Order of work per row: raw logprobs (if asked) -> logit_bias -> penalties -> greedy argmax, or
+Order of work per row: raw logprobs (if asked) -> logit_bias -> penalties -> grammar mask (a
+row whose request has a grammar matcher: engine/grammar.py) -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential-race sample.
 Random numbers come from the request's own generator when it has a seed, else from the
 sampler's, and are drawn on CPU per row so a seeded row's token never depends on the batch.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.argmax import argmax
+from pd_serve.engine.grammar import apply_grammars, needs_grammar
 from pd_serve.engine.plan import StepResult
 from pd_serve.engine.request import Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
@@ -34,14 +36,18 @@ class PendingSample:
         self._event = torch.cuda.Event() if on_cuda else None
         if self._event is not None:
             self._event.record()
+        self._result: SamplerOutput | None = None
 
     def result(self) -> SamplerOutput:
-        if self._event is not None:
-            self._event.synchronize()
-        token_list = self._host[0].tolist()
-        if len(self._host) == 1:
-            return SamplerOutput(token_list, [None] * len(token_list))
-        return SamplerOutput(token_list, _logprobs(self._host[1], self._host[2], token_list, self.params))
+        """Wait for the copies (once; the executor may ask first, for grammar rows)."""
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            token_list = self._host[0].tolist()
+            logprobs = [None] * len(token_list) if len(self._host) == 1 else \
+                _logprobs(self._host[1], self._host[2], token_list, self.params)
+            self._result = SamplerOutput(token_list, logprobs)
+        return self._result
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -177,14 +183,15 @@ class Sampler:
     @staticmethod
     def argmax_only(requests: list[Request]) -> bool:
         """Whether each row's token is its logits' argmax alone: greedy, no logprobs, no
-        logit_bias, no penalties (the decode CUDA graph computes it itself)."""
+        logit_bias, no penalties, no grammar (the decode CUDA graph computes it itself)."""
         return (all(r.sampling_params.greedy and r.sampling_params.logprobs is None
                     and not r.sampling_params.logit_bias for r in requests)
-                and not needs_penalties(requests))
+                and not needs_penalties(requests) and not needs_grammar(requests))
 
     def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """Queue the sampling of one token per row on the logits' device; no host sync (the
-        seeded noise of non-greedy rows is drawn on the host first)."""
+        seeded noise of non-greedy rows is drawn on the host first). A row with a `grammar`
+        (a GrammarState, advanced over every output token so far) samples inside it."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
@@ -194,11 +201,16 @@ class Sampler:
         vocab_size = logits.shape[1]
         device = logits.device
         raw_logprobs = logits.float().log_softmax(dim=-1) if any(want_logprobs) else None  # [B, V]
+        original = logits
         logits = _with_logit_bias(logits, requests)
         if needs_penalties(requests):
             logits = apply_penalties(logits, requests)  # [B, V] float32
         else:
             logits = logits.float()  # only read from here on, so no copy is needed
+        if needs_grammar(requests):
+            if logits.data_ptr() == original.data_ptr():  # masked in place: not the runner's
+                logits = logits.clone()
+            apply_grammars(logits, requests)
         token_ids = argmax(logits)  # [B]
 
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -5,6 +5,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A structured-output constraint: what every sampled token must keep the output inside.
+
+    kind json_schema: spec is the schema as JSON text; json_object: any JSON object, spec "";
+    regex: a regular expression the whole output matches; ebnf: an EBNF grammar (GBNF, as
+    llama.cpp and xgrammar write it) whose `root` rule derives the output. Hashable: the
+    executor compiles each (tokenizer, grammar) once (engine/grammar.py).
+    """
+
+    kind: str
+    spec: str
+
 
 @dataclass
 class SamplingParams:
@@ -18,6 +34,7 @@ class SamplingParams:
     (log-softmax of the raw model logits, before penalties and temperature, as vLLM v1 returns).
     logit_bias: token id -> a value in [-100, 100] added to that token's logit before anything
     else (penalties, temperature, filters); OpenAI's field. The logprobs stay the raw model's.
+    grammar: the output is constrained to it (tokens it forbids are masked before sampling).
     """
 
     max_tokens: int = 16
@@ -35,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +82,10 @@ class SamplingParams:
                 isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
                 and -100 <= b <= 100 for t, b in self.logit_bias.items())), "logit_bias",
              "must map token ids to values in [-100, 100]"),
+            (self.grammar is None or (isinstance(self.grammar, Grammar)
+                                      and self.grammar.kind in GRAMMAR_KINDS
+                                      and isinstance(self.grammar.spec, str)), "grammar",
+             f"must be a Grammar of kind {', '.join(GRAMMAR_KINDS)}"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -1,4 +1,5 @@
-"""OpenAI HTTP handlers: /v1/completions, /v1/chat/completions (stream and not), /v1/models, /health.
+"""OpenAI HTTP handlers: /v1/completions, /v1/chat/completions (stream and not), /v1/models, /health;
+vLLM's /tokenize and /detokenize (openai_tokenize).
 
 A request is parsed (openai_protocol), handed to a TokenSource as one GenerateSpec per choice
 (n choices per prompt; a /v1/completions batch has several prompts), and its TokenEvents become
@@ -28,6 +29,7 @@ from aiohttp import web
 from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest, decode_body,
                                               parse_chat, parse_completion)
 from pd_serve.gateway.openai_text import OutputText
+from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.protocol import Logprob
@@ -75,6 +77,8 @@ class OpenAIServer:
         return [web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
                 web.get("/health", self.health)]
 
     async def health(self, request: web.Request) -> web.Response:
@@ -84,6 +88,20 @@ class OpenAIServer:
         card = {"id": self.source.model_name(), "object": "model", "created": self.created,
                 "owned_by": "pd-serve", "max_model_len": self.source.max_model_len()}
         return web.json_response({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._answer(request, tokenize)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._answer(request, detokenize)
+
+    async def _answer(self, request: web.Request, answer) -> web.Response:
+        """A reply computed from the body alone (no tokens generated)."""
+        try:
+            info = ModelInfo(self.source.model_name(), self.tokenizer, self.source.max_model_len())
+            return web.json_response(answer(await _read_json(request, self.body_timeout_s), info))
+        except ApiError as e:
+            return error_response(e)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_completion, _CompletionShape, "cmpl")
@@ -103,13 +121,16 @@ class OpenAIServer:
         choices = parsed.choices()
         specs = [GenerateSpec(request_id if len(choices) == 1 else f"{request_id}-{i}", ids,
                               params, parsed.priority) for i, (ids, params) in enumerate(choices)]
-        deltas = _merged([self._run(spec, parsed) for spec in specs])
+        echoes = [parsed.echo_texts[i // parsed.n] if parsed.echo_texts else ""
+                  for i in range(len(specs))]
+        deltas = _merged([self._run(spec, parsed, echo) for spec, echo in zip(specs, echoes)])
         if parsed.stream:
             return await self._stream(request, deltas, shape, parsed, len(specs))
         return await self._complete(request, deltas, shape, parsed, len(specs))
 
-    async def _run(self, spec: GenerateSpec, parsed: ParsedRequest) -> AsyncIterator[_Delta]:
-        """The source's events as text deltas; ends at the first finish (stop string included)."""
+    async def _run(self, spec: GenerateSpec, parsed: ParsedRequest, echo: str = "") -> AsyncIterator[_Delta]:
+        """The source's events as text deltas; ends at the first finish (stop string included).
+        echo: text put in front of the first delta (completions' echo: the prompt)."""
         out = OutputText(self.tokenizer, spec.prompt_token_ids, spec.params.stop,
                          spec.params.skip_special_tokens)
         events = self.source.generate(spec)
@@ -121,7 +142,8 @@ class OpenAIServer:
                 finish = "stop" if out.stopped else (
                     (event.finish_reason or "stop") if event.finished else None)
                 logprobs = event.logprobs[:n] if parsed.logprobs is not None and event.logprobs else None
-                yield _Delta(out.take_delta(finish is not None), event.new_token_ids[:n], logprobs,
+                text, echo = echo + out.take_delta(finish is not None), ""
+                yield _Delta(text, event.new_token_ids[:n], logprobs,
                              out.token_offsets[len(out.token_offsets) - n:], finish, event.timings)
                 if finish is not None:
                     return

@@ -3,6 +3,9 @@
 Parsing knows the tokenizer (prompts become token ids here) and the served model's name and
 context length, nothing about where tokens come from. Field names and defaults follow the
 OpenAI API, with vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...).
+Structured outputs: OpenAI's response_format (json_object, json_schema), vLLM's guided_json /
+guided_regex / guided_grammar and SGLang's regex / ebnf become one SamplingParams.grammar,
+checked here (a schema, regex or grammar that does not parse is a 400).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.engine.grammar import canonical_json, check_grammar
+from pd_serve.engine.sampling_params import Grammar, SamplingParams
 from pd_serve.model.tokenizer import Tokenizer
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -38,11 +42,12 @@ _COMMON_FIELDS = frozenset((
     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs", "priority",
     "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-    "safety_identifier"))
+    "safety_identifier", "response_format", "guided_json", "guided_regex", "guided_grammar",
+    "regex", "ebnf"))
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens"}
 # Unimplemented fields, with the values that ask for nothing beyond plain text.
-_OFF_VALUES = {"response_format": [{"type": "text"}], "tools": [[]], "functions": [[]],
+_OFF_VALUES = {"tools": [[]], "functions": [[]],
                "tool_choice": ["none"], "function_call": ["none"], "suffix": [""]}
 
 
@@ -131,6 +136,7 @@ class ParsedRequest:
 
     prompts: one prompt's token ids, or a /v1/completions batch's. Each prompt gets n choices.
     logprobs: None, or N top alternatives per token (chat's top_logprobs, completions' logprobs).
+    echo_texts: completions' echo: each prompt's text, put in front of its choices' text.
     """
 
     prompts: list[list[int]]
@@ -140,6 +146,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None
     priority: int
+    echo_texts: list[str] | None = None
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, in the response's order (choice index prompt * n + i).
@@ -161,8 +168,7 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     if "prompt" not in body:
         raise ApiError("'prompt' is a required field", "prompt")
     prompts = _prompts(body["prompt"], model.tokenizer)
-    if _opt(body, "echo", bool):
-        raise ApiError("echo=true is not supported", "echo")
+    echo = _opt(body, "echo", bool) or False
     best_of = _opt(body, "best_of", int)
     if best_of is not None and best_of != 1:
         raise ApiError("best_of > 1 is not supported (one sequence per request)", "best_of")
@@ -173,7 +179,14 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
                               logprobs, {"logprobs": "logprobs"}, model.tokenizer.vocab_size)
     for ids in prompts:
         _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
-    return _parsed(body, prompts, params, logprobs)
+    parsed = _parsed(body, prompts, params, logprobs)
+    if echo:
+        if logprobs is not None:  # they would need the prompt's logprobs, which are not computed
+            raise ApiError("echo=true with logprobs is not supported", "echo")
+        texts = body["prompt"] if _is_batch(body["prompt"]) else [body["prompt"]]
+        parsed.echo_texts = [t if isinstance(t, str) else model.tokenizer.decode(ids)
+                             for t, ids in zip(texts, prompts)]
+    return parsed
 
 
 def parse_chat(body, model: ModelInfo) -> ParsedRequest:
@@ -270,6 +283,7 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
         raise ApiError(f"stop_token_ids: {bad} is out of range (a 64-bit integer)", "stop_token_ids")
     kwargs["stop_token_ids"] = stop_ids
     kwargs["logit_bias"] = _logit_bias(body, vocab_size)
+    kwargs["grammar"] = _grammar(body)
     try:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except ValueError as e:
@@ -299,6 +313,69 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return out
 
 
+# Body fields that constrain the output with a grammar: the Grammar kind each gives.
+_GRAMMAR_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "regex": "regex",
+                   "guided_grammar": "ebnf", "ebnf": "ebnf"}
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """The one grammar the body asks for (response_format or a vLLM / SGLang field), checked."""
+    asked = [(name, g) for name in ("response_format", *_GRAMMAR_FIELDS)
+             if body.get(name) is not None and (g := _grammar_field(body, name)) is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(f"{' and '.join(n for n, _ in asked)} each constrain the output; give one",
+                       asked[1][0])
+    name, grammar = asked[0]
+    try:
+        check_grammar(grammar)
+    except ValueError as e:
+        raise ApiError(f"{name}: {e}", name) from None
+    return grammar
+
+
+def _grammar_field(body: dict, name: str) -> Grammar | None:
+    value = body[name]
+    if name == "response_format":
+        return _response_format(value)
+    kind = _GRAMMAR_FIELDS[name]
+    if kind == "json_schema":
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ApiError(f"guided_json is not valid JSON: {e}", name) from None
+        if not isinstance(value, dict):
+            raise ApiError(f"'{name}' must be a JSON schema object, got {_json_type(value)}", name)
+        return Grammar(kind, canonical_json(value))
+    if not isinstance(value, str) or not value:
+        raise ApiError(f"'{name}' must be a non-empty string, got {_json_type(value)}", name)
+    return Grammar(kind, value)
+
+
+def _response_format(value) -> Grammar | None:
+    """OpenAI's response_format: text (no grammar), json_object, or json_schema with a schema."""
+    param = "response_format"
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json_object", "")
+    if kind != "json_schema":
+        raise ApiError(f"response_format.type must be text, json_object or json_schema, got "
+                       f"{kind!r}", param)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError("response_format.json_schema must be an object with the 'schema'",
+                       f"{param}.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ApiError(f"response_format.json_schema.schema must be a JSON schema object, got "
+                       f"{_json_type(schema)}", f"{param}.json_schema.schema")
+    return Grammar("json_schema", canonical_json(schema))
+
+
 def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
                    max_model_len: int | None, what: str) -> None:
     if max_model_len is None or num_prompt + max_tokens <= max_model_len:
@@ -314,11 +391,15 @@ def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
 
 def _prompts(prompt, tokenizer: Tokenizer) -> list[list[int]]:
     """A string or a list of token ids (one prompt), or a list of those (a batch)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if _is_batch(prompt):
         if len(prompt) > MAX_CHOICES:
             raise ApiError(f"{len(prompt)} prompts; at most {MAX_CHOICES} per request", "prompt")
         return [_prompt_token_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
     return [_prompt_token_ids(prompt, tokenizer, "prompt")]
+
+
+def _is_batch(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
 
 def _prompt_token_ids(prompt, tokenizer: Tokenizer, where: str) -> list[int]:

@@ -200,13 +200,11 @@ def test_64_bit_edges_are_accepted(tokenizer, token):
 
 # ---- fields the server does not implement --------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
     ("/v1/chat/completions", "guided_choice", ["a", "b"]),
-    ("/v1/completions", "guided_regex", "a+"),
+    ("/v1/completions", "guided_decoding_backend", "outlines"),
     ("/v1/completions", "suffix", "end"),
     ("/v1/completions", "structural_tag", "x"),
     ("/v1/completions", "min_tokens", 3),

@@ -1,0 +1,67 @@
+"""vLLM's /tokenize and /detokenize bodies -> their replies, with the served model's tokenizer.
+
+/tokenize takes a completion prompt ({"prompt": text, "add_special_tokens": true}) or chat
+messages rendered with the chat template ({"messages": [...], "add_generation_prompt": true,
+"add_special_tokens": false}); it answers {"count", "max_model_len", "tokens", "token_strs"}
+(token_strs only when return_token_strs is true, else null). /detokenize takes {"tokens": [...]}
+and answers {"prompt": text}. Bad input is an ApiError (400), as for the OpenAI routes.
+"""
+
+from __future__ import annotations
+
+from jinja2 import TemplateError
+
+from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, _is_int, _json_type, _messages,
+                                              _opt)
+
+_TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens",
+                              "add_generation_prompt", "return_token_strs"))
+_DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
+
+
+def tokenize(body, model: ModelInfo) -> dict:
+    body = _check(body, model, _TOKENIZE_FIELDS)
+    tokenizer = model.tokenizer
+    if ("prompt" in body) == ("messages" in body):
+        raise ApiError("give either 'prompt' or 'messages'", "prompt")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise ApiError(f"'prompt' must be a string, got {_json_type(body['prompt'])}", "prompt")
+        special = _opt(body, "add_special_tokens", bool)
+        ids = tokenizer.encode(body["prompt"], add_special_tokens=True if special is None else special)
+    else:
+        messages = _messages(body["messages"])
+        generation = _opt(body, "add_generation_prompt", bool)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation is not False)
+        except (TemplateError, ValueError) as e:
+            raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages")
+        ids = tokenizer.encode(text, add_special_tokens=bool(_opt(body, "add_special_tokens", bool)))
+    strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] \
+        if _opt(body, "return_token_strs", bool) else None
+    return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body, model: ModelInfo) -> dict:
+    body = _check(body, model, _DETOKENIZE_FIELDS)
+    ids = body.get("tokens")
+    vocab = model.tokenizer.vocab_size
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise ApiError("'tokens' must be a list of token ids", "tokens")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": model.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def _check(body, model: ModelInfo, fields: frozenset[str]) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {_json_type(body)}")
+    name = body.get("model")
+    if name is not None and name != model.name:
+        raise ApiError(f"The model `{name}` does not exist. This server serves `{model.name}`.",
+                       "model", status=404, type="NotFoundError", code="model_not_found")
+    for key, value in body.items():
+        if key not in fields and value is not None:
+            raise ApiError(f"'{key}' is not supported by this server", key)
+    return body

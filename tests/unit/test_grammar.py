@@ -1,0 +1,167 @@
+"""Structured outputs below the HTTP layer: a Grammar travels in SamplingParams (plan rows and
+protocol rows), the gateway turns the OpenAI / vLLM / SGLang fields into one (bad ones are
+400s), and the sampler keeps every token inside it, greedy or sampled."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from pd_serve import protocol
+from pd_serve.engine.grammar import GrammarCompiler, check_grammar
+from pd_serve.engine.plan import sampling_from_wire, sampling_to_wire
+from pd_serve.engine.sampler import Sampler
+from pd_serve.engine.sampling_params import Grammar, SamplingParams
+from pd_serve.gateway.openai_protocol import ApiError, ModelInfo, parse_chat, parse_completion
+from pd_serve.model.config import ModelConfig
+from pd_serve.model.tokenizer import Tokenizer
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "n", "ok"], "additionalProperties": False}
+JSON_GRAMMAR = Grammar("json_schema", json.dumps(SCHEMA))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def compiler(default_model_dir, tokenizer) -> GrammarCompiler:
+    vocab = ModelConfig.from_dir(default_model_dir).vocab_size
+    return GrammarCompiler(default_model_dir, vocab, sorted(tokenizer.eos_token_ids))
+
+
+def test_grammar_travels_in_plan_rows_and_protocol_rows():
+    params = SamplingParams(temperature=0.5, grammar=Grammar("regex", "[a-z]+"))
+    assert sampling_from_wire(sampling_to_wire(params)) == params
+    assert sampling_from_wire(sampling_to_wire(SamplingParams())).grammar is None
+    msg = protocol.Generate("r", [1, 2], params)
+    out = protocol.decode(protocol.encode(msg))
+    assert out == msg and type(out.sampling.grammar) is Grammar
+    with pytest.raises(ValueError, match="grammar"):
+        SamplingParams(grammar=Grammar("choice", "a"))
+    bad = protocol.encode(protocol.Generate("r", [1], SamplingParams(grammar=Grammar("regex", "a"))))
+    with pytest.raises(protocol.ProtocolError, match="grammar"):
+        protocol.decode(bad.replace(b"regex", b"regey"))
+
+
+class Row:
+    """What the sampler reads of a request (an executor's CachedRequest)."""
+
+    def __init__(self, params: SamplingParams, grammar):
+        self.sampling_params, self.grammar, self.generator = params, grammar, None
+        self.prompt_token_ids, self.output_token_ids = [1], []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampled_tokens_stay_inside_the_grammar(compiler, tokenizer, temperature):
+    grammars = [JSON_GRAMMAR, Grammar("regex", r"[0-9]{2,3}-(yes|no)"),
+                Grammar("ebnf", 'root ::= "<" [a-c]+ ">"'), Grammar("json_object", "")]
+    rows = [Row(SamplingParams(temperature=temperature, top_p=0.95), compiler.matcher(g))
+            for g in grammars]
+    rows.append(Row(SamplingParams(temperature=temperature), None))  # unconstrained beside them
+    sampler = Sampler(seed=3)
+    gen = torch.Generator().manual_seed(0)
+    vocab = compiler.vocab_size
+    eos = tokenizer.eos_token_ids
+    done = [False] * len(rows)
+    for _ in range(80):
+        logits = torch.randn(len(rows), vocab, generator=gen) * 4  # [B, V]
+        for i, token in enumerate(sampler(logits, rows).token_ids):
+            if done[i]:
+                continue
+            rows[i].output_token_ids.append(token)
+            done[i] = token in eos
+            if rows[i].grammar is not None:
+                rows[i].grammar.accept(rows[i].output_token_ids)
+    texts = [tokenizer.decode([t for t in r.output_token_ids if t not in eos]) for r in rows]
+    assert done[:3] == [True] * 3, texts
+    value = json.loads(texts[0])
+    assert set(value) == {"name", "n", "ok"} and len(value["name"]) <= 6 and 0 <= value["n"] <= 99
+    assert re.fullmatch(r"[0-9]{2,3}-(yes|no)", texts[1])
+    assert re.fullmatch(r"<[a-c]+>", texts[2])
+    if done[3]:
+        assert isinstance(json.loads(texts[3]), dict)
+    else:
+        assert texts[3].startswith("{")
+
+
+def test_matcher_replays_tokens_sampled_elsewhere(compiler, tokenizer):
+    """Decode's matcher takes token 1 (sampled by prefill) and continues where prefill was."""
+    ids = tokenizer.encode('{"name": "ab", "n": 7, "ok": true}', add_special_tokens=False)
+    state = compiler.matcher(JSON_GRAMMAR)
+    state.accept(ids[:1])
+    state.accept(ids[:1])  # the same tokens again: taken once
+    state.accept(ids)
+    assert state.num_accepted == len(ids) and state.matcher.is_completed()
+
+
+@pytest.mark.parametrize("grammar,match", [
+    (Grammar("regex", "(ab"), "parenthesis"),
+    (Grammar("json_schema", "{"), "JSON"),
+    (Grammar("ebnf", "root ::= "), "EBNF"),
+])
+def test_check_grammar_names_the_problem(grammar, match):
+    with pytest.raises(ValueError, match=match) as e:
+        check_grammar(grammar)
+    assert "/project/" not in str(e.value)
+
+
+# ---- the gateway's fields ------------------------------------------------------------------
+def chat(tokenizer, **fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8} | fields
+    return parse_chat(body, ModelInfo("m", tokenizer, 1024)).params.grammar
+
+
+def completion(tokenizer, **fields):
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8} | fields
+    return parse_completion(body, ModelInfo("m", tokenizer, 1024)).params.grammar
+
+
+def test_gateway_fields_become_one_grammar(tokenizer):
+    schema_json = json.dumps(SCHEMA, sort_keys=True, separators=(",", ":"))
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}
+    assert chat(tokenizer, response_format=fmt) == Grammar("json_schema", schema_json)
+    assert chat(tokenizer, response_format={"type": "json_object"}) == Grammar("json_object", "")
+    assert chat(tokenizer, response_format={"type": "text"}) is None
+    assert completion(tokenizer, guided_json=SCHEMA) == Grammar("json_schema", schema_json)
+    assert completion(tokenizer, guided_json=json.dumps(SCHEMA)) == Grammar("json_schema", schema_json)
+    assert chat(tokenizer, guided_regex="a+") == Grammar("regex", "a+")
+    assert completion(tokenizer, regex="a+") == Grammar("regex", "a+")
+    assert completion(tokenizer, guided_grammar='root ::= "x"') == Grammar("ebnf", 'root ::= "x"')
+    assert chat(tokenizer, ebnf='root ::= "x"') == Grammar("ebnf", 'root ::= "x"')
+    assert completion(tokenizer, response_format={"type": "json_object"}) == Grammar("json_object", "")
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema", "object"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format.json_schema.schema", "JSON schema"),
+    (dict(response_format={"type": "yaml"}), "response_format", "text, json_object or json_schema"),
+    (dict(response_format="json"), "response_format", "json_schema"),
+    (dict(guided_regex="(a"), "guided_regex", "parenthesis"),
+    (dict(regex=""), "regex", "non-empty"),
+    (dict(guided_json="{not json"), "guided_json", "not valid JSON"),
+    (dict(guided_json=[1]), "guided_json", "schema object"),
+    (dict(ebnf="root ::= "), "ebnf", "EBNF"),
+    (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex", "give one"),
+])
+def test_bad_grammar_fields_are_400_naming_them(tokenizer, fields, param, message):
+    with pytest.raises(ApiError, match=message) as e:
+        chat(tokenizer, **fields)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_bounded_strings_stay_json(compiler):
+    """A string's maxLength gives no control characters (xgrammar 0.2.9 lets them through: the
+    executor compiles such strings as a pattern with the same bounds)."""
+    for text, ok in [('{"name": "ab\x01', False), ('{"name": "ab\\"', False),
+                     ('{"name": "abcdefg', False), ('{"name": "abcdef", "n": 1, "ok": true}', True)]:
+        state = compiler.matcher(JSON_GRAMMAR)
+        assert state.matcher.accept_string(text) == ok, text

@@ -1,0 +1,78 @@
+"""vLLM's /tokenize and /detokenize (request and reply shapes, round trip, 400s) and completions'
+echo, over the HTTP layer with a scripted token source (no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_http_hardening import MODEL, call, post  # noqa: F401 (fixtures below)
+from test_http_hardening import token, tokenizer  # noqa: F401
+
+from pd_serve.gateway.source import TokenEvent
+
+
+def test_tokenize_detokenize_round_trip(tokenizer):
+    text = "Hello world, 1234 héllo!"
+    status, _, out = post(tokenizer, [], {"model": MODEL, "prompt": text}, "/tokenize")
+    assert status == 200, out
+    assert out == {"count": len(tokenizer.encode(text)), "max_model_len": 1024,
+                   "tokens": tokenizer.encode(text), "token_strs": None}
+    status, _, back = post(tokenizer, [], {"model": MODEL, "tokens": out["tokens"]}, "/detokenize")
+    assert status == 200 and back == {"prompt": tokenizer.decode(out["tokens"], skip_special_tokens=False)}
+    plain = post(tokenizer, [], {"prompt": text, "add_special_tokens": False}, "/tokenize")[2]
+    back = post(tokenizer, [], {"tokens": plain["tokens"]}, "/detokenize")[2]
+    assert back["prompt"] == text
+    strs = post(tokenizer, [], {"prompt": text, "return_token_strs": True}, "/tokenize")[2]["token_strs"]
+    assert "".join(strs[-len(plain["tokens"]):]) == text
+
+
+def test_tokenize_chat_messages_as_the_chat_route_renders_them(tokenizer):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    status, _, out = post(tokenizer, [], {"model": MODEL, "messages": messages}, "/tokenize")
+    assert status == 200, out
+    want = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert out["tokens"] == want and out["count"] == len(want)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"model": MODEL}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_bad_tokenize_bodies_are_400(tokenizer, path, body, param):
+    status, _, out = post(tokenizer, [], body, path)
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_tokenize_names_a_wrong_model(tokenizer):
+    status, _, out = post(tokenizer, [], {"model": "other", "prompt": "a"}, "/tokenize")
+    assert status == 404 and out["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_in_front(tokenizer, token, stream):
+    script = [TokenEvent([token]), TokenEvent([token], finished=True, finish_reason="length")]
+    word = tokenizer.decode([token])
+    body = {"model": MODEL, "prompt": ["Say hi:", tokenizer.encode("Ids here")], "max_tokens": 2,
+            "echo": True, "n": 2, "stream": stream}
+    status, _, out = post(tokenizer, script, body)
+    assert status == 200, out
+    if stream:
+        texts = ["", "", "", ""]
+        for line in out.split("\n"):
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    else:
+        texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+    assert texts == ["Say hi:" + word * 2] * 2 + ["Ids here" + word * 2] * 2
+
+
+def test_echo_with_logprobs_is_400(tokenizer, token):
+    status, _, out = post(tokenizer, [], {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1})
+    assert status == 400 and out["error"]["param"] == "echo"
