@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
-SCHEDULE_POLICIES = ("fcfs", "priority")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
@@ -37,6 +37,9 @@ class CacheConfig:
         "auto", "auto: the model dtype; fp8_e4m3 / fp8_e5m2: FP8 pages, half the bytes of bf16, "
         "scaled by the checkpoint's k_scale/v_scale (else 1.0); prefill and decode workers must "
         "use the same", choices=KV_CACHE_DTYPES)
+    disable_radix_cache: bool = _opt(
+        False, "do not keep finished requests' KV pages for later prompts that share their prefix "
+        "(the prefix cache; decode workers never keep them)")
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "--page-size", self.page_size, "must be >= 1")
@@ -53,7 +56,10 @@ class CacheConfig:
 class SchedulerConfig:
     max_running_requests: int = _opt(256)
     chunked_prefill_size: int = _opt(2048, "max prefill tokens per step; -1 disables chunking")
-    schedule_policy: str = _opt("fcfs", choices=SCHEDULE_POLICIES)
+    schedule_policy: str = _opt(
+        "fcfs", "admission order: fcfs; lpm (longest cached prefix first); dfs-weight (requests "
+        "that share a cached prefix together); random; priority (smaller first)",
+        choices=SCHEDULE_POLICIES)
 
     def __post_init__(self) -> None:
         _check(self.max_running_requests >= 1, "--max-running-requests",

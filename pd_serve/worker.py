@@ -48,7 +48,8 @@ class Worker:
         self.codec = protocol.Codec(config.cluster_key)
         transfer = self.transfer_config()
         self.core = EngineCore(config.engine, tp_follower_io=None if transfer is None
-                               else functools.partial(connector.follower_io, transfer))
+                               else functools.partial(connector.follower_io, transfer),
+                               prefix_cache=role != "decode")
         self.core.warmup()
         # prefill and decode: the KV hand-off over every TP rank
         self.connector = None if transfer is None else connector.connector(transfer, self.core)
@@ -190,7 +191,7 @@ class Worker:
         return WorkerStatus(
             worker_id=self.worker_id, role=self.role, model=str(core.model_dir),
             incarnation=self.incarnation, layout=dataclasses.asdict(model_layout(core)),
-            tp=core.config.tp, num_pages=alloc.num_pages, num_free_pages=alloc.num_free_pages,
+            tp=core.config.tp, num_pages=alloc.num_pages, num_free_pages=self.core.scheduler.num_available_pages(),
             num_running=running, num_waiting=waiting,
             max_running_requests=sched.max_running_requests,
             max_prefill_tokens=sched.chunked_prefill_size if sched.chunked_prefill_size > 0
