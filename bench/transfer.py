@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 from _common import device_name, git_commit, sync, write_json  # noqa: E402
 from pd_serve.cache.pool import KVLayout, KVPool  # noqa: E402
+from pd_serve.transfer.backends.nixl import nixl_available  # noqa: E402
 from pd_serve.transfer.base import TransferError, TransferResult  # noqa: E402
 from pd_serve.transfer.receiver import KVReceiver  # noqa: E402
 from pd_serve.transfer.sender import KVSender  # noqa: E402
@@ -67,8 +68,9 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # 
 def parse_args() -> argparse.Namespace:
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backends", default=None, help="comma list; default: torch,ipc,tcp on GPU "
-                   "(torch only when the two pools sit on different GPUs), tcp,torch on CPU")
+    p.add_argument("--backends", default=None, help="comma list; default: torch,ipc,tcp,nixl on "
+                   "GPU (torch only when the two pools sit on different GPUs), tcp,torch,nixl on "
+                   "CPU (nixl where installed)")
     p.add_argument("--sizes-mib", default=None, help="comma list; default: 1,4,8,16,64,256,1024")
     p.add_argument("--latency-tokens", default=None, help="comma list; default: 1024,4096,16384")
     p.add_argument("--repeats", type=int, default=None, help="timed requests per size (default 5)")
@@ -141,9 +143,10 @@ def check_backends(p: argparse.ArgumentParser, text: str | None, sender: torch.d
                   else "on GPU needs the two pools on different GPUs (NCCL)"
                   if on_gpu and sender == receiver else None),
         "tcp": None,
+        "nixl": None if nixl_available() else "is not installed (pip install pd-serve[nixl])",
     }
     if text is None:
-        wanted = ["torch", "ipc", "tcp"] if on_gpu else ["tcp", "torch"]
+        wanted = ["torch", "ipc", "tcp", "nixl"] if on_gpu else ["tcp", "torch", "nixl"]
         for name in wanted:
             if why_not[name]:
                 print(f"skipping {name}: {why_not[name]}", file=sys.stderr)

@@ -132,7 +132,9 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
                         gateway_args=gateway_args, control_port=args.control_port,
                         log_level=log_level or args.log_level, gpu_ids=gpu_ids,
                         role_tp={role: tp for role, tp in (("prefill", args.prefill_tp),
-                                                           ("decode", args.decode_tp)) if tp})
+                                                           ("decode", args.decode_tp)) if tp},
+                        role_ep={role: ep for role, ep in (("prefill", args.prefill_ep),
+                                                           ("decode", args.decode_ep)) if ep})
 
 
 def cmd_launch(args: argparse.Namespace) -> None:
@@ -189,6 +191,10 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
                         help="--tp of the prefill workers (default: the --tp given to all workers)")
     parser.add_argument("--decode-tp", type=int, default=None,
                         help="--tp of the decode workers (default: the --tp given to all workers)")
+    parser.add_argument("--prefill-ep", type=int, default=None,
+                        help="--ep-size of the prefill workers (MoE models; equal to their --tp)")
+    parser.add_argument("--decode-ep", type=int, default=None,
+                        help="--ep-size of the decode workers (MoE models; equal to their --tp)")
     parser.add_argument("--gpu-ids", default=None,
                         help="comma-separated GPU ids handed to workers in turn (CUDA_VISIBLE_DEVICES; a worker "
                              "with --tp N takes the next N; default: every visible GPU)")

@@ -15,6 +15,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+MOE_RUNNER_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("fp8", "gptq")  # --quantization; None: as the checkpoint says
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
 TRANSFER_BACKENDS = ("auto", "torch", "ipc", "tcp", "nixl")
@@ -84,6 +85,9 @@ class EngineConfig:
     attention_backend: str = _opt(
         "auto", "auto: flashinfer on GPU when installed, else triton; torch on CPU",
         choices=ATTENTION_BACKENDS)
+    moe_runner_backend: str = _opt(
+        "auto", "MoE models' experts: triton (kernels/fused_moe.py) or torch (its reference; "
+        "no CUDA graphs); auto: triton on GPU, torch on CPU", choices=MOE_RUNNER_BACKENDS)
     cuda_graph_max_bs: int = _opt(256, "largest decode batch replayed through a CUDA graph")
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     enable_batch1_kernels: bool = _opt(
@@ -92,6 +96,8 @@ class EngineConfig:
         "batched one, so a request's greedy output can depend on whether it decoded alone)")
     tp: int = _opt(1, "tensor parallel size: this engine's ranks, one process and one GPU each "
                    "(cuda:0..tp-1 of the visible ones)")
+    ep_size: int = _opt(1, "expert parallel size: an MoE model's experts partitioned over the "
+                        "--tp ranks (equal to --tp for now; attention stays under --tp)")
     disable_overlap_schedule: bool = _opt(
         False, "on GPU, wait for each step's tokens before planning the next (by default step "
         "N+1 is planned while step N runs)")
@@ -111,7 +117,11 @@ class EngineConfig:
                f"must be one of {', '.join(LOAD_FORMATS)}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "--attention-backend",
                self.attention_backend, f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        _check(self.moe_runner_backend in MOE_RUNNER_BACKENDS, "--moe-runner-backend",
+               self.moe_runner_backend, f"must be one of {', '.join(MOE_RUNNER_BACKENDS)}")
         _check(self.tp >= 1, "--tp", self.tp, "must be >= 1")
+        _check(self.ep_size == 1 or self.ep_size == self.tp, "--ep-size", self.ep_size,
+               "must be 1 or equal to --tp (experts are partitioned over the --tp ranks)")
         _check(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs", self.cuda_graph_max_bs,
                "must be >= 1 (use --disable-cuda-graph to turn graphs off)")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "--quantization",
@@ -138,7 +148,10 @@ class WorkerConfig:
     engine: EngineConfig = field(metadata={"flag": None})
     gateway: str = _opt(help="the gateway's control address, tcp://HOST:PORT")
     worker_id: str = _opt("", "default: ROLE-HOSTNAME-PID")
-    host: str = _opt("127.0.0.1", "address this worker binds and advertises")
+    host: str = _opt("127.0.0.1", "decode: address the KV receivers bind (0.0.0.0: every interface)")
+    advertise_host: str | None = _opt(
+        None, "address other hosts reach this worker at, as peers are told (default: --host; "
+        "needed with --host 0.0.0.0)")
     port: int = _opt(0, "decode: KV receiver port (0 = any free port)")
     transfer_backend: str = _opt("auto", "auto: tcp on CPU, torch (NCCL) on GPU",
                                  choices=TRANSFER_BACKENDS)
@@ -154,6 +167,14 @@ class WorkerConfig:
             raise ValueError(f"--transfer-layer-groups {self.transfer_layer_groups} must be >= 1")
         if not self.gateway.startswith("tcp://"):
             raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT")
+        if self.reachable_host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"--host {self.host!r} binds every interface: give --advertise-host, "
+                             "the address peers reach this worker at")
+
+    @property
+    def reachable_host(self) -> str:
+        """The address peers reach this worker at: --advertise-host, else --host."""
+        return self.advertise_host or self.host
 
 
 @dataclass(frozen=True)
@@ -241,6 +262,7 @@ class TransferConfig:
     timeout_s: float = 30.0
     worker_id: str = ""
     host: str = "127.0.0.1"  # decode: where the receivers bind
+    advertise_host: str | None = None  # decode: where senders reach them (None: host)
     port: int = 0  # decode: rank 0's receiver port (0: any free port; followers: any)
     layer_groups: int = 1  # prefill: --transfer-layer-groups
     cluster_key: bytes = b""  # HMAC key of every KV message (b"": none)

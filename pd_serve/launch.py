@@ -86,9 +86,11 @@ class LocalCluster:
     def __init__(self, *, port: int, num_prefill: int = 1, num_decode: int = 1,
                  num_colocated: int = 0, engine_args: list[str] = (), worker_args: list[str] = (),
                  gateway_args: list[str] = (), control_port: int = 0, log_level: str = "info",
-                 gpu_ids: list[str] | None = None, role_tp: dict[str, int] | None = None):
+                 gpu_ids: list[str] | None = None, role_tp: dict[str, int] | None = None,
+                 role_ep: dict[str, int] | None = None):
         """gpu_ids: handed to the workers in turn, as many each as its --tp ranks (the --tp in
-        engine_args, or role_tp[role], which also adds `--tp N` to that role's workers)."""
+        engine_args, or role_tp[role], which also adds `--tp N` to that role's workers);
+        role_ep[role] adds `--ep-size N` to that role's workers."""
         self.port = port
         # Closed by default: the children share a fresh secret unless one is given.
         self.cluster_key = os.environ.get("PD_SERVE_CLUSTER_KEY") or secrets.token_hex(32)
@@ -100,13 +102,14 @@ class LocalCluster:
         gateway = f"tcp://127.0.0.1:{self.control_port}"
         self._start("gateway", self.gateway_command, log_level)
         roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
-        role_tp = role_tp or {}
+        role_tp, role_ep = role_tp or {}, role_ep or {}
         first_gpu = 0
         for i, role in enumerate(roles):
             tp = role_tp.get(role, int(flag_value(list(engine_args), "--tp", "1")))
             env_gpu = worker_gpus(first_gpu, gpu_ids, tp)
             first_gpu += tp
             tp_args = ["--tp", str(tp)] if role in role_tp else []
+            tp_args += ["--ep-size", str(role_ep[role])] if role in role_ep else []
             self._start(f"{role}-{i}", [role, "--gateway", gateway, "--worker-id", f"{role}-{i}",
                                         *engine_args, *worker_args, *tp_args], log_level, env_gpu)
 

@@ -82,8 +82,8 @@ class Worker:
             return None
         c = self.config
         return TransferConfig(self.role, self.transfer_backend, c.transfer_timeout_s, self.worker_id,
-                              host=c.host, port=c.port, layer_groups=c.transfer_layer_groups,
-                              cluster_key=c.cluster_key)
+                              host=c.host, port=c.port, advertise_host=c.advertise_host,
+                              layer_groups=c.transfer_layer_groups, cluster_key=c.cluster_key)
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:

@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Our kernels/ package shadows the hub's `kernels` that transformers 5 may use: keep them off.
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 # One torch thread in every test process and in the workers the tests start (they inherit the
 # environment). The tests and their clusters share a few cores; with a thread per core each,
 # OpenMP's barriers wait on descheduled threads, and on a loaded 2-core box a small matmul took
@@ -64,6 +66,23 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed
         cls = transformers.Qwen3ForCausalLM
     elif kind == "mistral":
         config, cls = transformers.MistralConfig(**common, sliding_window=None), transformers.MistralForCausalLM
+    elif kind == "mixtral":  # 8 experts, top 2, renormalised
+        config = transformers.MixtralConfig(**{**common, "intermediate_size": 48},
+                                            num_local_experts=8, num_experts_per_tok=2,
+                                            sliding_window=None)
+        cls = transformers.MixtralForCausalLM
+    elif kind == "qwen2_moe":  # a shared expert; layer 2 of 3 dense (mlp_only_layers)
+        config = transformers.Qwen2MoeConfig(
+            **{**common, "num_hidden_layers": 3}, num_experts=6, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+            mlp_only_layers=[2])
+        cls = transformers.Qwen2MoeForCausalLM
+    elif kind == "qwen3_moe":  # q/k norm, renormalised top 4 of 8; every 2nd layer sparse
+        config = transformers.Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=32, num_experts=8,
+            num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
+            decoder_sparse_step=2)
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -95,6 +114,15 @@ def tiny_checkpoints(tmp_path_factory, default_model_dir) -> dict[str, Path]:
         "qwen3": write_tiny_checkpoint("qwen3", root / "qwen3", default_model_dir, seed=3),
         "mistral": write_tiny_checkpoint("mistral", root / "mistral", default_model_dir, seed=4),
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoints(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    """Tiny random Mixtral, Qwen2-MoE and Qwen3-MoE, written by transformers (per-expert
+    tensor names, as save_pretrained writes them)."""
+    root = tmp_path_factory.mktemp("tiny_moe")
+    return {kind: write_tiny_checkpoint(kind, root / kind, default_model_dir, seed=seed)
+            for kind, seed in (("mixtral", 5), ("qwen2_moe", 6), ("qwen3_moe", 7))}
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ from pd_serve.engine.sampler import PendingSample, Sampler, advance_generator
 from pd_serve.model.config import ModelConfig, resolve_dtype
 from pd_serve.model.llama import use_batch1_kernels
 from pd_serve.model.loader import load_model
+from pd_serve.model.moe import resolve_moe_backend, set_moe_backend
 from pd_serve.model.parallel import TPGroup, shard_model
 
 logger = logging.getLogger(__name__)
@@ -85,8 +86,11 @@ class Executor:
                                     cfg.quantization)
         else:  # every rank loads the whole model on the host and keeps its shard
             full = load_model(model_dir, self.dtype, "cpu", cfg.load_format, cfg.seed, cfg.quantization)
-            self.model = shard_model(full, self.tp).to(self.device)
+            self.model = shard_model(full, self.tp, cfg.ep_size).to(self.device)
             del full
+        self.moe_backend = resolve_moe_backend(cfg.moe_runner_backend, self.device)
+        # the torch MoE syncs with the host: no CUDA graphs around it
+        graphs_ok = not (set_moe_backend(self.model, self.moe_backend) and self.moe_backend == "torch")
         mc = self.model.config  # this rank's shape (its heads) under TP
         kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         k_scales, v_scales = load_kv_scales(model_dir, mc.num_layers, kv_dtype,
@@ -115,7 +119,7 @@ class Executor:
         sampler = Sampler(cfg.seed) if samples else None
         self.runner = ModelRunner(self.model, attn, sampler, layout.page_size)
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph \
-                and self.tp is None:
+                and self.tp is None and graphs_ok:
             max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
             if cfg.scheduler.max_running_requests > cfg.cuda_graph_max_bs:
                 logger.warning("decode batches above %d run without CUDA graphs (eagerly, several "

@@ -14,12 +14,18 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
+    "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "Qwen2MoeForCausalLM": dict(qkv_bias=True, qk_norm=False),
+    "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True),
 }
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +51,19 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0 experts: a dense model); model/moe.py
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer `layer_id` has a sparse MoE block (else a dense MLP)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -87,6 +106,7 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             attention_bias = bool(raw.get("attention_bias", False))
             family = SUPPORTED_ARCHITECTURES[arch]
+            moe = _moe_fields(arch, raw)
             return cls(
                 architecture=arch,
                 hidden_size=hidden,
@@ -100,16 +120,35 @@ class ModelConfig:
                 rope_theta=float(rope_theta),
                 max_position_embeddings=raw.get("max_position_embeddings", 4096),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=family["qkv_bias"] or attention_bias,
+                qkv_bias=bool(raw.get("qkv_bias", family["qkv_bias"])) or attention_bias,
                 o_bias=attention_bias,
                 qk_norm=family["qk_norm"],
                 checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
                 rope_scaling=rope,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                **moe,
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+def _moe_fields(arch: str, raw: dict) -> dict:
+    """The MoE fields of config.json for the MoE architectures ({} for dense ones). Mixtral
+    routes every layer, renormalising its top-k weights; its experts are intermediate_size wide."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=raw["num_local_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
+                    moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True)
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    num_experts = raw.get("num_experts") or raw["num_local_experts"]  # transformers 5 writes the latter
+    return dict(num_experts=num_experts, num_experts_per_tok=raw["num_experts_per_tok"],
+                moe_intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0)
+                if arch == "Qwen2MoeForCausalLM" else 0,
+                decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
+                mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""One decoder for the Llama family: Llama 2/3.x, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k norm).
+"""One decoder for the Llama family: Llama 2/3.x, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k norm),
+and its MoE kin: Mixtral, Qwen2-MoE, Qwen3-MoE (sparse MoE blocks in place of MLPs: moe.py).
 
 The forward pass takes flat tokens of a whole batch (input_ids [T], positions [T]) and an
 attention backend already planned for that batch; it knows nothing of requests or pages.
@@ -24,6 +25,7 @@ from kernels.gemv import linear, linear_silu_and_mul
 from kernels.norm import rms_norm
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
+from pd_serve.model.moe import SparseMoeBlock
 from pd_serve.model.rope import RotaryEmbedding
 
 
@@ -78,10 +80,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+        """intermediate_size: default cfg's (Qwen2-MoE's shared expert has its own)."""
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
@@ -96,7 +100,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if not cfg.is_moe_layer(layer_id):
+            self.mlp = MLP(cfg)
+        else:
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(cfg, MLP(cfg, shared) if shared else None)
 
     def forward(self, x, residual, positions, rope, attn):
         """(x, residual) -> (mlp output, residual stream); residual None at the first layer."""

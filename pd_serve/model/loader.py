@@ -1,5 +1,10 @@
 """Build a CausalLM from a Hugging Face checkpoint folder (single or sharded safetensors).
 
+MoE experts: per-expert tensors (`experts.E.gate_proj` / `up_proj` / `down_proj`, Mixtral's
+`block_sparse_moe.experts.E.w1` / `w3` / `w2`) are stacked into the block's fused
+`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (moe.py); checkpoints that
+store them fused already load as they are.
+
 Quantized checkpoints (GPTQ, FP8; see quant.py) get their decoder linear layers replaced by
 quantized ones before any weight is allocated, and load those from the quantized tensors.
 """
@@ -7,6 +12,7 @@ quantized ones before any weight is allocated, and load those from the quantized
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -28,7 +34,14 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
+# One expert's tensor: (prefix, expert, its name); the name -> (our stacked parameter, part).
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
+                 "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
+                 "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 # A decoder layer's linear layers (our names): what quantization replaces.
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -36,6 +49,8 @@ _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.d
 def _split_sizes(cfg: ModelConfig, fused: str) -> list[int]:
     if "qkv_proj" in fused:
         return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    if "shared_expert" in fused:
+        return [cfg.shared_expert_intermediate_size] * 2
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
@@ -55,6 +70,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         raise ValueError(f"--model {model_dir}: no such directory")
     cfg = ModelConfig.from_dir(model_dir)
     method = quantization_method(model_dir, quantization)
+    if method is not None and cfg.num_experts:
+        raise ValueError(f"{model_dir}: {cfg.architecture} is a mixture of experts; quantization "
+                         f"({method.name}) runs dense models only (for now)")
     keep_dense = torch.device(device).type != "cuda"  # quantized layers run their reference
     if load_format == "dummy" or method is None or not method.checkpoint_quantized:
         model = (dummy_model(cfg, dtype, device, seed) if load_format == "dummy"
@@ -196,6 +214,9 @@ def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
         return  # some tied checkpoints store the head anyway
     if "rotary_emb" in name or kv_scale_target(name) is not None:
         return  # KV-cache scales are the cache's settings (cache/kv_quant.py reads them)
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+    if (expert := _EXPERT.match(name)) is not None:
+        return _load_expert(cfg, params, loaded, name, tensor, path, expert)
     target, part = name, None
     for hf, (ours, index) in _FUSED.items():
         if f".{hf}." in name:
@@ -219,4 +240,29 @@ def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
     param.copy_(tensor)
     loaded.add(target if part is None else f"{target}#{part}")
     if part is not None and all(f"{target}#{i}" in loaded for i in range(len(_split_sizes(cfg, target)))):
+        loaded.add(target)
+
+
+def _load_expert(cfg, params, loaded, name, tensor, path, match) -> None:
+    """One expert's gate, up or down weight into its row of the stacked parameter."""
+    prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+    if kind not in _EXPERT_PARTS or f"{prefix}.gate_up_proj" not in params:
+        raise ValueError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
+    attr, part = _EXPERT_PARTS[kind]
+    target = f"{prefix}.{attr}"
+    param = params[target]
+    if expert >= param.shape[0]:
+        raise ValueError(f"{path}: tensor {name!r}: expert {expert} of {param.shape[0]} "
+                         "(config.json's number of experts)")
+    param = param[expert]
+    if part is not None:
+        size = cfg.moe_intermediate_size
+        param = param.narrow(0, part * size, size)
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"config.json implies {tuple(param.shape)}")
+    param.copy_(tensor)
+    num_parts = 2 if part is not None else 1
+    loaded.add(f"{target}#{expert * num_parts + (part or 0)}")
+    if all(f"{target}#{i}" in loaded for i in range(cfg.num_experts * num_parts)):
         loaded.add(target)

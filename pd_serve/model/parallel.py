@@ -10,6 +10,13 @@ runs on each rank's own heads over its own KV pool, so the shard is a plain Caus
 local shape (shard_config) with these layers swapped in; nothing in llama.py changes but the
 logits gather.
 
+Expert parallelism (MoE models): `--ep-size` equal to `--tp` partitions each MoE block's
+experts over the same ranks (rank r holds experts [r * E / ep, (r + 1) * E / ep)); the router
+is replicated, the shared expert and dense layers' MLPs are split as above. A block's input is
+the same on every rank (after o_proj's all-reduce), so each rank computes its experts' pairs
+and the ranks all-reduce them before the sum over the top k (moe.py): the same rounding as
+one rank.
+
 Quantized linear layers are not sharded (yet): shard_model refuses them.
 """
 
@@ -25,6 +32,7 @@ from torch import nn
 from kernels.gemv import linear
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
+from pd_serve.model.moe import SparseMoeBlock
 from pd_serve.model.quant import QuantLinear
 
 
@@ -49,19 +57,37 @@ class TPGroup:
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
 
-def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The shape one rank's shard computes; a clear ValueError when tp does not divide it."""
+def shard_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
+    """The shape one rank's shard computes; a clear ValueError when tp (or ep) does not divide
+    it. num_experts stays the model's (the router scores all of them)."""
     def check(ok: bool, what: str) -> None:
         if not ok:
             raise ValueError(f"--tp {tp} does not divide this model: {what}")
 
     check(tp >= 1, "tp must be >= 1")
+    check_ep(cfg, tp, ep)
     check(cfg.num_heads % tp == 0, f"{cfg.num_heads} attention heads")
     check(cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0,
           f"{cfg.num_kv_heads} KV heads (tp must divide them, or be a multiple of them)")
     check(cfg.intermediate_size % tp == 0, f"intermediate size {cfg.intermediate_size}")
+    check(cfg.shared_expert_intermediate_size % tp == 0,
+          f"shared expert size {cfg.shared_expert_intermediate_size}")
     return replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=max(1, cfg.num_kv_heads // tp),
-                   intermediate_size=cfg.intermediate_size // tp)
+                   intermediate_size=cfg.intermediate_size // tp,
+                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp)
+
+
+def check_ep(cfg: ModelConfig, tp: int, ep: int) -> None:
+    """--ep-size: 1, or --tp on an MoE model whose experts it divides (else a ValueError)."""
+    if ep == 1 and not (cfg.num_experts and tp > 1):
+        return
+    if not cfg.num_experts:
+        raise ValueError(f"--ep-size {ep}: {cfg.architecture} has no experts")
+    if ep != tp:
+        raise ValueError(f"--tp {tp} --ep-size {ep}: a mixture of experts ({cfg.architecture}) "
+                         f"runs its experts on the --tp ranks: give --ep-size equal to --tp")
+    if cfg.num_experts % ep:
+        raise ValueError(f"--ep-size {ep} does not divide the {cfg.num_experts} experts")
 
 
 def kv_heads_of(rank: int, tp: int, num_kv_heads: int) -> range:
@@ -112,10 +138,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 @torch.no_grad()
-def shard_model(full: CausalLM, tp: TPGroup) -> CausalLM:
-    """This rank's shard of `full` (same device and dtype); `full` is left as it is."""
+def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1) -> CausalLM:
+    """This rank's shard of `full` (same device and dtype); `full` is left as it is.
+    ep_size: --ep-size (1, or tp.size for an MoE model)."""
     cfg = full.config
-    local = shard_config(cfg, tp.size)
+    local = shard_config(cfg, tp.size, ep_size)
     for name, module in full.named_modules():
         if isinstance(module, QuantLinear):
             raise ValueError(f"--tp {tp.size}: {name} is a quantized layer; tensor parallelism "
@@ -136,8 +163,6 @@ def shard_model(full: CausalLM, tp: TPGroup) -> CausalLM:
     kv = kv_heads_of(rank, tp.size, cfg.num_kv_heads)
     k_rows = _rows(cfg.q_size + kv.start * hd, local.kv_size)
     v_rows = _rows(cfg.q_size + cfg.kv_size + kv.start * hd, local.kv_size)
-    mlp = _rows(rank * local.intermediate_size, local.intermediate_size)
-    up = _rows(cfg.intermediate_size + rank * local.intermediate_size, local.intermediate_size)
     for theirs, ours in zip(full.model.layers, model.model.layers):
         a, b = theirs.self_attn, ours.self_attn
         b.qkv_proj.weight.copy_(a.qkv_proj.weight[q_rows + k_rows + v_rows])
@@ -147,8 +172,10 @@ def shard_model(full: CausalLM, tp: TPGroup) -> CausalLM:
         if cfg.qk_norm:
             b.q_norm.weight.copy_(a.q_norm.weight)
             b.k_norm.weight.copy_(a.k_norm.weight)
-        ours.mlp.gate_up_proj.weight.copy_(theirs.mlp.gate_up_proj.weight[mlp + up])
-        ours.mlp.down_proj = RowParallelLinear(theirs.mlp.down_proj.weight[:, mlp].clone(), None, tp)
+        if isinstance(theirs.mlp, SparseMoeBlock):
+            _shard_moe(theirs.mlp, ours.mlp, tp)
+        else:
+            _shard_mlp(theirs.mlp, ours.mlp, tp)
         ours.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
         ours.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
     model.model.norm.weight.copy_(full.model.norm.weight)
@@ -159,6 +186,30 @@ def shard_model(full: CausalLM, tp: TPGroup) -> CausalLM:
                                             requires_grad=False)
     model.tp = tp
     return model.eval()
+
+
+def _shard_mlp(theirs: nn.Module, ours: nn.Module, tp: TPGroup) -> None:
+    """Column-parallel gate/up (this rank's slice of each), row-parallel down."""
+    full = theirs.down_proj.weight.shape[1]
+    per = full // tp.size
+    gate, up = _rows(tp.rank * per, per), _rows(full + tp.rank * per, per)
+    ours.gate_up_proj.weight.copy_(theirs.gate_up_proj.weight[gate + up])
+    ours.down_proj = RowParallelLinear(theirs.down_proj.weight[:, gate].clone(), None, tp)
+
+
+def _shard_moe(theirs: SparseMoeBlock, ours: SparseMoeBlock, tp: TPGroup) -> None:
+    """This rank's experts (ep = tp), the router whole, the shared expert split as an MLP."""
+    per = theirs.experts.gate_up_proj.shape[0] // tp.size
+    first = tp.rank * per
+    ours.experts.gate_up_proj = nn.Parameter(
+        theirs.experts.gate_up_proj[first:first + per].clone(), requires_grad=False)
+    ours.experts.down_proj = nn.Parameter(
+        theirs.experts.down_proj[first:first + per].clone(), requires_grad=False)
+    ours.gate.weight.copy_(theirs.gate.weight)
+    if theirs.shared_expert is not None:
+        _shard_mlp(theirs.shared_expert, ours.shared_expert, tp)
+        ours.shared_expert_gate.weight.copy_(theirs.shared_expert_gate.weight)
+    ours.ep, ours.expert_offset = tp, first
 
 
 def _rows(start: int, size: int) -> list[int]:

@@ -200,8 +200,15 @@ class ReceiverPlane(ABC):
         """Queue the writes `receive` held back (a plane that merges chunks into one copy)."""
 
     def mark(self) -> torch.cuda.Event | None:
-        """An event after every write queued so far; None when they are already done (CPU)."""
+        """An event after every write queued so far; None when they are already done (CPU).
+        Any object with an event's `query()` (True once those writes have ended) serves."""
         return self.stream.record_event() if self.stream is not None else None
+
+    def failed(self) -> dict[str, str]:
+        """Requests whose queued writes failed since the last call: request id -> why. A write
+        fails only where the plane moves data itself after `receive` (nixl reads); once a mark
+        has passed, the failures of the writes before it are here."""
+        return {}
 
     def synchronize(self) -> None:
         """Block until every write queued so far (by `receive` and `flush`) is in the pool."""

@@ -156,7 +156,7 @@ class DecodeRank(_RankPart):
         from pd_serve.transfer.receiver import KVReceiver
         self.receiver = KVReceiver(core.kv_pool, config.backend, host=config.host, port=port,
                                    timeout_s=config.timeout_s, model_layout=model_layout(core),
-                                   key=config.cluster_key)
+                                   key=config.cluster_key, advertise_host=config.advertise_host)
         self.io = self.receiver
 
     def expect(self, request_id: str, page_ids: list[int]) -> None:

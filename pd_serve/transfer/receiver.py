@@ -58,7 +58,7 @@ class _Incoming:
 @dataclass
 class _Landing:
     """Last chunks whose writes were queued before `event` (None: already done)."""
-    event: torch.cuda.Event | None
+    event: torch.cuda.Event | None  # (or the plane's own mark with a query())
     requests: list[tuple[bytes, str]]  # (sender identity, request id)
     marked: float  # when the event was recorded
 
@@ -92,10 +92,12 @@ class KVReceiver:
 
     def __init__(self, pool: KVPool, backend: str = "tcp", host: str = "127.0.0.1",
                  port: int = 0, timeout_s: float = 30.0, stats: TransferStats | None = None,
-                 spin_s: float = 0.0, model_layout: KVLayout | None = None, key: bytes = b""):
+                 spin_s: float = 0.0, model_layout: KVLayout | None = None, key: bytes = b"",
+                 advertise_host: str | None = None):
         """model_layout: the layout senders must announce, with every KV head of the model (a
         tensor-parallel rank's pool holds some of them); default: the pool's. key: the cluster
-        key (b"": messages are not authenticated)."""
+        key (b"": messages are not authenticated). host: where the socket binds (0.0.0.0: every
+        interface); advertise_host: where senders reach it, in `address` (default: host)."""
         self.pool = pool
         self.codec = protocol.Codec(key)
         self.error = ""  # why the I/O thread died ("" while it has not)
@@ -105,7 +107,8 @@ class KVReceiver:
         self.backend = backend
         self.timeout_s = timeout_s
         self.stats = stats or TransferStats("recv", backend)
-        self.plane = make_receiver_plane(backend, pool, timeout_s, host)
+        reachable = advertise_host or host
+        self.plane = make_receiver_plane(backend, pool, timeout_s, reachable)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -114,7 +117,7 @@ class KVReceiver:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        self.address = f"tcp://{reachable}:{port}"
         self._lock = threading.Lock()
         self._expected: dict[str, _Incoming] = {}
         self._deadlines = Deadlines()  # of the _expected records
@@ -309,6 +312,9 @@ class KVReceiver:
             landed = now()
             acks: dict[bytes, list[TransferAck]] = {}  # one message per sender
             with self._lock:
+                failed = self.plane.failed()  # those requests are no longer expected below
+                for request_id, error in failed.items():
+                    self._fail_locked(request_id, error)
                 done = []
                 for identity, request_id in landing.requests:
                     incoming = self._expected.get(request_id)
@@ -319,7 +325,8 @@ class KVReceiver:
                     # not expected: cancelled or timed out here while landing
                     acks.setdefault(identity, []).append(
                         TransferAck(request_id, True) if incoming is not None
-                        else TransferAck(request_id, False, "cancelled by the receiver"))
+                        else TransferAck(request_id, False,
+                                         failed.get(request_id, "cancelled by the receiver")))
                 self._publish(done)
             for identity, rows in acks.items():
                 self._send(identity, TransferAcks(rows))

@@ -6,6 +6,10 @@ All sockets and data-plane calls live on one I/O thread; the caller's methods on
 A receiver's answers are input from the network: one that is not ours is dropped, counted in
 pd_serve:protocol_errors_total{socket="kv-sender"} and logged, and the I/O thread goes on. If it
 dies anyway (a bug), `alive` turns false, `error` says why and every request fails.
+
+A receiver whose connection closes (it exited, or was killed) is dropped with its pairing, so
+the next request to its address says hello again: a receiver started again at the same
+address (a restarted decode worker) is a new peer, with new process groups (torch).
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class KVSender:
         self._deadlines = Deadlines()  # of the _outgoing records
         self._socks: dict[str, zmq.Socket] = {}
         self._addresses: dict[zmq.Socket, str] = {}
+        self._monitors: dict[str, zmq.Socket] = {}  # address -> its socket's disconnect events
         self._stop = threading.Event()
         # A byte on this socket pair wakes the I/O thread when work is queued while it sleeps
         # (`_sleeping`), so it can sleep in one poll over its peers' sockets and the queue.
@@ -259,8 +264,10 @@ class KVSender:
                 for sock, _ in poller.poll(timeout):
                     if isinstance(sock, int):  # the wake-up socket's fd
                         self._drain_wakeups()
-                    else:
+                    elif sock in self._addresses:
                         self._take_reply(sock)
+                    else:  # a monitor: the receiver's connection closed
+                        self._on_disconnect(sock, poller)
                 self._sleeping = False
                 sends: list[_SendJob] = []  # queued sends go out together, per receiver
                 while self._jobs:
@@ -278,8 +285,8 @@ class KVSender:
             logger.exception("the KV sender's I/O thread died")
             self._fail_all(f"the KV sender's I/O thread died: {self.error}")
         finally:
-            for sock in self._socks.values():
-                sock.close()
+            for address in list(self._socks):
+                self._drop_peer(address, poller)
 
     def _fail_all(self, error: str) -> None:
         """After a crash: waiting connects and every request sent or queued fail."""
@@ -330,6 +337,14 @@ class KVSender:
         self._socks[address] = sock
         self._addresses[sock] = address
         poller.register(sock, zmq.POLLIN)
+        self._monitors[address] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller.register(self._monitors[address], zmq.POLLIN)
+
+    def _on_disconnect(self, monitor: zmq.Socket, poller: zmq.Poller) -> None:
+        monitor.recv_multipart()
+        address = next(a for a, m in self._monitors.items() if m is monitor)
+        logger.info("KV receiver %s closed its connection: pairing again on the next send", address)
+        self._drop_peer(address, poller)
 
     def _welcome(self, sock: zmq.Socket, address: str) -> TransferWelcome:
         """The receiver's answer to our hello, if it accepts the pair; else TransferError."""
@@ -476,6 +491,10 @@ class KVSender:
         if sock is not None:
             self._addresses.pop(sock, None)
             poller.unregister(sock)
+            monitor = self._monitors.pop(address)
+            poller.unregister(monitor)
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
         self.plane.drop_peer(address)
 

@@ -19,13 +19,13 @@ WORKER_ARGS = ["--device", TEST_DEVICE, "--max-total-tokens", "8192", "--transfe
 
 def start_cluster(num_prefill=1, num_decode=1, num_colocated=0, model=None, extra=(),
                   gateway_args=("--worker-timeout", "3", "--step-timeout", "30"),
-                  role_tp=None) -> LocalCluster:
+                  role_tp=None, role_ep=None) -> LocalCluster:
     model = model or TEST_MODEL
     engine_args = list(WORKER_ARGS) + (["--model", str(model)] if model else []) + list(extra)
     cluster = LocalCluster(port=free_port(), num_prefill=num_prefill, num_decode=num_decode,
                            num_colocated=num_colocated, engine_args=engine_args,
                            gateway_args=list(gateway_args) + (["--model", str(model)] if model else []),
-                           log_level="warning", role_tp=role_tp)
+                           log_level="warning", role_tp=role_tp, role_ep=role_ep)
     try:
         cluster.wait_ready(timeout_s=240)
     except Exception:

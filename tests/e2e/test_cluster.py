@@ -14,9 +14,11 @@ import pytest
 import torch
 import transformers
 
-from cluster_helpers import health, metrics, start_cluster, wait_idle
+from cluster_helpers import (assert_greedy_completions, health, metrics, start_cluster,
+                             wait_idle)
 from helpers import TEST_DEVICE, assert_greedy_matches, hf_greedy
 from pd_serve import Engine, SamplingParams
+from pd_serve.transfer.backends.nixl import nixl_available
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, in a land far away,",
            "The three primary colours are", "Water boils at", "In 1492,"]
@@ -265,6 +267,26 @@ def test_tiny_qwen3_cluster_equals_colocated(tiny_checkpoints):
             text = ("".join(c.choices[0].delta.content or "" for c in chat if c.choices) if stream
                     else chat.choices[0].message.content)
             assert text == want.text
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl is not installed (pip install pd-serve[nixl])")
+def test_1p1d_over_nixl_equals_colocated(reference):
+    """The KV crosses through NIXL (the decode worker reads it), layer group by layer group."""
+    cluster = start_cluster(1, 1, extra=["--transfer-backend", "nixl", "--transfer-layer-groups", "2"])
+    try:
+        want = [reference.generate([p], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                       ignore_eos=True))[0].text for p in PROMPTS]
+        assert_greedy_completions(cluster, PROMPTS, want, MAX_TOKENS)
+        deadline = time.monotonic() + 5  # worker metrics come with their heartbeat
+        while True:  # each request counted once by the prefill and once by the decode worker
+            m = metrics(cluster.base_url)
+            moved = sum(v for (n, _), v in m.items() if n == "pd_serve:kv_transfers_total")
+            if moved >= 2 * len(PROMPTS) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert moved == 2 * len(PROMPTS)
     finally:
         cluster.stop()
 

@@ -44,6 +44,14 @@ def test_tiny_checkpoints_match_transformers(tiny_checkpoints, kind):
     assert max(matched) >= 16, f"every sequence parted early: {matched}"
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_tiny_moe_checkpoints_match_transformers(tiny_moe_checkpoints, kind):
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 23, 70)]
+    matched = _check_model(tiny_moe_checkpoints[kind], prompts, 32)
+    assert max(matched) >= 16, f"every sequence parted early: {matched}"
+
+
 def test_llama3_rope_scaling_reaches_long_positions(tiny_checkpoints):
     """Past original_max_position_embeddings (64) the llama3 ramp is what decides the tokens."""
     gen = torch.Generator().manual_seed(8)

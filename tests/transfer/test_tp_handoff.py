@@ -24,7 +24,7 @@ from pd_serve.transfer.heads import head_routes, tp_error
 from pd_serve.transfer.receiver import KVReceiver
 
 from peer import LAYOUT, NUM_PAGES, POISON, SEED, poisoned_pool, seeded_pool  # noqa: E402
-from test_transfer import bits, wait_results  # noqa: E402
+from test_transfer import NIXL, bits, wait_results  # noqa: E402
 
 SRC, DST = [5, 2, 9, 30], [40, 3, 17, 8]  # non-contiguous on both sides
 LAYOUT4 = replace(LAYOUT, num_kv_heads=4)
@@ -94,6 +94,9 @@ def _hand_off(peers, layout: KVLayout, backend: str, prefill_tp: int, decode_tp:
     (LAYOUT4, "tcp", 2, 1), (LAYOUT4, "torch", 1, 2), (LAYOUT4, "tcp", 4, 2),
     (LAYOUT, "tcp", 1, 4),  # decode replicates its 2 KV heads over 4 ranks
     (LAYOUT, "torch", 4, 2),  # prefill replicates them
+    # nixl reads parts of pages: a block per token slot
+    pytest.param(LAYOUT4, "nixl", 2, 1, marks=NIXL.marks),
+    pytest.param(LAYOUT, "nixl", 1, 4, marks=NIXL.marks),
 ], ids=lambda v: v if isinstance(v, (str, int)) else f"{v.num_kv_heads}heads")
 def test_heterogeneous_tp_pages_equal_a_homogeneous_run(peers, layout, backend, prefill_tp, decode_tp):
     (whole,) = _hand_off(peers, layout, backend, 1, 1)

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pd_serve.ports import free_port
 from pd_serve.transfer.base import Deadlines, TransferError
 from pd_serve.transfer.receiver import KVReceiver
 from pd_serve.transfer.sender import MESSAGE_DEPTH, KVSender
@@ -18,7 +19,11 @@ from pd_serve.transfer.sender import MESSAGE_DEPTH, KVSender
 from peer import POISON, poisoned_pool, seeded_pool  # noqa: E402
 
 from peer import LAYOUT, NUM_PAGES, SEED  # noqa: E402
-BACKENDS = ["tcp", "torch"]
+from pd_serve.transfer.backends.nixl import nixl_available  # noqa: E402
+
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl is not installed (pip install pd-serve[nixl])"))
+BACKENDS = ["tcp", "torch", NIXL]
 
 
 def wait_results(node, count: int, timeout: float) -> list:
@@ -129,12 +134,16 @@ def test_fp8_sender_fp32_receiver_fails_the_handshake_naming_the_kv_dtype(peers)
     receiver.close()
 
 
-def test_backend_mismatch_and_unknown_backend():
+def test_backend_mismatch_and_unknown_backend(monkeypatch):
+    from pd_serve.transfer.backends import nixl
+
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=5)
     sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "torch", timeout_s=5)
     with pytest.raises(TransferError, match="backend mismatch"):
         sender.connect(receiver.address)
-    with pytest.raises(TransferError, match="'nixl' package, which is not installed; use --transfer-backend torch, ipc or tcp"):
+    monkeypatch.setattr(nixl, "_MODULES", ("no_such_nixl._api",))  # as where it is not installed
+    with pytest.raises(TransferError, match=r"'nixl' package, which is not installed \(pip install "
+                                            r"pd-serve\[nixl\]\); use --transfer-backend torch, ipc or tcp"):
         KVSender(seeded_pool(LAYOUT, 4, SEED), "nixl")
     with pytest.raises(TransferError, match="not one of torch, ipc, tcp, nixl"):
         KVSender(seeded_pool(LAYOUT, 4, SEED), "carrier-pigeon")
@@ -516,3 +525,24 @@ def test_a_reservation_without_a_wait_limit_times_out_only_from_its_first_chunk(
     assert receiver.num_expected == 0
     sender.close()
     receiver.close()
+
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_receiver_started_again_at_its_address_is_paired_again(backend, peers):
+    """A decode worker restarted on its host: bound to every interface, advertised by address,
+    the same port. The sender drops the pairing when the old one's connection closes, so its
+    next send says hello again (torch: a new process group) instead of failing."""
+    port = free_port()
+    sender = peers("sender", backend)
+    for i in range(2):
+        receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), backend, host="0.0.0.0",
+                              port=port, advertise_host="127.0.0.1", timeout_s=10)
+        assert receiver.address == f"tcp://127.0.0.1:{port}"
+        receiver.expect(f"r{i}", [i])
+        assert sender.call("send", request_id=f"r{i}", address=receiver.address,
+                           src_page_ids=[i], dst_page_ids=[i]) == {"ok": True}
+        assert [r["ok"] for r in sender.call("poll", count=1, wait=10)["results"]] == [True]
+        assert [r.ok for r in wait_results(receiver, 1, 10)] == [True]
+        receiver.close()
+        time.sleep(1.0)  # for the sender to hear that the connection closed

@@ -49,3 +49,14 @@ def test_choices_come_from_config():
     kv = next(a for a in build_parser()._subparsers._group_actions[0].choices["chat"]._actions
               if a.dest == "kv_cache_dtype")
     assert tuple(kv.choices) == KV_CACHE_DTYPES
+
+
+def test_a_worker_binding_every_interface_must_say_where_peers_reach_it(monkeypatch):
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
+    parse = lambda *flags: worker_config_from_args(build_parser().parse_args(
+        ["decode", "--gateway", "tcp://10.0.0.1:1", *flags]))
+    config = parse("--host", "0.0.0.0", "--advertise-host", "10.0.0.2")
+    assert (config.host, config.reachable_host) == ("0.0.0.0", "10.0.0.2")
+    assert parse("--host", "10.0.0.3").reachable_host == "10.0.0.3"
+    with pytest.raises(ValueError, match="--advertise-host"):
+        parse("--host", "0.0.0.0")

@@ -8,15 +8,18 @@ from collections import Counter
 import pytest
 import torch
 
-from pd_serve.engine.request import Request
+from pd_serve.engine.executor import CachedRequest
+from pd_serve.engine.plan import NewRequest, sampling_to_wire
 from pd_serve.engine.sampler import Sampler, apply_penalties
 from pd_serve.engine.sampling_params import SamplingParams
 
 
-def make_request(prompt=(0,), output=(), **params) -> Request:
-    """A request with the given prompt/output ids and SamplingParams fields."""
-    req = Request(prompt_token_ids=list(prompt), sampling_params=SamplingParams(**params))
-    req.output_token_ids = list(output)
+def make_request(prompt=(0,), output=(), **params) -> CachedRequest:
+    """A request as the sampler gets it (the executor's), with the given prompt/output ids and
+    SamplingParams fields (the outputs' draws not taken from a seeded generator)."""
+    sampling = sampling_to_wire(SamplingParams(**params))
+    req = CachedRequest(NewRequest("r", list(prompt), len(prompt), [], sampling), vocab_size=0)
+    req.token_ids.extend(output)
     return req
 
 

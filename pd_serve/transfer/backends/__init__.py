@@ -17,8 +17,9 @@ def _planes(backend: str):
         from pd_serve.transfer.backends.ipc import IpcReceiverPlane, IpcSenderPlane
         return IpcReceiverPlane, IpcSenderPlane
     if backend == "nixl":
-        from pd_serve.transfer.backends.nixl import check_nixl
+        from pd_serve.transfer.backends.nixl import NixlReceiverPlane, NixlSenderPlane, check_nixl
         check_nixl()
+        return NixlReceiverPlane, NixlSenderPlane
     raise TransferError(f"--transfer-backend {backend!r} is not one of {', '.join(BACKENDS)}")
 
 

@@ -2,6 +2,8 @@
 
 Pools start independently, so there is no global world: each sender/receiver pair forms its own
 two-rank group at run time. The receiver hosts one TCPStore; each pair uses its own prefix.
+Across hosts, gloo ranks listen on the address their peer reaches: the receiver's advertised
+host, and on the sender the local address of its route to that host.
 
 A chunk is gathered into a staging tensor, sent, received into another and scattered. On the
 GPU nothing here waits on the host: the sender gathers on its stream, from which the send's
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import socket
 from collections import deque
 from datetime import timedelta
 
@@ -31,14 +34,28 @@ SENDER_RANK, RECEIVER_RANK = 0, 1
 NUM_STAGING = 4  # staging tensors in flight per side
 
 
-def _pair_group(store, prefix: str, rank: int, device: torch.device, timeout_s: float):
+def _pair_group(store, prefix: str, rank: int, device: torch.device, timeout_s: float, host: str):
+    """host: the address this rank's gloo pair listens on (its peer must reach it there)."""
     store = dist.PrefixStore(prefix, store)
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # gloo's default device is the one the machine's hostname resolves to, or loopback: neither
+    # need be reachable from the peer (another network namespace or host).
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _local_address_to(host: str, port: int) -> str:
+    """This host's address on the route to host:port (no packet is sent)."""
+    family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
 
 
 def _wait(work, stream: torch.cuda.Stream | None, timeout_s: float) -> None:
@@ -53,7 +70,7 @@ def _wait(work, stream: torch.cuda.Stream | None, timeout_s: float) -> None:
 class TorchReceiverPlane(ReceiverPlane):
     def __init__(self, pool, timeout_s: float, host: str):
         super().__init__(pool, timeout_s)  # self.stream: scatters
-        self.host = host
+        self.host = host  # where senders reach this worker
         self._store: dist.TCPStore | None = None
         self._groups: dict[str, object] = {}
         self._prefixes: dict[str, str] = {}
@@ -78,7 +95,7 @@ class TorchReceiverPlane(ReceiverPlane):
 
     def after_welcome(self, sender_id: str, hello_info: dict) -> None:
         self._groups[sender_id] = _pair_group(self._store, self._prefixes[sender_id], RECEIVER_RANK,
-                                              self.device, self.timeout_s)
+                                              self.device, self.timeout_s, self.host)
 
     def receive(self, sender_id: str, chunk: KVChunk, frames: list,
                 dst_page_ids: list[int] | None) -> None:
@@ -119,10 +136,11 @@ class TorchSenderPlane(SenderPlane):
         self._in_flight: deque = deque()  # (staging, send work)
 
     def connect(self, peer: str, welcome_info: dict) -> None:
-        store = dist.TCPStore(welcome_info["store_host"], welcome_info["store_port"],
-                              is_master=False, timeout=timedelta(seconds=self.timeout_s))
-        self._groups[peer] = _pair_group(store, welcome_info["prefix"], SENDER_RANK,
-                                         self.device, self.timeout_s)
+        store_host, store_port = welcome_info["store_host"], welcome_info["store_port"]
+        store = dist.TCPStore(store_host, store_port, is_master=False,
+                              timeout=timedelta(seconds=self.timeout_s))
+        self._groups[peer] = _pair_group(store, welcome_info["prefix"], SENDER_RANK, self.device,
+                                         self.timeout_s, _local_address_to(store_host, store_port))
 
     def prepare(self, peer: str, chunk: KVChunk, src_page_ids: list[int],
                 ready: torch.cuda.Event | None) -> list:

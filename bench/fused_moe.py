@@ -1,0 +1,119 @@
+"""The fused MoE (kernels/fused_moe.py, Triton) against its torch reference, on one MoE layer
+of Qwen3-30B-A3B's shape (hidden 2048, 128 experts of 768, top 8), at decode and prefill
+token counts.
+
+    python bench/fused_moe.py                                   # GPU: tokens 1, 64, 8192
+    python bench/fused_moe.py --output bench/results/fused-moe-h200.json
+    python bench/fused_moe.py --device cpu --quick              # CPU smoke run
+
+Random weights and router logits (routing as the model routes: select_experts); the two
+outputs are compared (relative error) before anything is timed. The fused side is timed in a
+CUDA graph of --calls calls (it never syncs with the host, so a decode step's graph holds it),
+the reference eagerly (it syncs); medians over --repeats. Reported per token count:
+microseconds per call, the experts hit, the bytes of their weights, and the rate the fused
+side reads them at (the floor at small batches: only the hit experts' weights are read).
+On the CPU the fused side is the reference too, and the figures only show that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/fused_moe.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench._common import device_name, git_commit, sync, write_json  # noqa: E402
+from bench.w4a16 import seconds_per_call  # noqa: E402
+from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts  # noqa: E402
+
+QWEN3_30B_A3B = dict(hidden=2048, inter=768, experts=128, top_k=8)
+QUICK = dict(hidden=64, inter=32, experts=8, top_k=2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", default="1,64,8192", help="comma list of token counts")
+    p.add_argument("--calls", type=int, default=10, help="calls per CUDA graph (default 10)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats (default 5)")
+    p.add_argument("--quick", action="store_true", help="a tiny layer, tokens 1 and 16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="write a JSON result here")
+    args = p.parse_args(argv)
+    try:
+        args.tokens = [int(v) for v in args.tokens.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--tokens takes a comma list of integers, got {args.tokens!r}")
+    if args.quick:
+        args.tokens = [1, 16]
+    if not args.tokens or min(args.tokens) < 1 or args.calls < 1 or args.repeats < 1:
+        p.error("--tokens, --calls and --repeats need positive integers")
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here (use --device cpu)")
+    return args
+
+
+def eager_seconds(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of one call, run eagerly (the reference syncs with the host)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    hidden, inter, experts, top_k = (shape[k] for k in ("hidden", "inter", "experts", "top_k"))
+    gen = torch.Generator(args.device).manual_seed(args.seed)
+    cast = dict(device=args.device, dtype=dtype)
+    x = torch.randn(tokens, hidden, generator=gen, device=args.device).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen, device=args.device) * 0.02).to(**cast)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen, device=args.device) * 0.02).to(**cast)
+    logits = torch.randn(tokens, experts, generator=gen, device=args.device)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    got, want = fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids)
+    rel_err = float((got.float() - want.float()).norm() / want.float().norm())
+    t_fused = seconds_per_call(lambda: fused_moe(x, w13, w2, weights, ids), args.device,
+                               args.calls, args.repeats)
+    t_ref = eager_seconds(lambda: fused_moe_ref(x, w13, w2, weights, ids), args.device, args.repeats)
+    hit = int(ids.unique().numel())
+    weight_bytes = hit * 3 * hidden * inter * w13.element_size()
+    row = {"tokens": tokens, **shape, "experts_hit": hit, "fused_us": t_fused * 1e6,
+           "torch_us": t_ref * 1e6, "speedup": t_ref / t_fused, "hit_weight_bytes": weight_bytes,
+           "fused_weight_gbps": weight_bytes / t_fused / 1e9, "rel_err": rel_err}
+    print(f"T {tokens:>6}: fused {row['fused_us']:9.1f} us ({row['fused_weight_gbps']:7.1f} GB/s "
+          f"of {hit} experts' weights)  torch {row['torch_us']:9.1f} us  speedup "
+          f"{row['speedup']:6.2f}x  rel err {rel_err:.1e}", file=sys.stderr, flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    shape = QUICK if args.quick else QWEN3_30B_A3B
+    rows = [run(shape, tokens, args, dtype) for tokens in args.tokens]
+    bad = [r for r in rows if not r["rel_err"] < 2e-2]
+    for r in bad:
+        print(f"MISMATCH: T {r['tokens']}: fused vs torch rel err {r['rel_err']:.3g}", file=sys.stderr)
+    if args.output:
+        write_json(args.output, {
+            "benchmark": "fused_moe", "device": device_name(args.device), "dtype": str(dtype),
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+            "git_commit": git_commit(), "calls_per_graph": args.calls, "repeats": args.repeats,
+            "rows": rows})
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""A mixture-of-experts layer's experts: top-k routing, then each token through its experts.
+
+    x [T, H], w13 [E, 2I, H] (each expert's [gate | up]), w2 [E, H, I],
+    topk_weights float32 [T, K], topk_ids [T, K]
+    out[t] = sum_k  topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])),
+             e = topk_ids[t, k]
+
+The rounding is transformers' (its default grouped-GEMM experts): each (token, expert) pair's
+gate/up and down outputs are rounded to the dtype, the routing weight multiplies in float32,
+and a token's K products are summed in float32 in top-k order, then rounded once.
+
+`select_experts` is the routing (softmax over the router's logits in float32, torch.topk, so
+ties go as transformers' go; renormalised to sum 1 where the config says), `fused_moe_ref`
+the torch reference (a loop over the experts that received tokens: it syncs with the host).
+
+`fused_moe` runs two Triton kernels over the (token, expert) pairs sorted by expert, each
+expert's run padded to the block size (`moe_align`, as SGLang's and vLLM's
+moe_align_block_size), so every block of rows reads one expert's weights:
+  1. gate/up: a grouped GEMM of the block's tokens with their expert's [gate | up] rows, both
+     halves accumulated side by side, SiLU-and-mul in the epilogue -> [T*K, I];
+  2. down: a grouped GEMM with the expert's down rows, each row times its routing weight ->
+     float32 [T*K, H], summed over K in torch.
+Nothing syncs with the host (the padded length is read on the device, the grid is sized for
+the worst case), so CUDA graphs capture it. It runs on CUDA tensors, or on CPU tensors when
+PD_SERVE_TRITON_CPU=1 (Triton's interpreter); otherwise the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import lazy_kernel
+from kernels.activation import silu_and_mul_ref
+
+# Kernel launches so far; the tests read it to confirm the Triton path really ran.
+triton_launches = 0
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+tl = None  # triton.language, bound when _kernels is first built
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights float32 [T, K], topk_ids int64 [T, K]).
+
+    Softmax in float32 over all experts, the K largest (torch.topk: the order and the choice
+    among equal values are transformers'), renormalised to sum 1 when `renormalize`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
+                  reduce: bool = True) -> torch.Tensor:
+    """Torch reference of the experts (shapes in the module docstring); [T, H] in x's dtype.
+
+    Expert parallelism: w13 / w2 hold experts [expert_offset, expert_offset + E) only; pairs
+    routed elsewhere add zero. reduce=False returns the weighted pairs, float32 [T, K, H], for
+    the ranks to sum before the sum over K (then any EP size rounds as one rank does)."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    local = topk_ids.reshape(-1) - expert_offset  # [T*K]: pair p is token p // K's k-th choice
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    order = local.argsort(stable=True)
+    counts = torch.bincount(local, minlength=num_experts + 1).tolist()  # host sync
+    pairs = x.new_zeros(num_tokens * top_k, x.shape[1])  # [T*K, H]
+    start = 0
+    for expert, count in enumerate(counts[:num_experts]):
+        if count == 0:
+            continue
+        rows = order[start:start + count]
+        start += count
+        h = silu_and_mul_ref(F.linear(x[rows // top_k], w13[expert]))  # [n, I]
+        pairs[rows] = F.linear(h, w2[expert])
+    weighted = pairs.float() * topk_weights.reshape(-1, 1)  # [T*K, H] float32
+    return _finish(weighted.view(num_tokens, top_k, -1), x.dtype, reduce)
+
+
+def _finish(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.Tensor:
+    """float32 [T, K, H] -> the sum over K in top-k order, rounded once (or as it is)."""
+    return weighted.sum(dim=1).to(dtype) if reduce else weighted
+
+
+# ----------------------------------------------------------------------------- Triton
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
+              reduce: bool = True) -> torch.Tensor:
+    """The experts (shapes in the module docstring) by the fused Triton kernels where they run,
+    else `fused_moe_ref` (expert_offset and reduce as there). Returns [T, H] in x's dtype."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    if not _kernels.runs_on(x):
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, reduce)
+    global triton_launches
+    gate_up_kernel, down_kernel = _kernels.load()
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if num_tokens == 0:
+        return _finish(x.new_zeros(0, top_k, hidden, dtype=torch.float32), x.dtype, reduce)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    block_m = 16 if num_tokens * top_k <= 4 * num_experts else 64
+    sorted_ids, block_experts, num_padded = moe_align(topk_ids - expert_offset, num_experts,
+                                                      block_m)
+    num_pairs = num_tokens * top_k
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    h = x.new_empty(num_pairs, inter)  # [T*K, I]
+    block_n, block_k = 64, 32
+    grid = (block_experts.numel(), -(-inter // block_n))
+    gate_up_kernel[grid](x, w13, h, sorted_ids, block_experts, num_padded, num_pairs, top_k,
+                         hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         PRECISION=precision, num_warps=4)
+    out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*K, H]
+    grid = (block_experts.numel(), -(-hidden // block_n))
+    down_kernel[grid](h, w2, out, topk_weights.float().contiguous(), sorted_ids, block_experts,
+                      num_padded, num_pairs, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+    triton_launches += 2
+    return _finish(out.view(num_tokens, top_k, hidden), x.dtype, reduce)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs sorted by expert, each expert's run padded to block_m rows.
+
+    Pair p = t * K + k is token t's k-th expert; ids outside [0, E) (another rank's experts)
+    are left out. Returns sorted_ids int32 [P] (pair ids in expert order, stable, so an
+    expert's pairs keep token order; padding rows hold T*K),
+    block_experts int32 [P / block_m] (the expert of each block of rows; blocks past the used
+    length hold the last expert) and num_padded int32 [1] (rows used). P = T*K + min(E, T*K) *
+    (block_m - 1), rounded up to block_m: the most any routing can use. Torch ops only, no
+    host sync."""
+    flat = topk_ids.reshape(-1).long()  # [T*K]
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: elsewhere
+    num_pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)  # pairs by expert, those elsewhere last
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    size = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((size + 1,), num_pairs, dtype=torch.int32, device=device)
+    dest = torch.where(expert_of < num_experts, (padded_end - padded)[expert_of] + rank, size)
+    sorted_ids[dest] = order.to(torch.int32)
+    sorted_ids = sorted_ids[:size]  # slot `size` took the pairs elsewhere
+    padded_end = padded_end[:num_experts]
+    block_starts = torch.arange(0, size, block_m, device=device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True)
+    block_experts = block_experts.clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
+
+
+@lazy_kernel("the fused MoE")
+def _kernels(triton):
+    """(gate/up + SiLU-and-mul kernel, down + routing-weight kernel)."""
+    @triton.jit
+    def gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, experts_ptr, num_padded_ptr, num_pairs,
+                       top_k, hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+        valid = pairs < num_pairs
+        tokens = (pairs // top_k).to(tl.int64)
+        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of I
+        col_ok = cols < inter
+        w_base = w_ptr + expert * 2 * inter * hidden
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < hidden
+            a = tl.load(x_ptr + tokens[:, None] * hidden + ks[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            w_gate = tl.load(w_base + cols[None, :] * hidden + ks[:, None], mask=w_mask, other=0.0)
+            w_up = tl.load(w_base + (inter + cols[None, :]) * hidden + ks[:, None], mask=w_mask,
+                           other=0.0)  # [BK, BN]
+            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+        dtype = h_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)  # the GEMM's output rounds to the dtype ...
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # ... then silu_and_mul's arithmetic
+        out = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(h_ptr + pairs.to(tl.int64)[:, None] * inter + cols[None, :], out,
+                 mask=valid[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
+                    num_pairs, hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        valid = pairs < num_pairs
+        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
+        col_ok = cols < hidden
+        w_base = w_ptr + expert * hidden * inter
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < inter
+            a = tl.load(h_ptr + pairs[:, None] * inter + ks[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            w = tl.load(w_base + cols[None, :] * inter + ks[:, None],
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0)  # float32 [BM]
+        out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
+        tl.store(out_ptr + pairs[:, None] * hidden + cols[None, :], out,
+                 mask=valid[:, None] & col_ok[None, :])
+
+    return gate_up_kernel, down_kernel
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _check(x, w13, w2, topk_weights, topk_ids) -> None:
+    if x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be [T, H] float32/float16/bfloat16, got {x.dtype} {tuple(x.shape)}")
+    num_experts, two_inter, hidden = w13.shape
+    if hidden != x.shape[1] or two_inter % 2 or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x "
+                         f"{tuple(x.shape)}: want [E, 2I, H] and [E, H, I]")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"weights {w13.dtype}/{w2.dtype} differ from x's {x.dtype}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [T, K] with T = {x.shape[0]}")

@@ -1,0 +1,116 @@
+"""The fused MoE (Triton) against its torch reference, and moe_align's sorted, padded layout.
+
+On CPU the kernels run in Triton's interpreter (tests/kernels/conftest.py). Kernel and reference
+round at the same points (gate/up and down outputs to the dtype, the weighted sum in float32),
+but their GEMMs sum in different orders, so the check allows a few units in the last place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kernels import fused_moe as fm
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CASES = [
+    pytest.param("cpu", torch.float32, id="cpu-float32"),
+    pytest.param("cpu", torch.float16, id="cpu-float16"),
+    *[pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}", marks=needs_cuda)
+      for dtype in (torch.float32, torch.float16, torch.bfloat16)],
+]
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+# (tokens, hidden, intermediate, experts, top k): one decode row, a few rows (block 16), many
+# rows (block 64), sizes that are not multiples of the tiles, more experts than pairs.
+SHAPES = [(1, 64, 32, 8, 2), (7, 96, 48, 6, 2), (80, 64, 64, 4, 2), (5, 40, 24, 16, 4)]
+
+
+def _inputs(shape, device, dtype, seed=0, ties=False):
+    tokens, hidden, inter, experts, top_k = shape
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
+    router = torch.randn(experts, hidden, generator=gen)
+    if ties:  # experts score in equal pairs, and the first rows score every expert alike
+        router = router[torch.arange(experts) // 2]
+        x[:2] = 0.0
+    weights, ids = fm.select_experts(x @ router.T, top_k, renormalize=True)
+    cast = dict(device=device, dtype=dtype)
+    return x.to(**cast), w13.to(**cast), w2.to(**cast), weights.to(device), ids.to(device)
+
+
+@needs_triton
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_fused_moe_equals_the_reference(device, dtype, shape, ties):
+    x, w13, w2, weights, ids = _inputs(shape, device, dtype, ties=ties)
+    if ties:  # the all-alike rows: torch.topk's pick, equal weights
+        assert torch.equal(weights[:2], torch.full_like(weights[:2], 1 / shape[4]))
+    launches = fm.triton_launches
+    got = fm.fused_moe(x, w13, w2, weights, ids)
+    assert fm.triton_launches == launches + 2  # the Triton path ran
+    want = fm.fused_moe_ref(x, w13, w2, weights, ids)
+    rtol, atol = TOLERANCE[dtype]
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align_sorts_and_pads_by_expert(block_m):
+    gen = torch.Generator().manual_seed(1)
+    num_experts, tokens, top_k = 8, 37, 3
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[ids == 5] = 4  # expert 5 gets no token (and some tokens pick 4 twice: fine for the layout)
+    sorted_ids, block_experts, num_padded = fm.moe_align(ids, num_experts, block_m)
+    flat, num_pairs = ids.reshape(-1), ids.numel()
+    used = int(num_padded)
+    assert used % block_m == 0 and sorted_ids.numel() >= used
+    real = sorted_ids[:used][sorted_ids[:used] < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair once
+    assert (sorted_ids[used:] == num_pairs).all()
+    for b in range(used // block_m):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        rows = rows[rows < num_pairs].long()
+        assert len(rows) and (flat[rows] == block_experts[b]).all()  # one expert per block
+        assert (rows.diff() > 0).all()  # stable: token order inside an expert
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+@needs_triton
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("fn", ["fused_moe", "fused_moe_ref"])
+def test_expert_slices_sum_to_the_whole(device, dtype, fn):
+    """Expert parallelism: two ranks' unreduced pairs (experts 0-3 and 4-7), summed, then
+    reduced over K, are bit for bit the one-rank result."""
+    run = getattr(fm, fn)
+    x, w13, w2, weights, ids = _inputs((9, 64, 32, 8, 3), device, dtype, seed=2)
+    halves = [run(x, w13[r * 4:(r + 1) * 4], w2[r * 4:(r + 1) * 4], weights, ids,
+                  expert_offset=r * 4, reduce=False) for r in range(2)]
+    assert halves[0].dtype == torch.float32 and halves[0].shape == (9, 3, 64)
+    whole = run(x, w13, w2, weights, ids)
+    assert torch.equal((halves[0] + halves[1]).sum(dim=1).to(dtype), whole)
+
+
+@needs_cuda
+@pytest.mark.parametrize("device", ["cuda"])
+def test_fused_moe_replays_in_a_cuda_graph(device):
+    """No host sync: captured once, replayed on new inputs and new routing, it follows them."""
+    x, w13, w2, weights, ids = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=3)
+    fm.fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, w13, w2, weights, ids)
+    x2, _, _, weights2, ids2 = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=4)
+    x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, fm.fused_moe_ref(x, w13, w2, weights, ids),
+                               rtol=TOLERANCE[torch.bfloat16][0], atol=TOLERANCE[torch.bfloat16][1])

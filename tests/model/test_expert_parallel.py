@@ -1,0 +1,47 @@
+"""Expert parallelism over gloo: Engine(tp=N, ep_size=N) partitions each MoE block's experts over
+its ranks (follower processes) and generates the one-process engine's greedy tokens: Qwen2-MoE
+(shared expert and a dense layer split by TP) at EP 2, Mixtral at EP 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd_serve import Engine, SamplingParams
+from pd_serve.model.loader import load_model
+from pd_serve.model.parallel import TPGroup, shard_model
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 21, 40)]
+
+
+@pytest.mark.parametrize("kind,ep", [("qwen2_moe", 2), ("mixtral", 4)])
+def test_ep_engine_equals_ep1(tiny_moe_checkpoints, kind, ep):
+    model_dir, prompts = tiny_moe_checkpoints[kind], _prompts(ep)
+    options = dict(device="cpu", max_total_tokens=512, chunked_prefill_size=32)
+    want = [o.token_ids for o in Engine(model_dir, **options).generate(prompts, PARAMS)]
+    engine = Engine(model_dir, tp=ep, ep_size=ep, **options)
+    try:
+        got = [o.token_ids for o in engine.generate(prompts, PARAMS)]
+    finally:
+        engine.close()
+    assert got == want
+
+
+def test_shard_holds_its_experts_and_refusals(tiny_moe_checkpoints):
+    full = load_model(tiny_moe_checkpoints["mixtral"], torch.float32, "cpu")
+    shard = shard_model(full, TPGroup(1, 4), ep_size=4)
+    block, whole = shard.model.layers[0].mlp, full.model.layers[0].mlp
+    assert block.expert_offset == 2 and block.experts.gate_up_proj.shape[0] == 2
+    assert torch.equal(block.experts.down_proj, whole.experts.down_proj[2:4])
+    with pytest.raises(ValueError, match="--ep-size equal to --tp"):
+        shard_model(full, TPGroup(0, 2))
+    with pytest.raises(ValueError, match="does not divide the 6 experts"):
+        shard_model(load_model(tiny_moe_checkpoints["qwen2_moe"], torch.float32, "cpu"),
+                    TPGroup(0, 4), ep_size=4)
+    with pytest.raises(ValueError, match="ep-size"):
+        Engine(tiny_moe_checkpoints["mixtral"], device="cpu", ep_size=2)
