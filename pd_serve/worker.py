@@ -184,6 +184,8 @@ class Worker:
         m.pages_total.set(alloc.num_pages)
         m.running.set(running)
         m.waiting.set(waiting)
+        if core.prefix_cache is not None:
+            m.record_cache(core.prefix_cache)
         sched = core.config.scheduler
         transfer = {} if self.connector is None else {"transfer_backend": self.transfer_backend}
         if self.role == "decode":

@@ -8,7 +8,12 @@ Ownership is the allocator's refcount: the cache holds one reference on each cac
 request that reuses a page holds another (allocator.incref at match). A page whose only holder
 is the cache can be evicted. A request that uses a node has matched its whole path, so a node's
 ancestors are held at least as often as the node: the evictable pages are the nodes whose
-refcount is 1, and eviction takes least recently used leaves first, working up.
+refcount is 1, and eviction takes least recently inserted leaves first, working up.
+
+Eviction pops candidate leaves from a heap instead of scanning the tree: a leaf is pushed when
+an insert ends at it (every request that used it inserts its path when it ends) or when its
+last child is evicted; entries that are stale (touched since, no longer a leaf, evicted) or in
+use are dropped when popped, and the node's next push brings it back.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pd_serve.cache.allocator import PageAllocator
 
 
 class _Node:
-    __slots__ = ("key", "page_id", "parent", "children", "last_used")
+    __slots__ = ("key", "page_id", "parent", "children", "last_used")  # parent None: evicted
 
     def __init__(self, key: tuple, page_id: int, parent: "_Node | None", last_used: int):
         self.key, self.page_id, self.parent, self.last_used = key, page_id, parent, last_used
@@ -33,6 +38,8 @@ class PrefixCache:
         self.page_size = page_size
         self._clock = itertools.count(1)
         self.root = _Node((), -1, None, 0)
+        self._leaves: list[tuple[int, int, _Node]] = []  # heap of (last_used, seq, node)
+        self._seq = itertools.count()
         self.num_pages = 0  # pages the cache holds a reference on
         self.hit_tokens = 0  # totals, for metrics: tokens found / looked up at admission
         self.query_tokens = 0
@@ -44,8 +51,8 @@ class PrefixCache:
 
     def match(self, token_ids: list[int], max_pages: int | None = None) -> list[int]:
         """The cached pages of token_ids' longest cached prefix (at most max_pages), each
-        incref'd for the caller, who frees them like its own."""
-        pages = self._walk(token_ids, max_pages, touch=True)
+        incref'd for the caller, who gives them back like its own (insert, then free)."""
+        pages = [node.page_id for node in self._path(token_ids, max_pages)]
         self.allocator.incref(pages)
         self.query_tokens += len(token_ids)
         self.hit_tokens += len(pages) * self.page_size
@@ -53,24 +60,18 @@ class PrefixCache:
 
     def match_length(self, token_ids: list[int]) -> int:
         """Tokens of token_ids' longest cached prefix (no reference taken; for ordering)."""
-        return len(self._walk(token_ids, None, touch=False)) * self.page_size
+        return len(self._path(token_ids)) * self.page_size
 
-    def _walk(self, token_ids: list[int], max_pages: int | None, touch: bool) -> list[int]:
-        return [node.page_id for node in self._path(token_ids, max_pages, touch)]
-
-    def _path(self, token_ids: list[int], max_pages: int | None = None, touch: bool = False) -> list[_Node]:
+    def _path(self, token_ids: list[int], max_pages: int | None = None) -> list[_Node]:
         """The nodes of token_ids' longest cached prefix, root excluded."""
         n = len(token_ids) // self.page_size
         if max_pages is not None:
             n = min(n, max_pages)
         node, path = self.root, []
-        now = next(self._clock) if touch else 0
         for key in self._keys(token_ids, n):
             node = node.children.get(key)
             if node is None:
                 break
-            if touch:
-                node.last_used = now
             path.append(node)
         return path
 
@@ -114,29 +115,40 @@ class PrefixCache:
                 child.last_used = now
                 duplicates.append(page_id)
             node = child
+        if node is not self.root and not node.children:
+            self._push(node)
         return duplicates
+
+    def _push(self, node: _Node) -> None:
+        heapq.heappush(self._leaves, (node.last_used, next(self._seq), node))
 
     def evict(self, num_pages: int) -> int:
         """Give back to the allocator up to num_pages pages only the cache holds, least
         recently used leaves first; returns how many."""
         refcount = self.allocator.refcount
-        heap = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and refcount(n.page_id) == 1]
-        heapq.heapify(heap)
         evicted = 0
-        while heap and evicted < num_pages:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
+        while self._leaves and evicted < num_pages:
+            last_used, _, node = heapq.heappop(self._leaves)
+            if node.parent is None or node.children or node.last_used != last_used \
+                    or refcount(node.page_id) != 1:
+                continue  # stale, or in use (pushed again when its user inserts its path)
+            parent, node.parent = node.parent, None
             del parent.children[node.key]
             self.allocator.free([node.page_id])
             self.num_pages -= 1
             evicted += 1
-            if parent is not self.root and not parent.children and refcount(parent.page_id) == 1:
-                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+            if parent is not self.root and not parent.children:
+                self._push(parent)
+        if len(self._leaves) > 4 * self.num_pages + 64:  # drop stale entries now and then
+            self._leaves = [e for e in self._leaves if e[2].parent is not None and not e[2].children]
+            heapq.heapify(self._leaves)
         self.evicted_pages += evicted
         return evicted
 
     def flush(self) -> int:
         """Evict every page only the cache holds; returns how many."""
+        self._leaves = [(n.last_used, next(self._seq), n) for n in self._nodes() if not n.children]
+        heapq.heapify(self._leaves)
         return self.evict(self.num_pages)
 
     def num_evictable_pages(self) -> int:

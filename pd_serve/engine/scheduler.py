@@ -248,7 +248,7 @@ class Scheduler:
     def _unmatch_prefix(self, request: Request) -> None:
         """Undo _match_prefix for a request that stays in the queue: it holds no pages there."""
         if request.page_ids and request.status is RequestStatus.WAITING:
-            self.allocator.free(request.page_ids)
+            self._give_back(request.all_token_ids[:request.num_computed_tokens], request.page_ids)
             request.page_ids = []
             request.num_computed_tokens = 0
 

@@ -45,7 +45,7 @@ def test_eviction_takes_least_recently_used_leaves_that_only_the_cache_holds():
     cache = PrefixCache(alloc, PS)
     a = cached(alloc, cache, [1] * 8)  # a chain of two pages
     b = cached(alloc, cache, [2] * 8)
-    cache.match([1] * 8)  # a is in use (and more recent)
+    cache.match([1] * 8)  # a is in use
     assert alloc.num_free_pages == 2
     assert cache.evict(1) == 1 and alloc.refcount(b[1]) == 0  # b's leaf first
     assert cache.evict(5) == 1 and alloc.refcount(b[0]) == 0  # then its parent; a is held
@@ -164,3 +164,22 @@ def test_engine_tokens_equal_with_the_cache_on_and_off(tiny_checkpoints, overlap
         assert [o.token_ids for o in on.generate(wave, params)] == want
     assert on.prefix_cache.hit_tokens > 0 and on.prefix_cache.evicted_pages > 0
     assert_pages_settled(on)
+
+
+def test_worker_metrics_follow_the_cache_totals():
+    from prometheus_client import generate_latest
+
+    from pd_serve.role import WorkerMetrics
+
+    alloc = PageAllocator(8)
+    cache = PrefixCache(alloc, PS)
+    cached(alloc, cache, list(range(8)))
+    alloc.free(cache.match(list(range(9))))  # 8 of 9 tokens found
+    metrics = WorkerMetrics()
+    metrics.record_cache(cache)
+    cache.flush()
+    metrics.record_cache(cache)  # totals, not increments: nothing counted twice
+    text = generate_latest(metrics.registry).decode()
+    for line in ("pd_serve:prefix_cache_hit_tokens_total 8.0", "pd_serve:prefix_cache_query_tokens_total 9.0",
+                 "pd_serve:prefix_cache_evicted_pages_total 2.0", "pd_serve:prefix_cache_pages 0.0"):
+        assert line in text
