@@ -19,7 +19,7 @@ MOE_RUNNER_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("fp8", "gptq")  # --quantization; None: as the checkpoint says
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
 TRANSFER_BACKENDS = ("auto", "torch", "ipc", "tcp", "nixl")
-PREFILL_POLICIES = ("round_robin", "least_load", "prefix")
+PREFILL_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
 DECODE_POLICIES = ("round_robin", "least_load")
 
 
@@ -184,7 +184,14 @@ class GatewayConfig:
     control_host: str = _opt("127.0.0.1", "address workers register on")
     control_port: int = _opt(0, "port workers register on")  # 0: any free port
     served_model_name: str = _opt("default", "the id clients name (default: the folder name)")
-    prefill_policy: str = _opt("least_load", choices=PREFILL_POLICIES)
+    prefill_policy: str = _opt(
+        "cache_aware", "which prefill (and colocated) worker computes a prompt: cache_aware (the "
+        "longest cached prefix, unless the load is out of balance), round_robin, least_load, "
+        "prefix (a hash of the first 64 tokens)", choices=PREFILL_POLICIES)
+    balance_abs_threshold: int = _opt(
+        64, "cache_aware: route by load, not cache, once the busiest and the idlest worker's "
+        "requests differ by more than this ...")
+    balance_rel_threshold: float = _opt(1.5, "... and the busiest has more than this times the idlest's")
     decode_policy: str = _opt("least_load", choices=DECODE_POLICIES)
     worker_timeout_s: float = _opt(10.0, "seconds without a heartbeat before a worker is dropped",
                                    flag="--worker-timeout")
