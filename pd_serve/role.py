@@ -30,7 +30,8 @@ class WorkerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.pages_used = Gauge("pd_serve:kv_pages_used", "KV pages in use", registry=r)
+        self.pages_used = Gauge("pd_serve:kv_pages_used", "KV pages requests hold (the prefix "
+                                "cache's own: prefix_cache_pages)", registry=r)
         self.pages_total = Gauge("pd_serve:kv_pages_total", "KV pages in the pool", registry=r)
         self.running = Gauge("pd_serve:num_requests_running", "requests in the batch", registry=r)
         self.waiting = Gauge("pd_serve:num_requests_waiting", "requests queued", registry=r)

@@ -180,7 +180,8 @@ class Worker:
         core, alloc = self.core, self.core.allocator
         running, waiting = self.scheduler.load()
         m = self.metrics
-        m.pages_used.set(alloc.num_used_pages)
+        available = core.scheduler.num_available_pages()
+        m.pages_used.set(alloc.num_pages - available)
         m.pages_total.set(alloc.num_pages)
         m.running.set(running)
         m.waiting.set(waiting)
@@ -193,7 +194,7 @@ class Worker:
         return WorkerStatus(
             worker_id=self.worker_id, role=self.role, model=str(core.model_dir),
             incarnation=self.incarnation, layout=dataclasses.asdict(model_layout(core)),
-            tp=core.config.tp, num_pages=alloc.num_pages, num_free_pages=self.core.scheduler.num_available_pages(),
+            tp=core.config.tp, num_pages=alloc.num_pages, num_free_pages=available,
             num_running=running, num_waiting=waiting,
             max_running_requests=sched.max_running_requests,
             max_prefill_tokens=sched.chunked_prefill_size if sched.chunked_prefill_size > 0
