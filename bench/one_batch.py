@@ -414,7 +414,7 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
             "chunked_prefill_size": chunk, "context_length": config.context_length,
             "cuda_graph_max_bs": config.cuda_graph_max_bs,
             "kv_bytes_per_token": kv_bytes_per_token}
-    return EngineCore(config), info
+    return EngineCore(config, prefix_cache=False), info  # repeats compute every token
 
 
 def engine_cases(bench: Bench, core: EngineCore, kv: dict) -> None:

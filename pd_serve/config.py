@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
-SCHEDULE_POLICIES = ("fcfs", "priority")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
@@ -19,7 +19,7 @@ MOE_RUNNER_BACKENDS = ("auto", "triton", "torch")
 QUANTIZATIONS = ("fp8", "gptq")  # --quantization; None: as the checkpoint says
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
 TRANSFER_BACKENDS = ("auto", "torch", "ipc", "tcp", "nixl")
-PREFILL_POLICIES = ("round_robin", "least_load", "prefix")
+PREFILL_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
 DECODE_POLICIES = ("round_robin", "least_load")
 
 
@@ -38,6 +38,9 @@ class CacheConfig:
         "auto", "auto: the model dtype; fp8_e4m3 / fp8_e5m2: FP8 pages, half the bytes of bf16, "
         "scaled by the checkpoint's k_scale/v_scale (else 1.0); prefill and decode workers must "
         "use the same", choices=KV_CACHE_DTYPES)
+    disable_radix_cache: bool = _opt(
+        False, "do not keep finished requests' KV pages for later prompts that share their prefix "
+        "(the prefix cache; decode workers never keep them)")
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "--page-size", self.page_size, "must be >= 1")
@@ -54,7 +57,10 @@ class CacheConfig:
 class SchedulerConfig:
     max_running_requests: int = _opt(256)
     chunked_prefill_size: int = _opt(2048, "max prefill tokens per step; -1 disables chunking")
-    schedule_policy: str = _opt("fcfs", choices=SCHEDULE_POLICIES)
+    schedule_policy: str = _opt(
+        "fcfs", "admission order: fcfs; lpm (longest cached prefix first); dfs-weight (requests "
+        "that share a cached prefix together); random; priority (smaller first)",
+        choices=SCHEDULE_POLICIES)
 
     def __post_init__(self) -> None:
         _check(self.max_running_requests >= 1, "--max-running-requests",
@@ -178,7 +184,14 @@ class GatewayConfig:
     control_host: str = _opt("127.0.0.1", "address workers register on")
     control_port: int = _opt(0, "port workers register on")  # 0: any free port
     served_model_name: str = _opt("default", "the id clients name (default: the folder name)")
-    prefill_policy: str = _opt("least_load", choices=PREFILL_POLICIES)
+    prefill_policy: str = _opt(
+        "cache_aware", "which prefill (and colocated) worker computes a prompt: cache_aware (the "
+        "longest cached prefix, unless the load is out of balance), round_robin, least_load, "
+        "prefix (a hash of the first 64 tokens)", choices=PREFILL_POLICIES)
+    balance_abs_threshold: int = _opt(
+        64, "cache_aware: route by load, not cache, once the busiest and the idlest worker's "
+        "requests differ by more than this ...")
+    balance_rel_threshold: float = _opt(1.5, "... and the busiest has more than this times the idlest's")
     decode_policy: str = _opt("least_load", choices=DECODE_POLICIES)
     worker_timeout_s: float = _opt(10.0, "seconds without a heartbeat before a worker is dropped",
                                    flag="--worker-timeout")

@@ -30,12 +30,30 @@ class WorkerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.pages_used = Gauge("pd_serve:kv_pages_used", "KV pages in use", registry=r)
+        self.pages_used = Gauge("pd_serve:kv_pages_used", "KV pages requests hold (the prefix "
+                                "cache's own: prefix_cache_pages)", registry=r)
         self.pages_total = Gauge("pd_serve:kv_pages_total", "KV pages in the pool", registry=r)
         self.running = Gauge("pd_serve:num_requests_running", "requests in the batch", registry=r)
         self.waiting = Gauge("pd_serve:num_requests_waiting", "requests queued", registry=r)
         self.prompt_tokens = Counter("pd_serve:prompt_tokens", "prompt tokens computed", registry=r)
         self.generation_tokens = Counter("pd_serve:generation_tokens", "tokens generated", registry=r)
+        self.cache_hit_tokens = Counter("pd_serve:prefix_cache_hit_tokens",
+                                        "prompt tokens whose KV the prefix cache held", registry=r)
+        self.cache_query_tokens = Counter("pd_serve:prefix_cache_query_tokens",
+                                          "prompt tokens looked up in the prefix cache", registry=r)
+        self.cache_evicted_pages = Counter("pd_serve:prefix_cache_evicted_pages",
+                                           "pages the prefix cache gave back", registry=r)
+        self.cache_pages = Gauge("pd_serve:prefix_cache_pages", "pages the prefix cache holds", registry=r)
+        self._cache_totals = (0, 0, 0)
+
+    def record_cache(self, cache) -> None:
+        """Bring the prefix cache's series up to its totals (cache/radix.py keeps them)."""
+        totals = (cache.hit_tokens, cache.query_tokens, cache.evicted_pages)
+        for counter, now, before in zip((self.cache_hit_tokens, self.cache_query_tokens,
+                                         self.cache_evicted_pages), totals, self._cache_totals):
+            counter.inc(now - before)
+        self._cache_totals = totals
+        self.cache_pages.set(cache.num_pages)
 
 
 def new_token_row(request: Request, reason: FinishReason | None) -> TokenDelta:

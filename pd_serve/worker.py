@@ -48,7 +48,8 @@ class Worker:
         self.codec = protocol.Codec(config.cluster_key)
         transfer = self.transfer_config()
         self.core = EngineCore(config.engine, tp_follower_io=None if transfer is None
-                               else functools.partial(connector.follower_io, transfer))
+                               else functools.partial(connector.follower_io, transfer),
+                               prefix_cache=role != "decode")
         self.core.warmup()
         # prefill and decode: the KV hand-off over every TP rank
         self.connector = None if transfer is None else connector.connector(transfer, self.core)
@@ -179,10 +180,13 @@ class Worker:
         core, alloc = self.core, self.core.allocator
         running, waiting = self.scheduler.load()
         m = self.metrics
-        m.pages_used.set(alloc.num_used_pages)
+        available = core.scheduler.num_available_pages()
+        m.pages_used.set(alloc.num_pages - available)
         m.pages_total.set(alloc.num_pages)
         m.running.set(running)
         m.waiting.set(waiting)
+        if core.prefix_cache is not None:
+            m.record_cache(core.prefix_cache)
         sched = core.config.scheduler
         transfer = {} if self.connector is None else {"transfer_backend": self.transfer_backend}
         if self.role == "decode":
@@ -190,7 +194,7 @@ class Worker:
         return WorkerStatus(
             worker_id=self.worker_id, role=self.role, model=str(core.model_dir),
             incarnation=self.incarnation, layout=dataclasses.asdict(model_layout(core)),
-            tp=core.config.tp, num_pages=alloc.num_pages, num_free_pages=alloc.num_free_pages,
+            tp=core.config.tp, num_pages=alloc.num_pages, num_free_pages=available,
             num_running=running, num_waiting=waiting,
             max_running_requests=sched.max_running_requests,
             max_prefill_tokens=sched.chunked_prefill_size if sched.chunked_prefill_size > 0

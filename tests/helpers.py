@@ -56,3 +56,19 @@ EVAL_TEXT = Path(__file__).parent / "data" / "eval_text.txt"
 
 def eval_token_ids(tokenizer) -> list[int]:
     return tokenizer.encode(EVAL_TEXT.read_text())
+
+
+def pages_settled(core) -> bool:
+    """Every KV page free or held by the prefix cache alone (no request holds one)."""
+    alloc, cache = core.allocator, core.prefix_cache
+    return alloc.num_free_pages + (0 if cache is None else cache.num_evictable_pages()) == alloc.num_pages
+
+
+def assert_pages_settled(core) -> None:
+    """pages_settled, then every page free once the prefix cache is flushed."""
+    alloc = core.allocator
+    assert pages_settled(core), f"{alloc.num_used_pages} pages in use with no request running"
+    if core.prefix_cache is not None:
+        core.prefix_cache.flush()
+        assert core.prefix_cache.num_pages == 0
+    assert alloc.num_free_pages == alloc.num_pages

@@ -39,6 +39,9 @@ class PageAllocator:
             self._refcounts[page_id] = 1
         return page_ids
 
+    def refcount(self, page_id: int) -> int:
+        return self._refcounts[page_id]
+
     def incref(self, page_ids: list[int]) -> None:
         """Share pages (prefix caching): each needs one more free() before it is free again."""
         for page_id in page_ids:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pd_serve.cache.allocator import PageAllocator
+from pd_serve.cache.radix import PrefixCache
 from pd_serve.config import EngineConfig
 from pd_serve.engine import tp_group
 from pd_serve.engine.executor import Executor, resolve_device
@@ -44,10 +45,12 @@ PR_SET_PDEATHSIG = 1
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tp_follower_io=None):
+    def __init__(self, config: EngineConfig, tp_follower_io=None, prefix_cache: bool = True):
         """tp_follower_io(executor, rank, reports): builds a follower rank's part of the KV
         hand-off in its process (picklable; see follow()), for a prefill or decode worker under
-        --tp; its reports reach rank 0 on `tp_reports`."""
+        --tp; its reports reach rank 0 on `tp_reports`. prefix_cache: keep ended requests'
+        pages for later prompts (cache/radix.py) unless --disable-radix-cache (a decode worker
+        passes False)."""
         self.config = config
         cfg = config
         self.model_dir, model_config, self.max_model_len = resolve_model(cfg)
@@ -67,8 +70,11 @@ class EngineCore:
         self.device, self.dtype, self.model, self.model_config = ex.device, ex.dtype, ex.model, ex.model_config
         self.kv_pool, self.runner, self.attention_backend = ex.kv_pool, ex.runner, ex.attention_backend
         self.allocator = PageAllocator(self.kv_pool.num_pages)
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator, self.kv_pool.layout.page_size,
-                                   self.max_model_len)
+        page_size = self.kv_pool.layout.page_size
+        self.prefix_cache = (PrefixCache(self.allocator, page_size)
+                             if prefix_cache and not cfg.cache.disable_radix_cache else None)
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, page_size, self.max_model_len,
+                                   self.prefix_cache)
         self.plans = PlanBuilder()
         # PD_SERVE_OVERLAP_CPU=1 turns it on for CPU too (where nothing runs asynchronously): for
         # tests of its bookkeeping in real workers.
@@ -109,6 +115,8 @@ class EngineCore:
             self.step()
         self.scheduler.finish(request, FinishReason.ABORT)
         self.drain()
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (one line, naming the limit) for a request this worker cannot take."""

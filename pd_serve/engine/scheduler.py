@@ -5,18 +5,25 @@ StepPlan; the executor runs it without touching scheduler state; update() takes 
 tokens back.
 
 Under the overlap schedule (engine/core.py) a step can still be running on the device when
-requests end or are preempted: their pages are freed only once the device is done with every
-step launched so far (launched() / completed()), so no other writer (a KV transfer into a
+requests end or are preempted: their pages are given back only once the device is done with
+every step launched so far (launched() / completed()), so no other writer (a KV transfer into a
 reserved page) can meet a write of that step.
+
+With a prefix cache (cache/radix.py) a request admitted from the queue starts on the cached
+pages of its longest cached prefix (num_computed_tokens past them), an ended request's full
+computed pages go into the cache instead of back to the pool, and a reservation the pool cannot
+meet evicts cached pages first.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass, field
 
 from pd_serve.cache.allocator import PageAllocator
 from pd_serve.cache.pool import pages_for
+from pd_serve.cache.radix import PrefixCache
 from pd_serve.config import SchedulerConfig
 from pd_serve.engine.plan import NewRequest, RequestDiff, StepChunk, StepPlan, sampling_to_wire
 from pd_serve.engine.request import FinishReason, Request, RequestStatus
@@ -47,12 +54,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 max_model_len: int = 1 << 62):
-        """max_model_len: the context length (a request at it gets no more steps)."""
+                 max_model_len: int = 1 << 62, cache: PrefixCache | None = None):
+        """max_model_len: the context length (a request at it gets no more steps); cache: the
+        prefix cache over allocator's pages (None: none)."""
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
         self.max_model_len = max_model_len
+        self.cache = cache
+        self._random = random.Random(0)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._num_launched = 0  # steps handed to the device
@@ -77,6 +87,11 @@ class Scheduler:
             self.finish(request, FinishReason.ABORT)
         return request is not None
 
+    def num_available_pages(self) -> int:
+        """Pages a reservation can get now: free ones and those only the prefix cache holds."""
+        cached = 0 if self.cache is None else self.cache.num_evictable_pages()
+        return self.allocator.num_free_pages + cached
+
     def has_unfinished(self) -> bool:
         """Requests to run, or pages still waiting for a step in flight (step again to settle)."""
         return bool(self.waiting or self.running or self._num_launched > self._num_completed)
@@ -89,15 +104,15 @@ class Scheduler:
     def completed(self, step: int) -> None:
         """Steps up to number `step` are done on the device: free the pages held back for them."""
         self._num_completed = max(self._num_completed, step)
-        for _, pages in [d for d in self._deferred if d[0] <= step]:
-            self.allocator.free(pages)
+        for _, token_ids, pages in [d for d in self._deferred if d[0] <= step]:
+            self._give_back(token_ids, pages)
         self._deferred = [d for d in self._deferred if d[0] > step]
 
     def reserve_prompt(self, request: Request) -> bool:
         """Give a request that is in no table pages for its whole prompt, whose KV will come
         from elsewhere (decode); False when the pool has no room. The caller owns the pages
         until add_running() or release()."""
-        page_ids = self.allocator.allocate(pages_for(request.num_prompt_tokens, self.page_size))
+        page_ids = self._allocate(pages_for(request.num_prompt_tokens, self.page_size))
         if page_ids is None:
             return False
         request.page_ids = page_ids
@@ -146,12 +161,14 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num))
             budget -= num
         # Then admit waiting requests while there is budget, room and no preemption this step.
-        self.waiting.sort(key=self._priority_key)
+        self._order_waiting()
         while self.waiting and not out.preempted and budget > 0 \
                 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
+            self._match_prefix(request)
             num = min(request.num_uncomputed_tokens, budget)
             if not self._reserve(request, num):
+                self._unmatch_prefix(request)
                 if not self.running and not out.chunks:
                     self._finish_too_large(request, out)
                     continue
@@ -203,11 +220,52 @@ class Scheduler:
         return max(0, total - len(request.page_ids))
 
     def _reserve(self, request: Request, num: int) -> bool:
-        page_ids = self.allocator.allocate(self._pages_needed(request, num))
+        page_ids = self._allocate(self._pages_needed(request, num))
         if page_ids is None:
             return False
         request.page_ids.extend(page_ids)
         return True
+
+    def _allocate(self, num_pages: int) -> list[int] | None:
+        """num_pages from the pool, evicting cached pages if it is short; None: no room."""
+        short = num_pages - self.allocator.num_free_pages
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.allocator.allocate(num_pages)
+
+    def _match_prefix(self, request: Request) -> None:
+        """A request about to be admitted with nothing computed starts on the cached pages of
+        its prompt's (and outputs', after a preemption) longest cached prefix, leaving at least
+        one token to compute (its logits give the next token)."""
+        if self.cache is None or request.page_ids or request.num_computed_tokens:
+            return
+        max_pages = (request.num_known_tokens - 1) // self.page_size
+        request.page_ids = self.cache.match(request.all_token_ids, max_pages)
+        request.num_computed_tokens = len(request.page_ids) * self.page_size
+        if not request.num_preemptions:
+            request.num_cached_tokens = request.num_computed_tokens
+
+    def _unmatch_prefix(self, request: Request) -> None:
+        """Undo _match_prefix for a request that stays in the queue: it holds no pages there."""
+        if request.page_ids and request.status is RequestStatus.WAITING:
+            self._give_back(request.all_token_ids[:request.num_computed_tokens], request.page_ids)
+            request.page_ids = []
+            request.num_computed_tokens = 0
+
+    def _order_waiting(self) -> None:
+        """The queue in admission order under --schedule-policy."""
+        policy = self.config.schedule_policy
+        if policy == "random":
+            self._random.shuffle(self.waiting)
+        elif policy in ("lpm", "dfs-weight") and self.cache is not None:
+            self.waiting.sort(key=self._priority_key)
+            if policy == "lpm":
+                lengths = {id(r): self.cache.match_length(r.all_token_ids) for r in self.waiting}
+                self.waiting.sort(key=lambda r: -lengths[id(r)])  # stable: fcfs among equals
+            else:
+                self.waiting = self.cache.dfs_order(self.waiting, lambda r: r.all_token_ids)
+        else:
+            self.waiting.sort(key=self._priority_key)
 
     def _reserve_or_preempt(self, request: Request, num: int, out: SchedulerOutput) -> bool:
         """Reserve pages for `num` more tokens, preempting the lowest-priority requests if needed.
@@ -243,12 +301,28 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         if request.page_ids:
+            # the full pages whose tokens are known and whose KV is computed (or being computed
+            # by a step in flight, which the deferral waits for) can serve later prompts
+            num_cached = 0
+            if self.cache is not None:
+                computed = min(request.num_computed_tokens, request.num_known_tokens)
+                num_cached = min(computed // self.page_size, len(request.page_ids))
+            token_ids = request.all_token_ids[:num_cached * self.page_size]
             if self._num_launched > self._num_completed:
-                self._deferred.append((self._num_launched, request.page_ids))
+                self._deferred.append((self._num_launched, token_ids, request.page_ids))
             else:
-                self.allocator.free(request.page_ids)
+                self._give_back(token_ids, request.page_ids)
         request.page_ids = []
         request.num_computed_tokens = 0
+
+    def _give_back(self, token_ids: list[int], page_ids: list[int]) -> None:
+        """Pages of an ended request: the ones holding token_ids to the cache, the rest (and
+        the cache's duplicates) to the pool."""
+        num_cached = len(token_ids) // self.page_size
+        rest = page_ids[num_cached:]
+        if num_cached:
+            rest = self.cache.insert(token_ids, page_ids[:num_cached]) + rest
+        self.allocator.free(rest)
 
 
 class PlanBuilder:

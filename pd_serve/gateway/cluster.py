@@ -79,9 +79,10 @@ class Cluster(TokenSource):
         self.gateway_id = secrets.token_hex(8)  # this incarnation; workers drop what others sent
         self.codec = protocol.Codec(config.cluster_key)
         self.workers: dict[str, WorkerState] = {}
-        self.routers = {"prefill": Router(config.prefill_policy, "prefill"),
+        balance = (config.balance_abs_threshold, config.balance_rel_threshold)
+        self.routers = {"prefill": Router(config.prefill_policy, "prefill", *balance),
                         "decode": Router(config.decode_policy, "decode"),
-                        "colocated": Router("least_load", "decode")}
+                        "colocated": Router(config.prefill_policy, "prefill", *balance)}
         self._flights: dict[str, _Flight] = {}
         self._queue: list[_Waiting] = []  # a heap
         self._seq = itertools.count()

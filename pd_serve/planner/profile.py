@@ -408,7 +408,7 @@ def _threads(device) -> int | None:
 
 def _build_core(config):
     from pd_serve.engine.core import EngineCore
-    core = EngineCore(config)
+    core = EngineCore(config, prefix_cache=False)  # every step computes all its tokens
     core.warmup()
     return core
 

@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from helpers import TEST_DEVICE
+from helpers import TEST_DEVICE, pages_settled
 from pd_serve import AsyncEngine, Engine, SamplingParams
 from pd_serve.gateway.app import build_app, start_server
 from pd_serve.gateway.openai_protocol import ModelInfo, parse_chat
@@ -158,10 +158,11 @@ def chat_ids(engine: Engine, messages) -> list[int]:
 
 
 def wait_idle(engine: Engine, timeout: float = 5.0) -> None:
-    """Every KV page free and no request left, within `timeout` seconds."""
+    """Every KV page free (or held by the prefix cache alone) and no request left, within
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if engine.allocator.num_free_pages == engine.allocator.num_pages and not engine.has_unfinished():
+        if pages_settled(engine) and not engine.has_unfinished():
             return
         time.sleep(0.02)
     raise AssertionError(f"engine not idle after {timeout}s: {engine.allocator.num_free_pages}/"

@@ -26,6 +26,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import assert_pages_settled
 from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.config import CacheConfig, EngineConfig
 from pd_serve.engine.attention import create_backend, resolve_backend_name
@@ -200,7 +201,7 @@ def greedy(core: EngineCore, prompts: list[list[int]], num_tokens: int) -> list[
             if len(r.output_token_ids) >= num_tokens:
                 core.scheduler.finish(r, FinishReason.LENGTH)
     assert not core.scheduler.has_unfinished(), "the engine stopped making progress"
-    assert core.allocator.num_free_pages == core.allocator.num_pages
+    assert_pages_settled(core)
     return requests
 
 

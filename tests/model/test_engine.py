@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from helpers import assert_pages_settled
 from pd_serve import AsyncEngine, Engine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -28,7 +29,7 @@ def prompts(smol) -> list[list[int]]:
 
 def assert_all_pages_free(engine: Engine) -> None:
     assert not engine.has_unfinished()
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert_pages_settled(engine)
 
 
 def test_batch_invariance_with_chunked_prefill(default_model_dir, smol, prompts):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import assert_greedy_matches, hf_greedy
+from helpers import assert_greedy_matches, assert_pages_settled, hf_greedy
 from pd_serve import Engine, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -20,7 +20,7 @@ def _check_model(model_dir, prompts: list[list[int]], num_tokens: int, **engine_
     for prompt, out in zip(prompts, outs):
         ref, ref_logits = hf_greedy(hf, prompt, num_tokens)
         matched.append(assert_greedy_matches(out.token_ids, ref, ref_logits))
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert_pages_settled(engine)
     return matched
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import assert_pages_settled
 from pd_serve import Engine, SamplingParams
 from pd_serve.cache.allocator import PageAllocator
 from pd_serve.config import SchedulerConfig
@@ -23,7 +24,7 @@ def overlapped(engine: Engine) -> Engine:
 
 def assert_settled(engine: Engine) -> None:
     assert not engine.has_unfinished()
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert_pages_settled(engine)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 
+from helpers import assert_pages_settled
 from kernels import argmax
 from pd_serve import Engine, SamplingParams
 from pd_serve.cli import build_parser, engine_config_from_args
@@ -68,7 +69,7 @@ def test_graph_decode_equals_eager(monkeypatch, tiny_checkpoints):
         assert EagerGraph.replays >= params.max_tokens - 1  # decode steps went through the graphs
         # each replay took its tokens from kernels/argmax.py's kernel
         assert argmax.triton_launches - argmax_launches >= EagerGraph.replays
-        assert graphed.allocator.num_used_pages == 0
+        assert_pages_settled(graphed)
 
 
 def test_graph_steps_resolve_tokens_from_every_kind_of_step(monkeypatch, tiny_checkpoints):
@@ -95,7 +96,7 @@ def test_graph_steps_resolve_tokens_from_every_kind_of_step(monkeypatch, tiny_ch
         got = graphed.generate(batch, batch_params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert EagerGraph.replays >= 4
-        assert graphed.allocator.num_used_pages == 0
+        assert_pages_settled(graphed)
         if batch is prompts:  # the logprobs row: its values as the eager engine's
             ours, ref = got[4].logprobs, want[4].logprobs
             assert len(ours) == len(ref) == 7 and all(len(lp.top) == 2 for lp in ours)

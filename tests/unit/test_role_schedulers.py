@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import assert_pages_settled
 from pd_serve.config import EngineConfig
 from pd_serve.decode.scheduler import DecodeScheduler
 from pd_serve.engine.core import EngineCore
@@ -60,11 +61,11 @@ class RecordingConnector(KVConnector):
 
 @pytest.fixture(scope="module")
 def cores(tiny_checkpoints) -> dict[str, EngineCore]:
-    def core(num_pages: int) -> EngineCore:
+    def core(num_pages: int, prefix_cache: bool = True) -> EngineCore:
         return EngineCore(EngineConfig.from_flat(
             model=str(tiny_checkpoints["llama3"]), device="cpu", page_size=PAGE_SIZE,
-            max_total_tokens=num_pages * PAGE_SIZE, chunked_prefill_size=16))
-    return {"colocated": core(16), "prefill": core(16), "decode": core(16)}
+            max_total_tokens=num_pages * PAGE_SIZE, chunked_prefill_size=16), prefix_cache=prefix_cache)
+    return {"colocated": core(16), "prefill": core(16), "decode": core(16, prefix_cache=False)}
 
 
 def greedy(max_tokens: int = 6) -> SamplingParams:
@@ -99,7 +100,7 @@ def run_to_end(role, limit: int = 200) -> dict[str, list[int]]:
 
 
 def assert_all_pages_free(core: EngineCore) -> None:
-    assert core.allocator.num_free_pages == core.allocator.num_pages
+    assert_pages_settled(core)
 
 
 def colocated_tokens(cores) -> dict[str, list[int]]:

@@ -34,6 +34,60 @@ def test_prefix_policy_keeps_shared_prefixes_together():
     assert len(spread) > 1  # different heads spread out
 
 
+def prefill_workers(n: int, num_pages: int = 1000) -> list[WorkerState]:
+    return [WorkerState(WorkerStatus(worker_id=f"p{i}", role="prefill", model="m", num_pages=num_pages,
+                                     layout={"page_size": 4})) for i in range(n)]
+
+
+def test_cache_aware_keeps_a_conversation_on_one_worker():
+    pool, router = prefill_workers(4), Router("cache_aware", "prefill")
+    turns, history = [], [7] * 10
+    for turn in range(6):  # each turn's prompt: the whole history so far, plus a new message
+        history = history + [turn] * 9
+        turns.append(list(history))
+    homes = {}
+    for conversation in range(8):
+        offset = 1000 * (conversation + 1)
+        picks = []
+        for prompt in turns:
+            w = router.pick(pool, [offset] + prompt)
+            w.inflight[f"{conversation}-{len(picks)}"] = 1  # running there meanwhile
+            picks.append(w.worker_id)
+        assert len(set(picks)) == 1, picks
+        homes[conversation] = picks[0]
+    assert len(set(homes.values())) == 4  # new conversations go where the load is least
+
+
+def test_cache_aware_spreads_load_past_the_thresholds():
+    pool = prefill_workers(2)
+    router = Router("cache_aware", "prefill", balance_abs_threshold=4, balance_rel_threshold=1.5)
+    prompt = list(range(40))
+    picks = []
+    for i in range(12):
+        w = router.pick(pool, prompt)
+        w.inflight[str(i)] = len(prompt)
+        picks.append(w.worker_id)
+    # the same prompt stays on one worker until it holds more than 4 requests over the other
+    # (5 against 0), then the idle one takes requests
+    assert picks[:5] == ["p0"] * 5 and picks[5] == "p1"
+    counts = [len(w.inflight) for w in pool]
+    assert abs(counts[0] - counts[1]) <= 5
+
+
+def test_cache_aware_forgets_what_the_worker_cannot_hold():
+    pool, router = prefill_workers(2, num_pages=4), Router("cache_aware", "prefill")
+    first = list(range(16))  # 4 pages: the whole pool
+    assert router.pick(pool, first).worker_id == "p0"
+    pool[0].inflight["x"] = 1
+    router.pick(pool[:1], list(range(100, 116)))  # 4 other pages push the first out of p0
+    pool[0].inflight.clear()
+    pool[1].inflight["y"] = 1
+    assert router.pick(pool, first).worker_id == "p0"  # no match anywhere: least loaded
+    restarted = WorkerState(WorkerStatus(worker_id="p0", role="prefill", model="m", num_pages=4,
+                                         layout={"page_size": 4}, incarnation="new"))
+    assert router.pick([restarted, pool[1]], first).worker_id == "p0"  # a restart: empty index
+
+
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="--decode-policy 'prefix' must be one of round_robin, least_load"):
         Router("prefix", "decode")
