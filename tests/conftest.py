@@ -105,6 +105,13 @@ def _tokenizer_vocab(tokenizer_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint_writer():
+    """write_tiny_checkpoint, for a test that needs a checkpoint of its own seed or shape (a
+    module named conftest may be another folder's, so tests take it from here)."""
+    return write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {

@@ -14,7 +14,6 @@ import openai
 import pytest
 
 from cluster_helpers import start_cluster, wait_idle
-from conftest import write_tiny_checkpoint
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -38,8 +37,8 @@ MAX_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_model_dir):
-    return write_tiny_checkpoint("llama3", tmp_path_factory.mktemp("tiny") / "llama3",
+def model_dir(tmp_path_factory, default_model_dir, tiny_checkpoint_writer):
+    return tiny_checkpoint_writer("llama3", tmp_path_factory.mktemp("tiny") / "llama3",
                                  default_model_dir, seed=5)
 
 

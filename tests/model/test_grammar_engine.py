@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import write_tiny_checkpoint
+from helpers import assert_pages_settled
 from pd_serve import Engine, SamplingParams
 from pd_serve.engine.sampling_params import Grammar
 
@@ -20,8 +20,8 @@ REGEX = r"[a-z]{1,4}( [0-9]{1,2}){1,3}"
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory, default_model_dir) -> tuple[Engine, Engine]:
-    model = write_tiny_checkpoint("llama3", tmp_path_factory.mktemp("tiny") / "llama3",
+def engines(tmp_path_factory, default_model_dir, tiny_checkpoint_writer) -> tuple[Engine, Engine]:
+    model = tiny_checkpoint_writer("llama3", tmp_path_factory.mktemp("tiny") / "llama3",
                                   default_model_dir, seed=7)
     overlap = Engine(model, device="cpu", max_total_tokens=4096)
     overlap.overlap = True
@@ -48,4 +48,4 @@ def test_overlap_schedule_gives_the_synchronous_answers(engines):
         assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text), out.text
     while overlap.has_unfinished():  # a step in flight when the last answer ended settles
         overlap.step()
-    assert overlap.allocator.num_free_pages == overlap.allocator.num_pages
+    assert_pages_settled(overlap)
