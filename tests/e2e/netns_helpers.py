@@ -11,7 +11,6 @@ them and the bridge, and a later run removes what a killed run left (its pid is 
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import random
 import re
@@ -21,7 +20,8 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
+
+from cluster_helpers import health
 
 PREFIX = "pdtest"  # namespaces: pdtest-PID-TAG-NAME; bridge pdbTAG; veths pdvTAGN (15 chars max)
 GATEWAY_PORT, CONTROL_PORT, KV_PORT = 8000, 8100, 9000  # each host has its own ports
@@ -167,13 +167,7 @@ class NetnsCluster:
         proc.wait(timeout=30)
 
     def health(self) -> dict:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return json.loads(e.read())
-        except OSError:  # not listening (yet)
-            return {}
+        return health(self.base_url)
 
     def wait_workers(self, names: set[str], timeout_s: float = 240.0) -> None:
         """Until the gateway's registered workers are exactly `names`; a process that exits

@@ -12,7 +12,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from cluster_helpers import metrics, wait_idle
+from cluster_helpers import assert_greedy_completions, metrics
 from helpers import TEST_MODEL
 from netns_helpers import Hosts, NetnsCluster, netns_unavailable
 from pd_serve import Engine, SamplingParams
@@ -53,16 +53,8 @@ def cluster(request):
 
 def assert_serves(cluster: NetnsCluster, expected: list[str]) -> None:
     """Greedy completions (ignore_eos) through the bridge equal the colocated engine's, and
-    then no KV page is used on any worker."""
-    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0,
-                           timeout=120)
-    model = client.models.list().data[0].id
-    for prompt, text in zip(PROMPTS, expected):
-        out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                        temperature=0, extra_body={"ignore_eos": True})
-        assert out.choices[0].text == text
-    state = wait_idle(cluster)
-    assert all(used == 0 for used, _ in state.values()), f"pages still used: {state}"
+    then no KV page is held by a request on any worker."""
+    assert_greedy_completions(cluster, PROMPTS, expected, MAX_TOKENS)
 
 
 def test_1p1d_across_hosts_equals_colocated(cluster, expected):
