@@ -104,24 +104,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if num_tokens == 0:
         return _finish(x.new_zeros(0, top_k, hidden, dtype=torch.float32), x.dtype, reduce)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    block_m = 16 if num_tokens * top_k <= 4 * num_experts else 64
+    block_m, block_n, block_k, num_warps, num_stages = block_config(num_tokens * top_k, num_experts)
     sorted_ids, block_experts, num_padded = moe_align(topk_ids - expert_offset, num_experts,
                                                       block_m)
     num_pairs = num_tokens * top_k
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = x.new_empty(num_pairs, inter)  # [T*K, I]
-    block_n, block_k = 64, 32
     grid = (block_experts.numel(), -(-inter // block_n))
     gate_up_kernel[grid](x, w13, h, sorted_ids, block_experts, num_padded, num_pairs, top_k,
                          hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         PRECISION=precision, num_warps=4)
+                         PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*K, H]
     grid = (block_experts.numel(), -(-hidden // block_n))
     down_kernel[grid](h, w2, out, topk_weights.float().contiguous(), sorted_ids, block_experts,
                       num_padded, num_pairs, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n,
-                      BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+                      BLOCK_K=block_k, PRECISION=precision, num_warps=num_warps,
+                      num_stages=num_stages)
     triton_launches += 2
     return _finish(out.view(num_tokens, top_k, hidden), x.dtype, reduce)
+
+
+def block_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for num_pairs (token, expert) pairs:
+    16-row blocks while experts get few rows each (decode), else 64."""
+    block_m = 16 if num_pairs <= 4 * num_experts else 64
+    return block_m, 64, 32, 4, 3
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
