@@ -128,7 +128,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def block_config(num_pairs: int, num_experts: int, hidden: int = 1 << 30,
                  inter: int = 1 << 30) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for num_pairs (token, expert) pairs,
-    from a sweep on one H200 at Qwen3-30B-A3B's layer shape (bench/results/fused-moe-h200.json):
+    from a sweep on one H200 at Qwen3-30B-A3B's layer shape (bench/results/fused-moe-block-sweep-h200.json):
     16-row blocks while experts get a few rows each (decode), 32 up to ~32 rows an expert, then
     128-row blocks with 8 warps (prefill, 1.6x the 64-row blocks at 8192 tokens). Blocks never
     exceed the layer's dimensions (small test models)."""
