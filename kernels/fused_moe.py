@@ -14,7 +14,7 @@ ties go as transformers' go; renormalised to sum 1 where the config says), `fuse
 the torch reference (a loop over the experts that received tokens: it syncs with the host).
 
 `fused_moe` runs two Triton kernels over the (token, expert) pairs sorted by expert, each
-expert's run padded to the block size (`moe_align`, as SGLang's and vLLM's
+expert's run padded to the block size (kernels/moe_align.py, as SGLang's and vLLM's
 moe_align_block_size), so every block of rows reads one expert's weights:
   1. gate/up: a grouped GEMM of the block's tokens with their expert's [gate | up] rows, both
      halves accumulated side by side, SiLU-and-mul in the epilogue -> [T*K, I];
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from kernels._triton import lazy_kernel
 from kernels.activation import silu_and_mul_ref
+from kernels.moe_align import moe_align
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -141,40 +142,6 @@ def block_config(num_pairs: int, num_experts: int, hidden: int = 1 << 30,
     fit = max(16, 1 << (min(hidden, inter) - 1).bit_length())  # a power of two >= min dim
     config[1], config[2] = min(config[1], fit), min(config[2], fit)
     return tuple(config)
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int,
-              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, expert) pairs sorted by expert, each expert's run padded to block_m rows.
-
-    Pair p = t * K + k is token t's k-th expert; ids outside [0, E) (another rank's experts)
-    are left out. Returns sorted_ids int32 [P] (pair ids in expert order, stable, so an
-    expert's pairs keep token order; padding rows hold T*K),
-    block_experts int32 [P / block_m] (the expert of each block of rows; blocks past the used
-    length hold the last expert) and num_padded int32 [1] (rows used). P = T*K + min(E, T*K) *
-    (block_m - 1), rounded up to block_m: the most any routing can use. Torch ops only, no
-    host sync."""
-    flat = topk_ids.reshape(-1).long()  # [T*K]
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: elsewhere
-    num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts:].zero_()  # (an in-place kernel: capturable in a CUDA graph)
-    padded_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)  # pairs by expert, those elsewhere last
-    expert_of = flat[order]
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
-    size = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
-    sorted_ids = torch.full((size + 1,), num_pairs, dtype=torch.int32, device=device)
-    dest = torch.where(expert_of < num_experts, (padded_end - padded)[expert_of] + rank, size)
-    sorted_ids[dest] = order.to(torch.int32)
-    sorted_ids = sorted_ids[:size]  # slot `size` took the pairs elsewhere
-    padded_end = padded_end[:num_experts]
-    block_starts = torch.arange(0, size, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True)
-    block_experts = block_experts.clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
 
 
 @lazy_kernel("the fused MoE")

@@ -84,6 +84,26 @@ def test_moe_align_sorts_and_pads_by_expert(block_m):
 
 
 @needs_triton
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("tokens,experts,top_k,block_m,offset", [
+    (1, 8, 2, 16, 0), (37, 6, 3, 16, 0), (100, 16, 4, 32, 0), (9, 128, 8, 16, 0),
+    (50, 8, 2, 64, 4),  # an expert-parallel rank's slice: ids outside [0, 8) are left out
+])
+def test_moe_align_kernel_equals_its_torch_ops(device, tokens, experts, top_k, block_m, offset):
+    """The one-program Triton alignment writes exactly what the torch ops write."""
+    from kernels import moe_align as ma
+    gen = torch.Generator().manual_seed(tokens)
+    total = experts + offset
+    ids = torch.stack([torch.randperm(total, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = (ids - offset).to(device)
+    assert ids.numel() <= ma.MAX_PAIRS and ma._kernel.runs_on(ids)
+    got = ma.moe_align(ids, experts, block_m)
+    want = ma.moe_align_ref(ids, experts, block_m)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w.cpu())
+
+
+@needs_triton
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("fn", ["fused_moe", "fused_moe_ref"])
 def test_expert_slices_sum_to_the_whole(device, dtype, fn):
