@@ -20,9 +20,9 @@ QUANTIZATIONS = ("fp8", "gptq")  # --quantization; None: as the checkpoint says
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
 TRANSFER_BACKENDS = ("auto", "torch", "ipc", "tcp", "nixl")
 PREFILL_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
+DECODE_POLICIES = ("cache_aware", "round_robin", "least_load")
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")  # gateway/tool_parsers.py
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # gateway/reasoning.py
-DECODE_POLICIES = ("round_robin", "least_load")
 
 
 def _opt(default=MISSING, help: str | None = None, **meta):
@@ -42,7 +42,8 @@ class CacheConfig:
         "use the same", choices=KV_CACHE_DTYPES)
     disable_radix_cache: bool = _opt(
         False, "do not keep finished requests' KV pages for later prompts that share their prefix "
-        "(the prefix cache; decode workers never keep them)")
+        "(the prefix cache; on a decode worker it also holds finished conversations, so a follow-up "
+        "turn receives only its new pages)")
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "--page-size", self.page_size, "must be >= 1")
@@ -194,7 +195,11 @@ class GatewayConfig:
         64, "cache_aware: route by load, not cache, once the busiest and the idlest worker's "
         "requests differ by more than this ...")
     balance_rel_threshold: float = _opt(1.5, "... and the busiest has more than this times the idlest's")
-    decode_policy: str = _opt("least_load", choices=DECODE_POLICIES)
+    decode_policy: str = _opt(
+        "cache_aware", "which decode worker takes a request: cache_aware (the one whose prefix "
+        "cache holds the longest prefix, e.g. the conversation's earlier turns, so only the new "
+        "KV crosses; by load past the balance thresholds), round_robin, least_load",
+        choices=DECODE_POLICIES)
     worker_timeout_s: float = _opt(10.0, "seconds without a heartbeat before a worker is dropped",
                                    flag="--worker-timeout")
     admit_timeout_s: float = _opt(

@@ -62,6 +62,7 @@ class _Delta:
     text_offsets: list[int]
     finish_reason: str | None
     timings: dict  # phase timings (s) from the cluster, on the final delta
+    cached_tokens: int = 0  # with token 1: prompt tokens whose KV a prefix cache held
 
 
 class OpenAIServer:
@@ -172,7 +173,8 @@ class OpenAIServer:
                 logprobs = event.logprobs[:n] if parsed.logprobs is not None and event.logprobs else None
                 text, echo = echo + out.take_delta(finish is not None), ""
                 yield _Delta(text, event.new_token_ids[:n], logprobs,
-                             out.token_offsets[len(out.token_offsets) - n:], finish, event.timings)
+                             out.token_offsets[len(out.token_offsets) - n:], finish, event.timings,
+                             event.cached_tokens)
                 if finish is not None:
                     return
             raise SourceError("the token source ended without a final event")
@@ -200,7 +202,8 @@ class OpenAIServer:
                                 [o for d in ds for o in d.text_offsets], parsed.logprobs) \
                 if parsed.logprobs is not None else None
             choices.append(shape.choice(i, "".join(d.text for d in ds), lp, ds[-1].finish_reason))
-        body = shape.response(choices, _usage(sum(map(len, parsed.prompts)), num_tokens))
+        cached = _cached_tokens([sum(d.cached_tokens for d in ds) for ds in received], parsed.n)
+        body = shape.response(choices, _usage(sum(map(len, parsed.prompts)), num_tokens, cached))
         timings = next((d.timings for d in reversed(received[0]) if d.timings), None)
         if timings:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
             body["timings"] = timings
@@ -210,6 +213,7 @@ class OpenAIServer:
                       parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
         extra = {"usage": None} if parsed.include_usage else {}
         num_tokens = 0
+        cached = [0] * num_choices
         async with aclosing(deltas):
             try:  # the first delta before the 200: a request failing before it gets its status
                 item = await anext(deltas)
@@ -225,6 +229,7 @@ class OpenAIServer:
                     while item is not None:
                         i, d = item
                         num_tokens += len(d.token_ids)
+                        cached[i] += d.cached_tokens
                         if d.text or d.logprobs or d.finish_reason:  # else nothing visible yet
                             lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs) \
                                 if parsed.logprobs is not None else None
@@ -235,7 +240,8 @@ class OpenAIServer:
                                 await _send(response, chunk | extra)
                         item = await anext(deltas, None)
                     if parsed.include_usage:
-                        usage = _usage(sum(map(len, parsed.prompts)), num_tokens)
+                        usage = _usage(sum(map(len, parsed.prompts)), num_tokens,
+                                       _cached_tokens(cached, parsed.n))
                         await _send(response, shape.usage_chunk(usage))
                 except ConnectionResetError:
                     raise
@@ -415,9 +421,16 @@ def _finish_reason(reason: str | None, num_tool_calls: int) -> str | None:
     return "tool_calls" if reason == "stop" and num_tool_calls else reason
 
 
-def _usage(num_prompt: int, num_completion: int) -> dict:
+def _usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def _cached_tokens(per_choice: list[int], n: int) -> int:
+    """Prompt tokens whose KV a prefix cache held (prefill's, or the colocated worker's), counted
+    once per prompt as prompt_tokens is: by each prompt's first choice (choice i is prompt i // n's)."""
+    return sum(per_choice[::n])
 
 
 def _clamp(logprob: float) -> float:
