@@ -68,9 +68,10 @@ class HermesParser(ToolParser):
         content, calls, pos = text[:first].rstrip(), [], first
         while text.startswith(self.start, pos):
             call, end = object_call(text, _skip(text, pos + len(self.start)), final)
+            if call is not None:
+                calls.append(call)
             if call is None or end is None:  # not a call, or not complete yet
-                return ToolReading(text) if final else ToolReading(content, calls + [call] * bool(call))
-            calls.append(call)
+                return ToolReading(text) if final else ToolReading(content, calls)
             pos = _skip(text, end)
             if text.startswith(self.end, pos):  # (a last block may leave it out)
                 pos = _skip(text, pos + len(self.end))
