@@ -104,24 +104,43 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if num_tokens == 0:
         return _finish(x.new_zeros(0, top_k, hidden, dtype=torch.float32), x.dtype, reduce)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    block_m = 16 if num_tokens * top_k <= 4 * num_experts else 64
+    block_m, block_n, block_k, num_warps, num_stages = block_config(num_tokens * top_k, num_experts,
+                                                                    hidden, inter)
     sorted_ids, block_experts, num_padded = moe_align(topk_ids - expert_offset, num_experts,
                                                       block_m)
     num_pairs = num_tokens * top_k
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = x.new_empty(num_pairs, inter)  # [T*K, I]
-    block_n, block_k = 64, 32
     grid = (block_experts.numel(), -(-inter // block_n))
     gate_up_kernel[grid](x, w13, h, sorted_ids, block_experts, num_padded, num_pairs, top_k,
                          hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         PRECISION=precision, num_warps=4)
+                         PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*K, H]
     grid = (block_experts.numel(), -(-hidden // block_n))
     down_kernel[grid](h, w2, out, topk_weights.float().contiguous(), sorted_ids, block_experts,
                       num_padded, num_pairs, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n,
-                      BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+                      BLOCK_K=block_k, PRECISION=precision, num_warps=num_warps,
+                      num_stages=num_stages)
     triton_launches += 2
     return _finish(out.view(num_tokens, top_k, hidden), x.dtype, reduce)
+
+
+def block_config(num_pairs: int, num_experts: int, hidden: int = 1 << 30,
+                 inter: int = 1 << 30) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for num_pairs (token, expert) pairs,
+    from a sweep on one H200 at Qwen3-30B-A3B's layer shape (bench/results/fused-moe-block-sweep-h200.json):
+    16-row blocks while experts get a few rows each (decode), 32 up to ~32 rows an expert, then
+    128-row blocks with 8 warps (prefill, 1.6x the 64-row blocks at 8192 tokens). Blocks never
+    exceed the layer's dimensions (small test models)."""
+    if num_pairs <= 4 * num_experts:
+        config = [16, 64, 128, 4, 3]
+    elif num_pairs <= 32 * num_experts:
+        config = [32, 64, 128, 4, 3]
+    else:
+        config = [128, 128, 64, 8, 3]
+    fit = max(16, 1 << (min(hidden, inter) - 1).bit_length())  # a power of two >= min dim
+    config[1], config[2] = min(config[1], fit), min(config[2], fit)
+    return tuple(config)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
