@@ -21,6 +21,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
 TRANSFER_BACKENDS = ("auto", "torch", "ipc", "tcp", "nixl")
 PREFILL_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
 DECODE_POLICIES = ("cache_aware", "round_robin", "least_load")
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")  # gateway/tool_parsers.py
+REASONING_PARSERS = ("deepseek-r1", "qwen3")  # gateway/reasoning.py
 
 
 def _opt(default=MISSING, help: str | None = None, **meta):
@@ -213,6 +215,15 @@ class GatewayConfig:
                         "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
     body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",
                                  flag="--body-timeout")
+    tool_call_parser: str | None = _opt(
+        None, "read tool calls out of chat output for tool_choice auto, in the model's format: "
+        "llama3_json (Llama 3.x), hermes (Hermes, Qwen2.5/3 <tool_call>), mistral ([TOOL_CALLS]); "
+        "without it, auto is refused (required and named choices need none)",
+        choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _opt(
+        None, "split a reasoning model's <think>...</think> out of chat output as "
+        "reasoning_content: deepseek-r1 (the opening tag may be missing), qwen3",
+        choices=REASONING_PARSERS)
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control message (empty: none)
 
     def __post_init__(self) -> None:
