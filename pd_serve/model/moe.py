@@ -6,7 +6,9 @@ where the config's norm_topk_prob says, Mixtral always) and their outputs are su
 routing weights. Qwen2-MoE adds a shared expert, a dense MLP every token takes, scaled by a
 sigmoid gate of its own. Experts are stored fused as transformers 5 stores them:
 `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (model/loader.py fills
-them from per-expert checkpoint tensors).
+them from per-expert checkpoint tensors). FP8 experts (`--quantization fp8` at load, or an
+FP8 checkpoint's per-expert `weight` + `weight_scale`) hold them in float8_e4m3fn with
+per-channel scales beside, and run weight-only (kernels/fused_moe.py); the router stays dense.
 
 `backend` is `--moe-runner-backend`: "triton" (kernels/fused_moe.py's fused kernel; no host
 sync, so CUDA graphs capture it) or "torch" (its reference, a loop over the experts hit).
@@ -22,16 +24,40 @@ from torch import nn
 
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from pd_serve.config import MOE_RUNNER_BACKENDS
+from pd_serve.model import fp8 as fp8_format
 from pd_serve.model.config import ModelConfig
 
 
 class Experts(nn.Module):
-    """Every expert's weights, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """Every expert's weights, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I].
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    fp8: the weights in float8_e4m3fn with per-channel scales, gate_up_proj_scale float32
+    [E, 2I] and down_proj_scale [E, H] (W[e, n, k] = weight[e, n, k] * scale[e, n]); else the
+    scales are None."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 fp8: bool = False):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        dtype = fp8_format.FP8_DTYPE if fp8 else None
+        shapes = {"gate_up_proj": (num_experts, 2 * intermediate_size, hidden_size),
+                  "down_proj": (num_experts, hidden_size, intermediate_size)}
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=not fp8))
+            self.register_parameter(f"{name}_scale", nn.Parameter(
+                torch.empty(shape[:2], dtype=torch.float32), requires_grad=False) if fp8 else None)
+
+    @property
+    def scales(self) -> dict:
+        """fused_moe's FP8 keyword arguments (None for dense experts)."""
+        return {"w13_scale": self.gate_up_proj_scale, "w2_scale": self.down_proj_scale}
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """`--quantization fp8` at load: the dense weights to FP8, per-channel scales."""
+        for name in ("gate_up_proj", "down_proj"):
+            weight, scale = fp8_format.quantize_experts(getattr(self, name))
+            setattr(self, name, nn.Parameter(weight, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
 
 class SparseMoeBlock(nn.Module):
@@ -55,7 +81,7 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,
                                   topk_weights, topk_ids, self.expert_offset,
-                                  reduce=self.ep is None)
+                                  reduce=self.ep is None, **self.experts.scales)
         if self.ep is not None:  # every rank's pairs [T, K, H], then the sum over K
             out = self.ep.all_reduce(out).sum(dim=1).to(x.dtype)
         if self.shared_expert is not None:

@@ -201,10 +201,9 @@ def _shard_moe(theirs: SparseMoeBlock, ours: SparseMoeBlock, tp: TPGroup) -> Non
     """This rank's experts (ep = tp), the router whole, the shared expert split as an MLP."""
     per = theirs.experts.gate_up_proj.shape[0] // tp.size
     first = tp.rank * per
-    ours.experts.gate_up_proj = nn.Parameter(
-        theirs.experts.gate_up_proj[first:first + per].clone(), requires_grad=False)
-    ours.experts.down_proj = nn.Parameter(
-        theirs.experts.down_proj[first:first + per].clone(), requires_grad=False)
+    for name, tensor in theirs.experts.named_parameters():  # FP8 experts: their scales too
+        setattr(ours.experts, name, nn.Parameter(tensor[first:first + per].clone(),
+                                                 requires_grad=False))
     ours.gate.weight.copy_(theirs.gate.weight)
     if theirs.shared_expert is not None:
         _shard_mlp(theirs.shared_expert, ours.shared_expert, tp)
