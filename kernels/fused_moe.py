@@ -87,7 +87,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h = silu_and_mul_ref(_linear(x[rows // top_k], w13[expert], w13_scale, expert))  # [n, I]
         pairs[rows] = _linear(h, w2[expert], w2_scale, expert)
     weighted = pairs.float() * topk_weights.reshape(-1, 1)  # [T*K, H] float32
-    return _finish(weighted.view(num_tokens, top_k, -1), x.dtype, reduce)
+    return _finish(weighted.view(num_tokens, top_k, x.shape[1]), x.dtype, reduce)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
