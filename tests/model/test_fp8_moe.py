@@ -83,3 +83,16 @@ def test_fp8_expert_checkpoint_errors(tiny_moe_checkpoints, tmp_path):
     save_file(tensors, fp8_dir / "model.safetensors")
     with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight.*FP8"):
         load_model(fp8_dir, torch.float32, "cpu")
+
+
+def test_fp8_experts_under_expert_parallelism(tiny_moe_checkpoints, tmp_path):
+    """EP 2 over replicated attention slices the FP8 experts with their scales: EP 1's tokens."""
+    fp8_dir = write_fp8_checkpoint(tiny_moe_checkpoints["qwen3_moe"], tmp_path / "fp8",
+                                   experts_only=True)
+    prompts = _prompts(3)
+    engine = Engine(fp8_dir, device="cpu", max_total_tokens=512, ep_size=2)
+    try:
+        got = [o.token_ids for o in engine.generate(prompts, PARAMS)]
+    finally:
+        engine.close()
+    assert got == _generate(fp8_dir, prompts)
