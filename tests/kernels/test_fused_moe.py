@@ -100,19 +100,25 @@ def test_expert_slices_sum_to_the_whole(device, dtype, fn):
 
 @needs_cuda
 @pytest.mark.parametrize("device", ["cuda"])
-def test_fused_moe_replays_in_a_cuda_graph(device):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_replays_in_a_cuda_graph(device, fp8):
     """No host sync: captured once, replayed on new inputs and new routing, it follows them."""
+    from pd_serve.model.fp8 import quantize_experts
+
     x, w13, w2, weights, ids = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=3)
-    fm.fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    scales = {}
+    if fp8:
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
+    fm.fused_moe(x, w13, w2, weights, ids, **scales)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, w13, w2, weights, ids)
+        out = fm.fused_moe(x, w13, w2, weights, ids, **scales)
     x2, _, _, weights2, ids2 = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=4)
     x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, fm.fused_moe_ref(x, w13, w2, weights, ids),
+    torch.testing.assert_close(out, fm.fused_moe_ref(x, w13, w2, weights, ids, **scales),
                                rtol=TOLERANCE[torch.bfloat16][0], atol=TOLERANCE[torch.bfloat16][1])
 
 
