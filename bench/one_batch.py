@@ -151,7 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=["auto", "flashinfer", "triton", "torch"])
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: the random weights quantized at load (per-channel FP8 weights); "
+                   help="fp8: the random weights quantized at load (per-channel FP8 weights, "
+                   "MoE experts too); "
                    "the floor counts the bytes as stored; no transformers comparison then")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--disable-overlap-schedule", action="store_true",

@@ -31,13 +31,13 @@ def param_counts(model: torch.nn.Module) -> dict:
     through (an MoE layer: the router and its top-k experts), the LM head, every expert, and
     the parameters a token uses ("active": all but the experts it is not routed to)."""
     cfg = model.config
-    total = sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):  # from the shape, so quantized layers (buffers) count the same
+        total = sum(p.numel() for p in type(model)(cfg).parameters())
     h = cfg.hidden_size
     attention = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     per_expert = 3 * h * cfg.moe_intermediate_size
     shared = cfg.shared_expert_intermediate_size
     linear = experts = 0
-    # From the shape, so quantized layers (their weights are buffers) count the same.
     for layer in range(cfg.num_layers):
         if cfg.is_moe_layer(layer):
             experts += cfg.num_experts * per_expert

@@ -99,8 +99,10 @@ class EngineConfig:
         "batched one, so a request's greedy output can depend on whether it decoded alone)")
     tp: int = _opt(1, "tensor parallel size: this engine's ranks, one process and one GPU each "
                    "(cuda:0..tp-1 of the visible ones)")
-    ep_size: int = _opt(1, "expert parallel size: an MoE model's experts partitioned over the "
-                        "--tp ranks (equal to --tp for now; attention stays under --tp)")
+    ep_size: int = _opt(1, "expert parallel size: an MoE model's experts partitioned over N "
+                        "ranks, tokens dispatched to them by all-to-all; equal to --tp "
+                        "(attention under --tp), or with --tp 1 (attention replicated; "
+                        "engines and colocated workers only, no KV hand-off yet)")
     disable_overlap_schedule: bool = _opt(
         False, "on GPU, wait for each step's tokens before planning the next (by default step "
         "N+1 is planned while step N runs)")
@@ -123,12 +125,17 @@ class EngineConfig:
         _check(self.moe_runner_backend in MOE_RUNNER_BACKENDS, "--moe-runner-backend",
                self.moe_runner_backend, f"must be one of {', '.join(MOE_RUNNER_BACKENDS)}")
         _check(self.tp >= 1, "--tp", self.tp, "must be >= 1")
-        _check(self.ep_size == 1 or self.ep_size == self.tp, "--ep-size", self.ep_size,
-               "must be 1 or equal to --tp (experts are partitioned over the --tp ranks)")
+        _check(self.ep_size >= 1 and (self.ep_size in (1, self.tp) or self.tp == 1), "--ep-size",
+               self.ep_size, "must be 1, equal to --tp, or any size with --tp 1")
         _check(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs", self.cuda_graph_max_bs,
                "must be >= 1 (use --disable-cuda-graph to turn graphs off)")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "--quantization",
                self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks (processes): --tp, or --ep-size when attention is replicated."""
+        return max(self.tp, self.ep_size)
 
     @classmethod
     def from_flat(cls, **kwargs) -> "EngineConfig":

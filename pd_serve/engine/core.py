@@ -61,7 +61,7 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else ()
         device = resolve_device(cfg.device)
         self.tp, self._tp_followers, self.tp_reports = None, [], None
-        if cfg.tp > 1:
+        if cfg.world_size > 1:  # --tp, or --ep-size over replicated attention
             self.tp, self._tp_followers, self.tp_reports = tp_group.start(
                 cfg, free_port(), follow, (tp_follower_io,))
             device = _rank_device(device, 0)
