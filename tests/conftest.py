@@ -65,7 +65,8 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed
         config = transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
         cls = transformers.Qwen3ForCausalLM
     elif kind == "mistral":
-        config, cls = transformers.MistralConfig(**common, sliding_window=None), transformers.MistralForCausalLM
+        config = transformers.MistralConfig(**{"sliding_window": None, **common})  # shape may set one
+        cls = transformers.MistralForCausalLM
     elif kind == "mixtral":  # 8 experts, top 2, renormalised
         config = transformers.MixtralConfig(**{**common, "intermediate_size": 48},
                                             num_local_experts=8, num_experts_per_tok=2,
