@@ -54,7 +54,9 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed
     vocab = len(_tokenizer_vocab(tokenizer_dir))
     common = dict(TINY_SHAPE, **(shape or {}), vocab_size=vocab, initializer_range=0.3, bos_token_id=1,
                   eos_token_id=2, tie_word_embeddings=False)
-    if kind == "llama3":
+    if kind == "llama":  # plain RoPE (a GGUF file can carry it)
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif kind == "llama3":
         config = transformers.LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
