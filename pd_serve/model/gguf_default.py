@@ -5,8 +5,9 @@ The engine loads Hugging Face-format folders, so a GGUF file is converted once i
 folder (`config.json`, `model.safetensors` in float32, `tokenizer.json`, `tokenizer_config.json`,
 `generation_config.json`) and reused afterwards (`model_dir_for`). Quantized tensors are
 dequantized (gguf's numpy code): the model runs dense, float32 on disk, in --dtype in memory.
-Handled: dense llama-architecture files (Llama, Mistral, SmolLM...) with default or linear RoPE;
-refused with a clear error: MoE tensors, Llama 3.1-style `rope_freqs`, other architectures.
+Handled: dense llama-architecture files (Llama, Mistral, SmolLM...) with default, linear or
+llama3 RoPE (Llama 3.1's `rope_freqs` divisors turned back into its rope_scaling); refused with
+a clear error: MoE tensors, other RoPE scalings, other architectures.
 SmolLM2's byte-level BPE tokenizer is rebuilt here; other tokenizers (SentencePiece, other BPE
 pre-tokenizers) by transformers' GGUF tokenizer converter.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -50,9 +52,9 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+_ROPE_FREQS = "rope_freqs.weight"  # per-frequency RoPE divisors: read into rope_scaling
 # GGUF tensors a llama file may hold that this converter refuses -> why
 _UNSUPPORTED = {
-    "rope_freqs": "per-dimension RoPE frequency factors (Llama 3.1-style rope scaling)",
     "ffn_gate_inp": "a mixture of experts", "ffn_gate_exps": "a mixture of experts",
     "ffn_up_exps": "a mixture of experts", "ffn_down_exps": "a mixture of experts",
 }
@@ -150,12 +152,16 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
         raise ValueError(f"{gguf_path}: only llama-architecture GGUF files are supported, got "
                          f"{arch!r}; use the model's Hugging Face folder instead")
     for t in reader.tensors:
-        if _hf_tensor_name(t.name) is None:
+        if _hf_tensor_name(t.name) is None and t.name != _ROPE_FREQS:
             raise ValueError(f"{gguf_path}: GGUF tensor {t.name!r} is not supported ("
                              f"{_UNSUPPORTED.get(t.name.split('.')[-2], 'unknown tensor')}); "
                              "use the model's Hugging Face folder instead")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config = _llama_config(meta, tie_word_embeddings=not has_output)
+    rope_freqs = [t for t in reader.tensors if t.name == _ROPE_FREQS]
+    if rope_freqs:  # Llama 3.1 and later: the llama3 scaling, as per-frequency factors
+        config["rope_scaling"] = llama3_scaling(np.asarray(rope_freqs[0].data, np.float64),
+                                                config["head_dim"], config["rope_theta"])
     out_dir = Path(out_dir)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", {
@@ -217,6 +223,34 @@ def _rope_scaling(meta: dict, prefix: str) -> dict | None:
                      "model's Hugging Face folder instead")
 
 
+def llama3_scaling(freq_factors: np.ndarray, head_dim: int, theta: float) -> dict:
+    """The llama3 rope_scaling whose frequencies llama.cpp's rope_freqs divisors give.
+
+    llama3 divides frequency i by 1 (short wavelengths), `factor` (long ones) or, between,
+    1 / ((1 - s) / factor + s) with s = (old_len / wavelen - low) / (high - low). Scaling
+    (old_len, low, high) together changes nothing, so low is taken as 1; factor is the largest
+    divisor, and high and old_len solve two in-between frequencies (Llama 3.1's 1, 4 and 8192
+    where there are fewer). The result is checked against every divisor: a file whose
+    divisors are not llama3's is refused."""
+    factor = float(freq_factors.max())
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    between = (freq_factors > 1 + 1e-6) & (freq_factors < factor * (1 - 1e-6))
+    high, old_len = 4.0, 8192.0
+    if between.sum() >= 2 and factor > 1:
+        s = (1 / freq_factors[between] - 1 / factor) / (1 - 1 / factor)  # = a / wavelen + b
+        a, b = np.polyfit(1 / wavelen[between], s, 1)
+        high, old_len = round(1 - 1 / b, 4), round(-a / b)  # (Llama's are round numbers)
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": float(high), "original_max_position_embeddings": int(old_len)}
+    from pd_serve.model.rope import rope_inv_freq
+    plain = rope_inv_freq(head_dim, theta, {}).double().numpy()
+    scaled = rope_inv_freq(head_dim, theta, scaling).double().numpy()
+    if not np.allclose(plain / scaled, freq_factors, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs are not a llama3 rope scaling; use the model's Hugging "
+                         "Face folder instead")
+    return scaling
+
+
 def _opt_int(value) -> int | None:
     return None if value is None else int(value)
 
@@ -249,6 +283,8 @@ def _write_tensors(reader, config: dict, path: Path) -> None:
 
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
         name = _hf_tensor_name(t.name)
         if name is None:
             raise ValueError(f"unexpected GGUF tensor {t.name!r}")

@@ -57,7 +57,10 @@ def test_folders_and_the_default_pass_through(tmp_path, default_model_dir):
 
 @pytest.mark.parametrize("arch,extra,match", [
     ("qwen2", (), "only llama-architecture GGUF files"),
-    ("llama", (("rope_freqs.weight", np.ones(8, np.float32)),), "rope_freqs.*Llama 3.1-style"),
+    ("llama", (("blk.0.ffn_gate_inp.weight", np.ones((4, 64), np.float32)),),
+     "ffn_gate_inp.*a mixture of experts"),
+    ("llama", (("rope_freqs.weight", np.linspace(1, 3, 8, dtype=np.float32)),),
+     "rope_freqs are not a llama3 rope scaling"),
 ])
 def test_unsupported_files_are_refused(tiny_llama, cache, tmp_path, arch, extra, match):
     hf_dir, _ = tiny_llama
@@ -81,3 +84,35 @@ def test_other_tokenizers_come_from_transformers(tiny_llama, cache, tmp_path):
     for text in ("The capital of France is", "héllo 世界 <|im_end|>", "  x  "):
         assert ours.encode(text) == theirs.encode(text)
     assert "hi" in ours.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def llama_cpp_rope_freqs(head_dim: int, theta: float, factor: float, low: float, high: float,
+                         old_len: int) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for a Llama 3.1 rope_scaling."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * np.pi * theta ** (i / head_dim)
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_become_its_rope_scaling(tiny_checkpoints, cache, tmp_path):
+    """A Llama 3.1-style file: rope_freqs (from the tiny llama3's factor 8, 1, 4, 64) give back
+    its rope_scaling, and the same greedy tokens as safetensors past the original 64 positions."""
+    hf_dir = tiny_checkpoints["llama3"]
+    freqs = llama_cpp_rope_freqs(16, 10000.0, 8.0, 1.0, 4.0, 64)
+    path = write_gguf(hf_dir, tmp_path / "llama31.gguf", extra_tensors=[("rope_freqs.weight", freqs)])
+    ours = Engine(str(path), device="cpu", max_total_tokens=1024)
+    assert ours.model_config.rope_scaling == {"rope_type": "llama3", "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64}
+    want = Engine(hf_dir, device="cpu", max_total_tokens=1024)
+    prompt = list(range(100, 200))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert ours.generate([prompt], params)[0].token_ids == want.generate([prompt], params)[0].token_ids
