@@ -38,7 +38,8 @@ FIRST_REGULAR_ID = 100  # ids below this are left out of random prompts (special
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="HF model folder or GGUF; default: embedded model")
+    p.add_argument("--model", default=None, help="HF model folder or llama-architecture .gguf file; "
+                   "default: embedded model")
     p.add_argument("--preset", default=None, help="instead of --model: random weights of a "
                    "bench/one_batch.py preset shape (llama3-8b, llama3-1b, tiny); token ids only")
     p.add_argument("--quantization", default=None, choices=["fp8"])

@@ -213,11 +213,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def load_tokenizer(path: str | None):
+    from pd_serve.model.gguf_default import model_dir_for
     from pd_serve.model.tokenizer import Tokenizer
-    if path is None:
-        from pd_serve.model.gguf_default import default_model_dir
-        path = default_model_dir()
-    return Tokenizer.from_dir(Path(path))
+    return Tokenizer.from_dir(model_dir_for(path))  # a folder, a .gguf file, or the default
 
 
 def format_summary(metrics: dict, title: str = "Serving Benchmark Result") -> str:

@@ -5,7 +5,9 @@ A layer's cache is [P, S, Hkv, D]: the key at context position p of row b sits i
 kv_indptr[b] on, as flashinfer lists them; entries past its first ceil(seq_lens[b] / S) are
 never read). Row b's new tokens are the last q_len of its
 seq_lens[b] context positions and are already stored in the cache; the query at position p
-attends keys 0..p (causal), with query head h reading KV head h // (Hq // Hkv) (GQA).
+attends keys 0..p (causal), with query head h reading KV head h // (Hq // Hkv) (GQA). With a
+sliding `window` > 0 it attends keys p - window < j <= p only (transformers' convention), and
+a program skips the key tiles that lie wholly before its queries' windows.
 
 One Triton kernel serves both entry points. A program takes one KV head of one row and
 BLOCK_Q of that row's queries times all GROUP = Hq // Hkv query heads of the KV head: the
@@ -98,7 +100,8 @@ tl = None  # triton.language, bound when _kernels is first built
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                                 kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                                k_scale: float = 1.0, v_scale: float = 1.0,
+                                window: int = 0) -> torch.Tensor:
     """Torch reference of `paged_prefill_attention`: gathers each row's context, dequantises it
     (times k_scale, v_scale) and runs a masked softmax in float32, row by row (host syncs).
     Returns [T, Hq, D] in q's dtype."""
@@ -119,8 +122,9 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = (flat_k[slots].float() * k_scale).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = (flat_v[slots].float() * v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [Hq, n, L]
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)  # [n, L]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
@@ -129,11 +133,11 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                               v_scale: float = 1.0) -> torch.Tensor:
+                               v_scale: float = 1.0, window: int = 0) -> torch.Tensor:
     """Torch reference of `paged_decode_attention`: prefill with one query per row."""
     qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices,
-                                       seq_lens, scale, k_scale, v_scale)
+                                       seq_lens, scale, k_scale, v_scale, window)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -142,7 +146,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, window: int = 0) -> torch.Tensor:
     """Attention of one new token per row over its whole paged context.
 
     Parameters
@@ -160,6 +164,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         context bounded by N pages (shapes only, so the launch is CUDA-graph capturable). A
         caller that knows a tighter bound on the longest context passes its own.
     k_scale, v_scale : the caches hold K / k_scale and V / v_scale (FP8 caches); default 1.0.
+    window : sliding window: the query at position p sees keys p - window < j <= p; 0: all.
 
     Returns
     -------
@@ -169,13 +174,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = q.new_empty(q.shape) if out is None else out
     if not _kernels.runs_on(q):
         out.copy_(paged_decode_attention_ref(q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens,
-                                             scale, k_scale, v_scale))
+                                             scale, k_scale, v_scale, window))
         return out
     if num_splits is None:
         num_splits = decode_num_splits(q.shape[0], k_cache.shape[2],
                                        kv_indices.shape[0] * k_cache.shape[1], q.device)
     _launch(q, k_cache, v_cache, None, kv_indptr, kv_indices, seq_lens, scale * k_scale, v_scale,
-            out, q_blocks=None, num_splits=num_splits)
+            out, q_blocks=None, num_splits=num_splits, window=window)
     return out
 
 
@@ -183,7 +188,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                             kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             out: torch.Tensor | None = None, q_blocks: torch.Tensor | None = None,
-                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                            k_scale: float = 1.0, v_scale: float = 1.0,
+                            window: int = 0) -> torch.Tensor:
     """Causal attention of each row's new tokens over its paged context (cached prefix + new).
 
     Parameters
@@ -191,7 +197,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q : [T, Hq, D], the B rows' new tokens concatenated; row b owns
         q[qo_indptr[b]:qo_indptr[b + 1]], the last q_len of its seq_lens[b] positions.
         Last dim contiguous, other strides arbitrary.
-    k_cache, v_cache, kv_indptr, kv_indices, seq_lens, scale, k_scale, v_scale : as in
+    k_cache, v_cache, kv_indptr, kv_indices, seq_lens, scale, k_scale, v_scale, window : as in
         `paged_decode_attention` (q_len <= seq_len; rows of one token mix freely with long ones).
     qo_indptr : [B + 1] int32 (or int64), qo_indptr[0] = 0 and qo_indptr[B] = T.
     out : optional [T, Hq, D] tensor to write (last dim contiguous); else a new one, q's dtype.
@@ -207,14 +213,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = q.new_empty(q.shape) if out is None else out
     if not _kernels.runs_on(q):
         out.copy_(paged_prefill_attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr,
-                                              kv_indices, seq_lens, scale, k_scale, v_scale))
+                                              kv_indices, seq_lens, scale, k_scale, v_scale,
+                                              window))
         return out
     if q_blocks is None:
         blocks = prefill_blocks(qo_indptr.diff().tolist(), seq_lens.tolist(), q.shape[1],
                                 k_cache.shape[2])
         q_blocks = torch.tensor(blocks, dtype=torch.int32, device=q.device).view(-1, 2)
     _launch(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, seq_lens, scale * k_scale,
-            v_scale, out, q_blocks, num_splits=1)
+            v_scale, out, q_blocks, num_splits=1, window=window)
     return out
 
 
@@ -277,7 +284,7 @@ def _kernels(triton):
             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
             SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
-            F16: tl.constexpr, PDL: tl.constexpr):
+            F16: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -299,16 +306,21 @@ def _kernels(triton):
         if q_block * BLOCK_Q >= q_len:
             return
         seq_len = tl.load(seq_lens_ptr + row)
-        # This block needs keys [0, kv_end). The row uses as many of the NUM_SPLITS splits as
+        # This block needs keys [kv_start, kv_end), kv_start 0 or its first query's window's
+        # first key, rounded down to a tile. The row uses as many of the NUM_SPLITS splits as
         # leave each MIN_TILES key tiles (the rest return now: neither counted nor merged), and
         # split `split` takes its share of whole tiles.
         kv_end = tl.minimum(seq_len, seq_len - q_len + (q_block + 1) * BLOCK_Q)
-        num_tiles = tl.cdiv(kv_end, BLOCK_N)
+        kv_start = 0
+        if WINDOW > 0:
+            first_pos = seq_len - q_len + q_block * BLOCK_Q
+            kv_start = tl.maximum(first_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        num_tiles = tl.cdiv(kv_end - kv_start, BLOCK_N)
         row_splits = tl.minimum(tl.cdiv(num_tiles, MIN_TILES), NUM_SPLITS)
         if split >= row_splits:
             return
         tiles_per_split = tl.cdiv(num_tiles, row_splits)
-        lo = split * tiles_per_split * BLOCK_N
+        lo = kv_start + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
 
         # Query rows r = token * GROUP_PAD + head; rows past BLOCK_Q * GROUP_PAD pad tl.dot to 16.
@@ -337,7 +349,10 @@ def _kernels(triton):
             k_off = page * k_stride_p + (t % PAGE_SIZE) * k_stride_s + kv_head * k_stride_h
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-            s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))
+            visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (t[None, :] > pos[:, None] - WINDOW)
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
             alpha = tl.exp2(m - m_ref)
@@ -350,8 +365,8 @@ def _kernels(triton):
             m = m_new
 
         out_mask = row_ok[:, None] & d_ok[None, :]
-        if NUM_SPLITS == 1:
-            o = acc * (v_scale / l)[:, None]
+        if NUM_SPLITS == 1:  # (padding rows may see no key inside a window: l = 0)
+            o = acc * (v_scale / tl.where(l > 0, l, 1.0))[:, None]
             o_off = t_idx * o_stride_t + head * o_stride_h
             tl.store(out_ptr + o_off[:, None] + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -400,9 +415,9 @@ def _kernels(triton):
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             qo_indptr: torch.Tensor | None, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
             seq_lens: torch.Tensor, scale: float, v_scale: float, out: torch.Tensor,
-            q_blocks: torch.Tensor | None, num_splits: int) -> None:
+            q_blocks: torch.Tensor | None, num_splits: int, window: int = 0) -> None:
     """Decode when qo_indptr is None (one query per row), else prefill over q_blocks; on q's
-    device. `scale` is the softmax scale with k_scale folded in."""
+    device. `scale` is the softmax scale with k_scale folded in; window 0: full attention."""
     global triton_launches
     num_tokens, num_heads, head_dim = q.shape
     num_rows = seq_lens.shape[0]
@@ -445,7 +460,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             NUM_SPLITS=num_splits, MIN_TILES=_MIN_TILES_PER_SPLIT, SPLIT_BLOCK=split_block,
             DECODE=decode,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            F16=k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16, num_warps=num_warps,
+            F16=k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16, WINDOW=window,
+            num_warps=num_warps,
             num_stages=num_stages, **launch_options(pdl(q)))
         triton_launches += 1
 

@@ -96,8 +96,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("gateway")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
-    g.add_argument("--model", default=None, help="model folder for the tokenizer and chat template "
-                   "(default: the embedded SmolLM2-135M-Instruct); workers must serve the same model")
+    g.add_argument("--model", default=None, help="model folder or .gguf file for the tokenizer and "
+                   "chat template (default: the embedded SmolLM2-135M-Instruct); workers must "
+                   "serve the same model")
     add_config_args(g, GatewayConfig, control_port=8100, served_model_name=None)
     add_cluster_key_arg(g)
 
@@ -107,12 +108,13 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from pd_serve.gateway.server import serve
-    from pd_serve.model.gguf_default import default_model_dir
+    from pd_serve.model.gguf_default import model_dir_for
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    model_dir = model_dir_for(args.model)
     if not (model_dir / "tokenizer.json").is_file():
         raise ValueError(f"--model {model_dir}: no tokenizer.json there")
-    name = args.served_model_name or ("SmolLM2-135M-Instruct" if not args.model else model_dir.name)
+    name = args.served_model_name or ("SmolLM2-135M-Instruct" if not args.model
+                                      else Path(args.model).name)
     import os
 
     config = GatewayConfig(**config_kwargs(GatewayConfig, args) | {

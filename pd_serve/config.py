@@ -77,7 +77,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = _opt(None, "Hugging Face model folder (config.json, safetensors, "
-                             "tokenizer.json); default: the embedded SmolLM2-135M-Instruct")
+                             "tokenizer.json) or a llama-architecture .gguf file (converted once "
+                             "into the cache); default: the embedded SmolLM2-135M-Instruct")
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = _opt("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
     context_length: int | None = _opt(

@@ -54,7 +54,9 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed
     vocab = len(_tokenizer_vocab(tokenizer_dir))
     common = dict(TINY_SHAPE, **(shape or {}), vocab_size=vocab, initializer_range=0.3, bos_token_id=1,
                   eos_token_id=2, tie_word_embeddings=False)
-    if kind == "llama3":
+    if kind == "llama":  # plain RoPE (a GGUF file can carry it)
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif kind == "llama3":
         config = transformers.LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
@@ -65,7 +67,8 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed
         config = transformers.Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32)
         cls = transformers.Qwen3ForCausalLM
     elif kind == "mistral":
-        config, cls = transformers.MistralConfig(**common, sliding_window=None), transformers.MistralForCausalLM
+        config = transformers.MistralConfig(**{"sliding_window": None, **common})  # shape may set one
+        cls = transformers.MistralForCausalLM
     elif kind == "mixtral":  # 8 experts, top 2, renormalised
         config = transformers.MixtralConfig(**{**common, "intermediate_size": 48},
                                             num_local_experts=8, num_experts_per_tok=2,

@@ -250,7 +250,7 @@ def token_stop_reason(request: Request, eos_token_ids, max_model_len: int) -> Fi
 def resolve_model(config: EngineConfig) -> tuple[Path, ModelConfig, int]:
     """--model's folder (checked), its config and the context length (--context-length, checked
     against the model's limit)."""
-    model_dir = Path(config.model) if config.model else _default_model_dir()
+    model_dir = _model_dir_for(config.model)
     if not model_dir.is_dir():
         raise ValueError(f"--model {model_dir}: no such directory")
     model_config = ModelConfig.from_dir(model_dir)
@@ -293,6 +293,6 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def _default_model_dir() -> Path:
-    from pd_serve.model.gguf_default import default_model_dir
-    return default_model_dir()
+def _model_dir_for(model: str | None) -> Path:
+    from pd_serve.model.gguf_default import model_dir_for
+    return model_dir_for(model)

@@ -120,10 +120,11 @@ class Executor:
                     num_pages, layout.page_size, self.kv_pool.num_tokens, layout.dtype,
                     layout.bytes_per_token, self.kv_pool.num_bytes / 2**30)
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype,
-                                                      mc.head_dim)
+                                                      mc.head_dim, mc.layer_windows)
         attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
                               mc.head_dim ** -0.5, self.dtype,
-                              batch1_kernels=cfg.enable_batch1_kernels)
+                              batch1_kernels=cfg.enable_batch1_kernels,
+                              layer_windows=mc.layer_windows)
         if cfg.enable_batch1_kernels:
             use_batch1_kernels(self.model)
             if self.device.type != "cuda" and not interpret_requested():

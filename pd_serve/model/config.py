@@ -59,11 +59,24 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # Sliding-window attention: a query at position i sees keys j with i - sliding_window < j
+    # <= i in the layers listed (transformers' mask); 0: full attention everywhere.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer `layer_id` has a sparse MoE block (else a dense MLP)."""
         return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
                 and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    def layer_window(self, layer_id: int) -> int:
+        """The keys a query of layer `layer_id` sees at most (itself included); 0: all."""
+        return self.sliding_window if layer_id in self.sliding_layers else 0
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """layer_window(i) of every layer: what the attention backends are built with."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     @property
     def q_size(self) -> int:
@@ -128,6 +141,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                 **moe,
+                **_sliding_fields(arch, raw),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
@@ -149,6 +163,30 @@ def _moe_fields(arch: str, raw: dict) -> dict:
                 if arch == "Qwen2MoeForCausalLM" else 0,
                 decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
                 mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
+
+
+def _sliding_fields(arch: str, raw: dict) -> dict:
+    """sliding_window and sliding_layers as transformers reads them. Mistral and Mixtral: every
+    layer when sliding_window is set (their layer_types are ignored); Qwen3-MoE: every layer
+    under use_sliding_window; Qwen2 and Qwen3 under use_sliding_window: the layers config.json's
+    layer_types calls sliding_attention, else layers max_window_layers and up; Qwen2-MoE: the
+    even-indexed layers below max_window_layers. Llama has no window."""
+    window = raw.get("sliding_window") or 0
+    num_layers = raw["num_hidden_layers"]
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        layers = range(num_layers)
+    elif not raw.get("use_sliding_window") or arch == "LlamaForCausalLM":
+        window, layers = 0, range(0)
+    elif arch == "Qwen3MoeForCausalLM":
+        layers = range(num_layers)
+    elif raw.get("layer_types"):
+        layers = [i for i, kind in enumerate(raw["layer_types"]) if kind == "sliding_attention"]
+    elif arch == "Qwen2MoeForCausalLM":
+        layers = [i for i in range(num_layers) if (i + 1) % 2 and i < raw.get("max_window_layers", 28)]
+    else:
+        layers = range(raw.get("max_window_layers", 28), num_layers)
+    layers = tuple(layers) if window else ()
+    return dict(sliding_window=window if layers else 0, sliding_layers=layers)
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

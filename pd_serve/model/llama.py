@@ -3,6 +3,8 @@ and its MoE kin: Mixtral, Qwen2-MoE, Qwen3-MoE (sparse MoE blocks in place of ML
 
 The forward pass takes flat tokens of a whole batch (input_ids [T], positions [T]) and an
 attention backend already planned for that batch; it knows nothing of requests or pages.
+Sliding-window attention (Mistral v0.1, Qwen2's use_sliding_window) is the backend's too: it is
+built with each layer's window (ModelConfig.layer_windows).
 Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (see loader.py).
 Norms and SiLU-and-mul call kernels/: Triton on GPU, their torch references on CPU (which
 reproduce Hugging Face's arithmetic); RoPE is the attention backend's, applied as it stores K

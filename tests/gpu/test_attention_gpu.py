@@ -1,7 +1,8 @@
 """The flashinfer backend against the torch backend on the same pool (skipped without CUDA or
 flashinfer): batches that mix decode rows with prompt chunks run flashinfer's FA2 prefill
 kernels, prompt-only batches its default ones, decode batches its decode wrapper, and a single
-decode row our Triton kernel under --enable-batch1-kernels (flashinfer_backend.py says why)."""
+decode row our Triton kernel under --enable-batch1-kernels (flashinfer_backend.py says why);
+each with full attention and with a sliding window."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def batch(rows: list[tuple[int, int]], num_pages: int, seed: int) -> AttentionMe
     ([(1, 700), (1, 17)], "decode_wrapper"),
     ([(1, 700)], "one_row"),                                                    # Triton's decode
 ])
-def test_flashinfer_matches_torch_on_mixed_batches(rows, wrapper):
+@pytest.mark.parametrize("window", [0, 64], ids=["full", "window64"])  # window_left 63
+def test_flashinfer_matches_torch_on_mixed_batches(rows, wrapper, window):
     layout = KVLayout(1, PAGE, NUM_KV_HEADS, HEAD_DIM, "bfloat16")
     pool = KVPool(layout, 256, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -53,7 +55,7 @@ def test_flashinfer_matches_torch_on_mixed_batches(rows, wrapper):
     outs = {}
     for name in ("torch", "flashinfer"):  # both store the same new K/V, then attend
         backend = create_backend(name, pool, NUM_HEADS, HEAD_DIM, HEAD_DIM ** -0.5,
-                                 batch1_kernels=wrapper == "one_row")
+                                 batch1_kernels=wrapper == "one_row", layer_windows=(window,))
         backend.plan(meta)
         outs[name] = backend.run(0, q, k, v).float()
         if name == "flashinfer" and wrapper == "one_row":

@@ -93,14 +93,29 @@ def _check_backend(name: str) -> None:
         pytest.skip(str(e))
 
 
+# Mistral v0.1's sliding window, shorter than the sequences and than the two-chunk split
+WINDOW_CONFIG = {**{k: v for k, v in HF_CONFIG.items() if k != "rope_scaling"},
+                 "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                 "sliding_window": 256}
+
+
 @pytest.fixture(scope="module")
 def reference():
     """(our model, token ids [S, L], transformers' float32 logits [S, L, V]) on shared weights."""
-    model = dummy_model(ModelConfig.from_dict(HF_CONFIG), DTYPE, DEVICE, seed=0)
+    return _reference(HF_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def window_reference():
+    return _reference(WINDOW_CONFIG)
+
+
+def _reference(hf_config: dict):
+    model = dummy_model(ModelConfig.from_dict(hf_config), DTYPE, DEVICE, seed=0)
     peaked_weights_(model, seed=0)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(HF_CONFIG["vocab_size"], (NUM_SEQS, SEQ_LEN), generator=gen).to(DEVICE)
-    hf = to_hf_model(model, HF_CONFIG)
+    ids = torch.randint(hf_config["vocab_size"], (NUM_SEQS, SEQ_LEN), generator=gen).to(DEVICE)
+    hf = to_hf_model(model, hf_config)
     with torch.inference_mode():
         logits = hf(input_ids=ids).logits.float()  # [S, L, V]
     del hf
@@ -121,7 +136,8 @@ def our_logits(model: CausalLM, ids: torch.Tensor, backend: str, split: int | No
     layout = layout or KVLayout(cfg.num_layers, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim,
                                 "bfloat16")
     pool = KVPool(layout, num_seqs * pages_per_seq + 1, DEVICE)
-    attn = create_backend(backend, pool, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, DTYPE)
+    attn = create_backend(backend, pool, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, DTYPE,
+                          layer_windows=cfg.layer_windows)
     order = (torch.randperm(pool.num_pages - 1, generator=torch.Generator().manual_seed(2)) + 1).tolist()
     page_tables = [order[i::num_seqs] for i in range(num_seqs)]  # page 0 stays unused
     chunks = [(0, split), (split, seq_len)] if split else [(0, seq_len)]
@@ -151,6 +167,21 @@ def test_teacher_forced_top1_matches_transformers(backend, split, reference):
           f"{agreement:.4f} over {ids.numel()} positions, logits relative error {rel_error:.4f}")
     assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.4f}"
     assert rel_error <= MAX_LOGITS_REL_ERROR, f"logits relative error {rel_error:.4f}"
+
+
+@pytest.mark.parametrize("split", [None, SPLIT], ids=["whole", "two-chunks"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_top1_matches_transformers(backend, split, window_reference):
+    """A Mistral with a 256-key window over 1024-token sequences: each backend's window."""
+    _check_backend(backend)
+    model, ids, ref = window_reference
+    assert set(model.config.layer_windows) == {256}
+    ours = our_logits(model, ids, backend, split)
+    agreement = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    rel_error = ((ours - ref).norm() / ref.norm()).item()
+    print(f"{backend} window 256: top-1 agreement {agreement:.4f}, logits relative error "
+          f"{rel_error:.4f}")
+    assert agreement >= MIN_TOP1_AGREEMENT and rel_error <= MAX_LOGITS_REL_ERROR
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])

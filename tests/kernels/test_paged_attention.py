@@ -160,6 +160,71 @@ def test_prefill_matches_reference(device, heads, dtype, page_size):
     assert torch.equal(again, out)
 
 
+WINDOW_CASES = [pytest.param("cpu", torch.float32, id="cpu-float32"),
+                pytest.param("cuda", torch.bfloat16, marks=needs_cuda, id="cuda-bfloat16")]
+
+
+def test_window_reference_keeps_the_last_window_keys():
+    """The reference's window, checked apart from the kernels: window 1 attends the query's own
+    key (out = its V), a window as long as the context is full attention."""
+    lens = [1, 17, 64, 130, 5]
+    k_cache, v_cache, pages, seq_lens = make_paged_context(lens, 4, 2, 16, torch.float32, "cpu",
+                                                           seed=11)
+    q = random_q(len(lens), 4, 16, torch.float32, "cpu", seed=12)
+    full = pa.paged_decode_attention_ref(q, k_cache, v_cache, *pages, seq_lens, 0.25)
+    assert torch.equal(pa.paged_decode_attention_ref(q, k_cache, v_cache, *pages, seq_lens, 0.25,
+                                                     window=130), full)
+    own = pa.paged_decode_attention_ref(q, k_cache, v_cache, *pages, seq_lens, 0.25, window=1)
+    indptr, indices = pages
+    for b, n in enumerate(lens):  # the last key's V, heads 2h and 2h + 1 reading KV head h
+        page = indices[indptr[b] + (n - 1) // 4]
+        expected = v_cache[page, (n - 1) % 4].repeat_interleave(2, dim=0)
+        torch.testing.assert_close(own[b], expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [1, 7, 16, 50])
+@pytest.mark.parametrize("device,dtype", WINDOW_CASES)
+def test_decode_window_matches_reference(device, dtype, window):
+    """Sliding window in decode: the kernel skips tiles wholly before the window and masks the
+    rest; with splits, each split takes whole tiles from the window's first on."""
+    lens = DECODE_LENS + ([1000, 333] if device == "cuda" else [])
+    num_heads, num_kv_heads, head_dim = HEADS_CPU[0] if device == "cpu" else HEADS_CUDA[0]
+    k_cache, v_cache, pages, seq_lens = make_paged_context(lens, 4, num_kv_heads, head_dim,
+                                                           dtype, device, seed=13)
+    q = random_q(len(lens), num_heads, head_dim, dtype, device, seed=14)
+    scale = head_dim ** -0.5
+    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, *pages, seq_lens, scale,
+                                        window=window)
+    for num_splits in (None, 1, 3):
+        out = pa.paged_decode_attention(q, k_cache, v_cache, *pages, seq_lens, scale,
+                                        num_splits=num_splits, window=window)
+        assert_close(out, ref, dtype)
+    assert not pa._counters.get(k_cache.device, torch.zeros(1)).any(), "counters left non-zero"
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [1, 7, 33])
+@pytest.mark.parametrize("device,dtype", WINDOW_CASES)
+def test_prefill_window_matches_reference(device, dtype, window):
+    """Sliding window in prefill: chunks after a cached prefix longer than the window, rows
+    longer than a query block, decode rows beside them."""
+    rows = PREFILL_ROWS + ([(512, 2048), (1, 999)] if device == "cuda" else [])
+    num_heads, num_kv_heads, head_dim = HEADS_CPU[0] if device == "cpu" else HEADS_CUDA[0]
+    q_lens, lens = [n for n, _ in rows], [L for _, L in rows]
+    k_cache, v_cache, pages, seq_lens = make_paged_context(lens, 4, num_kv_heads, head_dim,
+                                                           dtype, device, seed=15)
+    q = random_q(sum(q_lens), num_heads, head_dim, dtype, device, seed=16)
+    indptr = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    scale = head_dim ** -0.5
+    ref = pa.paged_prefill_attention_ref(q, k_cache, v_cache, indptr, *pages, seq_lens, scale,
+                                         window=window)
+    with expect_launches(1):
+        out = pa.paged_prefill_attention(q, k_cache, v_cache, indptr, *pages, seq_lens, scale,
+                                         window=window)
+    assert_close(out, ref, dtype)
+
+
 @needs_triton
 @pytest.mark.parametrize("device", [CPU, CUDA])
 def test_views_in_and_out(device):

@@ -82,12 +82,14 @@ def run_layers(backend, meta, dtype, seed: int = 1, drawn: int | None = None,
     return outs
 
 
-def backends(pools, num_heads=NUM_HEADS, head_dim=HEAD_DIM):
+def backends(pools, num_heads=NUM_HEADS, head_dim=HEAD_DIM, layer_windows=()):
     from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
 
     scale = head_dim ** -0.5
-    return (TritonAttentionBackend(pools[0], num_heads, head_dim, scale),
-            TorchAttentionBackend(pools[1], num_heads, head_dim, scale))
+    return (TritonAttentionBackend(pools[0], num_heads, head_dim, scale,
+                                   layer_windows=layer_windows),
+            TorchAttentionBackend(pools[1], num_heads, head_dim, scale,
+                                  layer_windows=layer_windows))
 
 
 def assert_same(triton_outs, torch_outs, pools, dtype):
@@ -112,6 +114,23 @@ def test_matches_torch_backend(rows, dtype):
     assert paged_attention.triton_launches > before, "the Triton path did not run"
     assert triton_backend.decode == all(n == 1 for n, _ in rows)
     assert_same(ours, run_layers(torch_backend, meta, dtype), pools, dtype)
+
+
+@pytest.mark.parametrize("rows", [
+    pytest.param([(5, 5), (1, 9), (6, 14), (1, 1), (3, 3), (9, 23)], id="mixed"),
+    pytest.param([(1, 9), (1, 1), (1, 23), (1, 4)], id="decode"),
+])
+def test_sliding_window_matches_torch_backend(rows):
+    """Layer 0 sees a window of 3 keys, layer 1 the whole context (as Qwen2's
+    max_window_layers mixes them); the window changes layer 0's output."""
+    dtype = torch.float32
+    pools = make_pools(dtype)
+    triton_backend, torch_backend = backends(pools, layer_windows=(3, 0))
+    meta = make_batch(rows)
+    ours = run_layers(triton_backend, meta, dtype)
+    assert_same(ours, run_layers(torch_backend, meta, dtype), pools, dtype)
+    full = run_layers(backends(make_pools(dtype))[1], meta, dtype)
+    assert not torch.allclose(ours[0], full[0]) and torch.allclose(ours[1], full[1], atol=1e-5)
 
 
 def graph_batch(rows: list[tuple[int, int]], bs: int, slot_buffer: torch.Tensor, seed: int):

@@ -46,11 +46,16 @@ class AttentionBackend(ABC):
 
     `dtype` is the activations' (q, k, v and the output); default the pool's, which differs
     from it for FP8 caches.
+
+    `layer_windows[i]` > 0 makes layer i sliding-window attention: the query at position p sees
+    the keys at p - window < j <= p (transformers' convention); 0 or omitted: the whole context.
+    The window is a mask only: pages of keys that fell out of it stay allocated and stored.
     """
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, layer_windows: tuple[int, ...] = ()):
         self.pool = pool
+        self.windows = tuple(layer_windows) or (0,) * pool.layout.num_layers
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale

@@ -22,6 +22,9 @@ heads, per layer under a CUDA graph: 8.5 / 12.1 / 15.7 us at 1k / 4k / 8k contex
 10.4 / 14.4 / 18.4 us for flashinfer's tensor-core decode and its state merge, both
 latency-bound at batch 1.
 
+A sliding window (Mistral v0.1; one window for every layer, resolve_backend_name sends models
+that mix windows to triton) is flashinfer's window_left, the window less the query itself.
+
 FP8 pools: plan() passes the pool's dtype as kv_data_type (q stays bf16/fp16) and run() passes
 the layer's k_scale / v_scale, which flashinfer folds into sm_scale and multiplies onto the
 output (v_scale only when it is not 1). The prefill wrapper is pinned to the FA2 kernels then:
@@ -62,8 +65,14 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype | None = None, batch1_kernels: bool = False):
-        super().__init__(pool, num_heads, head_dim, scale, dtype)  # self.dtype: q's
+                 dtype: torch.dtype | None = None, batch1_kernels: bool = False,
+                 layer_windows: tuple[int, ...] = ()):
+        super().__init__(pool, num_heads, head_dim, scale, dtype, layer_windows)  # self.dtype: q's
+        if len(set(self.windows)) > 1:
+            raise ValueError("flashinfer plans one attention window per batch; this model's "
+                             "layers differ (sliding and full): use the triton backend")
+        # flashinfer's window_left counts the keys before the query: window - 1; -1: all.
+        self.window_left = self.windows[0] - 1 if self.windows[0] else -1
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -81,8 +90,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.graph_wrappers: dict[int, object] = {}
-        self.one_row = (TritonAttentionBackend(pool, num_heads, head_dim, scale, dtype)
-                        if batch1_kernels else None)
+        self.one_row = (TritonAttentionBackend(pool, num_heads, head_dim, scale, dtype,
+                                               layer_windows) if batch1_kernels else None)
         self.wrapper = None  # the one run() uses, chosen by the last plan*()
         self.delegate: TritonAttentionBackend | None = None  # one_row, when it runs this batch
         self.is_prefill = False
@@ -112,7 +121,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         indptr, indices, last = self._page_table(meta)
         wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
                      self.page_size, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                     sm_scale=self.scale)
+                     sm_scale=self.scale, window_left=self.window_left)
 
     def plan(self, meta: AttentionMetadata) -> None:
         self.slot_mapping = meta.slot_mapping
@@ -134,7 +143,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper.plan(
             torch.tensor(qo_indptr, dtype=torch.int32).pin_memory(), indptr, indices, last, self.num_heads,
             self.num_kv_heads, self.head_dim, self.page_size, causal=True, sm_scale=self.scale,
-            q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+            q_data_type=self.dtype, kv_data_type=self.kv_dtype, window_left=self.window_left)
         self.wrapper = wrapper
 
     # ---- CUDA graphs ------------------------------------------------------------------------

@@ -18,14 +18,15 @@ class _PrefillRow:
     start: int  # first of this row's tokens in the batch
     num_new: int
     slots: torch.Tensor  # [L] cache slots of the row's whole context
-    mask: torch.Tensor  # [num_new, L] True where a query may attend
+    masks: dict[int, torch.Tensor]  # window -> [num_new, L] True where a query may attend
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Gathers each sequence's K/V from its pages and calls scaled_dot_product_attention.
 
     Single-token (decode) rows run as one padded batch; rows with several new tokens (prefill
-    chunks) run one by one with a causal mask offset by their cached prefix. New K/V are stored
+    chunks) run one by one with a causal mask offset by their cached prefix. Sliding-window
+    layers use masks that also hide keys at or before position - window. New K/V are stored
     by kernels/kv_store's torch reference (FP8: k / k_scale, saturated); gathered K/V are cast
     to q's dtype, with k_scale folded into the softmax scale and v_scale applied to the output.
     """
@@ -38,6 +39,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.decode_token_ids: list[int] = []
         decode_slots: list[torch.Tensor] = []
         self.prefill_rows: list[_PrefillRow] = []
+        windows = set(self.windows)
         start = 0
         for num_new, seq_len, pages in zip(meta.query_lens, meta.seq_lens, meta.page_tables):
             num_pages = pages_for(seq_len, page_size)
@@ -47,16 +49,20 @@ class TorchAttentionBackend(AttentionBackend):
                 self.decode_token_ids.append(start)
                 decode_slots.append(slots)
             else:
-                q_pos = torch.arange(seq_len - num_new, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-                self.prefill_rows.append(_PrefillRow(start, num_new, slots, mask))
+                q_pos = torch.arange(seq_len - num_new, seq_len, device=device)[:, None]
+                k_pos = torch.arange(seq_len, device=device)[None, :]
+                masks = {w: (k_pos <= q_pos) & ((k_pos > q_pos - w) if w else True)
+                         for w in windows}  # [num_new, L] each
+                self.prefill_rows.append(_PrefillRow(start, num_new, slots, masks))
             start += num_new
         if decode_slots:
             lens = torch.tensor([len(s) for s in decode_slots], device=device)
             # Padding points at slot 0: finite data, masked out below.
             self.decode_slots = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True)
-            self.decode_mask = (torch.arange(self.decode_slots.shape[1], device=device)[None, :]
-                                < lens[:, None])[:, None, None, :]  # [B, 1, 1, Lmax]
+            k_pos = torch.arange(self.decode_slots.shape[1], device=device)[None, :]
+            lens = lens[:, None]
+            self.decode_masks = {w: ((k_pos < lens) & ((k_pos >= lens - w) if w else True))
+                                 [:, None, None, :] for w in windows}  # [B, 1, 1, Lmax] each
             self.decode_index = torch.tensor(self.decode_token_ids, device=device)
 
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -72,11 +78,12 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache = self.pool.v_cache(layer_id).view(-1, num_kv_heads, self.head_dim)
         scale = self.scale * k_scale  # softmax(q . (k_stored * k_scale) * scale)
         out = torch.empty_like(q)
+        window = self.windows[layer_id]
         if self.decode_token_ids:
             qd = q[self.decode_index].unsqueeze(2)  # [B, Hq, 1, D]
             kd = k_cache[self.decode_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lmax, D]
             vd = v_cache[self.decode_slots].transpose(1, 2).to(q.dtype)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask,
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_masks[window],
                                                 scale=scale, enable_gqa=True)
             out[self.decode_index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
         for row in self.prefill_rows:
@@ -84,7 +91,7 @@ class TorchAttentionBackend(AttentionBackend):
             qp = q[row.start:end].transpose(0, 1)  # [Hq, n, D]
             kp = k_cache[row.slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
             vp = v_cache[row.slots].transpose(0, 1).to(q.dtype)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale,
-                                                enable_gqa=True)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.masks[window],
+                                                scale=scale, enable_gqa=True)
             out[row.start:end] = op.transpose(0, 1) if v_scale == 1.0 else op.transpose(0, 1) * v_scale
         return out

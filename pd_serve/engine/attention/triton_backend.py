@@ -4,7 +4,8 @@ plan() turns the batch into small index tensors on the pool's device (the rows' 
 flashinfer lists them, kv_indptr [B + 1] and kv_indices [pages], seq_lens [B], and for prefill
 qo_indptr [B + 1] and the kernel's (row, query block) list); run() stores the layer's new K/V with
 kernels/kv_store and runs the decode kernel when every row has one new token, else the prefill
-kernel for the whole batch (chunked prefill and decode rows mixed in). FP8 pools: the store
+kernel for the whole batch (chunked prefill and decode rows mixed in), each layer with its
+sliding window (0: full attention; the kernels mask keys outside it). FP8 pools: the store
 quantises (k / k_scale, saturated) and the attention kernels dequantise in registers (FP8 tiles
 cast to q's dtype, k_scale folded into the softmax scale, v_scale onto the output).
 
@@ -30,8 +31,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype | None = None):
-        super().__init__(pool, num_heads, head_dim, scale, dtype)
+                 dtype: torch.dtype | None = None, layer_windows: tuple[int, ...] = ()):
+        super().__init__(pool, num_heads, head_dim, scale, dtype, layer_windows)
         self.device = pool.buffer.device
         self.page_size = pool.layout.page_size
         self.graph_out: torch.Tensor | None = None  # [max_bs, Hq, D], set by init_cuda_graph()
@@ -126,12 +127,13 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache = self.pool.v_cache(layer_id)
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
         out = self.out if self.out is not None and self.out.dtype == q.dtype else None
+        window = self.windows[layer_id]  # a kernel specialisation per window size
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.kv_indptr, self.kv_indices,
                                           self.seq_lens, self.scale, out=out,
                                           num_splits=self.num_splits, k_scale=k_scale,
-                                          v_scale=v_scale)  # [B, Hq, D]
+                                          v_scale=v_scale, window=window)  # [B, Hq, D]
         return paged_prefill_attention(q, k_cache, v_cache, self.qo_indptr, self.kv_indptr,
                                        self.kv_indices, self.seq_lens, self.scale, out=out,
                                        q_blocks=self.q_blocks, k_scale=k_scale,
-                                       v_scale=v_scale)  # [T, Hq, D]
+                                       v_scale=v_scale, window=window)  # [T, Hq, D]
