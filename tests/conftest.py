@@ -115,7 +115,7 @@ def _deepseek_config(kind: str, common: dict):
                  n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
                  first_k_dense_replace=1, n_group=4, topk_group=2)
     if kind == "deepseek_v2":
-        config = transformers.DeepseekV2Config(**shape, q_lora_rank=None, num_experts_per_tok=2,
+        config = transformers.DeepseekV2Config(**shape, q_lora_rank=None, num_experts_per_tok=3,
                                                topk_method="group_limited_greedy",
                                                routed_scaling_factor=1.0)
         return config, transformers.DeepseekV2ForCausalLM
