@@ -36,9 +36,6 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
     "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
-    "mlp.shared_experts.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),  # DeepSeek's name
-    "mlp.shared_experts.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
-    "mlp.shared_experts.down_proj": ("mlp.shared_expert.down_proj", None),
 }
 # One expert's tensor: (prefix, expert, its name); the name -> (our stacked parameter, part).
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -218,6 +215,7 @@ def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
     if "rotary_emb" in name or kv_scale_target(name) is not None:
         return  # KV-cache scales are the cache's settings (cache/kv_quant.py reads them)
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's for its shared one
     if cfg.is_mla and _layer_of(name) >= cfg.num_layers:
         return  # DeepSeek-V3's multi-token prediction layer (model.layers.61): not served
     if (expert := _EXPERT.match(name)) is not None:
