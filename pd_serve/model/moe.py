@@ -5,9 +5,10 @@ top-k experts (kernels/fused_moe.py: softmax routing as transformers does it, re
 where the config's norm_topk_prob says, Mixtral always) and their outputs are summed with the
 routing weights. Qwen2-MoE adds a shared expert, a dense MLP every token takes, scaled by a
 sigmoid gate of its own. DeepSeek-V2/V3 route by groups (moe_routing.py; V3's
-`gate.e_score_correction_bias`) and add their shared experts ungated. Experts are stored fused as transformers 5 stores them:
-`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (model/loader.py fills
-them from per-expert checkpoint tensors).
+`gate.e_score_correction_bias`, float32 as transformers keeps it) and add their shared experts
+ungated. Experts are stored fused as transformers 5 stores them: `experts.gate_up_proj`
+[E, 2I, H] and `experts.down_proj` [E, H, I] (model/loader.py fills them from per-expert
+checkpoint tensors).
 
 `backend` is `--moe-runner-backend`: "triton" (kernels/fused_moe.py's fused kernel; no host
 sync, so CUDA graphs capture it) or "torch" (its reference, a loop over the experts hit).
@@ -44,7 +45,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.grouped_cfg = cfg if is_grouped(cfg) else None  # DeepSeekMoE routing
         if cfg.topk_method == "noaux_tc":  # V3: a per-expert bias on the scores of the choice
-            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.zeros(cfg.num_experts, dtype=torch.float32))
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = shared_expert
         if shared_expert is not None and cfg.shared_experts_gated:

@@ -131,3 +131,20 @@ def test_absorbed_decode_equals_expanded_attention():
     backend.plan(AttentionMetadata([1], [L], [pages], slots[-1:]))
     absorbed = backend.run_mla(0, q_nope[-1:], q_pe[-1:], latent[-1:], k_pe[-1:], kv_b)[0]
     torch.testing.assert_close(absorbed, expanded, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_tp2_ep2_engine_equals_one_rank(deepseek_dirs, kind):
+    """Heads split over two ranks (each storing the whole latent), the experts too."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 30)]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    options = dict(device="cpu", max_total_tokens=512, chunked_prefill_size=16)
+    want = [o.token_ids for o in Engine(deepseek_dirs[kind], **options).generate(prompts, params)]
+    engine = Engine(deepseek_dirs[kind], tp=2, ep_size=2, **options)
+    try:
+        assert engine.kv_pool.layout.num_kv_heads == 1  # the whole latent on this rank
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+    finally:
+        engine.close()
+    assert got == want
