@@ -148,3 +148,18 @@ def test_tp2_ep2_engine_equals_one_rank(deepseek_dirs, kind):
     finally:
         engine.close()
     assert got == want
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_grouped_routing_equals_transformers_router(deepseek_dirs, kind):
+    """The same experts and weights as transformers' router, over many random tokens."""
+    from pd_serve.model.moe_routing import grouped_topk
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deepseek_dirs[kind], dtype=torch.float32)
+    router = hf.model.layers[1].mlp.gate
+    cfg = ModelConfig.from_dir(deepseek_dirs[kind])
+    x = torch.randn(256, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    _, want_weights, want_ids = router(x)
+    weights, ids = grouped_topk(x, router.weight, cfg, getattr(router, "e_score_correction_bias", None))
+    want_order, order = want_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
