@@ -4,6 +4,7 @@ the transfer handshake hold the latent only; absorbed decode equals expanded att
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -163,3 +164,20 @@ def test_grouped_routing_equals_transformers_router(deepseek_dirs, kind):
     want_order, order = want_ids.argsort(dim=-1), ids.argsort(dim=-1)
     assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
     torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order))
+
+
+def test_prefix_cache_on_and_off_give_the_same_tokens(deepseek_dirs):
+    """Latent pages reused by the prefix cache (shared system prompts, evictions) change no token."""
+    rng = random.Random(2)
+    system = [[rng.randrange(3, 400) for _ in range(n)] for n in (37, 21)]
+    waves = [[s + [rng.randrange(3, 400) for _ in range(5 + 7 * turn + i)]
+              for i, s in enumerate(system * 2)] for turn in range(2)]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    options = dict(device="cpu", page_size=8, max_total_tokens=8 * 30, chunked_prefill_size=48)
+    on = Engine(deepseek_dirs["deepseek_v3"], **options)
+    off = Engine(deepseek_dirs["deepseek_v3"], disable_radix_cache=True, **options)
+    for wave in waves:
+        want = [o.token_ids for o in off.generate(wave, params)]
+        assert [o.token_ids for o in on.generate(wave, params)] == want
+    assert on.prefix_cache.hit_tokens > 0
+    assert_pages_settled(on)
