@@ -127,6 +127,29 @@ PRESETS.update({
                      moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
                      vocab_size=2048, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
 })
+_DEEPSEEK_V2 = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                    hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, q_lora_rank=None,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
+                    topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+                    first_k_dense_replace=1, moe_layer_freq=1, rope_theta=10000.0,
+                    tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001)
+PRESETS.update({  # DeepSeek-V2-Lite's shape (multi-head latent attention, DeepSeekMoE), and a tiny one
+    "deepseek-v2-lite": dict(_DEEPSEEK_V2, hidden_size=2048, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16,
+                             intermediate_size=10944, moe_intermediate_size=1408,
+                             n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                             routed_scaling_factor=1.0, vocab_size=102400,
+                             max_position_embeddings=163840,
+                             rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                                               beta_fast=32, beta_slow=1, mscale=0.707,
+                                               mscale_all_dim=0.707)),
+    "deepseek-tiny": dict(_DEEPSEEK_V2, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
+                          qk_rope_head_dim=16, v_head_dim=32, intermediate_size=256,
+                          moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                          n_shared_experts=1, routed_scaling_factor=1.0, vocab_size=2048,
+                          max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
+})
 GiB = 1 << 30
 # (copy bytes, matmul n, timed repeats) per device type
 CEILING_SIZES = {"cuda": (GiB, 8192, 20), "cpu": (64 << 20, 512, 5)}
@@ -410,7 +433,8 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
     with torch.device("meta"):
         weight_bytes = sum(p.numel() for p in CausalLM(cfg).parameters()) * dtype.itemsize
     kv_itemsize = dtype.itemsize if args.kv_cache_dtype == "auto" else 1  # fp8_*: one byte
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
+    planes = 1 if cfg.is_mla else 2  # MLA: one latent per token and layer (cache/pool.py)
+    kv_bytes_per_token = planes * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     if args.kv_budget_gb is not None:
         budget = args.kv_budget_gb * 1e9
     elif device.type == "cuda":

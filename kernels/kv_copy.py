@@ -1,7 +1,8 @@
 """Copy whole KV pages between pools and contiguous staging tensors (the transfer path).
 
-A pool `buffer` is [L, 2 (K, V), P, S, H, D], contiguous. For pages `page_ids` (n of them)
-and layers [a, b), the staging tensor is [b - a, 2, n, S, H, D], contiguous:
+A pool `buffer` is [L, 2 (K, V), P, S, H, D], contiguous (or [L, 1, ...]: a latent pool, one
+plane per layer; every "2" below is then 1). For pages `page_ids` (n of them) and layers
+[a, b), the staging tensor is [b - a, 2, n, S, H, D], contiguous:
 
     gather:  staging[l, kv, i] = buffer[a + l, kv, page_ids[i]]
     scatter: buffer[a + l, kv, page_ids[i]] = staging[l, kv, i]
@@ -271,7 +272,7 @@ def _launch(src: torch.Tensor, src_ids: torch.Tensor | None, dst: torch.Tensor,
     is a staging tensor (all its heads). programs > 0: src_ids is [n, src ids, dst ids] and
     that many programs stride over the rows (the counted form; num_ids unused)."""
     global triton_launches
-    num_groups = dst.shape[0] * 2  # (layer, kv) pairs
+    num_groups = dst.shape[0] * dst.shape[1]  # (layer, kv) pairs
     page_size, head_dim = dst.shape[3], dst.shape[5]
     src_h0, src_h1 = src_heads or (0, src.shape[4])
     dst_h0 = (dst_heads or (0, dst.shape[4]))[0]
@@ -310,7 +311,7 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
 def _staging_shape(buffer: torch.Tensor, page_ids: torch.Tensor, layer_start: int,
                    layer_end: int, heads: tuple[int, int] | None = None) -> tuple[int, ...]:
     _, _, _, page_size, num_heads, head_dim = buffer.shape
-    return (layer_end - layer_start, 2, page_ids.numel(), page_size,
+    return (layer_end - layer_start, buffer.shape[1], page_ids.numel(), page_size,
             _num_heads(buffer, heads), head_dim)
 
 
@@ -327,8 +328,8 @@ def _num_heads(buffer: torch.Tensor, heads: tuple[int, int] | None) -> int:
 
 def _check_pool(buffer: torch.Tensor, page_ids: torch.Tensor | None, layer_start: int,
                 layer_end: int, unique: bool = False, ids_device: torch.device | None = None) -> None:
-    if buffer.dim() != 6 or buffer.shape[1] != 2:
-        raise ValueError(f"buffer must be [L, 2, P, S, H, D], got shape {tuple(buffer.shape)}")
+    if buffer.dim() != 6 or buffer.shape[1] not in (1, 2):
+        raise ValueError(f"buffer must be [L, 2 (or 1), P, S, H, D], got shape {tuple(buffer.shape)}")
     if not buffer.is_contiguous():
         raise ValueError("buffer must be contiguous")
     if buffer.element_size() not in _INT_VIEW:

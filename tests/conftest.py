@@ -86,6 +86,8 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed
             num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
             decoder_sparse_step=2)
         cls = transformers.Qwen3MoeForCausalLM
+    elif kind in ("deepseek_v2", "deepseek_v3"):
+        config, cls = _deepseek_config(kind, common)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -94,12 +96,39 @@ def write_tiny_checkpoint(kind: str, out_dir: Path, tokenizer_dir: Path, *, seed
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.3)
+        for name, b in model.named_buffers():  # and DeepSeek-V3's routing bias
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (tokenizer_dir / name).exists() and not (out_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+def _deepseek_config(kind: str, common: dict):
+    """DeepSeek-V2 (q_proj, softmax, group-limited greedy routing, plain rope) or V3 (q LoRA,
+    sigmoid noaux_tc routing with its bias, renormalised and scaled, YaRN with mscale): 3
+    layers, the first dense, 8 routed experts in 4 groups and a shared one; MLA of rank 32."""
+    import transformers
+
+    shape = dict({**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                 n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                 first_k_dense_replace=1, n_group=4, topk_group=2)
+    if kind == "deepseek_v2":
+        config = transformers.DeepseekV2Config(**shape, q_lora_rank=None, num_experts_per_tok=3,
+                                               topk_method="group_limited_greedy",
+                                               routed_scaling_factor=1.0)
+        return config, transformers.DeepseekV2ForCausalLM
+    config = transformers.DeepseekV3Config(
+        **{**shape, "max_position_embeddings": 256}, q_lora_rank=24, num_experts_per_tok=3, norm_topk_prob=True,
+        routed_scaling_factor=2.5, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8,
+            "beta_fast": 32, "beta_slow": 1})
+    return config, transformers.DeepseekV3ForCausalLM
 
 
 def _tokenizer_vocab(tokenizer_dir: Path) -> dict:

@@ -1,4 +1,5 @@
-"""KV-cache pool tensors: K and V pages for every layer in one buffer."""
+"""KV-cache pool tensors: K and V pages for every layer in one buffer (or, for multi-head
+latent attention, one latent plane: each token's compressed KV and its rope key)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class KVLayout:
     # FP8 caches: per-layer K and V scales (a page holds k / k_scale); () means 1.0 everywhere.
     k_scales: tuple[float, ...] = ()
     v_scales: tuple[float, ...] = ()
+    # Planes a layer's pages have: 2 (K and V), or 1 for multi-head latent attention (model/
+    # mla.py), whose one "head" per token is the latent and the rope key, K and V at once.
+    num_planes: int = 2
 
     def __post_init__(self) -> None:  # lists (from JSON or msgpack) -> tuples of floats
         for name in ("k_scales", "v_scales"):
@@ -42,7 +46,7 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         # dtype.itemsize, not a tensor's element_size(): this runs once a transfer (KVSender.send)
         itemsize = getattr(torch, self.dtype).itemsize
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * self.num_planes * self.num_kv_heads * self.head_dim * itemsize
 
     @property
     def bytes_per_page(self) -> int:
@@ -50,7 +54,8 @@ class KVLayout:
 
 
 class KVPool:
-    """`buffer` is [num_layers, 2 (K, V), num_pages, page_size, num_kv_heads, head_dim].
+    """`buffer` is [num_layers, num_planes (K, V; or the latent), num_pages, page_size,
+    num_kv_heads, head_dim].
 
     One page of one layer's K (or V) is contiguous, so a page is addressed as
     buffer[layer, kv, page_id] and a token slot as page_id * page_size + offset.
@@ -60,14 +65,19 @@ class KVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.buffer = torch.zeros(
-            layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads,
-            layout.head_dim, dtype=getattr(torch, layout.dtype), device=device)  # [L, 2, P, S, H, D]
+            layout.num_layers, layout.num_planes, num_pages, layout.page_size,
+            layout.num_kv_heads, layout.head_dim, dtype=getattr(torch, layout.dtype),
+            device=device)  # [L, 2 (or 1), P, S, H, D]
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[layer_id, 0]  # [P, S, H, D]
 
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[layer_id, 1]  # [P, S, H, D]
+
+    def latent_cache(self, layer_id: int) -> torch.Tensor:
+        """A latent pool's one plane (num_planes 1)."""
+        return self.buffer[layer_id, 0]  # [P, S, 1, D]
 
     @property
     def num_tokens(self) -> int:

@@ -108,8 +108,13 @@ class Executor:
         kv_dtype = kv_cache_dtype(cfg.cache.kv_cache_dtype, self.dtype)
         k_scales, v_scales = load_kv_scales(model_dir, mc.num_layers, kv_dtype,
                                             f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}")
+        if mc.is_mla and k_scales:
+            raise ValueError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: an FP8 latent cache "
+                             f"({mc.architecture}) is not supported yet; use auto")
+        # MLA (model/mla.py): one plane of one "head", the latent and rope key, per token
         layout = KVLayout(mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
-                          str(kv_dtype).removeprefix("torch."), k_scales, v_scales)
+                          str(kv_dtype).removeprefix("torch."), k_scales, v_scales,
+                          num_planes=1 if mc.is_mla else 2)
         num_pages = _num_kv_pages(cfg.cache, layout, self.device)
         if self.tp is not None:  # the same page ids on every rank: the smallest pool
             smallest = torch.tensor([num_pages])
@@ -119,12 +124,14 @@ class Executor:
         logger.info("KV cache: %d pages x %d tokens = %d tokens, %s, %d bytes per token, %.2f GiB",
                     num_pages, layout.page_size, self.kv_pool.num_tokens, layout.dtype,
                     layout.bytes_per_token, self.kv_pool.num_bytes / 2**30)
-        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device, self.dtype,
-                                                      mc.head_dim, mc.layer_windows)
-        attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
-                              mc.head_dim ** -0.5, self.dtype,
-                              batch1_kernels=cfg.enable_batch1_kernels,
-                              layer_windows=mc.layer_windows)
+        attn = self._mla_backend(mc) if mc.is_mla else None
+        if attn is None:
+            self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device,
+                                                          self.dtype, mc.head_dim, mc.layer_windows)
+            attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
+                                  mc.head_dim ** -0.5, self.dtype,
+                                  batch1_kernels=cfg.enable_batch1_kernels,
+                                  layer_windows=mc.layer_windows)
         if cfg.enable_batch1_kernels:
             use_batch1_kernels(self.model)
             if self.device.type != "cuda" and not interpret_requested():
@@ -141,6 +148,19 @@ class Executor:
                                "raise --cuda-graph-max-bs to capture them", max_bs,
                                cfg.scheduler.max_running_requests, cfg.cuda_graph_max_bs)
             self.runner.capture_cuda_graphs(max_bs, pages_for(max_model_len, layout.page_size))
+
+    def _mla_backend(self, mc: ModelConfig):
+        """MLA models attend through the torch reference (engine/attention/mla.py) on every
+        device for now: no Triton or flashinfer MLA kernels yet."""
+        from pd_serve.engine.attention.mla import TorchMLABackend
+        from pd_serve.model.mla import mla_softmax_scale
+        if self.config.attention_backend not in ("auto", "torch"):
+            logger.warning("--attention-backend %s: %s runs multi-head latent attention on the "
+                           "torch backend (no %s MLA kernels yet)", self.config.attention_backend,
+                           mc.architecture, self.config.attention_backend)
+        self.attention_backend = "torch"
+        return TorchMLABackend(self.kv_pool, mc.num_heads, mc.kv_lora_rank,
+                               mla_softmax_scale(mc), self.dtype)
 
     # ---- plans ----------------------------------------------------------------------------------
     def update(self, plan: StepPlan) -> None:

@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen2MoeForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True),
+    "DeepseekV2ForCausalLM": dict(qkv_bias=False, qk_norm=False),  # MLA + DeepSeekMoE: mla.py
+    "DeepseekV3ForCausalLM": dict(qkv_bias=False, qk_norm=False),
 }
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -26,6 +28,8 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +67,22 @@ class ModelConfig:
     # <= i in the layers listed (transformers' mask); 0: full attention everywhere.
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
+    # DeepSeekMoE routing (moe_routing.py); shared experts are ungated, n_shared * moe wide
+    scoring_func: str = "softmax"  # or "sigmoid" (V3)
+    topk_method: str = "greedy"  # or "group_limited_greedy" (V2), "noaux_tc" (V3)
+    n_group: int = 1  # expert groups; a token picks its experts from topk_group of them
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts have none
+    # Multi-head latent attention (DeepSeek-V2/V3; model/mla.py), where kv_lora_rank > 0. The KV
+    # pool then holds one "head" per token: num_kv_heads is 1 and head_dim kv_lora_rank +
+    # qk_rope_head_dim (the latent and the shared rope key).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # DeepSeek's rope rotates (even, odd) pairs
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer `layer_id` has a sparse MoE block (else a dense MLP)."""
@@ -77,6 +97,15 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int, ...]:
         """layer_window(i) of every layer: what the attention backends are built with."""
         return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions RoPE rotates: a head's (MLA: the rope part only)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -112,21 +141,22 @@ class ModelConfig:
             rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
             rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
             rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in ("default", "llama3", "linear"):
+            if rope_type not in ("default", "llama3", "linear", "yarn"):
                 raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
-                                 "(default, linear, llama3)")
+                                 "(default, linear, llama3, yarn)")
             rope = {**rope, "rope_type": rope_type}
             eos = raw.get("eos_token_id")
             attention_bias = bool(raw.get("attention_bias", False))
             family = SUPPORTED_ARCHITECTURES[arch]
             moe = _moe_fields(arch, raw)
+            mla = _mla_fields(arch, raw)
             return cls(
                 architecture=arch,
                 hidden_size=hidden,
                 num_layers=raw["num_hidden_layers"],
                 num_heads=heads,
-                num_kv_heads=raw.get("num_key_value_heads") or heads,
-                head_dim=raw.get("head_dim") or hidden // heads,
+                num_kv_heads=mla.pop("num_kv_heads", None) or raw.get("num_key_value_heads") or heads,
+                head_dim=mla.pop("head_dim", None) or raw.get("head_dim") or hidden // heads,
                 intermediate_size=raw["intermediate_size"],
                 vocab_size=raw["vocab_size"],
                 rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -140,7 +170,7 @@ class ModelConfig:
                 rope_scaling=rope,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-                **moe,
+                **{**moe, **mla},
                 **_sliding_fields(arch, raw),
             )
         except KeyError as e:
@@ -187,6 +217,41 @@ def _sliding_fields(arch: str, raw: dict) -> dict:
         layers = range(raw.get("max_window_layers", 28), num_layers)
     layers = tuple(layers) if window else ()
     return dict(sliding_window=window if layers else 0, sliding_layers=layers)
+
+
+def _deepseek_moe_fields(arch: str, raw: dict) -> dict:
+    """DeepSeek-V2/V3's DeepSeekMoE: layer i is sparse when i >= first_k_dense_replace and
+    i % moe_layer_freq == 0; V3 scores with a sigmoid and picks by noaux_tc whatever its config
+    says (as transformers does)."""
+    num_experts = raw.get("n_routed_experts") or 0
+    if not num_experts:
+        return {}
+    v3 = arch == "DeepseekV3ForCausalLM"
+    first_dense, freq = raw.get("first_k_dense_replace") or 0, raw.get("moe_layer_freq") or 1
+    return dict(num_experts=num_experts, num_experts_per_tok=raw["num_experts_per_tok"],
+                moe_intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", v3)),
+                shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
+                shared_experts_gated=False,
+                mlp_only_layers=tuple(i for i in range(raw["num_hidden_layers"])
+                                      if i < first_dense or i % freq),
+                scoring_func="sigmoid" if v3 else raw.get("scoring_func", "softmax"),
+                topk_method="noaux_tc" if v3 else raw.get("topk_method") or "greedy",
+                n_group=raw.get("n_group") or 1, topk_group=raw.get("topk_group") or 1,
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+
+
+def _mla_fields(arch: str, raw: dict) -> dict:
+    """DeepSeek-V2/V3's multi-head latent attention and MoE fields ({} for other models)."""
+    if arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        return {}
+    kv_lora_rank, rope_dim = raw["kv_lora_rank"], raw["qk_rope_head_dim"]
+    return dict(num_kv_heads=1, head_dim=kv_lora_rank + rope_dim, kv_lora_rank=kv_lora_rank,
+                q_lora_rank=raw.get("q_lora_rank") or 0, qk_nope_head_dim=raw["qk_nope_head_dim"],
+                qk_rope_head_dim=rope_dim, v_head_dim=raw["v_head_dim"],
+                # V2 rotates pairs always (complex numbers); V3 where rope_interleave says
+                rope_interleave=arch == "DeepseekV2ForCausalLM" or raw.get("rope_interleave", True),
+                **_deepseek_moe_fields(arch, raw))
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -1,5 +1,6 @@
 """One decoder for the Llama family: Llama 2/3.x, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k norm),
-and its MoE kin: Mixtral, Qwen2-MoE, Qwen3-MoE (sparse MoE blocks in place of MLPs: moe.py).
+and its MoE kin: Mixtral, Qwen2-MoE, Qwen3-MoE (sparse MoE blocks in place of MLPs: moe.py),
+DeepSeek-V2/V3 (multi-head latent attention in place of attention: mla.py).
 
 The forward pass takes flat tokens of a whole batch (input_ids [T], positions [T]) and an
 attention backend already planned for that batch; it knows nothing of requests or pages.
@@ -100,7 +101,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        if cfg.is_mla:
+            from pd_serve.model.mla import MLAttention  # mla.py builds on this module's layers
+            self.self_attn = MLAttention(cfg, layer_id)
+        else:
+            self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.is_moe_layer(layer_id):
             self.mlp = MLP(cfg)
@@ -132,7 +137,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                     cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

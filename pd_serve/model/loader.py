@@ -79,6 +79,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         raise ValueError(f"--model {model_dir}: no such directory")
     cfg = ModelConfig.from_dir(model_dir)
     method = quantization_method(model_dir, quantization)
+    if method is not None and cfg.is_mla:
+        raise ValueError(f"{model_dir}: {cfg.architecture} (multi-head latent attention) runs "
+                         f"unquantized only; quantization {method.name} is not supported for it yet")
     if method is not None and method.name != "fp8" and cfg.num_experts:
         raise ValueError(f"{model_dir}: {cfg.architecture} is a mixture of experts; quantization "
                          f"{method.name} runs dense models only (fp8 runs both)")
@@ -212,7 +215,7 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
                 replace_linears(model)
             model.to_empty(device=device)
             with torch.device(device):
-                model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                model.rope = RotaryEmbedding(cfg.rope_dim, cfg.max_position_embeddings,
                                              cfg.rope_theta, cfg.rope_scaling)
             computed = [f"{n}.{b}" for n, m in model.named_modules() if n != "rope"
                         for b in m._non_persistent_buffers_set if getattr(m, b) is not None]
@@ -248,11 +251,14 @@ def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
     if "rotary_emb" in name or kv_scale_target(name) is not None:
         return  # KV-cache scales are the cache's settings (cache/kv_quant.py reads them)
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's for its shared one
+    if cfg.is_mla and _layer_of(name) >= cfg.num_layers:
+        return  # DeepSeek-V3's multi-token prediction layer (model.layers.61): not served
     if (expert := _EXPERT.match(name)) is not None:
         return _load_expert(cfg, params, loaded, name, tensor, path, expert)
     target, part = name, None
     for hf, (ours, index) in _FUSED.items():
-        if f".{hf}." in name:
+        if f".{hf}." in name and not (cfg.is_mla and hf.startswith("self_attn.")):  # MLA: unfused
             target, part = name.replace(hf, ours), index
     module_name, _, attr = target.rpartition(".")
     if quant and module_name in quant:
@@ -274,6 +280,12 @@ def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
     loaded.add(target if part is None else f"{target}#{part}")
     if part is not None and all(f"{target}#{i}" in loaded for i in range(len(_split_sizes(cfg, target)))):
         loaded.add(target)
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a tensor name belongs to (-1: none)."""
+    match = re.match(r"^model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else -1
 
 
 def _load_expert(cfg, params, loaded, name, tensor, path, match) -> None:

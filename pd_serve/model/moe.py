@@ -4,11 +4,13 @@ A router (`gate`, a bias-free linear layer) scores the experts; each token goes 
 top-k experts (kernels/fused_moe.py: softmax routing as transformers does it, renormalised
 where the config's norm_topk_prob says, Mixtral always) and their outputs are summed with the
 routing weights. Qwen2-MoE adds a shared expert, a dense MLP every token takes, scaled by a
-sigmoid gate of its own. Experts are stored fused as transformers 5 stores them:
-`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (model/loader.py fills
-them from per-expert checkpoint tensors). FP8 experts (`--quantization fp8` at load, or an
-FP8 checkpoint's per-expert `weight` + `weight_scale`) hold them in float8_e4m3fn with
-per-channel scales beside, and run weight-only (kernels/fused_moe.py); the router stays dense.
+sigmoid gate of its own. DeepSeek-V2/V3 route by groups (moe_routing.py; V3's
+`gate.e_score_correction_bias`, float32 as transformers keeps it) and add their shared experts
+ungated. Experts are stored fused as transformers 5 stores them: `experts.gate_up_proj`
+[E, 2I, H] and `experts.down_proj` [E, H, I] (model/loader.py fills them from per-expert
+checkpoint tensors). FP8 experts (`--quantization fp8` at load, or an FP8 checkpoint's
+per-expert `weight` + `weight_scale`) hold them in float8_e4m3fn with per-channel scales
+beside, and run weight-only (kernels/fused_moe.py); the router stays dense.
 
 `backend` is `--moe-runner-backend`: "triton" (kernels/fused_moe.py's fused kernel; no host
 sync, so CUDA graphs capture it) or "torch" (its reference, a loop over the experts hit).
@@ -31,6 +33,7 @@ from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from pd_serve.config import MOE_RUNNER_BACKENDS
 from pd_serve.model import fp8 as fp8_format
 from pd_serve.model.config import ModelConfig
+from pd_serve.model.moe_routing import grouped_topk, is_grouped
 
 
 class Experts(nn.Module):
@@ -71,9 +74,13 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.grouped_cfg = cfg if is_grouped(cfg) else None  # DeepSeekMoE routing
+        if cfg.topk_method == "noaux_tc":  # V3: a per-expert bias on the scores of the choice
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.zeros(cfg.num_experts, dtype=torch.float32))
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = shared_expert
-        if shared_expert is not None:
+        if shared_expert is not None and cfg.shared_experts_gated:
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.backend = "torch"  # set_moe_backend
         # Expert parallelism (model/parallel.py): the group whose ranks hold the other experts,
@@ -83,14 +90,20 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        if self.grouped_cfg is not None:
+            topk_weights, topk_ids = grouped_topk(x, self.gate.weight, self.grouped_cfg,
+                                                  getattr(self.gate, "e_score_correction_bias", None))
+        else:
+            topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.ep is None:
             out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,
                                       topk_weights, topk_ids, **self.experts.scales)
         else:
             out = self._expert_parallel(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            gate = getattr(self, "shared_expert_gate", None)
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out
 
     def _run_experts(self):

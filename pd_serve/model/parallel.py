@@ -17,6 +17,11 @@ attention, the shared expert and the dense layers' MLPs are split as above, or -
 the N ranks each hold the whole model but the other ranks' experts (attention replicated:
 every rank runs every token). The router is replicated either way.
 
+Multi-head latent attention (DeepSeek, mla.py) splits by query heads: q_proj / q_b_proj and
+kv_b_proj column-parallel (a rank's heads), o_proj row-parallel; the latent's down projections
+(q_a_proj, kv_a_proj_with_mqa) and norms are replicated, so every rank stores the whole latent:
+its one KV "head" is replicated, as KV heads are when there are more ranks than heads.
+
 Quantized linear layers are not sharded (yet): shard_model refuses them.
 """
 
@@ -185,20 +190,13 @@ def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1,
         torch.set_default_dtype(default)
     model.to_empty(device=device)
     model.rope = full.rope  # the RoPE tables depend on head_dim and positions only
-    hd, rank = cfg.head_dim, tp.rank
-    q_rows = _rows(rank * local.num_heads * hd, local.q_size)
-    kv = kv_heads_of(rank, tp.size, cfg.num_kv_heads)
-    k_rows = _rows(cfg.q_size + kv.start * hd, local.kv_size)
-    v_rows = _rows(cfg.q_size + cfg.kv_size + kv.start * hd, local.kv_size)
+    rank = tp.rank
     for theirs, ours in zip(full.model.layers, model.model.layers):
         a, b = theirs.self_attn, ours.self_attn
-        b.qkv_proj.weight.copy_(a.qkv_proj.weight[q_rows + k_rows + v_rows])
-        if a.qkv_proj.bias is not None:
-            b.qkv_proj.bias.copy_(a.qkv_proj.bias[q_rows + k_rows + v_rows])
-        b.o_proj = RowParallelLinear(a.o_proj.weight[:, q_rows].clone(), _clone(a.o_proj.bias), tp)
-        if cfg.qk_norm:
-            b.q_norm.weight.copy_(a.q_norm.weight)
-            b.k_norm.weight.copy_(a.k_norm.weight)
+        if cfg.is_mla:
+            _shard_mla(a, b, local, tp)
+        else:
+            _shard_attention(a, b, cfg, local, tp)
         if isinstance(theirs.mlp, SparseMoeBlock):
             _shard_moe(theirs.mlp, ours.mlp, tp)
         else:
@@ -215,6 +213,39 @@ def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1,
     return model.eval()
 
 
+def _shard_attention(a: nn.Module, b: nn.Module, cfg: ModelConfig, local: ModelConfig,
+                     tp: TPGroup) -> None:
+    """Column-parallel q/k/v (this rank's query heads and their KV heads), row-parallel o_proj."""
+    hd, rank = cfg.head_dim, tp.rank
+    q_rows = _rows(rank * local.num_heads * hd, local.q_size)
+    kv = kv_heads_of(rank, tp.size, cfg.num_kv_heads)
+    k_rows = _rows(cfg.q_size + kv.start * hd, local.kv_size)
+    v_rows = _rows(cfg.q_size + cfg.kv_size + kv.start * hd, local.kv_size)
+    b.qkv_proj.weight.copy_(a.qkv_proj.weight[q_rows + k_rows + v_rows])
+    if a.qkv_proj.bias is not None:
+        b.qkv_proj.bias.copy_(a.qkv_proj.bias[q_rows + k_rows + v_rows])
+    b.o_proj = RowParallelLinear(a.o_proj.weight[:, q_rows].clone(), _clone(a.o_proj.bias), tp)
+    if cfg.qk_norm:
+        b.q_norm.weight.copy_(a.q_norm.weight)
+        b.k_norm.weight.copy_(a.k_norm.weight)
+
+
+def _shard_mla(a: nn.Module, b: nn.Module, local: ModelConfig, tp: TPGroup) -> None:
+    """This rank's query heads of q_proj / q_b_proj and kv_b_proj, o_proj row-parallel over
+    their values; the latent's projections and norms whole (module docstring)."""
+    heads = local.num_heads
+    qk, kv_b, v = (local.qk_nope_head_dim + local.qk_rope_head_dim,
+                   local.qk_nope_head_dim + local.v_head_dim, local.v_head_dim)
+    q_name = "q_b_proj" if local.q_lora_rank else "q_proj"
+    getattr(b, q_name).weight.copy_(getattr(a, q_name).weight[_rows(tp.rank * heads * qk, heads * qk)])
+    b.kv_b_proj.weight.copy_(a.kv_b_proj.weight[_rows(tp.rank * heads * kv_b, heads * kv_b)])
+    for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+        if hasattr(a, name):
+            getattr(b, name).load_state_dict(getattr(a, name).state_dict())
+    columns = _rows(tp.rank * heads * v, heads * v)
+    b.o_proj = RowParallelLinear(a.o_proj.weight[:, columns].clone(), _clone(a.o_proj.bias), tp)
+
+
 def _shard_mlp(theirs: nn.Module, ours: nn.Module, tp: TPGroup) -> None:
     """Column-parallel gate/up (this rank's slice of each), row-parallel down."""
     full = theirs.down_proj.weight.shape[1]
@@ -227,10 +258,11 @@ def _shard_mlp(theirs: nn.Module, ours: nn.Module, tp: TPGroup) -> None:
 def _shard_moe(theirs: SparseMoeBlock, ours: SparseMoeBlock, tp: TPGroup) -> None:
     """This rank's experts (ep = tp), the router whole, the shared expert split as an MLP."""
     _keep_experts(theirs, ours, tp)
-    ours.gate.weight.copy_(theirs.gate.weight)
+    ours.gate.load_state_dict(theirs.gate.state_dict())  # DeepSeek-V3's: with its bias
     if theirs.shared_expert is not None:
         _shard_mlp(theirs.shared_expert, ours.shared_expert, tp)
-        ours.shared_expert_gate.weight.copy_(theirs.shared_expert_gate.weight)
+        if hasattr(theirs, "shared_expert_gate"):  # Qwen2-MoE's
+            ours.shared_expert_gate.weight.copy_(theirs.shared_expert_gate.weight)
 
 
 def _keep_experts(theirs: SparseMoeBlock, ours: SparseMoeBlock, ep: TPGroup) -> None:

@@ -155,7 +155,8 @@ def on_stream(stream: torch.cuda.Stream | None):
 def staging_shape(layout: KVLayout, num_pages: int, layer_start: int, layer_end: int,
                   heads: tuple[int, int] | None = None) -> tuple:
     num_heads = layout.num_kv_heads if heads is None else heads[1] - heads[0]
-    return (layer_end - layer_start, 2, num_pages, layout.page_size, num_heads, layout.head_dim)
+    return (layer_end - layer_start, layout.num_planes, num_pages, layout.page_size, num_heads,
+            layout.head_dim)
 
 
 def head_range(heads: list[int]) -> tuple[int, int] | None:

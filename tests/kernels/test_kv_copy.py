@@ -347,3 +347,24 @@ def test_pool_past_int32_offsets(monkeypatch, device):
         new = torch.randint_like(staging.view(torch.uint8), 0, 256)
         kv_copy.scatter_pages(fp8_pool, ids, new.view(torch.float8_e4m3fn), 0, 2)
     assert torch.equal(pool[:, :, ids.tolist()], new)
+
+
+@needs_triton
+@pytest.mark.parametrize("layers", LAYERS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_latent_pools_of_one_plane_move_bit_exact(device, layers):
+    """A latent (MLA) pool, [L, 1, P, S, 1, D]: gather, scatter and copy as for K/V pools."""
+    src = random_bits((L, 1, P, 4, 1, 40), torch.bfloat16, device, seed=8)
+    dst = torch.zeros(L, 1, 7, 4, 1, 40, dtype=torch.bfloat16, device=device)
+    src_ids, dst_ids = PAGE_IDS["random"], [6, 0, 4, 1, 5, 2]
+    a, b = layers
+    src_ids_t, dst_ids_t = (torch.tensor(i, device=device) for i in (src_ids, dst_ids))
+    with expect_launches(3):
+        staging = kv_copy.gather_pages(src, src_ids_t, a, b)  # [b - a, 1, n, S, 1, D]
+        kv_copy.scatter_pages(dst, dst_ids_t, staging, a, b)
+        copied = torch.zeros_like(dst)
+        kv_copy.copy_pages(src, src_ids_t, copied, dst_ids_t, a, b)
+    assert staging.shape == (b - a, 1, len(src_ids), 4, 1, 40)
+    for pool in (dst, copied):
+        assert torch.equal(bits(pool)[a:b, :, dst_ids], bits(src)[a:b, :, src_ids])
+        assert torch.equal(bits(pool)[:a], bits(torch.zeros_like(pool))[:a])

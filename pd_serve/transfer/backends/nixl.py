@@ -90,11 +90,12 @@ def block_addresses(address: int, shape: list[int], itemsize: int, layer_start: 
                     per_slot: bool) -> tuple[np.ndarray, int]:
     """(addresses, bytes each) of the blocks that hold layers [layer_start, layer_end) of the
     pages in a pool of `shape` [L, 2, P, S, H, D] at `address`: one block per (layer, K/V, page),
-    ordered so, or with `per_slot` one per token slot of each, holding heads [h0, h1) only."""
-    _, _, num_pages, page_size, num_heads, head_dim = shape
+    ordered so, or with `per_slot` one per token slot of each, holding heads [h0, h1) only.
+    A latent pool has one plane ([L, 1, ...]): one block per (layer, page)."""
+    _, planes, num_pages, page_size, num_heads, head_dim = shape
     h0, h1 = heads or (0, num_heads)
     slot_bytes = num_heads * head_dim * itemsize
-    rows = np.arange(2 * layer_start, 2 * layer_end, dtype=np.uint64)  # (layer, K or V)
+    rows = np.arange(planes * layer_start, planes * layer_end, dtype=np.uint64)  # (layer, K or V)
     pages = np.asarray(page_ids, dtype=np.uint64)
     starts = (rows[:, None] * num_pages + pages[None, :]) * (page_size * slot_bytes)  # [R, N]
     if not per_slot:

@@ -1,0 +1,78 @@
+"""Multi-head latent attention over a latent pool, in plain torch: the reference MLA backend.
+
+The pool (num_planes 1, one KV head) holds per token c = [latent (R) | k_pe (Dr)], R =
+kv_lora_rank. With kv_b_proj's rows split per head h into W_k[h] [Dn, R] (keys) and W_v[h]
+[Dv, R] (values), head h's attention over a context c_1..c_L is
+
+    score_j = q_nope . (W_k[h] latent_j) + q_pe . k_pe_j       (times the softmax scale)
+    out     = W_v[h] sum_j softmax(score)_j latent_j
+
+Decode rows (one new token) absorb W_k into the query, q_lat = W_k[h]^T q_nope [R], and attend
+as MQA over the cached c with the query [q_lat | q_pe] and values latent_j, then apply W_v:
+nothing per context token is expanded. Prefill rows expand their context into per-head keys
+and values (kv_b_proj on the cached latents) and attend as multi-head attention, as
+transformers computes it. Page tables and masks are the torch backend's (plan()).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pd_serve.cache.pool import KVPool
+from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
+
+
+class TorchMLABackend(TorchAttentionBackend):
+    """plan() as TorchAttentionBackend; run_mla() per layer (run() is not used)."""
+
+    def __init__(self, pool: KVPool, num_heads: int, kv_lora_rank: int, scale: float,
+                 dtype: torch.dtype | None = None):
+        if pool.layout.num_planes != 1 or pool.layout.num_kv_heads != 1:
+            raise ValueError("MLA needs a latent pool (one plane, one KV head)")
+        super().__init__(pool, num_heads, pool.layout.head_dim, scale, dtype)
+        self.kv_lora_rank = kv_lora_rank
+
+    def run(self, layer_id, q, k, v, rope=None):
+        raise NotImplementedError("an MLA model calls run_mla()")
+
+    def run_mla(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                latent: torch.Tensor, k_pe: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
+        """Store the new tokens' [latent | k_pe], then attend.
+
+        Parameters
+        ----------
+        q_nope : [T, H, Dn]; q_pe : [T, H, Dr], rotated.
+        latent : [T, R], normed; k_pe : [T, Dr], rotated.
+        kv_b_weight : [H * (Dn + Dv), R], kv_b_proj's weight.
+
+        Returns
+        -------
+        [T, H, Dv]
+        """
+        R, (T, H, Dn) = self.kv_lora_rank, q_nope.shape
+        cache = self.pool.latent_cache(layer_id).view(-1, self.head_dim)  # [slots, R + Dr]
+        cache[self.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
+        w = kv_b_weight.view(H, -1, R)  # [H, Dn + Dv, R]
+        w_k, w_v = w[:, :Dn], w[:, Dn:]  # [H, Dn, R], [H, Dv, R]
+        out = q_nope.new_empty(T, H, w_v.shape[1])
+        if self.decode_token_ids:
+            idx = self.decode_index
+            q_lat = torch.einsum("bhd,hdr->bhr", q_nope[idx], w_k)  # [B, H, R]
+            q = torch.cat([q_lat, q_pe[idx]], dim=-1).unsqueeze(2)  # [B, H, 1, R + Dr]
+            kv = cache[self.decode_slots].to(q.dtype).unsqueeze(1)  # [B, 1, Lmax, R + Dr]
+            o = F.scaled_dot_product_attention(q, kv, kv[..., :R], attn_mask=self.decode_mask,
+                                               scale=self.scale, enable_gqa=True)  # [B, H, 1, R]
+            out[idx] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_v)
+        for row in self.prefill_rows:
+            end = row.start + row.num_new
+            kv = cache[row.slots].to(q_nope.dtype)  # [L, R + Dr]
+            kv_b = F.linear(kv[:, :R], kv_b_weight).view(len(kv), H, -1)  # [L, H, Dn + Dv]
+            k_nope, v = kv_b.split([Dn, w_v.shape[1]], dim=-1)
+            k = torch.cat([k_nope, kv[:, None, R:].expand(-1, H, -1)], dim=-1)  # [L, H, Dn + Dr]
+            q = torch.cat([q_nope[row.start:end], q_pe[row.start:end]], dim=-1)  # [n, H, Dn + Dr]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                               v.transpose(0, 1), attn_mask=row.mask,
+                                               scale=self.scale)  # [H, n, Dv]
+            out[row.start:end] = o.transpose(0, 1)
+        return out
