@@ -61,7 +61,7 @@ class TorchMLABackend(TorchAttentionBackend):
             q_lat = torch.einsum("bhd,hdr->bhr", q_nope[idx], w_k)  # [B, H, R]
             q = torch.cat([q_lat, q_pe[idx]], dim=-1).unsqueeze(2)  # [B, H, 1, R + Dr]
             kv = cache[self.decode_slots].to(q.dtype).unsqueeze(1)  # [B, 1, Lmax, R + Dr]
-            o = F.scaled_dot_product_attention(q, kv, kv[..., :R], attn_mask=self.decode_mask,
+            o = F.scaled_dot_product_attention(q, kv, kv[..., :R], attn_mask=self.decode_masks[0],
                                                scale=self.scale, enable_gqa=True)  # [B, H, 1, R]
             out[idx] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_v)
         for row in self.prefill_rows:
@@ -72,7 +72,7 @@ class TorchMLABackend(TorchAttentionBackend):
             k = torch.cat([k_nope, kv[:, None, R:].expand(-1, H, -1)], dim=-1)  # [L, H, Dn + Dr]
             q = torch.cat([q_nope[row.start:end], q_pe[row.start:end]], dim=-1)  # [n, H, Dn + Dr]
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                               v.transpose(0, 1), attn_mask=row.mask,
+                                               v.transpose(0, 1), attn_mask=row.masks[0],
                                                scale=self.scale)  # [H, n, Dv]
             out[row.start:end] = o.transpose(0, 1)
         return out
