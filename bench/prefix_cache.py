@@ -24,7 +24,6 @@ import contextlib
 import io
 import json
 import math
-import os
 import shlex
 import shutil
 import sys
@@ -147,7 +146,7 @@ def run_pair(args: argparse.Namespace, mode: str, cache: str, runs: list[dict], 
     if mode == "1p1d" and args.device == "cuda" and len(args.gpu_ids) == 1:
         worker_args += ["--mem-fraction-static", SHARED_MEM_FRACTION]
     cluster_args = argparse.Namespace(
-        device=args.device, cpu_threads=max(1, args.cpu_cores // deployment.num_slots),
+        device=args.device, cpu_threads=args.cpu_threads,
         worker_argv=worker_args + launch_transfer_args(worker_args), gateway_argv=args.gateway_argv,
         cluster_log_level="warning", gpu_ids=args.gpu_ids, startup_timeout=args.startup_timeout)
     start = time.perf_counter()
@@ -160,7 +159,7 @@ def run_pair(args: argparse.Namespace, mode: str, cache: str, runs: list[dict], 
             row = {"mode": mode, "cache": cache, "dataset": dataset} | summarize(metrics)
             runs.append(row)
             log(f"{mode} cache {cache} {dataset}: {row['completed']} done, {row['failed']} failed, "
-                f"prefill tokens {row['prefill_tokens_computed']}, TTFT p50 {row['ttft_p50_ms']:.0f} ms")
+                f"prefill tokens {row['prefill_tokens_computed']}, TTFT p50 {row['ttft_p50_ms']} ms")
             if dead := [name for name, proc in cluster.procs if proc.poll() is not None]:
                 raise LaunchError(f"{', '.join(dead)} exited during the run")
             record["ratios"] = ratios(runs)
@@ -177,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="colocated,1p1d", help="comma list of colocated, 1p1d")
     p.add_argument("--gpu-ids", default="0", help="GPUs the workers share in turn (default: 0)")
     p.add_argument("--worker-args", default="", help="more flags for every worker, one string")
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="CPU: torch threads per worker; more than the cores free on a busy box "
+                        "slows every step down (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the JSON here")
@@ -200,7 +202,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bool(args.preset) != bool(args.tokenizer) or (args.preset and args.model):
         p.error("--preset goes with --tokenizer, and not with --model")
     args.gpu_ids = args.gpu_ids.split(",")
-    args.cpu_cores = os.cpu_count() or 1
     return args
 
 

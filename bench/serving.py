@@ -71,9 +71,12 @@ METRICS_SETTLE_S = 2.5  # workers report their counters with each heartbeat (onc
 
 
 # ---- the client -----------------------------------------------------------------------------
+def _chunk_text(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
 def _chunk_has_content(choice: dict) -> bool:
-    text = choice.get("text") or (choice.get("delta") or {}).get("content")
-    return bool(text) or choice.get("finish_reason") is not None
+    return bool(_chunk_text(choice)) or choice.get("finish_reason") is not None
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, payload: dict,
@@ -102,8 +105,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict,
                 if event.get("choices") and _chunk_has_content(event["choices"][0]):
                     record.chunk_times.append(now)
                     if texts is not None:
-                        choice = event["choices"][0]
-                        texts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                        texts.append(_chunk_text(event["choices"][0]))
                 if isinstance(event.get("timings"), dict):  # pd-serve's gateway: where the time went
                     record.server_timings = event["timings"]
                 if usage := event.get("usage"):
