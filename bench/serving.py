@@ -233,8 +233,8 @@ async def run_conversations(args: argparse.Namespace, base_url: str, model: str,
     return duration
 
 
-def make_conversations(args: argparse.Namespace, rng: np.random.Generator,
-                       max_model_len: int | None) -> tuple[list[multi_turn.Conversation], list[list[RequestRecord]]]:
+def make_conversations(args: argparse.Namespace, rng: np.random.Generator, max_model_len: int | None
+                       ) -> tuple[list[multi_turn.Conversation], list[list[RequestRecord]]]:
     """The multi-turn dataset, and a record per turn (its prompt_len: the template-free tokens)."""
     need = multi_turn.max_conversation_len(args.num_turns, args.system_prompt_len, args.turn_len,
                                            args.output_len)
@@ -397,10 +397,12 @@ def format_summary(metrics: dict, title: str = "Serving Benchmark Result") -> st
         lines.append(f"{'Multi-turn TTFT':-^52}")
         lines += [row("Median TTFT, first turns (ms):", turns["ttft_ms_first_turn"]["median"]),
                   row("Median TTFT, later turns (ms):", turns["ttft_ms_later_turns"]["median"])]
-        lines += [row(f"Median TTFT, turn {t['turn']} (ms):", t["ttft_ms"]["median"]) for t in turns["by_turn"]]
+        lines += [row(f"Median TTFT, turn {t['turn']} (ms):", t["ttft_ms"]["median"])
+                  for t in turns["by_turn"]]
     if cache := m.get("cache"):
         lines.append(f"{'Prefix cache':-^52}")
-        lines += [row("Prompt tokens:", cache["prompt_tokens"]), row("Cached tokens (usage):", cache["cached_tokens"])]
+        lines += [row("Prompt tokens:", cache["prompt_tokens"]),
+                  row("Cached tokens (usage):", cache["cached_tokens"])]
         server = m.get("server") or {}
         lines += [row(f"{key.replace('_', ' ').capitalize()}:", int(server[key]["total"]))
                   for key in SERVER_COUNTERS if key in server]

@@ -121,3 +121,16 @@ def test_multi_turn_flags():
     args = build_parser().parse_args(["--dataset", "multi-turn"])
     assert (args.num_turns, args.system_prompt_len, args.turn_len, args.think_time) == (8, 1024, 256, 0.0)
     assert args.num_conversations == 16 and args.dataset == "multi-turn"
+
+
+def test_summary_table_has_turns_and_cache():
+    from bench.serving import format_summary
+    from pd_serve.planner.metrics import compute_metrics
+    turns = [[_record(0.4, 100, 0), _record(0.1, 200, 96)]]
+    m = compute_metrics([r for c in turns for r in c], duration_s=1.0)
+    m |= {"multi_turn": multi_turn.turn_metrics(turns), "cache": cache_summary(turns[0]),
+          "server": {"prefix_cache_hit_tokens": {"total": 96.0, "by_worker": {"colocated-0": 96.0}}}}
+    table = format_summary(m)
+    for line in ("Median TTFT, first turns (ms):", "Median TTFT, turn 2 (ms):", "Cached tokens (usage):"):
+        assert line in table
+    assert [line.split()[-1] for line in table.splitlines() if line.startswith("Prefix cache hit")] == ["96"]
