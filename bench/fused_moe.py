@@ -4,6 +4,7 @@ token counts.
 
     python bench/fused_moe.py                                   # GPU: tokens 1, 64, 8192
     python bench/fused_moe.py --output bench/results/fused-moe-h200.json
+    python bench/fused_moe.py --fp8 --output bench/results/fused-moe-h200.json  # + FP8 experts
     python bench/fused_moe.py --device cpu --quick              # CPU smoke run
 
 Random weights and router logits (routing as the model routes: select_experts); the two
@@ -12,6 +13,9 @@ CUDA graph of --calls calls (it never syncs with the host, so a decode step's gr
 the reference eagerly (it syncs); medians over --repeats. Reported per token count:
 microseconds per call, the experts hit, the bytes of their weights, and the rate the fused
 side reads them at (the floor at small batches: only the hit experts' weights are read).
+--fp8 adds a row per token count with the experts in FP8 (per-channel scales, weight-only:
+kernels/fused_moe.py), against the reference of the same FP8 weights; its weight bytes are one
+per weight plus the float32 scales.
 On the CPU the fused side is the reference too, and the figures only show that the script runs.
 """
 
@@ -31,6 +35,7 @@ import torch  # noqa: E402
 from bench._common import device_name, git_commit, sync, write_json  # noqa: E402
 from bench.w4a16 import seconds_per_call  # noqa: E402
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts  # noqa: E402
+from pd_serve.model.fp8 import quantize_experts  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden=2048, inter=768, experts=128, top_k=8)
 QUICK = dict(hidden=64, inter=32, experts=8, top_k=2)
@@ -43,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=10, help="calls per CUDA graph (default 10)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (default 5)")
     p.add_argument("--quick", action="store_true", help="a tiny layer, tokens 1 and 16")
+    p.add_argument("--fp8", action="store_true", help="also FP8 experts (a row per token count)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write a JSON result here")
     args = p.parse_args(argv)
@@ -73,7 +79,8 @@ def eager_seconds(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> dict:
+def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype,
+        fp8: bool = False) -> dict:
     hidden, inter, experts, top_k = (shape[k] for k in ("hidden", "inter", "experts", "top_k"))
     gen = torch.Generator(args.device).manual_seed(args.seed)
     cast = dict(device=args.device, dtype=dtype)
@@ -82,17 +89,23 @@ def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype) 
     w2 = (torch.randn(experts, hidden, inter, generator=gen, device=args.device) * 0.02).to(**cast)
     logits = torch.randn(tokens, experts, generator=gen, device=args.device)
     weights, ids = select_experts(logits, top_k, renormalize=True)
-    got, want = fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids)
+    scales = {}
+    if fp8:
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
+    fused = lambda: fused_moe(x, w13, w2, weights, ids, **scales)  # noqa: E731
+    ref = lambda: fused_moe_ref(x, w13, w2, weights, ids, **scales)  # noqa: E731
+    got, want = fused(), ref()
     rel_err = float((got.float() - want.float()).norm() / want.float().norm())
-    t_fused = seconds_per_call(lambda: fused_moe(x, w13, w2, weights, ids), args.device,
-                               args.calls, args.repeats)
-    t_ref = eager_seconds(lambda: fused_moe_ref(x, w13, w2, weights, ids), args.device, args.repeats)
+    t_fused = seconds_per_call(fused, args.device, args.calls, args.repeats)
+    t_ref = eager_seconds(ref, args.device, args.repeats)
     hit = int(ids.unique().numel())
-    weight_bytes = hit * 3 * hidden * inter * w13.element_size()
-    row = {"tokens": tokens, **shape, "experts_hit": hit, "fused_us": t_fused * 1e6,
+    per_expert = 3 * hidden * inter * w13.element_size() + (2 * inter + hidden) * 4 * fp8
+    weight_bytes = hit * per_expert
+    row = {"tokens": tokens, **shape, "weights": "fp8" if fp8 else str(dtype).removeprefix("torch."),
+           "experts_hit": hit, "fused_us": t_fused * 1e6,
            "torch_us": t_ref * 1e6, "speedup": t_ref / t_fused, "hit_weight_bytes": weight_bytes,
            "fused_weight_gbps": weight_bytes / t_fused / 1e9, "rel_err": rel_err}
-    print(f"T {tokens:>6}: fused {row['fused_us']:9.1f} us ({row['fused_weight_gbps']:7.1f} GB/s "
+    print(f"{row['weights']:>8} T {tokens:>6}: fused {row['fused_us']:9.1f} us ({row['fused_weight_gbps']:7.1f} GB/s "
           f"of {hit} experts' weights)  torch {row['torch_us']:9.1f} us  speedup "
           f"{row['speedup']:6.2f}x  rel err {rel_err:.1e}", file=sys.stderr, flush=True)
     return row
@@ -102,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     shape = QUICK if args.quick else QWEN3_30B_A3B
-    rows = [run(shape, tokens, args, dtype) for tokens in args.tokens]
+    rows = [run(shape, tokens, args, dtype, fp8) for fp8 in [False] + [True] * args.fp8
+            for tokens in args.tokens]
     bad = [r for r in rows if not r["rel_err"] < 2e-2]
     for r in bad:
         print(f"MISMATCH: T {r['tokens']}: fused vs torch rel err {r['rel_err']:.3g}", file=sys.stderr)

@@ -3,6 +3,8 @@ engine on random (dummy) weights of a preset shape, each set against a floor fro
 measured in the same run, and against Hugging Face transformers on the same weights.
 
     python -m bench.one_batch --preset llama3-8b --output bench/results/one-batch-h200-llama3-8b.json
+    python -m bench.one_batch --preset qwen3-30b-a3b --batch-sizes 1,64 --contexts 1024 \
+        --prefill-grid 4x2048 --output bench/results/one-batch-h200-qwen3-30b-a3b.json
     python -m bench.one_batch --preset tiny --device cpu --no-hf      # a CPU smoke run
 
 Ceilings (same run, same device): the copy rate of one large device-to-device copy, counted as
@@ -22,8 +24,11 @@ decode worker admits transferred KV), then --decode-warmup steps, then --decode-
 steps; each a whole EngineCore.step() (scheduling, the runner, sampling: the honest cost).
 floor = (weight bytes + KV bytes read by the step) / copy rate, where weight bytes = every
 parameter (DESIGN.md's bs1 floor: 16.1 GB / 4.17 TB/s = 3.85 ms for Llama-3-8B) and KV bytes =
-the batch's mean context during the timed steps x bytes per token. Cases whose KV does not fit
-the memory budget are skipped (the JSON says why).
+the batch's mean context during the timed steps x bytes per token. An MoE model's step reads
+only the experts its rows are routed to: weight bytes = every parameter but the experts, plus
+per MoE layer the expected number of distinct experts a batch reaches with uniform top-k
+routing, E (1 - (1 - K/E)^batch) experts (K at batch 1; 126 of 128 for Qwen3-30B-A3B at 64).
+Cases whose KV does not fit the memory budget are skipped (the JSON says why).
 
 The grids default to the GPU sizes named in the flags' help, or to small ones on CPU. One KV
 pool serves every case: the largest need that fits the budget (free GPU memory less weights
@@ -32,8 +37,9 @@ loads. A failing case is recorded (`error`) and the others still run; the exit s
 --output is rewritten after every case ("complete": false until the end), so a run cut short
 keeps what it measured.
 
-Transformers (--hf, on by default on GPU): LlamaForCausalLM of the preset config, same dtype
-and device, loaded with to_hf_state_dict(our model); decode steps (a forward of one token per
+Transformers (--hf, on by default on GPU): the preset's architecture (LlamaForCausalLM,
+Qwen3MoeForCausalLM, ...) on our model's very tensors (to_hf_state_dict, shared, not copied:
+Qwen3-30B-A3B's 61 GB fit an H200 once, not twice); decode steps (a forward of one token per
 row with past_key_values, then argmax) at --hf-batch-sizes x --hf-context after a prefill that
 fills the cache, and the --hf-prefill forward (logits of the last token only). ours_over_hf =
 our tokens/s / transformers' tokens/s on the same case (> 1: we are faster).
@@ -81,6 +87,7 @@ from pd_serve.engine.request import FinishReason, Request  # noqa: E402
 from pd_serve.engine.sampling_params import SamplingParams  # noqa: E402
 from pd_serve.model.config import ModelConfig, resolve_dtype  # noqa: E402
 from pd_serve.model.llama import CausalLM  # noqa: E402
+from pd_serve.model.moe import Experts  # noqa: E402
 
 _LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
               rms_norm_eps=1e-5, attention_bias=False, bos_token_id=128000, eos_token_id=128001)
@@ -104,6 +111,22 @@ PRESETS = {  # Hugging Face config.json contents
                                    high_freq_factor=4.0, original_max_position_embeddings=1024),
                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
 }
+_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
+                  rms_norm_eps=1e-6, attention_bias=False, norm_topk_prob=True,
+                  decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+                  tie_word_embeddings=False)
+PRESETS.update({
+    # Qwen3-30B-A3B's config.json (intermediate_size is unused: every layer is sparse)
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960,
+                          bos_token_id=151643, eos_token_id=151645),
+    "tiny-moe": dict(_QWEN3_MOE, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                     moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                     vocab_size=2048, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
+})
 GiB = 1 << 30
 # (copy bytes, matmul n, timed repeats) per device type
 CEILING_SIZES = {"cuda": (GiB, 8192, 20), "cpu": (64 << 20, 512, 5)}
@@ -128,7 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=["auto", "flashinfer", "triton", "torch"])
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: the random weights quantized at load (per-channel FP8 weights); "
+                   help="fp8: the random weights quantized at load (per-channel FP8 weights, "
+                   "MoE experts too); "
                    "the floor counts the bytes as stored; no transformers comparison then")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--disable-overlap-schedule", action="store_true",
@@ -488,7 +512,9 @@ def main(argv=None) -> int:
         bench.counts = param_counts(core.model)
         bench.kv_bytes_per_token = core.kv_pool.layout.bytes_per_token  # FP8 pages: half
         bench.stored_bytes = stored_bytes(core.model)
+        bench.expert_bytes = stored_bytes(core.model, only=Experts)
         record.update(params=bench.counts, weight_bytes=bench.weight_bytes,
+                      expert_bytes=bench.expert_bytes,
                       kv_bytes_per_token=bench.kv_bytes_per_token)
         record["engine"] = {
             "attention_backend": core.attention_backend,

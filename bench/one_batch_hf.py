@@ -1,5 +1,6 @@
-"""bench/one_batch.py's baseline: Hugging Face transformers' LlamaForCausalLM on our weights
-(to_hf_model), the same dtype and device. Decode steps are a forward of one token per row with
+"""bench/one_batch.py's baseline: Hugging Face transformers' model of the preset (its
+architecture: LlamaForCausalLM, Qwen3MoeForCausalLM, ...) on our very weight tensors
+(shared_hf_model: no second copy), the same dtype and device. Decode steps are a forward of one token per row with
 the cache of a prefill, then argmax; prefill is one forward of fresh prompts (logits of the last
 token only). ours_over_hf = our tokens/s / transformers' on the same case."""
 
@@ -7,12 +8,13 @@ from __future__ import annotations
 
 import inspect
 import time
+from itertools import chain
 
 import torch
 
 from bench._common import sync
 from bench.one_batch_report import Bench
-from pd_serve.model.hf_export import to_hf_model
+from pd_serve.model.hf_export import to_hf_state_dict
 from pd_serve.model.llama import CausalLM
 
 
@@ -23,7 +25,7 @@ def transformers_cases(bench: Bench, model: CausalLM, hf_config: dict) -> None:
 
     args, gen, vocab, ctx = bench.args, bench.gen, bench.cfg.vocab_size, bench.args.hf_context
     start = time.perf_counter()
-    hf = to_hf_model(model, hf_config)
+    hf = shared_hf_model(model, hf_config)
     out = bench.record["transformers"] = {
         "version": transformers.__version__, "build_s": time.perf_counter() - start,
         "attn_implementation": getattr(hf.config, "_attn_implementation", None),
@@ -46,6 +48,40 @@ def transformers_cases(bench: Bench, model: CausalLM, hf_config: dict) -> None:
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
             theirs["ours_over_hf"] = ours["ours_over_hf"] = ratio
 
+
+
+def shared_hf_model(model: CausalLM, hf_config: dict):
+    """transformers' model for `hf_config` (the config.json dict our model was built from)
+    whose parameters are our model's tensors (to_hf_state_dict's views): built on the meta
+    device, the weights assigned, the computed buffers (RoPE frequencies, float32) built again
+    on our device. One copy of the weights serves both models."""
+    import transformers
+
+    param = next(model.parameters())
+    config = transformers.AutoConfig.for_model(**hf_config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(param.dtype)
+    try:
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+    result = hf.load_state_dict(to_hf_state_dict(model), strict=False, assign=True)
+    tied = model.config.tie_word_embeddings
+    if result.unexpected_keys or sorted(result.missing_keys) != (["lm_head.weight"] if tied else []):
+        raise ValueError(f"transformers' {type(hf).__name__} does not take our weights: missing "
+                         f"{result.missing_keys}, unexpected {result.unexpected_keys}")
+    if tied:
+        hf.lm_head.weight = hf.get_input_embeddings().weight
+    for name, module in list(hf.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):  # the rotary embedding
+            parent, _, attr = name.rpartition(".")
+            with torch.device(param.device):
+                setattr(hf.get_submodule(parent), attr, type(module)(hf.config))
+    left = [n for n, t in chain(hf.named_parameters(), hf.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"transformers' {type(hf).__name__}: {left} not set from our model")
+    return hf.eval()
 
 
 def hf_forward(hf, ids: torch.Tensor, cache=None):

@@ -27,21 +27,44 @@ from pd_serve.model.config import ModelConfig
 # ----------------------------------------------------------------------------- accounting
 
 def param_counts(model: torch.nn.Module) -> dict:
-    """Parameters by role: every one (tied ones once), decoder linear layers, the LM head."""
+    """Parameters by role: every one (tied ones once), decoder linear layers a token runs
+    through (an MoE layer: the router and its top-k experts), the LM head, every expert, and
+    the parameters a token uses ("active": all but the experts it is not routed to)."""
     cfg = model.config
-    total = sum(p.numel() for p in model.parameters())
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    # From the shape, so quantized layers (their weights are buffers) count the same.
-    linear = cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i)
+    with torch.device("meta"):  # from the shape, so quantized layers (buffers) count the same
+        total = sum(p.numel() for p in type(model)(cfg).parameters())
+    h = cfg.hidden_size
+    attention = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    per_expert = 3 * h * cfg.moe_intermediate_size
+    shared = cfg.shared_expert_intermediate_size
+    linear = experts = 0
+    for layer in range(cfg.num_layers):
+        if cfg.is_moe_layer(layer):
+            experts += cfg.num_experts * per_expert
+            mlp = h * cfg.num_experts + cfg.num_experts_per_tok * per_expert
+            mlp += (3 * h * shared + h) if shared else 0  # the shared expert and its gate
+        else:
+            mlp = 3 * h * cfg.intermediate_size
+        linear += attention + mlp
+    idle = experts - experts * cfg.num_experts_per_tok // max(1, cfg.num_experts)
     return {"all": total, "decoder_linear": linear, "lm_head": cfg.vocab_size * cfg.hidden_size,
-            "embedding": cfg.vocab_size * cfg.hidden_size, "tied": cfg.tie_word_embeddings}
+            "embedding": cfg.vocab_size * cfg.hidden_size, "tied": cfg.tie_word_embeddings,
+            "experts": experts, "active": total - idle}
 
 
-def stored_bytes(model: torch.nn.Module) -> int:
+def expected_experts_hit(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a batch of `batch` tokens reaches in one layer when each token picks
+    top_k of num_experts uniformly: E (1 - (1 - K/E)^B); K at batch 1."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def stored_bytes(model: torch.nn.Module, only: type | None = None) -> int:
     """Bytes of every parameter and persistent buffer as stored (FP8 weights: 1 byte each, plus
-    their scales); tied tensors once."""
+    their scales); tied tensors once. only: count the modules of that type only (the experts)."""
+    tensors = (model.state_dict().values() if only is None else
+               [t for m in model.modules() if isinstance(m, only) for t in m.state_dict().values()])
     seen, total = set(), 0
-    for t in model.state_dict().values():
+    for t in tensors:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
@@ -60,7 +83,8 @@ DEFINITIONS = {
     "matmul_rate": "n^3 matmul in the run's dtype (8192 on GPU): 2 n^3 / s, median",
     "prefill.flops_linear": "2 x (decoder linear weights (q/k/v/o/gate/up/down) x tokens "
                             "+ LM head weights x one row per sequence)",
-    "prefill.flops_all_params": "2 x every parameter (tied ones once) x tokens (DESIGN.md's figure)",
+    "prefill.flops_all_params": "2 x every parameter a token uses (tied ones once; MoE: the "
+                                "top-k experts only) x tokens (DESIGN.md's figure)",
     "prefill.flops_attention": "4 x layers x heads x head_dim x causal (query, key) pairs; not in "
                                "the floor",
     "prefill.floor_s": "flops_linear / matmul rate; ratio_to_floor = seconds / floor_s",
@@ -68,7 +92,9 @@ DEFINITIONS = {
     "prefill.seconds": "median wall time of one EngineCore.step() prefilling the whole batch",
     "decode.floor_ms": "(weight_bytes + kv_bytes) / copy rate; weight_bytes = every parameter "
                        "as stored (the embedding table too, as DESIGN.md's 16.1 GB; FP8 weights "
-                       "1 byte plus scales), kv_bytes = batch x mean context during the timed "
+                       "1 byte plus scales) but the experts, plus of each MoE layer's experts "
+                       "the expected number the batch reaches with uniform top-k routing, "
+                       "E (1 - (1 - K/E)^batch) (experts_hit_per_layer; K at batch 1), kv_bytes = batch x mean context during the timed "
                        "steps x KV bytes per token (FP8 pages: 1 byte per element)",
     "decode.ms_per_step": "wall time of whole EngineCore.step() calls (schedule, run, sample)",
     "decode.graph_replay_ms": "CUDA-event time of replaying the step's decode graph alone (the "
@@ -82,7 +108,7 @@ def prefill_figures(cfg: ModelConfig, counts: dict, batch: int, length: int,
     t = statistics.median(seconds)
     tokens = batch * length
     linear = 2 * (counts["decoder_linear"] * tokens + counts["lm_head"] * batch)
-    all_params = 2 * counts["all"] * tokens
+    all_params = 2 * counts["active"] * tokens
     attn = attention_flops(cfg, [length] * batch)
     floor = linear / matmul_fps
     return {"seconds": t, "samples": seconds, "tokens_per_s": tokens / t,
@@ -93,14 +119,15 @@ def prefill_figures(cfg: ModelConfig, counts: dict, batch: int, length: int,
             "fraction_of_matmul_linear_plus_attention": (linear + attn) / t / matmul_fps}
 
 
-def decode_figures(r: dict, batch: int, steps: int, weight_bytes: int, kv_per_token: int,
-                   copy_bps: float) -> dict:
+def decode_figures(r: dict, batch: int, steps: int, weight_bytes: float, kv_per_token: int,
+                   copy_bps: float, experts_hit: float | None = None) -> dict:
     step_s, replay_s = r["seconds"] / steps, r.get("graph_replay_s")
     kv_bytes = batch * r["mean_context"] * kv_per_token
     floor = (weight_bytes + kv_bytes) / copy_bps
     return {"steps": steps, "ms_per_step": step_s * 1e3, "tokens_per_s": batch / step_s,
             "mean_context": r["mean_context"], "fill_steps": r.get("fill_steps"),
-            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "floor_ms": floor * 1e3,
+            "weight_bytes": weight_bytes, "experts_hit_per_layer": experts_hit,
+            "kv_bytes": kv_bytes, "floor_ms": floor * 1e3,
             "ratio_to_floor": step_s / floor,
             "graph_replay_ms": None if replay_s is None else replay_s * 1e3,
             "graph_replay_ratio_to_floor": None if replay_s is None else replay_s / floor,
@@ -137,6 +164,7 @@ class Bench:
     counts: dict = field(default_factory=dict)
     kv_bytes_per_token: int = 0
     stored_bytes: int = 0  # the model's weights as stored (stored_bytes())
+    expert_bytes: int = 0  # the MoE layers' experts as stored (all of them)
     errors: list[str] = field(default_factory=list)
     record: dict = field(default_factory=dict)  # the JSON result, rewritten after every case
     started: float = field(default_factory=time.perf_counter)
@@ -150,8 +178,20 @@ class Bench:
                                self.ceilings["matmul"]["median_tflops"] * 1e12)
 
     def decode_row(self, batch: int, result: dict) -> dict:
-        return decode_figures(result, batch, self.args.decode_steps, self.weight_bytes,
-                              self.kv_bytes_per_token, self.ceilings["copy"]["median_gbps"] * 1e9)
+        weight_bytes, hit = self.step_weight_bytes(batch)
+        return decode_figures(result, batch, self.args.decode_steps, weight_bytes,
+                              self.kv_bytes_per_token, self.ceilings["copy"]["median_gbps"] * 1e9,
+                              hit)
+
+    def step_weight_bytes(self, batch: int) -> tuple[float, float | None]:
+        """(weight bytes a decode step of `batch` rows reads, experts it reaches per MoE
+        layer): every weight but the experts, and the experts' share that the batch is
+        expected to reach (expected_experts_hit; None for a dense model)."""
+        cfg = self.cfg
+        if not cfg.num_experts:
+            return self.weight_bytes, None
+        hit = expected_experts_hit(cfg.num_experts, cfg.num_experts_per_tok, batch)
+        return self.weight_bytes - self.expert_bytes * (1 - hit / cfg.num_experts), hit
 
     def case(self, what: str, row: dict, measure,
              reset: Callable[[], None] | None = None) -> dict:

@@ -9,12 +9,19 @@ The rounding is transformers' (its default grouped-GEMM experts): each (token, e
 gate/up and down outputs are rounded to the dtype, the routing weight multiplies in float32,
 and a token's K products are summed in float32 in top-k order, then rounded once.
 
+FP8 experts (w13_scale / w2_scale given): w13 and w2 are float8_e4m3fn with per-channel
+float32 scales, w13_scale [E, 2I] and w2_scale [E, H], W[e, n, k] = w[e, n, k] * scale[e, n].
+Weight-only (W8A16): the weights are widened to x's dtype as they are loaded (exact: e4m3 fits
+in float16 and bfloat16), the GEMM accumulates in float32, and the channel's scale multiplies
+the float32 sum in the epilogue, before the output rounds to the dtype. A decode step reads
+half the bytes; activations keep the model dtype's precision.
+
 `select_experts` is the routing (softmax over the router's logits in float32, torch.topk, so
 ties go as transformers' go; renormalised to sum 1 where the config says), `fused_moe_ref`
 the torch reference (a loop over the experts that received tokens: it syncs with the host).
 
 `fused_moe` runs two Triton kernels over the (token, expert) pairs sorted by expert, each
-expert's run padded to the block size (`moe_align`, as SGLang's and vLLM's
+expert's run padded to the block size (kernels/moe_align.py, as SGLang's and vLLM's
 moe_align_block_size), so every block of rows reads one expert's weights:
   1. gate/up: a grouped GEMM of the block's tokens with their expert's [gate | up] rows, both
      halves accumulated side by side, SiLU-and-mul in the epilogue -> [T*K, I];
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 
 from kernels._triton import lazy_kernel
 from kernels.activation import silu_and_mul_ref
+from kernels.moe_align import moe_align
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -55,13 +63,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
-                  reduce: bool = True) -> torch.Tensor:
+                  reduce: bool = True, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of the experts (shapes in the module docstring); [T, H] in x's dtype.
 
     Expert parallelism: w13 / w2 hold experts [expert_offset, expert_offset + E) only; pairs
     routed elsewhere add zero. reduce=False returns the weighted pairs, float32 [T, K, H], for
-    the ranks to sum before the sum over K (then any EP size rounds as one rank does)."""
-    _check(x, w13, w2, topk_weights, topk_ids)
+    the ranks to sum before the sum over K (then any EP size rounds as one rank does).
+    w13_scale / w2_scale: FP8 experts' per-channel scales (module docstring)."""
+    _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     local = topk_ids.reshape(-1) - expert_offset  # [T*K]: pair p is token p // K's k-th choice
@@ -75,10 +85,19 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             continue
         rows = order[start:start + count]
         start += count
-        h = silu_and_mul_ref(F.linear(x[rows // top_k], w13[expert]))  # [n, I]
-        pairs[rows] = F.linear(h, w2[expert])
+        h = silu_and_mul_ref(_linear(x[rows // top_k], w13[expert], w13_scale, expert))  # [n, I]
+        pairs[rows] = _linear(h, w2[expert], w2_scale, expert)
     weighted = pairs.float() * topk_weights.reshape(-1, 1)  # [T*K, H] float32
-    return _finish(weighted.view(num_tokens, top_k, -1), x.dtype, reduce)
+    return _finish(weighted.view(num_tokens, top_k, x.shape[1]), x.dtype, reduce)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+            expert: int) -> torch.Tensor:
+    """x @ w.T in x's dtype; FP8 w: in float32, times the expert's channel scales, then
+    rounded once (as the kernel's epilogue)."""
+    if scale is None:
+        return F.linear(x, w)
+    return (F.linear(x.float(), w.float()) * scale[expert]).to(x.dtype)
 
 
 def _finish(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.Tensor:
@@ -90,12 +109,15 @@ def _finish(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.T
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
-              reduce: bool = True) -> torch.Tensor:
+              reduce: bool = True, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The experts (shapes in the module docstring) by the fused Triton kernels where they run,
-    else `fused_moe_ref` (expert_offset and reduce as there). Returns [T, H] in x's dtype."""
-    _check(x, w13, w2, topk_weights, topk_ids)
+    else `fused_moe_ref` (expert_offset, reduce and the FP8 scales as there). Returns [T, H]
+    in x's dtype."""
+    _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if not _kernels.runs_on(x):
-        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, reduce)
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, reduce,
+                             w13_scale, w2_scale)
     global triton_launches
     gate_up_kernel, down_kernel = _kernels.load()
     num_tokens, top_k = topk_ids.shape
@@ -104,67 +126,59 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if num_tokens == 0:
         return _finish(x.new_zeros(0, top_k, hidden, dtype=torch.float32), x.dtype, reduce)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    block_m = 16 if num_tokens * top_k <= 4 * num_experts else 64
+    block_m, block_n, block_k, num_warps, num_stages = block_config(num_tokens * top_k, num_experts,
+                                                                    hidden, inter)
     sorted_ids, block_experts, num_padded = moe_align(topk_ids - expert_offset, num_experts,
                                                       block_m)
     num_pairs = num_tokens * top_k
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    fp8 = w13_scale is not None
+    if fp8:
+        w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    else:  # unread (W_FP8 False): any float32 pointer
+        w13_scale = w2_scale = topk_weights
     h = x.new_empty(num_pairs, inter)  # [T*K, I]
-    block_n, block_k = 64, 32
     grid = (block_experts.numel(), -(-inter // block_n))
-    gate_up_kernel[grid](x, w13, h, sorted_ids, block_experts, num_padded, num_pairs, top_k,
-                         hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         PRECISION=precision, num_warps=4)
+    gate_up_kernel[grid](x, w13, w13_scale, h, sorted_ids, block_experts, num_padded, num_pairs,
+                         top_k, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k, PRECISION=precision, W_FP8=fp8, num_warps=num_warps,
+                         num_stages=num_stages)
     out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*K, H]
     grid = (block_experts.numel(), -(-hidden // block_n))
-    down_kernel[grid](h, w2, out, topk_weights.float().contiguous(), sorted_ids, block_experts,
-                      num_padded, num_pairs, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n,
-                      BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+    down_kernel[grid](h, w2, w2_scale, out, topk_weights.float().contiguous(), sorted_ids,
+                      block_experts, num_padded, num_pairs, hidden, inter, BLOCK_M=block_m,
+                      BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, W_FP8=fp8,
+                      num_warps=num_warps, num_stages=num_stages)
     triton_launches += 2
     return _finish(out.view(num_tokens, top_k, hidden), x.dtype, reduce)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int,
-              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, expert) pairs sorted by expert, each expert's run padded to block_m rows.
-
-    Pair p = t * K + k is token t's k-th expert; ids outside [0, E) (another rank's experts)
-    are left out. Returns sorted_ids int32 [P] (pair ids in expert order, stable, so an
-    expert's pairs keep token order; padding rows hold T*K),
-    block_experts int32 [P / block_m] (the expert of each block of rows; blocks past the used
-    length hold the last expert) and num_padded int32 [1] (rows used). P = T*K + min(E, T*K) *
-    (block_m - 1), rounded up to block_m: the most any routing can use. Torch ops only, no
-    host sync."""
-    flat = topk_ids.reshape(-1).long()  # [T*K]
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: elsewhere
-    num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts:].zero_()  # (an in-place kernel: capturable in a CUDA graph)
-    padded_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)  # pairs by expert, those elsewhere last
-    expert_of = flat[order]
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
-    size = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
-    sorted_ids = torch.full((size + 1,), num_pairs, dtype=torch.int32, device=device)
-    dest = torch.where(expert_of < num_experts, (padded_end - padded)[expert_of] + rank, size)
-    sorted_ids[dest] = order.to(torch.int32)
-    sorted_ids = sorted_ids[:size]  # slot `size` took the pairs elsewhere
-    padded_end = padded_end[:num_experts]
-    block_starts = torch.arange(0, size, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True)
-    block_experts = block_experts.clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
+def block_config(num_pairs: int, num_experts: int, hidden: int = 1 << 30,
+                 inter: int = 1 << 30) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for num_pairs (token, expert) pairs,
+    from a sweep on one H200 at Qwen3-30B-A3B's layer shape (bench/results/fused-moe-block-sweep-h200.json):
+    16-row blocks while experts get a few rows each (decode), 32 up to ~32 rows an expert, then
+    128-row blocks with 8 warps (prefill, 1.6x the 64-row blocks at 8192 tokens). Blocks never
+    exceed the layer's dimensions (small test models)."""
+    if num_pairs <= 4 * num_experts:
+        config = [16, 64, 128, 4, 3]
+    elif num_pairs <= 32 * num_experts:
+        config = [32, 64, 128, 4, 3]
+    else:
+        config = [128, 128, 64, 8, 3]
+    fit = max(16, 1 << (min(hidden, inter) - 1).bit_length())  # a power of two >= min dim
+    config[1], config[2] = min(config[1], fit), min(config[2], fit)
+    return tuple(config)
 
 
 @lazy_kernel("the fused MoE")
 def _kernels(triton):
     """(gate/up + SiLU-and-mul kernel, down + routing-weight kernel)."""
     @triton.jit
-    def gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, experts_ptr, num_padded_ptr, num_pairs,
-                       top_k, hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    def gate_up_kernel(x_ptr, w_ptr, scale_ptr, h_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
+                       num_pairs, top_k, hidden, inter, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                       W_FP8: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
@@ -186,8 +200,14 @@ def _kernels(triton):
             w_gate = tl.load(w_base + cols[None, :] * hidden + ks[:, None], mask=w_mask, other=0.0)
             w_up = tl.load(w_base + (inter + cols[None, :]) * hidden + ks[:, None], mask=w_mask,
                            other=0.0)  # [BK, BN]
+            if W_FP8:  # widened to x's dtype: exact
+                w_gate, w_up = w_gate.to(x_ptr.dtype.element_ty), w_up.to(x_ptr.dtype.element_ty)
             acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=PRECISION)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+        if W_FP8:  # the channels' scales on the float32 sums
+            s_base = scale_ptr + expert * 2 * inter
+            acc_gate = acc_gate * tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
+            acc_up = acc_up * tl.load(s_base + inter + cols, mask=col_ok, other=0.0)[None, :]
         dtype = h_ptr.dtype.element_ty
         gate = acc_gate.to(dtype).to(tl.float32)  # the GEMM's output rounds to the dtype ...
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # ... then silu_and_mul's arithmetic
@@ -196,9 +216,10 @@ def _kernels(triton):
                  mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit
-    def down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
-                    num_pairs, hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    def down_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, sorted_ptr, experts_ptr,
+                    num_padded_ptr, num_pairs, hidden, inter, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    W_FP8: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
@@ -216,7 +237,11 @@ def _kernels(triton):
                         mask=valid[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             w = tl.load(w_base + cols[None, :] * inter + ks[:, None],
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
+            if W_FP8:
+                w = w.to(h_ptr.dtype.element_ty)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if W_FP8:
+            acc = acc * tl.load(scale_ptr + expert * hidden + cols, mask=col_ok, other=0.0)[None, :]
         routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0)  # float32 [BM]
         out = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
         tl.store(out_ptr + pairs[:, None] * hidden + cols[None, :], out,
@@ -227,15 +252,24 @@ def _kernels(triton):
 
 # ----------------------------------------------------------------------------- validation
 
-def _check(x, w13, w2, topk_weights, topk_ids) -> None:
+def _check(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None) -> None:
     if x.dim() != 2 or x.dtype not in _DTYPES:
         raise ValueError(f"x must be [T, H] float32/float16/bfloat16, got {x.dtype} {tuple(x.shape)}")
     num_experts, two_inter, hidden = w13.shape
     if hidden != x.shape[1] or two_inter % 2 or w2.shape != (num_experts, hidden, two_inter // 2):
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x "
                          f"{tuple(x.shape)}: want [E, 2I, H] and [E, H, I]")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"weights {w13.dtype}/{w2.dtype} differ from x's {x.dtype}")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("FP8 experts need both w13_scale and w2_scale")
+    want = x.dtype if w13_scale is None else torch.float8_e4m3fn
+    if w13.dtype != want or w2.dtype != want:
+        raise ValueError(f"weights {w13.dtype}/{w2.dtype}: want {want} (x is {x.dtype}, "
+                         f"{'no ' if w13_scale is None else ''}FP8 scales given)")
+    if w13_scale is not None and (
+            w13_scale.shape != (num_experts, two_inter) or w2_scale.shape != (num_experts, hidden)
+            or w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32):
+        raise ValueError(f"FP8 scales {w13_scale.dtype} {tuple(w13_scale.shape)} / "
+                         f"{w2_scale.dtype} {tuple(w2_scale.shape)}: want float32 [E, 2I], [E, H]")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [T, K] with T = {x.shape[0]}")

@@ -14,6 +14,7 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import fields
 
 from pd_serve.config import (CacheConfig, EngineConfig, GatewayConfig, SchedulerConfig,
                              WorkerConfig, add_config_args, config_kwargs, engine_config_from_args)
@@ -127,6 +128,9 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
     gpu_ids = launch_gpu_ids(passthrough, args.gpu_ids.split(",") if args.gpu_ids else None)
     passthrough += launch_transfer_args(passthrough)
     gateway_args = ["--model", args.model] if args.model else []
+    for flag, value in (("--tool-call-parser", args.tool_call_parser),
+                        ("--reasoning-parser", args.reasoning_parser)):
+        gateway_args += [flag, value] if value else []
     return LocalCluster(port=args.port, num_prefill=args.prefill, num_decode=args.decode,
                         num_colocated=args.colocated, engine_args=passthrough,
                         gateway_args=gateway_args, control_port=args.control_port,
@@ -187,6 +191,10 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     parser.add_argument("--control-port", type=int, default=0, help="gateway control port (0: any)")
     parser.add_argument("--model", default=None)
+    for name in ("tool_call_parser", "reasoning_parser"):  # the gateway's flags, passed to it
+        spec = next(f for f in fields(GatewayConfig) if f.name == name)
+        parser.add_argument("--" + name.replace("_", "-"), default=None,
+                            choices=spec.metadata["choices"], help=spec.metadata["help"])
     parser.add_argument("--prefill-tp", type=int, default=None,
                         help="--tp of the prefill workers (default: the --tp given to all workers)")
     parser.add_argument("--decode-tp", type=int, default=None,

@@ -20,7 +20,9 @@ QUANTIZATIONS = ("fp8", "gptq")  # --quantization; None: as the checkpoint says
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # auto: the model dtype
 TRANSFER_BACKENDS = ("auto", "torch", "ipc", "tcp", "nixl")
 PREFILL_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
-DECODE_POLICIES = ("round_robin", "least_load")
+DECODE_POLICIES = ("cache_aware", "round_robin", "least_load")
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")  # gateway/tool_parsers.py
+REASONING_PARSERS = ("deepseek-r1", "qwen3")  # gateway/reasoning.py
 
 
 def _opt(default=MISSING, help: str | None = None, **meta):
@@ -40,7 +42,8 @@ class CacheConfig:
         "use the same", choices=KV_CACHE_DTYPES)
     disable_radix_cache: bool = _opt(
         False, "do not keep finished requests' KV pages for later prompts that share their prefix "
-        "(the prefix cache; decode workers never keep them)")
+        "(the prefix cache; on a decode worker it also holds finished conversations, so a follow-up "
+        "turn receives only its new pages)")
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "--page-size", self.page_size, "must be >= 1")
@@ -96,8 +99,10 @@ class EngineConfig:
         "batched one, so a request's greedy output can depend on whether it decoded alone)")
     tp: int = _opt(1, "tensor parallel size: this engine's ranks, one process and one GPU each "
                    "(cuda:0..tp-1 of the visible ones)")
-    ep_size: int = _opt(1, "expert parallel size: an MoE model's experts partitioned over the "
-                        "--tp ranks (equal to --tp for now; attention stays under --tp)")
+    ep_size: int = _opt(1, "expert parallel size: an MoE model's experts partitioned over N "
+                        "ranks, tokens dispatched to them by all-to-all; equal to --tp "
+                        "(attention under --tp), or with --tp 1 (attention replicated; "
+                        "engines and colocated workers only, no KV hand-off yet)")
     disable_overlap_schedule: bool = _opt(
         False, "on GPU, wait for each step's tokens before planning the next (by default step "
         "N+1 is planned while step N runs)")
@@ -120,12 +125,17 @@ class EngineConfig:
         _check(self.moe_runner_backend in MOE_RUNNER_BACKENDS, "--moe-runner-backend",
                self.moe_runner_backend, f"must be one of {', '.join(MOE_RUNNER_BACKENDS)}")
         _check(self.tp >= 1, "--tp", self.tp, "must be >= 1")
-        _check(self.ep_size == 1 or self.ep_size == self.tp, "--ep-size", self.ep_size,
-               "must be 1 or equal to --tp (experts are partitioned over the --tp ranks)")
+        _check(self.ep_size >= 1 and (self.ep_size in (1, self.tp) or self.tp == 1), "--ep-size",
+               self.ep_size, "must be 1, equal to --tp, or any size with --tp 1")
         _check(self.cuda_graph_max_bs >= 1, "--cuda-graph-max-bs", self.cuda_graph_max_bs,
                "must be >= 1 (use --disable-cuda-graph to turn graphs off)")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "--quantization",
                self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks (processes): --tp, or --ep-size when attention is replicated."""
+        return max(self.tp, self.ep_size)
 
     @classmethod
     def from_flat(cls, **kwargs) -> "EngineConfig":
@@ -192,7 +202,11 @@ class GatewayConfig:
         64, "cache_aware: route by load, not cache, once the busiest and the idlest worker's "
         "requests differ by more than this ...")
     balance_rel_threshold: float = _opt(1.5, "... and the busiest has more than this times the idlest's")
-    decode_policy: str = _opt("least_load", choices=DECODE_POLICIES)
+    decode_policy: str = _opt(
+        "cache_aware", "which decode worker takes a request: cache_aware (the one whose prefix "
+        "cache holds the longest prefix, e.g. the conversation's earlier turns, so only the new "
+        "KV crosses; by load past the balance thresholds), round_robin, least_load",
+        choices=DECODE_POLICIES)
     worker_timeout_s: float = _opt(10.0, "seconds without a heartbeat before a worker is dropped",
                                    flag="--worker-timeout")
     admit_timeout_s: float = _opt(
@@ -208,6 +222,15 @@ class GatewayConfig:
                         "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
     body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",
                                  flag="--body-timeout")
+    tool_call_parser: str | None = _opt(
+        None, "read tool calls out of chat output for tool_choice auto, in the model's format: "
+        "llama3_json (Llama 3.x), hermes (Hermes, Qwen2.5/3 <tool_call>), mistral ([TOOL_CALLS]); "
+        "without it, auto is refused (required and named choices need none)",
+        choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _opt(
+        None, "split a reasoning model's <think>...</think> out of chat output as "
+        "reasoning_content: deepseek-r1 (the opening tag may be missing), qwen3",
+        choices=REASONING_PARSERS)
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control message (empty: none)
 
     def __post_init__(self) -> None:

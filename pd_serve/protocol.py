@@ -134,6 +134,7 @@ class TokenDelta:
     finished: bool = False
     finish_reason: str | None = None
     error: str = ""
+    cached_tokens: int = 0  # with token 1: prompt tokens whose KV this worker's cache held
 
 
 
@@ -188,6 +189,9 @@ class AdmitReply:
     transfer_addresses: list[str] = field(default_factory=list)  # one per decode TP rank
     error: str = ""
     retryable: bool = False
+    # Leading prompt tokens whose KV decode's prefix cache holds already (whole pages, at least
+    # one page short of the prompt): dst_page_ids are the pages after them, the only ones sent.
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -198,8 +202,9 @@ class Prefill:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     decode_addresses: list[str]  # the decode worker's KV receivers, one per TP rank
-    dst_page_ids: list[int]
+    dst_page_ids: list[int]  # for the prompt's pages after dst_cached_tokens
     priority: int = 0
+    dst_cached_tokens: int = 0  # AdmitReply.cached_tokens: decode holds their KV, not sent
 
 
 @dataclass

@@ -63,7 +63,8 @@ def new_token_row(request: Request, reason: FinishReason | None) -> TokenDelta:
     if request.sampling_params.logprobs is not None:
         logprobs = [Logprob.of(request.output_logprobs[-1])]
     return TokenDelta(request.request_id, request.output_token_ids[-1:], logprobs, request.finished,
-                      None if reason is None else reason.value)
+                      None if reason is None else reason.value,
+                      cached_tokens=request.num_cached_tokens if len(request.output_token_ids) == 1 else 0)
 
 
 def end_row(request_id: str, reason: FinishReason | None, error: str = "") -> TokenDelta:

@@ -48,8 +48,7 @@ class Worker:
         self.codec = protocol.Codec(config.cluster_key)
         transfer = self.transfer_config()
         self.core = EngineCore(config.engine, tp_follower_io=None if transfer is None
-                               else functools.partial(connector.follower_io, transfer),
-                               prefix_cache=role != "decode")
+                               else functools.partial(connector.follower_io, transfer))
         self.core.warmup()
         # prefill and decode: the KV hand-off over every TP rank
         self.connector = None if transfer is None else connector.connector(transfer, self.core)

@@ -66,9 +66,10 @@ def pages_settled(core) -> bool:
 
 def assert_pages_settled(core) -> None:
     """pages_settled, then every page free once the prefix cache is flushed."""
-    alloc = core.allocator
+    alloc, cache = core.allocator, core.prefix_cache
     assert pages_settled(core), f"{alloc.num_used_pages} pages in use with no request running"
-    if core.prefix_cache is not None:
-        core.prefix_cache.flush()
-        assert core.prefix_cache.num_pages == 0
+    if cache is not None:  # the allocator's count of evictable pages against a walk of the tree
+        assert alloc.num_evictable_pages == sum(alloc.refcount(n.page_id) == 1 for n in cache.nodes())
+        cache.flush()
+        assert cache.num_pages == 0 and alloc.num_evictable_pages == 0
     assert alloc.num_free_pages == alloc.num_pages

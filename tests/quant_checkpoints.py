@@ -83,8 +83,9 @@ def write_gptq_checkpoint(src: Path, dst: Path, *, group_size: int = 128, sym: b
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, *, layout: str = "compressed-tensors",
-                         input_amax: float | None = None) -> Path:
+                         input_amax: float | None = None, experts_only: bool = False) -> Path:
     """FP8 checkpoint: `<layer>.weight` in float8_e4m3fn plus `<layer>.weight_scale`.
+    experts_only: an MoE model's experts only (each expert's gate/up/down), the rest dense.
 
     layout "compressed-tensors": llm-compressor's FP8_DYNAMIC scheme, per-channel scales
     [out, 1]. layout "fp8": vLLM's quant_method fp8, one per-tensor scale per layer.
@@ -93,7 +94,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, *, layout: str = "compressed-tens
     """
     static_activation = input_amax is not None
     tensors, names = _quantized_layers(src)
-    for name in names:
+    for name in [n for n in names if ".experts." in n or not experts_only]:
         prefix = name.removesuffix(".weight")
         w = tensors.pop(name).float()
         if layout == "compressed-tensors":

@@ -19,6 +19,11 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refcounts = [0] * num_pages
+        # Pages the prefix cache holds (cache/radix.py marks them); the evictable ones are those
+        # whose only holder it is (refcount 1), counted as refcounts change: a status report
+        # reads it every heartbeat without walking the cache.
+        self._cached = [False] * num_pages
+        self.num_evictable_pages = 0
 
     @property
     def num_free_pages(self) -> int:
@@ -47,6 +52,8 @@ class PageAllocator:
         for page_id in page_ids:
             if self._refcounts[page_id] == 0:
                 raise RuntimeError(f"incref of free page {page_id}")
+            if self._cached[page_id] and self._refcounts[page_id] == 1:
+                self.num_evictable_pages -= 1
             self._refcounts[page_id] += 1
 
     def free(self, page_ids: list[int]) -> None:
@@ -55,4 +62,17 @@ class PageAllocator:
                 raise RuntimeError(f"double free of page {page_id}")
             self._refcounts[page_id] -= 1
             if self._refcounts[page_id] == 0:
+                if self._cached[page_id]:
+                    raise RuntimeError(f"page {page_id} freed while the prefix cache holds it")
                 self._free.append(page_id)
+            elif self._cached[page_id] and self._refcounts[page_id] == 1:
+                self.num_evictable_pages += 1
+
+    def set_cached(self, page_id: int, cached: bool) -> None:
+        """The prefix cache takes (True) or drops (False) its reference's mark on a page it
+        holds: the page counts as evictable while that reference is its only one."""
+        if self._refcounts[page_id] == 0 or self._cached[page_id] == cached:
+            raise RuntimeError(f"set_cached({page_id}, {cached}) on a page in the wrong state")
+        self._cached[page_id] = cached
+        if self._refcounts[page_id] == 1:
+            self.num_evictable_pages += 1 if cached else -1

@@ -110,6 +110,7 @@ class PrefixCache:
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(key, page_id, node, now)
+                self.allocator.set_cached(page_id, True)
                 self.num_pages += 1
             else:
                 child.last_used = now
@@ -134,6 +135,7 @@ class PrefixCache:
                 continue  # stale, or in use (pushed again when its user inserts its path)
             parent, node.parent = node.parent, None
             del parent.children[node.key]
+            self.allocator.set_cached(node.page_id, False)
             self.allocator.free([node.page_id])
             self.num_pages -= 1
             evicted += 1
@@ -147,15 +149,16 @@ class PrefixCache:
 
     def flush(self) -> int:
         """Evict every page only the cache holds; returns how many."""
-        self._leaves = [(n.last_used, next(self._seq), n) for n in self._nodes() if not n.children]
+        self._leaves = [(n.last_used, next(self._seq), n) for n in self.nodes() if not n.children]
         heapq.heapify(self._leaves)
         return self.evict(self.num_pages)
 
     def num_evictable_pages(self) -> int:
-        refcount = self.allocator.refcount
-        return sum(1 for n in self._nodes() if refcount(n.page_id) == 1)
+        """Pages only the cache holds (the allocator counts them as refcounts change)."""
+        return self.allocator.num_evictable_pages
 
-    def _nodes(self):
+    def nodes(self):
+        """Every cached node (tests check the allocator's counts against a walk)."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()

@@ -4,6 +4,12 @@ Lifecycle of a request here: Admit (pages reserved, receiver told to expect them
 arrives (transfer result) and StartDecode brings token 1 -> running in the batch -> finished.
 Abort or a failed transfer at any point frees the pages exactly once.
 
+Decode-side reuse: with the prefix cache on (the default; --disable-radix-cache), a finished
+request's pages (prompt and output) stay cached here, and an admitted prompt starts on the
+cached pages of its longest cached prefix: prefill sends only the pages after them, so a
+multi-turn conversation routed back here (the gateway's cache_aware decode policy) moves only
+its new turn's KV.
+
 Under --tp N every rank receives its own KV heads on a receiver of its own (the gateway hands
 prefill all N addresses); the connector (transfer/connector.py) expects and cancels on every
 rank and reports the KV arrived once every rank's receiver says so.
@@ -62,12 +68,15 @@ class DecodeScheduler(RoleScheduler):
         if not self.scheduler.reserve_prompt(request):
             return AdmitReply(msg.request_id, ok=False, error="decode KV cache full", retryable=True)
         self.pending[msg.request_id] = _Pending(request)
-        # No deadline until the KV starts to arrive: the prompt may wait its turn on prefill, while
-        # the gateway's pings keep the reservation (or drop it: the worker's reconcile).
+        # Only the pages after the cached prefix are sent. No deadline until the KV starts to
+        # arrive: the prompt may wait its turn on prefill, while the gateway's pings keep the
+        # reservation (or drop it: the worker's reconcile).
         # Before the reply: no KV reaches a rank that does not expect it.
-        self.connector.expect(msg.request_id, request.page_ids)
-        return AdmitReply(msg.request_id, ok=True, dst_page_ids=request.page_ids,
-                          transfer_addresses=self.connector.addresses)
+        missing = request.page_ids[request.num_cached_tokens // self.core.kv_pool.layout.page_size:]
+        self.connector.expect(msg.request_id, missing)
+        return AdmitReply(msg.request_id, ok=True, dst_page_ids=missing,
+                          transfer_addresses=self.connector.addresses,
+                          cached_tokens=request.num_cached_tokens)
 
     def on_transfer(self, result: TransferResult) -> list:
         """A failed transfer is cancelled on every rank already: free the pages, fail the request."""

@@ -49,8 +49,8 @@ class EngineCore:
         """tp_follower_io(executor, rank, reports): builds a follower rank's part of the KV
         hand-off in its process (picklable; see follow()), for a prefill or decode worker under
         --tp; its reports reach rank 0 on `tp_reports`. prefix_cache: keep ended requests'
-        pages for later prompts (cache/radix.py) unless --disable-radix-cache (a decode worker
-        passes False)."""
+        pages for later prompts (cache/radix.py) unless --disable-radix-cache (benchmarks of
+        one step pass False)."""
         self.config = config
         cfg = config
         self.model_dir, model_config, self.max_model_len = resolve_model(cfg)
@@ -61,7 +61,7 @@ class EngineCore:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else ()
         device = resolve_device(cfg.device)
         self.tp, self._tp_followers, self.tp_reports = None, [], None
-        if cfg.tp > 1:
+        if cfg.world_size > 1:  # --tp, or --ep-size over replicated attention
             self.tp, self._tp_followers, self.tp_reports = tp_group.start(
                 cfg, free_port(), follow, (tp_follower_io,))
             device = _rank_device(device, 0)

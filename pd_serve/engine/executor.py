@@ -99,7 +99,7 @@ class Executor:
                                     cfg.quantization)
         else:  # every rank loads the whole model on the host and keeps its shard
             full = load_model(model_dir, self.dtype, "cpu", cfg.load_format, cfg.seed, cfg.quantization)
-            self.model = shard_model(full, self.tp, cfg.ep_size).to(self.device)
+            self.model = shard_model(full, self.tp, cfg.ep_size, cfg.tp).to(self.device)
             del full
         self.moe_backend = resolve_moe_backend(cfg.moe_runner_backend, self.device)
         # the torch MoE syncs with the host: no CUDA graphs around it

@@ -23,6 +23,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
 
 
 class OutputTracker:
@@ -80,4 +81,5 @@ class OutputTracker:
             new_token_ids=new_token_ids,
             new_text=new_text,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
         )

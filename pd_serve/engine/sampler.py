@@ -3,8 +3,10 @@
 Order of work per row: raw logprobs (if asked) -> logit_bias -> penalties -> grammar mask (a
 row whose request has a grammar matcher: engine/grammar.py) -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential-race sample.
-Random numbers come from the request's own generator when it has a seed, else from the
-sampler's, and are drawn on CPU per row so a seeded row's token never depends on the batch.
+Random numbers come from the request's own generator when it has a seed, drawn on CPU per row
+so a seeded row's token never depends on the batch or the device; the other rows draw theirs
+in one call on the logits' device (a [B, V] draw on the host would cost far more than the
+step on a GPU).
 """
 
 from __future__ import annotations
@@ -153,23 +155,33 @@ class Sampler:
     """Samples one token per row. Holds the engine-wide generator for requests without a seed."""
 
     def __init__(self, seed: int = 0):
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
-    def _exponentials(
-        self, requests: list[Request], sampled_rows: list[int], vocab_size: int
-    ) -> torch.Tensor:
-        """CPU Exp(1) noise [B, V]: seeded rows from their own generator, the rest from ours.
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The generator of unseeded rows on `device` (ours on CPU; one per accelerator)."""
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._device_generators[device]
 
-        Rows not sampled (greedy) stay 1 and consume no random numbers.
-        """
-        noise = torch.ones(len(requests), vocab_size)  # [B, V]
+    def _exponentials(self, requests: list[Request], sampled_rows: list[int], vocab_size: int,
+                      device: torch.device) -> torch.Tensor:
+        """Exp(1) noise [B, V] on `device`: seeded rows from their own (CPU) generator, the rest
+        from ours on the device. Rows not sampled (greedy) stay 1 and consume no random numbers."""
+        noise = torch.ones(len(requests), vocab_size, device=device)  # [B, V]
         unseeded = [i for i in sampled_rows if requests[i].generator is None]
         if unseeded:
-            draws = torch.empty(len(unseeded), vocab_size)  # [U, V]
-            noise[unseeded] = draws.exponential_(generator=self.generator)
-        for i in sampled_rows:
-            if requests[i].generator is not None:
-                noise[i].exponential_(generator=requests[i].generator)
+            draws = torch.empty(len(unseeded), vocab_size, device=device)  # [U, V]
+            noise[unseeded] = draws.exponential_(generator=self._generator(device))
+        seeded = [i for i in sampled_rows if requests[i].generator is not None]
+        if seeded:
+            rows = torch.empty(len(seeded), vocab_size)  # [S, V] on the host
+            for row, i in zip(rows, seeded):
+                row.exponential_(generator=requests[i].generator)
+            noise[seeded] = rows.to(device)
         # A zero draw would give inf/nan in probs / noise; exponential_ can return 0 in float32.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
@@ -219,7 +231,7 @@ class Sampler:
             temps = [1.0 if p.greedy else p.temperature for p in params]
             scaled = logits / torch.tensor(temps, device=device).unsqueeze(1)
             probs = _filter(scaled, requests).softmax(dim=-1)  # [B, V]
-            noise = self._exponentials(requests, sampled_rows, vocab_size).to(device)
+            noise = self._exponentials(requests, sampled_rows, vocab_size, device)
             drawn = (probs / noise).argmax(dim=-1)  # [B] exponential race
             is_sampled = torch.tensor([not p.greedy for p in params], device=device)
             token_ids = torch.where(is_sampled, drawn, token_ids)

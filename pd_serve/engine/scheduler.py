@@ -110,12 +110,20 @@ class Scheduler:
 
     def reserve_prompt(self, request: Request) -> bool:
         """Give a request that is in no table pages for its whole prompt, whose KV will come
-        from elsewhere (decode); False when the pool has no room. The caller owns the pages
-        until add_running() or release()."""
-        page_ids = self._allocate(pages_for(request.num_prompt_tokens, self.page_size))
+        from elsewhere (decode); False when the pool has no room. With a prefix cache the
+        leading pages are the cached ones of its longest cached prefix, at least one page
+        short of the prompt (request.num_cached_tokens: their tokens), so only the rest has
+        to arrive. The caller owns the pages until add_running() or release()."""
+        cached = []
+        if self.cache is not None:
+            cached = self.cache.match(request.prompt_token_ids,
+                                      (request.num_prompt_tokens - 1) // self.page_size)
+        page_ids = self._allocate(pages_for(request.num_prompt_tokens, self.page_size) - len(cached))
         if page_ids is None:
+            self.allocator.free(cached)
             return False
-        request.page_ids = page_ids
+        request.page_ids = cached + page_ids
+        request.num_cached_tokens = len(cached) * self.page_size
         return True
 
     def add_running(self, request: Request) -> None:

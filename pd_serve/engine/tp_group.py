@@ -1,5 +1,6 @@
 """A tensor-parallel group's processes and control plane: rank 0 is the engine the worker
-talks to; ranks 1..tp-1 follow it.
+talks to; ranks 1..world_size-1 follow it (world_size: --tp, or --ep-size over replicated
+attention: config.world_size).
 
 Rank 0 starts the followers (one process each, dying with it) and joins the group with them
 (gloo on CPU, NCCL on GPU, for the model's collectives; a gloo group beside it, `control`, for
@@ -32,23 +33,24 @@ def start(config, port: int, target, args: tuple = ()) -> tuple[TPGroup, list, o
     ctx = multiprocessing.get_context("spawn")
     reports = ctx.Queue(maxsize=REPORTS_BOUND)
     followers = [ctx.Process(target=target, args=(config, rank, port, reports, *args), daemon=True,
-                             name=f"tp-rank-{rank}") for rank in range(1, config.tp)]
+                             name=f"tp-rank-{rank}") for rank in range(1, config.world_size)]
     for p in followers:
         p.start()
     return join(config, 0, port), followers, reports
 
 
 def join(config, rank: int, port: int) -> TPGroup:
-    """Join the group of config.tp ranks at 127.0.0.1:port; on GPU rank r uses cuda:r."""
+    """Join the group of config.world_size ranks at 127.0.0.1:port; on GPU rank r uses cuda:r."""
     on_cuda = config.device != "cpu" and torch.cuda.is_available()
     if on_cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=config.tp, timeout=timedelta(seconds=START_TIMEOUT_S))
+                            rank=rank, world_size=config.world_size,
+                            timeout=timedelta(seconds=START_TIMEOUT_S))
     # Its own group, so a follower may wait for the next step as long as the worker stays idle
     # (the default group's timeout bounds the collectives inside a step).
     control = dist.new_group(backend="gloo", timeout=IDLE)
-    return TPGroup(rank, config.tp, None, control)
+    return TPGroup(rank, config.world_size, None, control)
 
 
 def call(tp: TPGroup, name: str, *args) -> None:

@@ -81,7 +81,7 @@ class Cluster(TokenSource):
         self.workers: dict[str, WorkerState] = {}
         balance = (config.balance_abs_threshold, config.balance_rel_threshold)
         self.routers = {"prefill": Router(config.prefill_policy, "prefill", *balance),
-                        "decode": Router(config.decode_policy, "decode"),
+                        "decode": Router(config.decode_policy, "decode", *balance),
                         "colocated": Router(config.prefill_policy, "prefill", *balance)}
         self._flights: dict[str, _Flight] = {}
         self._queue: list[_Waiting] = []  # a heap
@@ -187,15 +187,17 @@ class Cluster(TokenSource):
         decode, prefill, reply = await self._admit(spec, flight)
         timer.mark("queue")
         self._send(prefill.worker_id, Prefill(spec.request_id, spec.prompt_token_ids, spec.params,
-                                              reply.transfer_addresses, reply.dst_page_ids, spec.priority))
+                                              reply.transfer_addresses, reply.dst_page_ids, spec.priority,
+                                              reply.cached_tokens))
         done = await self._next(flight, PrefillDone)
         self._leave(flight, prefill, spec.request_id)
         if not done.ok:
             raise ClusterError(f"prefill failed: {done.error}")
-        timer.prefill_timings = done.timings
+        timer.prefill_timings = done.timings | {"decode_cached_tokens": reply.cached_tokens}
         timer.tokens(1)
         self._send(decode.worker_id, StartDecode(spec.request_id, done.first_token_id, done.logprob))
-        yield TokenEvent([done.first_token_id], None if done.logprob is None else [done.logprob])
+        yield TokenEvent([done.first_token_id], None if done.logprob is None else [done.logprob],
+                         cached_tokens=done.timings.get("cached_tokens", 0))
         async for event in self._stream(flight, timer):
             yield event
 
@@ -312,7 +314,10 @@ class Cluster(TokenSource):
                 timer.tokens(len(row.token_ids))
             if row.error:
                 raise ClusterError(row.error)
-            yield TokenEvent(row.token_ids, row.logprobs, row.finished, row.finish_reason)
+            if row.cached_tokens:  # colocated: token 1's row
+                timer.prefill_timings["cached_tokens"] = row.cached_tokens
+            yield TokenEvent(row.token_ids, row.logprobs, row.finished, row.finish_reason,
+                             cached_tokens=row.cached_tokens)
             if row.finished:
                 return
 

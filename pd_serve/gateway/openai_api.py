@@ -3,7 +3,8 @@ vLLM's /tokenize and /detokenize (openai_tokenize).
 
 A request is parsed (openai_protocol), handed to a TokenSource as one GenerateSpec per choice
 (n choices per prompt; a /v1/completions batch has several prompts), and its TokenEvents become
-text (openai_text: detokenization and stop strings) and OpenAI JSON; the choices run side by
+text (openai_text: detokenization and stop strings) and OpenAI JSON (chat: reasoning and tool
+calls read out of the text by openai_message, with the server's parsers); the choices run side by
 side, their chunks interleaved as they come. Every exit path closes the source iterators, which
 aborts the requests wherever they run: a stop string (that choice alone), a client gone
 mid-stream (a failed write or a cancelled handler), an error (every choice).
@@ -26,11 +27,13 @@ from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
+from pd_serve.gateway.openai_message import ChatOutput
 from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest, decode_body,
                                               parse_chat, parse_completion)
 from pd_serve.gateway.openai_text import OutputText
 from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
+from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, ToolParser, make_parser
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.protocol import Logprob
 
@@ -59,19 +62,40 @@ class _Delta:
     text_offsets: list[int]
     finish_reason: str | None
     timings: dict  # phase timings (s) from the cluster, on the final delta
+    cached_tokens: int = 0  # with token 1: prompt tokens whose KV a prefix cache held
 
 
 class OpenAIServer:
     """The OpenAI routes over one TokenSource. `new_request_id(prefix)` names each request;
-    a request body that takes longer than `body_timeout_s` to arrive is a 408."""
+    a request body that takes longer than `body_timeout_s` to arrive is a 408.
+    tool_call_parser / reasoning_parser: --tool-call-parser / --reasoning-parser (None: off)."""
 
     def __init__(self, source: TokenSource, tokenizer: Tokenizer,
-                 new_request_id: Callable[[str], str], body_timeout_s: float = 30.0):
+                 new_request_id: Callable[[str], str], body_timeout_s: float = 30.0,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.source = source
         self.tokenizer = tokenizer
         self.new_request_id = new_request_id
         self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
+        if tool_call_parser is not None:
+            make_parser(tool_call_parser)  # an unknown name fails here, not per request
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+
+    def _model_info(self) -> ModelInfo:
+        return ModelInfo(self.source.model_name(), self.tokenizer, self.source.max_model_len(),
+                         self.tool_call_parser)
+
+    def _chat_output(self, parsed: ParsedRequest) -> ChatOutput:
+        """A reader of one chat choice's text, as the request and the server's parsers ask."""
+        choice = parsed.tool_choice
+        tools: ToolParser | None = None
+        if choice is not None:
+            tools = (make_parser(self.tool_call_parser) if choice.mode == "auto" else
+                     RequiredParser() if choice.mode == "required" else NamedParser(choice.name))
+        # A forced call is JSON from the first token on: no reasoning to split out of it.
+        reasoning = self.reasoning_parser if choice is None or choice.mode == "auto" else None
+        return ChatOutput(reasoning, parsed.prompt_opens_reasoning, tools)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/completions", self.completions),
@@ -98,7 +122,7 @@ class OpenAIServer:
     async def _answer(self, request: web.Request, answer) -> web.Response:
         """A reply computed from the body alone (no tokens generated)."""
         try:
-            info = ModelInfo(self.source.model_name(), self.tokenizer, self.source.max_model_len())
+            info = self._model_info()
             return web.json_response(answer(await _read_json(request, self.body_timeout_s), info))
         except ApiError as e:
             return error_response(e)
@@ -112,13 +136,15 @@ class OpenAIServer:
     # ---- one request ---------------------------------------------------------------------
     async def _serve(self, request: web.Request, parse, shape_cls, id_prefix: str) -> web.StreamResponse:
         try:
-            info = ModelInfo(self.source.model_name(), self.tokenizer, self.source.max_model_len())
+            info = self._model_info()
             parsed = parse(await _read_json(request, self.body_timeout_s), info)
         except ApiError as e:
             return error_response(e)
         request_id = self.new_request_id(id_prefix)
         shape = shape_cls(request_id, info.name, self.tokenizer)
         choices = parsed.choices()
+        if isinstance(shape, _ChatShape):
+            shape.outputs = [self._chat_output(parsed) for _ in choices]
         specs = [GenerateSpec(request_id if len(choices) == 1 else f"{request_id}-{i}", ids,
                               params, parsed.priority) for i, (ids, params) in enumerate(choices)]
         echoes = [parsed.echo_texts[i // parsed.n] if parsed.echo_texts else ""
@@ -138,13 +164,17 @@ class OpenAIServer:
             async for event in events:
                 if event.error:
                     raise SourceError(event.error, event.status, event.retry_after)
-                n = out.add(event.new_token_ids)
+                ids = event.new_token_ids
+                eos = (event.finished and event.finish_reason == "stop" and not spec.params.ignore_eos
+                       and bool(ids) and ids[-1] in self.tokenizer.eos_token_ids)
+                n = out.add(ids, hide_last=eos)
                 finish = "stop" if out.stopped else (
                     (event.finish_reason or "stop") if event.finished else None)
                 logprobs = event.logprobs[:n] if parsed.logprobs is not None and event.logprobs else None
                 text, echo = echo + out.take_delta(finish is not None), ""
                 yield _Delta(text, event.new_token_ids[:n], logprobs,
-                             out.token_offsets[len(out.token_offsets) - n:], finish, event.timings)
+                             out.token_offsets[len(out.token_offsets) - n:], finish, event.timings,
+                             event.cached_tokens)
                 if finish is not None:
                     return
             raise SourceError("the token source ended without a final event")
@@ -172,7 +202,8 @@ class OpenAIServer:
                                 [o for d in ds for o in d.text_offsets], parsed.logprobs) \
                 if parsed.logprobs is not None else None
             choices.append(shape.choice(i, "".join(d.text for d in ds), lp, ds[-1].finish_reason))
-        body = shape.response(choices, _usage(sum(map(len, parsed.prompts)), num_tokens))
+        cached = _cached_tokens([sum(d.cached_tokens for d in ds) for ds in received], parsed.n)
+        body = shape.response(choices, _usage(sum(map(len, parsed.prompts)), num_tokens, cached))
         timings = next((d.timings for d in reversed(received[0]) if d.timings), None)
         if timings:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
             body["timings"] = timings
@@ -182,6 +213,7 @@ class OpenAIServer:
                       parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
         extra = {"usage": None} if parsed.include_usage else {}
         num_tokens = 0
+        cached = [0] * num_choices
         async with aclosing(deltas):
             try:  # the first delta before the 200: a request failing before it gets its status
                 item = await anext(deltas)
@@ -197,16 +229,19 @@ class OpenAIServer:
                     while item is not None:
                         i, d = item
                         num_tokens += len(d.token_ids)
+                        cached[i] += d.cached_tokens
                         if d.text or d.logprobs or d.finish_reason:  # else nothing visible yet
                             lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs) \
                                 if parsed.logprobs is not None else None
-                            chunk = shape.chunk(i, d.text, lp, d.finish_reason) | extra
-                            if d.finish_reason and d.timings:  # pd-serve's extension, as in a whole reply
-                                chunk["timings"] = d.timings
-                            await _send(response, chunk)
+                            chunks = shape.chunks(i, d.text, lp, d.finish_reason)
+                            if chunks and d.finish_reason and d.timings:  # pd-serve's extension,
+                                chunks[-1]["timings"] = d.timings       # as in a whole reply
+                            for chunk in chunks:
+                                await _send(response, chunk | extra)
                         item = await anext(deltas, None)
                     if parsed.include_usage:
-                        usage = _usage(sum(map(len, parsed.prompts)), num_tokens)
+                        usage = _usage(sum(map(len, parsed.prompts)), num_tokens,
+                                       _cached_tokens(cached, parsed.n))
                         await _send(response, shape.usage_chunk(usage))
                 except ConnectionResetError:
                     raise
@@ -279,8 +314,8 @@ class _Shape:
 class _CompletionShape(_Shape):
     object = chunk_object = "text_completion"
 
-    def chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        return self._head(self.object) | {"choices": [self.choice(index, text, logprobs, finish_reason)]}
+    def chunks(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> list[dict]:
+        return [self._head(self.object) | {"choices": [self.choice(index, text, logprobs, finish_reason)]}]
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -297,18 +332,31 @@ class _CompletionShape(_Shape):
 class _ChatShape(_Shape):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def opening_chunks(self, index: int) -> list[dict]:
-        return [self.chunk(index, None, None, None, role=True)]
+    outputs: list[ChatOutput]  # per choice: its text read for reasoning and tool calls
 
-    def chunk(self, index: int, text: str | None, logprobs: dict | None,
-              finish_reason: str | None, role: bool = False) -> dict:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    def opening_chunks(self, index: int) -> list[dict]:
+        return [self._chunk(index, {"role": "assistant", "content": ""}, None, None)]
+
+    def chunks(self, index: int, text: str, logprobs: dict | None,
+               finish_reason: str | None) -> list[dict]:
+        """The stream chunks of the next text: logprobs on the first, finish_reason on the last."""
+        output = self.outputs[index]
+        deltas = output.deltas(text, finish_reason is not None)
+        if not deltas and (logprobs is not None or finish_reason is not None):
+            deltas = [{}]
+        finish_reason = _finish_reason(finish_reason, output.num_calls)
+        return [self._chunk(index, delta, logprobs if j == 0 else None,
+                            finish_reason if j == len(deltas) - 1 else None)
+                for j, delta in enumerate(deltas)]
+
+    def _chunk(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._head(self.chunk_object) | {"choices": [choice]}
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish_reason}
+        message = self.outputs[index].message(text)
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": _finish_reason(finish_reason, len(message.get("tool_calls", ())))}
 
     def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int) -> dict:
         return {"content": [self._entry(e.token_id, e.logprob)
@@ -368,9 +416,21 @@ def error_response(error: ApiError, headers: dict | None = None) -> web.Response
     return response
 
 
-def _usage(num_prompt: int, num_completion: int) -> dict:
+def _finish_reason(reason: str | None, num_tool_calls: int) -> str | None:
+    """OpenAI's "tool_calls" for an answer that ended by itself with calls in it."""
+    return "tool_calls" if reason == "stop" and num_tool_calls else reason
+
+
+def _usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def _cached_tokens(per_choice: list[int], n: int) -> int:
+    """Prompt tokens whose KV a prefix cache held (prefill's, or the colocated worker's), counted
+    once per prompt as prompt_tokens is: by each prompt's first choice (choice i is prompt i // n's)."""
+    return sum(per_choice[::n])
 
 
 def _clamp(logprob: float) -> float:

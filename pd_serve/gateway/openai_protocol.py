@@ -5,7 +5,8 @@ context length, nothing about where tokens come from. Field names and defaults f
 OpenAI API, with vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...).
 Structured outputs: OpenAI's response_format (json_object, json_schema), vLLM's guided_json /
 guided_regex / guided_grammar and SGLang's regex / ebnf become one SamplingParams.grammar,
-checked here (a schema, regex or grammar that does not parse is a 400).
+checked here (a schema, regex or grammar that does not parse is a 400). Chat's tools and
+tool_choice: openai_tools (required and named choices become the grammar).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from jinja2 import TemplateError
 
 from pd_serve.engine.grammar import canonical_json, check_grammar
 from pd_serve.engine.sampling_params import Grammar, SamplingParams
+from pd_serve.gateway.openai_tools import ToolChoice, ToolsError, parse_tools
+from pd_serve.gateway.reasoning import prompt_opens_reasoning
+from pd_serve.gateway.tool_parsers import make_parser
 from pd_serve.model.tokenizer import Tokenizer
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -45,10 +49,10 @@ _COMMON_FIELDS = frozenset((
     "safety_identifier", "response_format", "guided_json", "guided_regex", "guided_grammar",
     "regex", "ebnf"))
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools",
+                                 "tool_choice"}
 # Unimplemented fields, with the values that ask for nothing beyond plain text.
-_OFF_VALUES = {"tools": [[]], "functions": [[]],
-               "tool_choice": ["none"], "function_call": ["none"], "suffix": [""]}
+_OFF_VALUES = {"functions": [[]], "function_call": ["none"], "suffix": [""]}
 
 
 class ApiError(Exception):
@@ -128,6 +132,7 @@ class ModelInfo:
     name: str
     tokenizer: Tokenizer
     max_model_len: int | None  # None: the source does not say; no context check
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_choice auto needs one
 
 
 @dataclass
@@ -137,6 +142,8 @@ class ParsedRequest:
     prompts: one prompt's token ids, or a /v1/completions batch's. Each prompt gets n choices.
     logprobs: None, or N top alternatives per token (chat's top_logprobs, completions' logprobs).
     echo_texts: completions' echo: each prompt's text, put in front of its choices' text.
+    tool_choice: chat's, when the output is read for tool calls (None: it is not).
+    prompt_opens_reasoning: chat's rendered prompt ends inside an open <think>.
     """
 
     prompts: list[list[int]]
@@ -147,6 +154,8 @@ class ParsedRequest:
     logprobs: int | None
     priority: int
     echo_texts: list[str] | None = None
+    tool_choice: ToolChoice | None = None
+    prompt_opens_reasoning: bool = False
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, in the response's order (choice index prompt * n + i).
@@ -196,7 +205,12 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
         raise ApiError("'messages' is a required field", "messages")
     messages = _messages(body["messages"])
     try:
-        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tools = parse_tools(body, model.tool_call_parser)
+    except ToolsError as e:
+        raise ApiError(str(e), e.param) from None
+    try:
+        text = model.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **({"tools": tools.tools} if tools.tools else {}))
     except (TemplateError, ValueError) as e:
         raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages")
     prompt_ids = model.tokenizer.encode(text, add_special_tokens=False)
@@ -215,9 +229,15 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
         max_tokens = max(1, limit - len(prompt_ids)) if limit else _COMPLETIONS_DEFAULT_MAX_TOKENS
     params = _sampling_params(body, max_tokens, logprobs,
                               {"logprobs": "top_logprobs", "max_tokens": max_field},
-                              model.tokenizer.vocab_size)
+                              model.tokenizer.vocab_size, tools.grammar)
+    if tools.choice is not None and tools.choice.mode == "auto" \
+            and make_parser(model.tool_call_parser).keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # the call markers
     _check_context(len(prompt_ids), params.max_tokens, given, model.max_model_len, "messages")
-    return _parsed(body, [prompt_ids], params, logprobs)
+    parsed = _parsed(body, [prompt_ids], params, logprobs)
+    parsed.tool_choice = tools.choice
+    parsed.prompt_opens_reasoning = prompt_opens_reasoning(text)
+    return parsed
 
 
 # ---- shared pieces -------------------------------------------------------------------------
@@ -259,8 +279,10 @@ def _parsed(body: dict, prompts: list[list[int]], params: SamplingParams,
 
 
 def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
-                     field_names: dict[str, str], vocab_size: int) -> SamplingParams:
-    """SamplingParams from the body's fields; its ValueError becomes a 400 naming the body field."""
+                     field_names: dict[str, str], vocab_size: int,
+                     tool_grammar: Grammar | None = None) -> SamplingParams:
+    """SamplingParams from the body's fields; its ValueError becomes a 400 naming the body field.
+    tool_grammar: what a required or named tool_choice forces (with no other grammar)."""
     kwargs = {"max_tokens": max_tokens, "logprobs": logprobs}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
@@ -284,6 +306,11 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
     kwargs["stop_token_ids"] = stop_ids
     kwargs["logit_bias"] = _logit_bias(body, vocab_size)
     kwargs["grammar"] = _grammar(body)
+    if tool_grammar is not None:
+        if kwargs["grammar"] is not None:
+            raise ApiError("a required or named tool_choice constrains the output itself; it "
+                           "cannot be combined with response_format or a guided field", "tool_choice")
+        kwargs["grammar"] = tool_grammar
     try:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except ValueError as e:
@@ -448,8 +475,23 @@ def _messages(messages) -> list[dict]:
                            f"got {_json_type(content)}", f"{where}.content")
         clean = {"role": role, "content": content}
         clean.update({k: message[k] for k in _MESSAGE_EXTRA_KEYS if k in message})
+        if isinstance(clean.get("tool_calls"), list):
+            clean["tool_calls"] = [_template_tool_call(c) for c in clean["tool_calls"]]
         out.append(clean)
     return out
+
+
+def _template_tool_call(call):
+    """An assistant message's tool call as chat templates read it: arguments as an object (the
+    API sends a JSON string), as transformers expects; other shapes pass through."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return call | {"function": function | {"arguments": arguments}}
 
 
 def _text_part(part, where: str) -> str:

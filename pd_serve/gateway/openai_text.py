@@ -33,11 +33,15 @@ class OutputText:
         self.stopped = False
         self.token_offsets: list[int] = []
 
-    def add(self, token_ids: list[int]) -> int:
-        """Take token ids in order until one completes a stop string; return how many were taken."""
+    def add(self, token_ids: list[int], hide_last: bool = False) -> int:
+        """Take token ids in order until one completes a stop string; return how many were taken.
+        hide_last: the last token is the EOS that ended the output; it adds no text (as in vLLM,
+        also when special tokens are kept)."""
         for i, token_id in enumerate(token_ids):
             start = len(self._detokenizer.text)
             self.token_offsets.append(start)
+            if hide_last and i == len(token_ids) - 1:
+                break
             self._detokenizer.step([token_id])
             self.text = self._detokenizer.text
             if self._stop and len(self.text) > start:

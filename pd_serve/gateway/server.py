@@ -41,7 +41,9 @@ async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) ->
     cluster = Cluster(config)
     await cluster.start()
     app = build_app(cluster, tokenizer, make_routes(cluster), api_key=config.api_key,
-                    body_timeout_s=config.body_timeout_s)
+                    body_timeout_s=config.body_timeout_s,
+                    tool_call_parser=config.tool_call_parser or None,
+                    reasoning_parser=config.reasoning_parser or None)
     runner = await start_server(app, host, port)
     logger.info("gateway: http://%s:%d (model %s), workers register at %s", host, port,
                 config.served_model_name, cluster.control_address)

@@ -37,6 +37,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str = ""  # set when the request failed inside the cluster (worker died, timeout)
     timings: dict = field(default_factory=dict)  # phase timings in seconds, on the last event
+    cached_tokens: int = 0  # with token 1: prompt tokens whose KV a prefix cache held
     # With an error: the HTTP status it maps to (400 the request can never be served, 429 the
     # queue is full, 503 no workers or no capacity in time, 504 a timeout, 500 a failure), and
     # how many seconds a client should wait before retrying (a Retry-After header), if known.
@@ -82,5 +83,7 @@ class EngineSource(TokenSource):
                 logprobs = None
                 if out.logprobs is not None:
                     logprobs = [Logprob.of(lp) for lp in out.logprobs[-n:]] if n else []
-                yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason)
+                first = n and len(out.token_ids) == n
+                yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason,
+                                 cached_tokens=out.num_cached_tokens if first else 0)
                 await asyncio.sleep(0)

@@ -119,6 +119,14 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def quantize_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel FP8 quantization of stacked experts: weight [E, out, in] -> (float8_e4m3fn
+    [E, out, in], float32 scales [E, out]), each expert's rows as `quantize_weight`'s."""
+    num_experts, out, inner = weight.shape
+    q, scale = quantize_weight(weight.reshape(num_experts * out, inner))
+    return q.reshape(num_experts, out, inner), scale.reshape(num_experts, out)
+
+
 def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None = None):
     """FP8 activations: x [T, K] -> (q float8_e4m3fn [T, K], scale float32 [T, 1], contiguous
     as _scaled_mm's row-wise scales must be).

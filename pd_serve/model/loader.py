@@ -7,6 +7,9 @@ store them fused already load as they are.
 
 Quantized checkpoints (GPTQ, FP8; see quant.py) get their decoder linear layers replaced by
 quantized ones before any weight is allocated, and load those from the quantized tensors.
+FP8 reaches the experts too (moe.py): `--quantization fp8` quantizes them at load, and an FP8
+checkpoint's per-expert `weight` + `weight_scale` load into FP8 experts (their `input_scale`s
+are not used: the experts run weight-only).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 from pd_serve.model.checkpoint import checkpoint_files, kv_scale_target
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
+from pd_serve.model.moe import Experts, SparseMoeBlock
 from pd_serve.model.quant import QuantLinear, QuantMethod, quantization_method
 from pd_serve.model.rope import RotaryEmbedding
 
@@ -38,12 +42,17 @@ _FUSED = {
     "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
 # One expert's tensor: (prefix, expert, its name); the name -> (our stacked parameter, part).
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|input_scale)$")
 _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
                  "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
                  "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
-# A decoder layer's linear layers (our names): what quantization replaces.
-_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# A decoder layer's linear layers (our names): what quantization replaces, where the layer
+# has them (an MoE layer: attention and the shared expert; its router stays dense).
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
+            "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
+# A checkpoint's FP8 expert scale: the layer it belongs to.
+_FP8_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.\d+\.\w+\.weight_scale$")
 
 
 def _split_sizes(cfg: ModelConfig, fused: str) -> list[int]:
@@ -70,9 +79,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         raise ValueError(f"--model {model_dir}: no such directory")
     cfg = ModelConfig.from_dir(model_dir)
     method = quantization_method(model_dir, quantization)
-    if method is not None and cfg.num_experts:
+    if method is not None and method.name != "fp8" and cfg.num_experts:
         raise ValueError(f"{model_dir}: {cfg.architecture} is a mixture of experts; quantization "
-                         f"({method.name}) runs dense models only (for now)")
+                         f"{method.name} runs dense models only (fp8 runs both)")
     keep_dense = torch.device(device).type != "cuda"  # quantized layers run their reference
     if load_format == "dummy" or method is None or not method.checkpoint_quantized:
         model = (dummy_model(cfg, dtype, device, seed) if load_format == "dummy"
@@ -80,12 +89,18 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         if method is not None:
             _replace_linears(model, lambda prefixes, linear, sizes:
                              method.quantize_linear(linear, sizes, keep_dense))
+            for experts in [m for m in model.modules() if isinstance(m, Experts)]:
+                experts.quantize_fp8()
         return model
     files = checkpoint_files(model_dir)
     keys = {name for path in files for name in _tensor_names(path)}
-    model = _empty_model(cfg, dtype, device, lambda m: _replace_linears(
-        m, lambda prefixes, linear, sizes: _checkpoint_linear(method, keys, prefixes, linear,
-                                                              sizes, dtype)))
+
+    def replace(m: CausalLM) -> None:
+        _replace_linears(m, lambda prefixes, linear, sizes: _checkpoint_linear(
+            method, keys, prefixes, linear, sizes, dtype))
+        _fp8_experts(m, {int(x.group(1)) for x in map(_FP8_EXPERT.match, keys) if x})
+
+    model = _empty_model(cfg, dtype, device, replace)
     model = _load_checkpoint(model_dir, cfg, model, files)
     for name, layer in model.named_modules():
         if isinstance(layer, QuantLinear):
@@ -119,14 +134,32 @@ def _replace_linears(model: CausalLM, make) -> None:
     cfg = model.config
     for i, layer in enumerate(model.model.layers):
         for ours in _LINEARS:
-            parent_name, attr = ours.split(".")
-            parent, linear = getattr(layer, parent_name), getattr(getattr(layer, parent_name), attr)
+            parent_name, _, attr = ours.rpartition(".")
+            parent = layer
+            for part in parent_name.split("."):
+                parent = getattr(parent, part, None)
+            linear = getattr(parent, attr, None)
+            if not isinstance(linear, nn.Linear):  # not in this layer (MoE or dense)
+                continue
             hf = sorted((index, name) for name, (fused, index) in _FUSED.items() if fused == ours)
             prefixes = [f"model.layers.{i}.{name}" for _, name in hf] or [f"model.layers.{i}.{ours}"]
             sizes = _split_sizes(cfg, ours) if hf else [linear.out_features]
             new = make(prefixes, linear, sizes)
             if new is not None:
                 setattr(parent, attr, new)
+
+
+def _fp8_experts(model: CausalLM, layer_ids: set[int]) -> None:
+    """FP8 experts (empty) in the MoE layers `layer_ids`: those whose checkpoint stores them
+    with weight scales."""
+    cfg = model.config
+    for i in sorted(layer_ids):
+        block = model.model.layers[i].mlp if i < cfg.num_layers else None
+        if not isinstance(block, SparseMoeBlock):
+            raise ValueError(f"layer {i}: FP8 expert scales in the checkpoint, but config.json "
+                             "gives that layer no experts")
+        block.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                fp8=True)
 
 
 def _checkpoint_linear(method: QuantMethod, keys: set[str], prefixes: list[str],
@@ -244,12 +277,18 @@ def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
 
 
 def _load_expert(cfg, params, loaded, name, tensor, path, match) -> None:
-    """One expert's gate, up or down weight into its row of the stacked parameter."""
-    prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+    """One expert's gate, up or down weight (or an FP8 expert's weight scale) into its row of
+    the stacked parameter."""
+    prefix, expert, kind, what = match.group(1), int(match.group(2)), match.group(3), match.group(4)
     if kind not in _EXPERT_PARTS or f"{prefix}.gate_up_proj" not in params:
         raise ValueError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
     attr, part = _EXPERT_PARTS[kind]
-    target = f"{prefix}.{attr}"
+    fp8 = f"{prefix}.{attr}_scale" in params
+    if what != "weight" and not fp8:
+        raise ValueError(f"{path}: tensor {name!r}: the layer's other experts are not FP8")
+    if what == "input_scale":
+        return  # FP8 experts run weight-only (moe.py)
+    target = f"{prefix}.{attr}" + ("_scale" if what == "weight_scale" else "")
     param = params[target]
     if expert >= param.shape[0]:
         raise ValueError(f"{path}: tensor {name!r}: expert {expert} of {param.shape[0]} "
@@ -258,6 +297,14 @@ def _load_expert(cfg, params, loaded, name, tensor, path, match) -> None:
     if part is not None:
         size = cfg.moe_intermediate_size
         param = param.narrow(0, part * size, size)
+    if what == "weight_scale":  # per channel [N] or [N, 1], or one per tensor
+        if tensor.numel() not in (1, param.numel()):
+            raise ValueError(f"{path}: tensor {name!r} has {tensor.numel()} scales for "
+                             f"{param.numel()} channels; per-channel and per-tensor are supported")
+        tensor = tensor.float().reshape(-1).expand(param.shape)
+    elif fp8 and tensor.dtype != param.dtype:
+        raise ValueError(f"{path}: tensor {name!r} is {tensor.dtype}; the layer's experts are "
+                         f"FP8 ({param.dtype})")
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                          f"config.json implies {tuple(param.shape)}")

@@ -6,13 +6,20 @@ where the config's norm_topk_prob says, Mixtral always) and their outputs are su
 routing weights. Qwen2-MoE adds a shared expert, a dense MLP every token takes, scaled by a
 sigmoid gate of its own. Experts are stored fused as transformers 5 stores them:
 `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (model/loader.py fills
-them from per-expert checkpoint tensors).
+them from per-expert checkpoint tensors). FP8 experts (`--quantization fp8` at load, or an
+FP8 checkpoint's per-expert `weight` + `weight_scale`) hold them in float8_e4m3fn with
+per-channel scales beside, and run weight-only (kernels/fused_moe.py); the router stays dense.
 
 `backend` is `--moe-runner-backend`: "triton" (kernels/fused_moe.py's fused kernel; no host
 sync, so CUDA graphs capture it) or "torch" (its reference, a loop over the experts hit).
 Under expert parallelism (`--ep-size`, model/parallel.py) a block holds a slice of the experts
-from `expert_offset`; the ranks all-reduce their weighted (token, expert) pairs before the sum
-over the top k, so the result rounds as on one rank.
+from `expert_offset`, and every rank has the same tokens (attention is split by --tp or
+replicated). Each rank takes its share of the tokens, dispatches their (token, expert) pairs to
+the ranks holding those experts by all-to-all, runs the pairs it receives through its experts,
+sends each pair's output back by a second all-to-all, and combines its tokens' pairs with their
+routing weights; an all-gather gives every rank every token again. An expert sees its pairs in
+token order, as on one rank, and the combine is fused_moe's, so the tokens round as on one
+rank. The counts cross to the host: no CUDA graphs under EP.
 """
 
 from __future__ import annotations
@@ -22,16 +29,40 @@ from torch import nn
 
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from pd_serve.config import MOE_RUNNER_BACKENDS
+from pd_serve.model import fp8 as fp8_format
 from pd_serve.model.config import ModelConfig
 
 
 class Experts(nn.Module):
-    """Every expert's weights, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """Every expert's weights, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I].
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    fp8: the weights in float8_e4m3fn with per-channel scales, gate_up_proj_scale float32
+    [E, 2I] and down_proj_scale [E, H] (W[e, n, k] = weight[e, n, k] * scale[e, n]); else the
+    scales are None."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 fp8: bool = False):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        dtype = fp8_format.FP8_DTYPE if fp8 else None
+        shapes = {"gate_up_proj": (num_experts, 2 * intermediate_size, hidden_size),
+                  "down_proj": (num_experts, hidden_size, intermediate_size)}
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=not fp8))
+            self.register_parameter(f"{name}_scale", nn.Parameter(
+                torch.empty(shape[:2], dtype=torch.float32), requires_grad=False) if fp8 else None)
+
+    @property
+    def scales(self) -> dict:
+        """fused_moe's FP8 keyword arguments (None for dense experts)."""
+        return {"w13_scale": self.gate_up_proj_scale, "w2_scale": self.down_proj_scale}
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """`--quantization fp8` at load: the dense weights to FP8, per-channel scales."""
+        for name in ("gate_up_proj", "down_proj"):
+            weight, scale = fp8_format.quantize_experts(getattr(self, name))
+            setattr(self, name, nn.Parameter(weight, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
 
 class SparseMoeBlock(nn.Module):
@@ -53,17 +84,44 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                  topk_weights, topk_ids, self.expert_offset,
-                                  reduce=self.ep is None)
-        if self.ep is not None:  # every rank's pairs [T, K, H], then the sum over K
-            out = self.ep.all_reduce(out).sum(dim=1).to(x.dtype)
+        if self.ep is None:
+            out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,
+                                      topk_weights, topk_ids, **self.experts.scales)
+        else:
+            out = self._expert_parallel(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def _run_experts(self):
         return fused_moe if self.backend == "triton" else fused_moe_ref
+
+    def _expert_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts over the EP ranks (module docstring): dispatch, experts, combine,
+        all-gather. x [T, H] the same on every rank -> [T, H]."""
+        ep, (num_tokens, top_k), hidden = self.ep, topk_ids.shape, x.shape[1]
+        chunk = -(-num_tokens // ep.size)  # this rank's tokens: [start, start + chunk)
+        mine = slice(ep.rank * chunk, (ep.rank + 1) * chunk)
+        ids = topk_ids[mine].reshape(-1)  # [n * K]: pair p is token p // K's k-th choice
+        dest = torch.div(ids, self.experts.gate_up_proj.shape[0], rounding_mode="floor")
+        order = dest.argsort(stable=True)  # pairs by rank, token order within one
+        send = torch.bincount(dest, minlength=ep.size)  # [ep]
+        send_counts, recv_counts = send.tolist(), ep.all_to_all(send).tolist()  # host sync
+        recv_x = ep.all_to_all(x[mine][order // top_k], send_counts, recv_counts)  # [m, H]
+        recv_ids = ep.all_to_all(ids[order], send_counts, recv_counts)  # [m]
+        ones = torch.ones(recv_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        pairs = self._run_experts()(recv_x, self.experts.gate_up_proj, self.experts.down_proj,
+                                    ones, recv_ids[:, None], self.expert_offset, reduce=False,
+                                    **self.experts.scales)  # float32 [m, 1, H], exact in x's dtype
+        back = ep.all_to_all(pairs[:, 0].to(x.dtype), recv_counts, send_counts)  # [n * K, H]
+        outputs = torch.empty_like(back)
+        outputs[order] = back  # pair order again
+        weighted = outputs.float() * topk_weights[mine].reshape(-1, 1)
+        combined = weighted.view(-1, top_k, hidden).sum(dim=1).to(x.dtype)  # [n, H], as fused_moe
+        padded = x.new_zeros(chunk, hidden)
+        padded[:combined.shape[0]] = combined
+        return ep.all_gather(padded)[:num_tokens]
 
 
 def resolve_moe_backend(name: str, device: torch.device) -> str:

@@ -10,12 +10,12 @@ runs on each rank's own heads over its own KV pool, so the shard is a plain Caus
 local shape (shard_config) with these layers swapped in; nothing in llama.py changes but the
 logits gather.
 
-Expert parallelism (MoE models): `--ep-size` equal to `--tp` partitions each MoE block's
-experts over the same ranks (rank r holds experts [r * E / ep, (r + 1) * E / ep)); the router
-is replicated, the shared expert and dense layers' MLPs are split as above. A block's input is
-the same on every rank (after o_proj's all-reduce), so each rank computes its experts' pairs
-and the ranks all-reduce them before the sum over the top k (moe.py): the same rounding as
-one rank.
+Expert parallelism (MoE models): `--ep-size` N partitions each MoE block's experts over N
+ranks (rank r holds experts [r * E / N, (r + 1) * E / N)), which dispatch tokens to each
+other's experts and combine the results by all-to-all (moe.py). Either N equals --tp, and
+attention, the shared expert and the dense layers' MLPs are split as above, or --tp is 1 and
+the N ranks each hold the whole model but the other ranks' experts (attention replicated:
+every rank runs every token). The router is replicated either way.
 
 Quantized linear layers are not sharded (yet): shard_model refuses them.
 """
@@ -50,6 +50,20 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int] | None = None,
+                   recv_counts: list[int] | None = None) -> torch.Tensor:
+        """Rows send_counts[r] of x (in rank order) to rank r; returns the rows received,
+        recv_counts[r] from rank r, in rank order. None: x splits evenly, one row each."""
+        out = x.new_empty(x.shape[0] if recv_counts is None else sum(recv_counts), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.group)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x [N, ...] -> [size * N, ...] in rank order, on every rank."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts)
+
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's [N, V / tp] logits -> [N, V] on every rank."""
         parts = [torch.empty_like(logits) for _ in range(self.size)]
@@ -78,14 +92,16 @@ def shard_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
 
 
 def check_ep(cfg: ModelConfig, tp: int, ep: int) -> None:
-    """--ep-size: 1, or --tp on an MoE model whose experts it divides (else a ValueError)."""
+    """--ep-size: 1 (a dense model, or an MoE model on one rank), --tp, or any size with
+    --tp 1, on an MoE model whose experts it divides (else a ValueError)."""
     if ep == 1 and not (cfg.num_experts and tp > 1):
         return
     if not cfg.num_experts:
         raise ValueError(f"--ep-size {ep}: {cfg.architecture} has no experts")
-    if ep != tp:
+    if ep != tp and tp != 1:
         raise ValueError(f"--tp {tp} --ep-size {ep}: a mixture of experts ({cfg.architecture}) "
-                         f"runs its experts on the --tp ranks: give --ep-size equal to --tp")
+                         f"runs its experts on the --tp ranks, or on --ep-size ranks of "
+                         f"replicated attention (--tp 1): give --ep-size equal to --tp")
     if cfg.num_experts % ep:
         raise ValueError(f"--ep-size {ep} does not divide the {cfg.num_experts} experts")
 
@@ -138,10 +154,21 @@ class VocabParallelEmbedding(nn.Module):
 
 
 @torch.no_grad()
-def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1) -> CausalLM:
-    """This rank's shard of `full` (same device and dtype); `full` is left as it is.
-    ep_size: --ep-size (1, or tp.size for an MoE model)."""
+def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1,
+                tp_size: int | None = None) -> CausalLM:
+    """This rank's shard of `full` (same device and dtype); `full` is left as it is, except
+    under replicated attention. ep_size: --ep-size (1, tp.size, or any with tp_size 1).
+    tp_size: --tp (default tp.size, the group's ranks); 1 with ep_size = tp.size > 1:
+    attention replicated over the group's ranks, which are the expert-parallel ranks; the
+    shard is then `full` itself, its experts sliced."""
     cfg = full.config
+    if ep_size > (tp_size or tp.size):  # attention replicated: --tp 1, --ep-size N
+        check_ep(cfg, tp_size or tp.size, ep_size)
+        if ep_size != tp.size:
+            raise ValueError(f"--ep-size {ep_size} over a group of {tp.size} ranks")
+        for block in [m for m in full.modules() if isinstance(m, SparseMoeBlock)]:
+            _keep_experts(block, block, tp)
+        return full.eval()
     local = shard_config(cfg, tp.size, ep_size)
     for name, module in full.named_modules():
         if isinstance(module, QuantLinear):
@@ -199,17 +226,22 @@ def _shard_mlp(theirs: nn.Module, ours: nn.Module, tp: TPGroup) -> None:
 
 def _shard_moe(theirs: SparseMoeBlock, ours: SparseMoeBlock, tp: TPGroup) -> None:
     """This rank's experts (ep = tp), the router whole, the shared expert split as an MLP."""
-    per = theirs.experts.gate_up_proj.shape[0] // tp.size
-    first = tp.rank * per
-    ours.experts.gate_up_proj = nn.Parameter(
-        theirs.experts.gate_up_proj[first:first + per].clone(), requires_grad=False)
-    ours.experts.down_proj = nn.Parameter(
-        theirs.experts.down_proj[first:first + per].clone(), requires_grad=False)
+    _keep_experts(theirs, ours, tp)
     ours.gate.weight.copy_(theirs.gate.weight)
     if theirs.shared_expert is not None:
         _shard_mlp(theirs.shared_expert, ours.shared_expert, tp)
         ours.shared_expert_gate.weight.copy_(theirs.shared_expert_gate.weight)
-    ours.ep, ours.expert_offset = tp, first
+
+
+def _keep_experts(theirs: SparseMoeBlock, ours: SparseMoeBlock, ep: TPGroup) -> None:
+    """ours holds rank ep.rank's slice of theirs' experts (FP8 ones: their scales too) and
+    dispatches tokens over ep (theirs may be ours)."""
+    per = theirs.experts.gate_up_proj.shape[0] // ep.size
+    first = ep.rank * per
+    for name, tensor in list(theirs.experts.named_parameters()):
+        setattr(ours.experts, name, nn.Parameter(tensor[first:first + per].clone(),
+                                                 requires_grad=False))
+    ours.ep, ours.expert_offset = ep, first
 
 
 def _rows(start: int, size: int) -> list[int]:

@@ -33,6 +33,7 @@ class _Job:
     request: Request
     decode_addresses: list[str]  # one KV receiver per decode TP rank
     dst_page_ids: list[int]
+    skip_pages: int  # leading pages decode holds already (its prefix cache): not sent
     arrived: float = field(default_factory=time.monotonic)
     computed: float = 0.0  # when token 1 was sampled
     step_s: float = 0.0  # the step that computed the prompt's last chunk, token 1 included
@@ -49,13 +50,18 @@ class PrefillScheduler(RoleScheduler):
         if isinstance(msg, Prefill):
             try:
                 request = self.new_request(msg)
-                needed = pages_for(request.num_prompt_tokens, self.core.kv_pool.layout.page_size)
+                page_size = self.core.kv_pool.layout.page_size
+                skip, partial = divmod(msg.dst_cached_tokens, page_size)
+                if partial or not 0 <= msg.dst_cached_tokens < request.num_prompt_tokens:
+                    raise ValueError(f"decode's cached tokens ({msg.dst_cached_tokens}) are not "
+                                     f"whole pages of the prompt")
+                needed = pages_for(request.num_prompt_tokens, page_size) - skip
                 if needed != len(msg.dst_page_ids):
                     raise ValueError(f"decode reserved {len(msg.dst_page_ids)} pages, the prompt needs {needed}")
                 self.connector.routes(len(msg.decode_addresses))  # a decode TP size the heads allow
             except (ValueError, TypeError) as e:
                 return [PrefillDone(msg.request_id, ok=False, error=str(e))]
-            self.jobs[msg.request_id] = _Job(request, list(msg.decode_addresses), msg.dst_page_ids)
+            self.jobs[msg.request_id] = _Job(request, list(msg.decode_addresses), msg.dst_page_ids, skip)
             self.scheduler.add(request)
         elif isinstance(msg, AbortRequest):
             job = self.jobs.get(msg.request_id)
@@ -77,9 +83,11 @@ class PrefillScheduler(RoleScheduler):
         del self.jobs[request.request_id]
         self.scheduler.release(request)
         lp = request.output_logprobs[0] if request.output_logprobs else None
+        page_size = self.core.kv_pool.layout.page_size
         timings = {"prefill_queue": 0.0, "prefill": job.computed - job.arrived,
                    "prefill_step": job.step_s, "transfer": result.seconds,
-                   "transfer_bytes": result.num_bytes}
+                   "transfer_bytes": result.num_bytes, "cached_tokens": request.num_cached_tokens,
+                   "transferred_tokens": request.num_prompt_tokens - job.skip_pages * page_size}
         return [PrefillDone(request.request_id, result.ok, request.output_token_ids[0],
                             None if lp is None else Logprob.of(lp), result.error, timings)]
 
@@ -92,11 +100,16 @@ class PrefillScheduler(RoleScheduler):
 
     def _sends(self, out: SchedulerOutput) -> list[KVSend]:
         """The prompts whose last chunk is in this step: their KV is complete after it (every
-        rank sends its own KV heads of them, layer group by layer group, from the forward)."""
+        rank sends its own KV heads of them, layer group by layer group, from the forward),
+        the pages decode's prefix cache holds already excepted."""
         jobs = self.jobs
-        return [KVSend(c.request.request_id, jobs[c.request.request_id].decode_addresses,
-                       list(c.request.page_ids), jobs[c.request.request_id].dst_page_ids)
-                for c in out.chunks if c.sample]
+        sends = []
+        for c in out.chunks:
+            if c.sample:
+                job = jobs[c.request.request_id]
+                sends.append(KVSend(c.request.request_id, job.decode_addresses,
+                                    c.request.page_ids[job.skip_pages:], job.dst_page_ids))
+        return sends
 
     def step(self) -> list:
         start = time.monotonic()

@@ -28,3 +28,16 @@ def test_a_wrong_result_fails_the_run(monkeypatch):
     real = moe_bench.fused_moe
     monkeypatch.setattr(moe_bench, "fused_moe", lambda *a, **k: real(*a, **k) * 1.1)
     assert moe_bench.main(["--device", "cpu", "--quick", "--calls", "1", "--repeats", "1"]) == 1
+
+
+def test_fp8_rows(tmp_path):
+    out = tmp_path / "fused_moe.json"
+    assert moe_bench.main(["--device", "cpu", "--quick", "--fp8", "--calls", "1", "--repeats", "1",
+                           "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["weights"], r["tokens"]) for r in rows] == [
+        ("float32", 1), ("float32", 16), ("fp8", 1), ("fp8", 16)]
+    for dense, fp8 in zip(rows[:2], rows[2:]):
+        per_dense = dense["hit_weight_bytes"] / dense["experts_hit"]
+        assert fp8["hit_weight_bytes"] / fp8["experts_hit"] == per_dense / 4 + (2 * 32 + 64) * 4
+        assert fp8["rel_err"] < 1e-6

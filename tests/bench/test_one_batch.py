@@ -122,3 +122,74 @@ def test_direct_fill_decodes_at_the_exact_context(tmp_path):
     for row in record["decode"]:
         assert row["fill_steps"] == 0 and row["ms_per_step"] > 0
         assert row["mean_context"] == 40 + 1 + 2 + (4 - 1) / 2
+
+
+def test_qwen3_30b_a3b_accounting():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B a token uses; a decode step's floor reads the
+    non-expert weights and the experts its batch is expected to reach."""
+    from bench.one_batch_report import Bench, expected_experts_hit
+
+    cfg = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"])
+    with torch.device("meta"):
+        counts = param_counts(CausalLM(cfg))
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert counts["all"] == 30_532_122_624 and counts["experts"] == experts
+    assert counts["active"] == counts["all"] - experts + experts // 16  # top 8 of 128
+    attention = 2048 * (4096 + 2 * 512) + 4096 * 2048
+    assert counts["decoder_linear"] == 48 * (attention + 2048 * 128 + 8 * 3 * 2048 * 768)
+    assert expected_experts_hit(128, 8, 1) == pytest.approx(8)
+    assert expected_experts_hit(128, 8, 64) == pytest.approx(125.94, abs=0.01)
+    bench = Bench(None, torch.device("cpu"), torch.bfloat16, cfg, None, {}, counts=counts,
+                  stored_bytes=2 * counts["all"], expert_bytes=2 * experts)
+    weight_bytes, hit = bench.step_weight_bytes(1)
+    assert hit == pytest.approx(8) and weight_bytes == pytest.approx(2 * counts["active"])
+    weight_bytes, hit = bench.step_weight_bytes(64)
+    assert weight_bytes == pytest.approx(2 * (counts["all"] - experts * (1 - hit / 128)))
+    dense = Bench(None, torch.device("cpu"), torch.bfloat16, ModelConfig.from_dict(PRESETS["tiny"]),
+                  None, {}, stored_bytes=1000)
+    assert dense.step_weight_bytes(64) == (1000, None)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_runs_on_our_very_tensors(tied):
+    """The baseline model shares our weights (no second copy of a 61 GB model)."""
+    from bench.one_batch_hf import shared_hf_model
+    from pd_serve.model.loader import dummy_model
+
+    preset = dict(PRESETS["tiny-moe"], tie_word_embeddings=tied)
+    ours = dummy_model(ModelConfig.from_dict(preset), torch.float32, "cpu")
+    hf = shared_hf_model(ours, preset)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    theirs = hf.model.layers[1].mlp.experts.down_proj
+    assert theirs.data_ptr() == ours.model.layers[1].mlp.experts.down_proj.data_ptr()
+    head = ours.model.embed_tokens.weight if tied else ours.lm_head.weight
+    assert hf.lm_head.weight.data_ptr() == head.data_ptr()
+    q = hf.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q, ours.model.layers[0].self_attn.qkv_proj.weight[:q.shape[0]])
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.isfinite(hf(input_ids=torch.tensor([[5, 6, 7]])).logits).all()
+
+
+def test_tiny_moe_run_on_cpu(tmp_path):
+    """The MoE preset end to end on CPU (engine and transformers): the decode floor counts the
+    experts a batch reaches, the prefill FLOPs the experts a token uses."""
+    out = tmp_path / "moe.json"
+    assert main(["--preset", "tiny-moe", "--device", "cpu", "--attention-backend", "torch",
+                 "--batch-sizes", "1,4", "--contexts", "32", "--prefill-grid", "2x64",
+                 "--prefill-repeats", "1", "--decode-steps", "2", "--decode-warmup", "1",
+                 "--hf", "--hf-batch-sizes", "4", "--hf-prefill", "2x64",
+                 "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["errors"] == [] and record["complete"]
+    params = record["params"]
+    assert record["expert_bytes"] == params["experts"] * 4 and params["active"] < params["all"]
+    other = record["weight_bytes"] - record["expert_bytes"]
+    decode = {r["batch"]: r for r in record["decode"]}
+    assert decode[1]["experts_hit_per_layer"] == pytest.approx(2)  # top 2 of 8
+    assert decode[1]["weight_bytes"] == pytest.approx(other + record["expert_bytes"] / 4)
+    assert 2 < decode[4]["experts_hit_per_layer"] < 8
+    prefill = record["prefill"][0]
+    assert prefill["flops_all_params"] == 2 * params["active"] * 128
+    hf = record["transformers"]
+    assert [r["ours_over_hf"] > 0 for r in hf["decode"] + hf["prefill"]] == [True, True]

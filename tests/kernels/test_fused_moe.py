@@ -84,6 +84,26 @@ def test_moe_align_sorts_and_pads_by_expert(block_m):
 
 
 @needs_triton
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("tokens,experts,top_k,block_m,offset", [
+    (1, 8, 2, 16, 0), (37, 6, 3, 16, 0), (100, 16, 4, 32, 0), (9, 128, 8, 16, 0),
+    (50, 8, 2, 64, 4),  # an expert-parallel rank's slice: ids outside [0, 8) are left out
+])
+def test_moe_align_kernel_equals_its_torch_ops(device, tokens, experts, top_k, block_m, offset):
+    """The one-program Triton alignment writes exactly what the torch ops write."""
+    from kernels import moe_align as ma
+    gen = torch.Generator().manual_seed(tokens)
+    total = experts + offset
+    ids = torch.stack([torch.randperm(total, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = (ids - offset).to(device)
+    assert ids.numel() <= ma.MAX_PAIRS and ma._kernel.runs_on(ids)
+    got = ma.moe_align(ids, experts, block_m)
+    want = ma.moe_align_ref(ids, experts, block_m)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w.cpu())
+
+
+@needs_triton
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("fn", ["fused_moe", "fused_moe_ref"])
 def test_expert_slices_sum_to_the_whole(device, dtype, fn):
@@ -100,17 +120,60 @@ def test_expert_slices_sum_to_the_whole(device, dtype, fn):
 
 @needs_cuda
 @pytest.mark.parametrize("device", ["cuda"])
-def test_fused_moe_replays_in_a_cuda_graph(device):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_replays_in_a_cuda_graph(device, fp8):
     """No host sync: captured once, replayed on new inputs and new routing, it follows them."""
+    from pd_serve.model.fp8 import quantize_experts
+
     x, w13, w2, weights, ids = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=3)
-    fm.fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    scales = {}
+    if fp8:
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
+    fm.fused_moe(x, w13, w2, weights, ids, **scales)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, w13, w2, weights, ids)
+        out = fm.fused_moe(x, w13, w2, weights, ids, **scales)
     x2, _, _, weights2, ids2 = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=4)
     x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, fm.fused_moe_ref(x, w13, w2, weights, ids),
+    torch.testing.assert_close(out, fm.fused_moe_ref(x, w13, w2, weights, ids, **scales),
                                rtol=TOLERANCE[torch.bfloat16][0], atol=TOLERANCE[torch.bfloat16][1])
+
+
+@needs_triton
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_fused_moe_equals_the_reference(device, dtype, shape):
+    """FP8 experts (per-channel scales in the epilogue) against the reference, and against the
+    experts of the dequantized weights (which round W * scale to the dtype first)."""
+    from pd_serve.model.fp8 import dequantize_weight, quantize_experts
+
+    x, w13, w2, weights, ids = _inputs(shape, device, torch.float32, ties=True)
+    (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
+    x = x.to(dtype)
+    launches = fm.triton_launches
+    got = fm.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    assert fm.triton_launches == launches + 2
+    want = fm.fused_moe_ref(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    rtol, atol = TOLERANCE[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    dense = [torch.stack([dequantize_weight(q[e], s[e], dtype) for e in range(q.shape[0])])
+             for q, s in ((q13, s13), (q2, s2))]
+    torch.testing.assert_close(got, fm.fused_moe_ref(x, *dense, weights, ids),
+                               rtol=2 * rtol, atol=2 * atol)
+
+
+def test_fp8_experts_are_checked():
+    from pd_serve.model.fp8 import quantize_experts
+
+    x, w13, w2, weights, ids = _inputs((3, 64, 48, 8, 2), "cpu", torch.float32)
+    (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
+    with pytest.raises(ValueError, match="both"):
+        fm.fused_moe_ref(x, q13, q2, weights, ids, w13_scale=s13)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fm.fused_moe_ref(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(ValueError, match="scales"):
+        fm.fused_moe_ref(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s13)

@@ -1,6 +1,8 @@
-"""Expert parallelism over gloo: Engine(tp=N, ep_size=N) partitions each MoE block's experts over
-its ranks (follower processes) and generates the one-process engine's greedy tokens: Qwen2-MoE
-(shared expert and a dense layer split by TP) at EP 2, Mixtral at EP 4."""
+"""Expert parallelism over gloo: Engine(tp=N, ep_size=N), or Engine(ep_size=N) over replicated
+attention (tp 1), partitions each MoE block's experts over its ranks (follower processes),
+dispatches tokens to them by all-to-all, and generates the one-process engine's greedy tokens:
+Qwen2-MoE (shared expert and a dense layer split by TP) at TP 2 EP 2, Mixtral at TP 4 EP 4,
+Qwen3-MoE (sparse and dense layers) at EP 2 and Mixtral at EP 4 with attention replicated."""
 
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ def _prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 21, 40)]
 
 
-@pytest.mark.parametrize("kind,ep", [("qwen2_moe", 2), ("mixtral", 4)])
-def test_ep_engine_equals_ep1(tiny_moe_checkpoints, kind, ep):
-    model_dir, prompts = tiny_moe_checkpoints[kind], _prompts(ep)
+@pytest.mark.parametrize("kind,tp,ep", [("qwen2_moe", 2, 2), ("mixtral", 4, 4),
+                                         ("qwen3_moe", 1, 2), ("mixtral", 1, 4)])
+def test_ep_engine_equals_ep1(tiny_moe_checkpoints, kind, tp, ep):
+    model_dir, prompts = tiny_moe_checkpoints[kind], _prompts(ep + tp)
     options = dict(device="cpu", max_total_tokens=512, chunked_prefill_size=32)
     want = [o.token_ids for o in Engine(model_dir, **options).generate(prompts, PARAMS)]
-    engine = Engine(model_dir, tp=ep, ep_size=ep, **options)
+    engine = Engine(model_dir, tp=tp, ep_size=ep, **options)
     try:
         got = [o.token_ids for o in engine.generate(prompts, PARAMS)]
     finally:
@@ -44,4 +47,4 @@ def test_shard_holds_its_experts_and_refusals(tiny_moe_checkpoints):
         shard_model(load_model(tiny_moe_checkpoints["qwen2_moe"], torch.float32, "cpu"),
                     TPGroup(0, 4), ep_size=4)
     with pytest.raises(ValueError, match="ep-size"):
-        Engine(tiny_moe_checkpoints["mixtral"], device="cpu", ep_size=2)
+        Engine(tiny_moe_checkpoints["mixtral"], device="cpu", tp=2, ep_size=4)

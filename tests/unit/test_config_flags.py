@@ -60,3 +60,23 @@ def test_a_worker_binding_every_interface_must_say_where_peers_reach_it(monkeypa
     assert parse("--host", "10.0.0.3").reachable_host == "10.0.0.3"
     with pytest.raises(ValueError, match="--advertise-host"):
         parse("--host", "0.0.0.0")
+
+
+def test_parsers_reach_the_gateway_also_through_launch(monkeypatch):
+    """--tool-call-parser / --reasoning-parser are gateway flags; launch hands them to its gateway."""
+    import pd_serve.launch
+
+    args = build_parser().parse_args(["gateway", "--tool-call-parser", "hermes",
+                                      "--reasoning-parser", "qwen3"])
+    config = GatewayConfig(**config_kwargs(GatewayConfig, args))
+    assert (config.tool_call_parser, config.reasoning_parser) == ("hermes", "qwen3")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gateway", "--tool-call-parser", "pythonic"])
+    seen = {}
+    monkeypatch.setattr(pd_serve.launch, "LocalCluster", lambda **kw: seen.update(kw))
+    from pd_serve.cli import _cluster_from_args
+    args = build_parser().parse_args(["launch", "--colocated", "1", "--tool-call-parser",
+                                      "mistral", "--reasoning-parser", "deepseek-r1"])
+    args.engine_argv = []
+    _cluster_from_args(args)
+    assert seen["gateway_args"] == ["--tool-call-parser", "mistral", "--reasoning-parser", "deepseek-r1"]

@@ -200,8 +200,6 @@ def test_64_bit_edges_are_accepted(tokenizer, token):
 
 # ---- fields the server does not implement --------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "guided_choice", ["a", "b"]),
     ("/v1/completions", "guided_decoding_backend", "outlines"),

@@ -119,34 +119,53 @@ def test_1000_requests_with_shared_prefixes_and_aborts_lose_no_page():
     sched = scheduler_with_cache(48, chunked_prefill_size=32, max_running_requests=16)
     prefixes = [[rng.randrange(100) for _ in range(rng.choice([4, 8, 13]))] for _ in range(6)]
     live: list[Request] = []
+    alloc = sched.allocator
     for i in range(1000):
         r = Request(rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(1, 9))],
                     SamplingParams(temperature=0, max_tokens=rng.randrange(1, 6)), arrival_time=i)
-        sched.add(r)
-        live.append(r)
+        if rng.random() < 0.15:  # decode's admission: pages reserved on the cached prefix
+            if sched.reserve_prompt(r):
+                if rng.random() < 0.5:
+                    sched.release(r)  # aborted before its KV arrived
+                else:
+                    r.output_token_ids.append(rng.randrange(100))  # token 1, from prefill
+                    sched.add_running(r)  # its KV arrived: it decodes
+                    live.append(r)
+        else:
+            sched.add(r)
+            live.append(r)
+        if i % 50 == 0:  # the allocator's count of evictable pages against a walk of the tree
+            assert alloc.num_evictable_pages == sum(alloc.refcount(n.page_id) == 1
+                                                    for n in sched.cache.nodes())
         for _ in range(rng.randrange(0, 3)):
             out = sched.schedule()
             sched.update(out, [rng.randrange(100) for c in out.chunks if c.sample])
             for c in out.chunks:
                 if c.sample and len(c.request.output_token_ids) >= c.request.sampling_params.max_tokens:
                     sched.finish(c.request, FinishReason.LENGTH)
-        if rng.random() < 0.2:
+        if live and rng.random() < 0.2:
             sched.finish(rng.choice(live), FinishReason.ABORT)
         live = [r for r in live if not r.finished]
     for r in live:
         sched.finish(r, FinishReason.ABORT)
     assert not sched.has_unfinished()
     assert sched.cache.hit_tokens > 0
-    alloc = sched.allocator
     assert alloc.num_free_pages + sched.cache.num_evictable_pages() == alloc.num_pages
     sched.cache.flush()
     assert alloc.num_free_pages == alloc.num_pages
     assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_tokens_equal_with_the_cache_on_and_off(tiny_checkpoints, overlap):
-    """Shared system prompts, turns that extend earlier ones, a pool small enough to evict."""
+ARCHITECTURES = [("llama3", False), ("qwen2", False), ("qwen2", True), ("qwen3", False),
+                 ("mistral", False), ("mixtral", False), ("qwen2_moe", False), ("qwen3_moe", False)]
+
+
+@pytest.mark.parametrize("arch,overlap", ARCHITECTURES)
+def test_engine_tokens_equal_with_the_cache_on_and_off(tiny_checkpoints, tiny_moe_checkpoints, arch,
+                                                       overlap):
+    """Every supported architecture: shared system prompts, turns that extend earlier ones, a
+    pool small enough to evict."""
+    model = {**tiny_checkpoints, **tiny_moe_checkpoints}[arch]
     rng = random.Random(1)
     system = [[rng.randrange(3, 400) for _ in range(n)] for n in (37, 21)]
     waves = []
@@ -155,8 +174,8 @@ def test_engine_tokens_equal_with_the_cache_on_and_off(tiny_checkpoints, overlap
                       for i, s in enumerate(system * 3)])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     options = dict(device="cpu", page_size=8, max_total_tokens=8 * 40, chunked_prefill_size=48)
-    on = Engine(tiny_checkpoints["qwen2"], **options)
-    off = Engine(tiny_checkpoints["qwen2"], disable_radix_cache=True, **options)
+    on = Engine(model, **options)
+    off = Engine(model, disable_radix_cache=True, **options)
     on.overlap = off.overlap = overlap
     assert off.prefix_cache is None
     for wave in waves:

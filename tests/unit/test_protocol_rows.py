@@ -57,7 +57,7 @@ def test_rows_travel_as_positional_lists():
     data = protocol.encode(TokenBatch("w", [TokenDelta("r", [3], [LOGPROB], True, "length")]))
     assert msgpack.unpackb(data) == [
         "TokenBatch", {"worker_id": "w",
-                       "items": [["r", [3], [[5, -0.25, [[5, -0.25], [9, -1.5]]]], True, "length", ""]]}]
+                       "items": [["r", [3], [[5, -0.25, [[5, -0.25], [9, -1.5]]]], True, "length", "", 0]]}]
 
 
 def test_a_logprob_converts_to_and_from_the_engine_one():
@@ -74,29 +74,29 @@ def delta(*row) -> bytes:
     return raw("TokenBatch", worker_id="w", items=[list(row)])
 
 
-GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]]]], True, "stop", ""]
+GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]]]], True, "stop", "", 0]
 
 
 @pytest.mark.parametrize("data,match", [
     (raw("TokenBatch", worker_id="w", items=[GOOD[:5]]), "TokenDelta row"),  # a field short
     (raw("TokenBatch", worker_id="w", items=[GOOD + [""]]), "TokenDelta row"),  # one too many
-    (raw("TokenBatch", worker_id="w", items=[dict(zip("abcdef", GOOD))]), "TokenDelta row"),
+    (raw("TokenBatch", worker_id="w", items=[dict(zip("abcdefg", GOOD))]), "TokenDelta row"),
     (raw("TokenBatch", worker_id="w", items="r"), "items"),
     (delta(["r"], *GOOD[1:]), "request_id"),
     (delta("r", [1.0], *GOOD[2:]), "token_ids"),
     (delta("r", [True], *GOOD[2:]), "token_ids"),
-    (delta("r", [-1], None, True, "stop", ""), "negative token id"),
-    (delta("r", [1], None, 1, "stop", ""), "finished"),
-    (delta("r", [1], None, True, "eos", ""), "finish reason"),
-    (delta("r", [1], None, True, None, None), "error"),
-    (delta("r", [1], [[1, -0.5, []], [1, -0.5, []]], True, None, ""), "2 logprobs for 1 tokens"),
-    (delta("r", [1], [{"token_id": 1, "logprob": -0.5, "top": []}], True, None, ""), "Logprob row"),
-    (delta("r", [1], [[1, "-0.5", []]], True, None, ""), "logprob"),
-    (delta("r", [1], [[1, -0.5, [[1]]]], True, None, ""), "top"),
-    (delta("r", [1], [[1, -0.5, [[1, -0.5, 2]]]], True, None, ""), "top"),
-    (delta("r", [1], [[1, -0.5, [["1", -0.5]]]], True, None, ""), "top"),
-    (delta("r", [1], [[1, -0.5, [[1, -0.5]] * 21]], True, None, ""), "21 top logprobs"),
-    (delta("r", [1], [[1, -0.5, [[[[[]]]]]]], True, None, ""), "top"),  # nested garbage
+    (delta("r", [-1], None, True, "stop", "", 0), "negative token id"),
+    (delta("r", [1], None, 1, "stop", "", 0), "finished"),
+    (delta("r", [1], None, True, "eos", "", 0), "finish reason"),
+    (delta("r", [1], None, True, None, None, 0), "error"),
+    (delta("r", [1], [[1, -0.5, []], [1, -0.5, []]], True, None, "", 0), "2 logprobs for 1 tokens"),
+    (delta("r", [1], [{"token_id": 1, "logprob": -0.5, "top": []}], True, None, "", 0), "Logprob row"),
+    (delta("r", [1], [[1, "-0.5", []]], True, None, "", 0), "logprob"),
+    (delta("r", [1], [[1, -0.5, [[1]]]], True, None, "", 0), "top"),
+    (delta("r", [1], [[1, -0.5, [[1, -0.5, 2]]]], True, None, "", 0), "top"),
+    (delta("r", [1], [[1, -0.5, [["1", -0.5]]]], True, None, "", 0), "top"),
+    (delta("r", [1], [[1, -0.5, [[1, -0.5]] * 21]], True, None, "", 0), "21 top logprobs"),
+    (delta("r", [1], [[1, -0.5, [[[[[]]]]]]], True, None, "", 0), "top"),  # nested garbage
     (raw("PrefillDone", request_id="r", ok=True, first_token_id=3, logprob=[3, -0.5]), "logprob"),
     (raw("PrefillDone", request_id="r", ok=True, first_token_id=3,
          logprob={"token_id": 3, "logprob": -0.5, "top": []}), "logprob"),

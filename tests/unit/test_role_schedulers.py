@@ -65,17 +65,19 @@ def cores(tiny_checkpoints) -> dict[str, EngineCore]:
         return EngineCore(EngineConfig.from_flat(
             model=str(tiny_checkpoints["llama3"]), device="cpu", page_size=PAGE_SIZE,
             max_total_tokens=num_pages * PAGE_SIZE, chunked_prefill_size=16), prefix_cache=prefix_cache)
-    return {"colocated": core(16), "prefill": core(16), "decode": core(16, prefix_cache=False)}
+    return {"colocated": core(16), "prefill": core(16), "decode": core(16, prefix_cache=False),
+            "decode_cached": core(16)}
 
 
 def greedy(max_tokens: int = 6) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def roles(cores):
+def roles(cores, decode_core: str = "decode"):
     """A fresh prefill and decode scheduler over the module's engines."""
     prefill = PrefillScheduler(cores["prefill"], "p0", RecordingConnector(cores["prefill"].kv_pool.layout.num_layers))
-    decode = DecodeScheduler(cores["decode"], "d0", RecordingConnector(cores["decode"].kv_pool.layout.num_layers))
+    decode = DecodeScheduler(cores[decode_core], "d0",
+                             RecordingConnector(cores[decode_core].kv_pool.layout.num_layers))
     return prefill, decode
 
 
@@ -223,3 +225,56 @@ def test_prefill_then_decode_equals_colocated(cores):
     tokens = run_to_end(decode)
     assert {i: [firsts[i]] + t for i, t in tokens.items()} == expected
     assert_all_pages_free(cores["decode"])
+
+
+def hand_off(prefill, decode, cores, decode_core: str, request_id: str, prompt: list[int]):
+    """One request through Admit, Prefill, the page copies and StartDecode (the gateway's and the
+    transfer layer's parts); returns (AdmitReply, PrefillDone) and leaves the request decoding."""
+    [reply] = decode.handle(Admit(request_id, prompt, greedy()))
+    assert reply.ok
+    prefill.handle(Prefill(request_id, prompt, greedy(), reply.transfer_addresses, reply.dst_page_ids,
+                           dst_cached_tokens=reply.cached_tokens))
+    while prefill.has_work():
+        assert prefill.step() == []
+    [send] = [s for s in prefill.connector.sent if s.request_id == request_id]
+    assert decode.connector.expected[request_id] == send.dst_page_ids == reply.dst_page_ids
+    p_pool, d_pool = cores["prefill"].kv_pool.buffer, cores[decode_core].kv_pool.buffer
+    d_pool[:, :, send.dst_page_ids] = p_pool[:, :, send.src_page_ids]
+    [done] = prefill.on_transfer(TransferResult(request_id, ok=True))
+    assert decode.on_transfer(TransferResult(request_id, ok=True)) == []
+    assert decode.handle(StartDecode(request_id, done.first_token_id)) == []
+    return reply, done
+
+
+def test_decode_side_reuse_sends_only_a_follow_up_turns_new_pages(cores):
+    """Turn 2 of a conversation (turn 1's prompt and answer, then new tokens) on the decode
+    worker that ran turn 1: its cache holds turn 1's full pages, so the reply names only the
+    pages after them, prefill sends only those, and the tokens equal the colocated role's on
+    turn 2's prompt. An abort before the KV arrives gives the shared pages back to the cache."""
+    turn1 = list(range(5, 45))  # 40 tokens: 2 full pages and a part
+    prefill, decode = roles(cores, "decode_cached")
+    reply1, done1 = hand_off(prefill, decode, cores, "decode_cached", "t1", turn1)
+    assert reply1.cached_tokens == 0 and len(reply1.dst_page_ids) == 3
+    answer = [done1.first_token_id] + run_to_end(decode)["t1"]
+    turn2 = turn1 + answer + list(range(300, 320))  # 66 tokens: 5 pages
+    colocated = ColocatedScheduler(cores["colocated"], "c0")
+    colocated.handle(Generate("t2", turn2, greedy()))
+    expected = run_to_end(colocated)["t2"]
+    assert_all_pages_free(cores["colocated"])
+
+    # Turn 1's decode computed the KV of turn1 + answer[:-1] (45 tokens): 2 full pages cached.
+    reply2, done2 = hand_off(prefill, decode, cores, "decode_cached", "t2", turn2)
+    assert reply2.cached_tokens == 2 * PAGE_SIZE and len(reply2.dst_page_ids) == 3
+    assert done2.timings["transferred_tokens"] == len(turn2) - 2 * PAGE_SIZE
+    assert done2.timings["cached_tokens"] == 2 * PAGE_SIZE  # prefill's own cache: turn 1's pages
+    assert [done2.first_token_id] + run_to_end(decode)["t2"] == expected
+
+    # Admitted on cached pages, aborted before its KV: nothing leaks, the cache keeps its pages.
+    core = cores["decode_cached"]
+    cached_before = core.prefix_cache.num_pages
+    [reply3] = decode.handle(Admit("t3", turn2 + [7] * 16, greedy()))
+    assert reply3.cached_tokens >= 2 * PAGE_SIZE
+    decode.handle(AbortRequest("t3"))
+    assert decode.held_request_ids() == set() and core.prefix_cache.num_pages >= cached_before
+    assert_all_pages_free(core)
+    assert_all_pages_free(cores["prefill"])

@@ -89,7 +89,7 @@ def test_cache_aware_forgets_what_the_worker_cannot_hold():
 
 
 def test_unknown_policy_is_a_clear_error():
-    with pytest.raises(ValueError, match="--decode-policy 'prefix' must be one of round_robin, least_load"):
+    with pytest.raises(ValueError, match="--decode-policy 'prefix' must be one of cache_aware, round_robin, least_load"):
         Router("prefix", "decode")
 
 

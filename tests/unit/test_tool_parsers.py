@@ -1,0 +1,172 @@
+"""Tool-call parsers and the reasoning splitter on constructed outputs: the whole answer, and
+the same text streamed in pieces of every size, which must assemble to the same message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pd_serve.gateway.openai_message import ChatOutput
+from pd_serve.gateway.reasoning import prompt_opens_reasoning, split_reasoning
+from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, make_parser
+
+WEATHER = ("get_weather", {"city": "Paris", "days": 3})
+ADD = ("add", {"a": 1, "b": "x\"}<tool_call>[TOOL_CALLS]"})  # markers inside a string
+
+
+def _calls(*calls) -> list[tuple[str, dict]]:
+    return list(calls)
+
+
+# (parser, output text, content, calls)
+CASES = [
+    ("hermes", 'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Paris", "days": 3}}\n</tool_call>\n<tool_call>\n{"name": "add", '
+               '"arguments": ' + json.dumps(ADD[1]) + '}\n</tool_call>', "Let me check.",
+     _calls(WEATHER, ADD)),
+    ("hermes", '<tool_call>{"arguments": {"city": "Paris", "days": 3}, "name": "get_weather"}'
+               '</tool_call>', None, _calls(WEATHER)),  # name after the arguments
+    ("hermes", "No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
+    ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
+                    '"days": 3}}; {"name": "add", "parameters": ' + json.dumps(ADD[1]) + '}',
+     None, _calls(WEATHER, ADD)),
+    ("llama3_json", '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}', None,
+     _calls(WEATHER)),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", "The weather is {\"name\": fine}", "The weather is {\"name\": fine}", []),
+    ("mistral", 'Sure [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", '
+                '"days": 3}}, {"name": "add", "arguments": ' + json.dumps(ADD[1]) + '}]',
+     "Sure", _calls(WEATHER, ADD)),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]add[ARGS]'
+                + json.dumps(ADD[1]), None, _calls(WEATHER, ADD)),
+    ("mistral", "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+    ("mistral", "a [TOOL_CALL", "a [TOOL_CALL", []),
+]
+
+
+def whole(parser, text: str, reasoning: str | None = None) -> dict:
+    return ChatOutput(reasoning, False, parser).message(text)
+
+
+def streamed(parser, text: str, step: int, reasoning: str | None = None) -> dict:
+    """The message a client assembles from the stream deltas of `text` in `step`-char pieces."""
+    output = ChatOutput(reasoning, False, parser)
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += output.deltas(text[i:i + step], False)
+    deltas += output.deltas("", True)
+    message: dict = {"content": "".join(d.get("content", "") for d in deltas) or None}
+    if reasoning:
+        message["reasoning_content"] = "".join(d.get("reasoning_content", "") for d in deltas)
+    calls: list[dict] = []
+    for d in deltas:
+        for entry in d.get("tool_calls", []):
+            if "id" in entry:  # a call's first delta: index, id, type, name; arguments ""
+                assert entry["index"] == len(calls) and entry["type"] == "function"
+                assert entry["function"]["arguments"] == ""
+                calls.append({"name": entry["function"]["name"], "arguments": ""})
+            else:
+                assert set(entry) == {"index", "function"}
+                calls[entry["index"]]["arguments"] += entry["function"]["arguments"]
+    message["calls"] = calls
+    return message
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_parsers_read_whole_and_streamed_alike(name, text, content, calls):
+    message = whole(make_parser(name), text)
+    assert message["content"] == content
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+           for c in message.get("tool_calls", [])]
+    assert got == calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function"
+               for c in message.get("tool_calls", []))
+    for step in (1, 2, 5, 13, len(text)):
+        s = streamed(make_parser(name), text, step)
+        assert s["content"] == content, step
+        assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"]] == calls, step
+        assert [c["arguments"] for c in s["calls"]] == \
+            [c["function"]["arguments"] for c in message.get("tool_calls", [])]
+
+
+def test_stream_holds_back_a_marker_until_it_resolves():
+    output = ChatOutput(None, False, make_parser("hermes"))
+    assert output.deltas("Hi <tool_", False) == [{"content": "Hi"}]
+    assert output.deltas("tip> is no tag", False) == [{"content": " <tool_tip> is no tag"}]
+    output = ChatOutput(None, False, make_parser("llama3_json"))
+    assert output.deltas("<|python", False) == []
+    first = output.deltas('_tag|>{"name": "f", "parameters": {"x"', False)
+    assert first == [{"tool_calls": [{"index": 0, "id": first[0]["tool_calls"][0]["id"],
+                                      "type": "function", "function": {"name": "f", "arguments": ""}}]},
+                     {"tool_calls": [{"index": 0, "function": {"arguments": '{"x"'}}]}]
+    assert output.deltas(": 1}}", True) == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}]
+    assert output.num_calls == 1
+
+
+def test_auto_output_cut_inside_a_call():
+    """A whole answer cut inside a call is content (vLLM's rule); a stream has already begun
+    the call by then and cannot take it back: it ends with the text as content too."""
+    text = '{"name": "get_weather", "parameters": {"city": "Par'
+    assert whole(make_parser("llama3_json"), text) == {"role": "assistant", "content": text}
+    s = streamed(make_parser("llama3_json"), text, 4)
+    assert s["content"] == text
+    assert s["calls"] == [{"name": "get_weather", "arguments": '{"city": "Par'}]
+
+
+def test_required_and_named_outputs():
+    text = '[{"name":"get_weather","parameters":{"city":"Paris","days":3}},{"name":"add","parameters":{}}]'
+    message = whole(RequiredParser(), text)
+    assert message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+        [("get_weather", '{"city":"Paris","days":3}'), ("add", "{}")]
+    for step in (1, 4, len(text)):
+        assert streamed(RequiredParser(), text, step)["calls"] == \
+            [{"name": "get_weather", "arguments": '{"city":"Paris","days":3}'}, {"name": "add", "arguments": "{}"}]
+    cut = '[{"name":"get_weather","parameters":{"city":"Pa'  # max_tokens: the call begun, cut
+    assert whole(RequiredParser(), cut)["tool_calls"][0]["function"]["arguments"] == '{"city":"Pa'
+    assert whole(RequiredParser(), '[{"na') == {"role": "assistant", "content": '[{"na'}
+    assert streamed(RequiredParser(), '[{"na', 2) == {"content": '[{"na', "calls": []}
+    named = whole(NamedParser("add"), '{"a":1}')
+    assert named["content"] is None and named["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a":1}'}
+    assert streamed(NamedParser("add"), '{"a":1}', 3)["calls"] == [{"name": "add", "arguments": '{"a":1}'}]
+
+
+@pytest.mark.parametrize("parser,text,prompt_open,reasoning,content", [
+    ("deepseek-r1", "<think>plan it</think>The answer", False, "plan it", "The answer"),
+    ("deepseek-r1", "plan it</think>The answer", False, "plan it", "The answer"),  # R1: no <think>
+    ("deepseek-r1", "plan it, and never stop", False, "plan it, and never stop", None),
+    ("deepseek-r1", "<think>a</think>", False, "a", None),
+    ("qwen3", "<think>plan it</think>\n\nThe answer", False, "plan it", "\n\nThe answer"),
+    ("qwen3", "The answer", False, None, "The answer"),  # thinking off
+    ("qwen3", "a < b </think> c", False, None, "a < b </think> c"),  # nothing opened it
+    ("qwen3", "plan it</think>The answer", True, "plan it", "The answer"),  # the prompt opened it
+    ("qwen3", "<think>cut by max_tok", False, "cut by max_tok", None),
+])
+def test_reasoning_split_whole_and_streamed(parser, text, prompt_open, reasoning, content):
+    assert split_reasoning(parser, text, prompt_open) == (reasoning, content)
+    for step in (1, 3, len(text)):
+        output = ChatOutput(parser, prompt_open, None)
+        deltas = [d for i in range(0, len(text), step) for d in output.deltas(text[i:i + step], False)]
+        deltas += output.deltas("", True)
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == (reasoning or "")
+        assert "".join(d.get("content", "") for d in deltas) == (content or "")
+
+
+def test_reasoning_then_tool_calls():
+    text = '<think>the user wants weather</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>'
+    message = whole(make_parser("hermes"), text, reasoning="qwen3")
+    assert message["reasoning_content"] == "the user wants weather"
+    assert message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == WEATHER[1]
+    s = streamed(make_parser("hermes"), text, 4, reasoning="qwen3")
+    assert s["reasoning_content"] == "the user wants weather" and s["content"] is None
+    assert s["calls"] == [{"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}]
+
+
+def test_prompt_opens_reasoning():
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
