@@ -207,6 +207,7 @@ def test_multi_turn_against_local_1p1d_cluster(cluster_1p1d, tmp_path):
     assert [t["completed"] for t in turns["by_turn"]] == [3, 3, 3]
     assert turns["ttft_ms_first_turn"]["median"] > 0 and turns["ttft_ms_later_turns"]["median"] > 0
     assert m["cache"]["prompt_tokens"] == m["total_input_tokens"]
+    assert m["cache"]["cached_tokens"] > 0 and turns["by_turn"][-1]["mean_cached_tokens"] > 0  # usage
     server = m["server"]  # the gateway's counters: later turns and the shared system prompt hit
     assert server["prefix_cache_query_tokens"]["total"] >= m["total_input_tokens"] - 9
     assert 64 <= server["prefix_cache_hit_tokens"]["total"] < server["prefix_cache_query_tokens"]["total"]
