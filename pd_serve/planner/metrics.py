@@ -31,6 +31,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
     num_output_tokens: int = 0       # usage.completion_tokens, else the number of content chunks
     num_prompt_tokens: int | None = None  # usage.prompt_tokens
+    num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     error: str | None = None
     server_timings: dict | None = None  # pd-serve's `timings` on the finishing chunk (seconds)
 

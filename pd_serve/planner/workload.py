@@ -94,15 +94,16 @@ def make_prompts(args: argparse.Namespace, rng: np.random.Generator, max_model_l
                                  args.suffix_len, args.output_len, args.vocab_size)
 
 
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """The workload's flags, as bench/serving.py takes them (defaults included)."""
+def add_workload_args(parser: argparse.ArgumentParser, datasets: tuple[str, ...] = DATASETS) -> None:
+    """The workload's flags, as bench/serving.py takes them (defaults included); `datasets`:
+    the --dataset choices (bench/serving.py adds its closed-loop multi-turn)."""
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send (default: %(default)s)")
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="gamma shape of the gaps between requests: 1 is Poisson, < 1 burstier, "
                              "> 1 steadier (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default: %(default)s)")
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=DATASETS, default="random", help="(default: %(default)s)")
+    g.add_argument("--dataset", choices=datasets, default="random", help="(default: %(default)s)")
     g.add_argument("--input-len", type=int, default=1024, help="random: prompt ids (default: %(default)s)")
     g.add_argument("--output-len", type=int, default=128,
                    help="random, shared-prefix: output tokens (default: %(default)s)")

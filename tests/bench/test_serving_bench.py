@@ -178,3 +178,39 @@ def test_against_local_1p1d_cluster(cluster_1p1d, tmp_path, capsys):
     # --max-concurrency 4: never more than 4 requests in flight at once
     events = sorted([(r["send_time"], 1) for r in requests] + [(r["chunk_times"][-1], -1) for r in requests])
     assert max(np.cumsum([e for _, e in events])) <= 4
+
+
+def test_multi_turn_against_local_1p1d_cluster(cluster_1p1d, tmp_path):
+    """Closed-loop conversations: each turn's prompt holds the previous turn's and its answer,
+    turns follow each other, and the report has per-turn TTFT and the prefix cache's counters."""
+    from helpers import TEST_MODEL
+    out = tmp_path / "multi.json"
+    rc = main(["--base-url", cluster_1p1d.base_url, "--dataset", "multi-turn", "--num-conversations", "3",
+               "--num-turns", "3", "--system-prompt-len", "64", "--turn-len", "16", "--output-len", "4",
+               "--max-concurrency", "2", "--think-time", "0.05", "--no-progress", "--output", str(out),
+               "--save-requests", *(["--tokenizer", TEST_MODEL] if TEST_MODEL else [])])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    m = result["metrics"]
+    assert (m["num_requests"], m["completed"]) == (9, 9) and m["total_output_tokens"] == 9 * 4
+    requests = [result["requests"][3 * c:3 * c + 3] for c in range(3)]  # conversation by conversation
+    for turns in requests:
+        prompts = [r["num_prompt_tokens"] for r in turns]
+        assert 64 + 16 <= prompts[0] and all(b >= a + 16 + 4 for a, b in zip(prompts, prompts[1:]))
+        # closed loop: a turn is sent after the previous one's last chunk and the think time
+        assert all(b["send_time"] >= a["chunk_times"][-1] + 0.05 for a, b in zip(turns, turns[1:]))
+    # --max-concurrency 2 bounds conversations in flight
+    spans = sorted([(t[0]["send_time"], 1) for t in requests] + [(t[-1]["chunk_times"][-1], -1) for t in requests])
+    assert max(np.cumsum([e for _, e in spans])) <= 2
+
+    turns = m["multi_turn"]
+    assert [t["completed"] for t in turns["by_turn"]] == [3, 3, 3]
+    assert turns["ttft_ms_first_turn"]["median"] > 0 and turns["ttft_ms_later_turns"]["median"] > 0
+    assert m["cache"]["prompt_tokens"] == m["total_input_tokens"]
+    assert m["cache"]["cached_tokens"] > 0 and turns["by_turn"][-1]["mean_cached_tokens"] > 0  # usage
+    server = m["server"]  # the gateway's counters: later turns and the shared system prompt hit
+    assert server["prefix_cache_query_tokens"]["total"] >= m["total_input_tokens"] - 9
+    assert 64 <= server["prefix_cache_hit_tokens"]["total"] < server["prefix_cache_query_tokens"]["total"]
+    assert 0 < server["prefill_tokens_computed"]["total"] < m["total_input_tokens"]
+    assert server["kv_transfer_bytes"]["total"] > 0
+    assert turns["by_turn"][0]["mean_kv_transfer_bytes"] > 0
