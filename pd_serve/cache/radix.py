@@ -99,22 +99,28 @@ class PrefixCache:
             stack.extend((c, False) for c in reversed(children))
         return order
 
-    def insert(self, token_ids: list[int], page_ids: list[int]) -> list[int]:
+    def insert(self, token_ids: list[int], page_ids: list[int], share: bool = False) -> list[int]:
         """Cache the full pages of a request's computed prefix: token_ids are its tokens whose
         KV is in page_ids (len(token_ids) // page_size pages, one reference each held by the
         caller). The cache takes over the caller's reference on each page it did not hold;
-        returns the pages it already had under those tokens (the caller frees those)."""
+        returns the pages it already had under those tokens (the caller frees those).
+        share: the caller keeps its references (a running request whose prompt is computed,
+        so requests arriving meanwhile find it): the cache takes a reference of its own on
+        each page it did not hold, and returns nothing."""
         node, duplicates = self.root, []
         now = next(self._clock)
         for key, page_id in zip(self._keys(token_ids, len(token_ids) // self.page_size), page_ids):
             child = node.children.get(key)
             if child is None:
+                if share:
+                    self.allocator.incref([page_id])
                 child = node.children[key] = _Node(key, page_id, node, now)
                 self.allocator.set_cached(page_id, True)
                 self.num_pages += 1
             else:
                 child.last_used = now
-                duplicates.append(page_id)
+                if not share:
+                    duplicates.append(page_id)
             node = child
         if node is not self.root and not node.children:
             self._push(node)

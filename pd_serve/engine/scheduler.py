@@ -10,9 +10,10 @@ every step launched so far (launched() / completed()), so no other writer (a KV 
 reserved page) can meet a write of that step.
 
 With a prefix cache (cache/radix.py) a request admitted from the queue starts on the cached
-pages of its longest cached prefix (num_computed_tokens past them), an ended request's full
-computed pages go into the cache instead of back to the pool, and a reservation the pool cannot
-meet evicts cached pages first.
+pages of its longest cached prefix (num_computed_tokens past them), its prompt's full pages are
+cached (shared) once the prompt is computed, an ended request's full computed pages go into
+the cache instead of back to the pool, and a reservation the pool cannot meet evicts cached
+pages first.
 """
 
 from __future__ import annotations
@@ -195,6 +196,12 @@ class Scheduler:
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if self.cache is not None and chunk.start < request.num_prompt_tokens <= request.num_computed_tokens:
+                # the prompt is computed (or will be, by a step queued before any that could read
+                # it): its full pages are cached now, shared with the request, not at its end
+                num_full = request.num_prompt_tokens // self.page_size
+                self.cache.insert(request.prompt_token_ids[:num_full * self.page_size],
+                                  request.page_ids[:num_full], share=True)
             if not chunk.sample:
                 continue
             if sampled_token_ids is None:

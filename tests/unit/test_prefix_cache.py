@@ -93,6 +93,30 @@ def test_a_request_starts_after_its_cached_prefix_and_leaves_one_token_to_comput
     assert sched.cache.flush() == 3 and sched.allocator.num_free_pages == 16
 
 
+def test_a_computed_prompt_is_cached_while_its_request_still_runs():
+    """A prompt's full pages enter the cache once it is computed (shared with the running
+    request), so a request arriving meanwhile starts on them; nothing is freed twice."""
+    sched = scheduler_with_cache(16)
+    first = request(range(10))
+    sched.add(first)
+    out = sched.schedule()
+    sched.update(out, [1])
+    assert sched.cache.num_pages == 2 and not first.finished
+    assert [sched.allocator.refcount(p) for p in first.page_ids[:2]] == [2, 2]
+    assert sched.cache.num_evictable_pages() == 0  # in use
+    second = request(list(range(8)) + [60, 61])
+    sched.add(second)
+    out = sched.schedule()
+    assert [(c.request, c.start) for c in out.chunks if c.request is second] == [(second, 8)]
+    assert second.page_ids[:2] == first.page_ids[:2]
+    sched.update(out, [1, 1])
+    for r in (first, second):
+        sched.finish(r, FinishReason.LENGTH)
+    alloc = sched.allocator
+    assert alloc.num_free_pages + sched.cache.num_evictable_pages() == 16
+    assert sched.cache.flush() == sched.cache.evicted_pages and alloc.num_free_pages == 16
+
+
 def test_lpm_and_dfs_weight_order_a_queue_as_sglang_does():
     sched = scheduler_with_cache(64, schedule_policy="lpm", max_running_requests=1)
     for prefix in ([1] * 8, [2] * 4, [1] * 4 + [3] * 4):
