@@ -2,10 +2,10 @@
 its own (tests/e2e/netns_helpers.py), reached only through a bridge at their own addresses.
 
 One cluster per transfer backend (tcp; torch: gloo on CPU; nixl: UCX over TCP, where nixl is
-installed): 1P1D, then a second prefill
-worker joins (2P1D), then the decode worker is killed with SIGKILL and started again on its
-host. Greedy output equals the colocated engine's throughout. The test process is the client,
-in its own namespace. Skipped where namespaces cannot be made (not root, no iproute2).
+installed): 1P1D, then a second prefill worker joins (2P1D), then the decode worker is killed
+with SIGKILL and started again on its host. Greedy output equals the colocated engine's
+throughout. The test process is the client, in its own namespace. Skipped where namespaces
+cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
