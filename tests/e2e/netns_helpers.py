@@ -137,9 +137,11 @@ class NetnsCluster:
     advertise their host's address (--host 0.0.0.0 --advertise-host), unless `bind_own` binds
     the address itself."""
 
-    def __init__(self, hosts: Hosts, gateway_args: list[str], worker_args: list[str]):
+    def __init__(self, hosts: Hosts, gateway_args: list[str], worker_args: list[str],
+                 env: dict[str, str] | None = None):
+        """env: variables added to every process's environment."""
         self.hosts, self.worker_args = hosts, worker_args
-        self.env = dict(os.environ, PD_SERVE_CLUSTER_KEY=secrets.token_hex(32))
+        self.env = dict(os.environ, PD_SERVE_CLUSTER_KEY=secrets.token_hex(32), **(env or {}))
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}
         address = hosts.add("gateway")

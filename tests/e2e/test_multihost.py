@@ -1,10 +1,11 @@
 """Serving across hosts: the gateway, prefill and decode workers each in a network namespace of
 its own (tests/e2e/netns_helpers.py), reached only through a bridge at their own addresses.
 
-One cluster per transfer backend (tcp, and torch: gloo on CPU): 1P1D, then a second prefill
-worker joins (2P1D), then the decode worker is killed with SIGKILL and started again on its
-host. Greedy output equals the colocated engine's throughout. The test process is the client,
-in its own namespace. Skipped where namespaces cannot be made (not root, no iproute2).
+One cluster per transfer backend (tcp; torch: gloo on CPU; nixl: UCX over TCP, where nixl is
+installed): 1P1D, then a second prefill worker joins (2P1D), then the decode worker is killed
+with SIGKILL and started again on its host. Greedy output equals the colocated engine's
+throughout. The test process is the client, in its own namespace. Skipped where namespaces
+cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from cluster_helpers import assert_greedy_completions, metrics
 from helpers import TEST_MODEL
 from netns_helpers import Hosts, NetnsCluster, netns_unavailable
 from pd_serve import Engine, SamplingParams
+from pd_serve.transfer.backends.nixl import nixl_available
 
 pytestmark = pytest.mark.skipif(bool(why := netns_unavailable()), reason=why)
 
@@ -37,11 +39,18 @@ def expected(default_model_dir) -> list[str]:
     return [out.text for out in outs]
 
 
-@pytest.fixture(scope="module", params=["tcp", "torch"])
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="nixl is not installed (pip install pd-serve[nixl])"))
+# Between namespaces of one machine UCX would move the pages through shared memory or
+# cross-memory attach, never the bridge; TCP alone is what it has between hosts without RDMA.
+BACKEND_ENV = {"nixl": {"UCX_TLS": "tcp"}}
+
+
+@pytest.fixture(scope="module", params=["tcp", "torch", NIXL])
 def cluster(request):
     with Hosts() as hosts:
-        cluster = NetnsCluster(hosts, GATEWAY_ARGS,
-                               [*WORKER_ARGS, "--transfer-backend", request.param])
+        cluster = NetnsCluster(hosts, GATEWAY_ARGS, [*WORKER_ARGS, "--transfer-backend", request.param],
+                               env=BACKEND_ENV.get(request.param))
         try:
             cluster.start_worker("prefill-0", "prefill")
             cluster.start_worker("decode-0", "decode")
