@@ -24,37 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.gemv import linear, linear_silu_and_mul
-from kernels.norm import rms_norm
+from kernels.gemv import linear
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
+from pd_serve.model.layers import Linear, RMSNorm
 from pd_serve.model.moe import SparseMoeBlock
 from pd_serve.model.rope import RotaryEmbedding
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
-        return rms_norm(x, self.weight, self.eps, residual)
-
-
-class Linear(nn.Linear):
-    """nn.Linear; with batch1_kernels set, one-row calls run the GEMV kernel on GPU."""
-
-    batch1_kernels = False
-
-    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
-        """The layer on x; silu_and_mul: a [gate | up] layer (no bias) with its activation, in
-        the GEMV's epilogue for one-row calls."""
-        if silu_and_mul:
-            return (linear_silu_and_mul(x, self.weight) if self.batch1_kernels
-                    else silu_and_mul(F.linear(x, self.weight)))
-        return (linear if self.batch1_kernels else F.linear)(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):

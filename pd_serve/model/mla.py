@@ -23,7 +23,7 @@ from torch import nn
 
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
-from pd_serve.model.llama import Linear, RMSNorm
+from pd_serve.model.layers import Linear, RMSNorm
 from pd_serve.model.rope import RotaryEmbedding, yarn_mscale
 
 
