@@ -358,10 +358,15 @@ class Cluster(TokenSource):
 
     # ---- control socket ----------------------------------------------------------------------
     def _send(self, worker_id: str, msg) -> None:
-        try:
-            self._sock.send_multipart([worker_id.encode(), self.codec.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # unroutable: the worker is gone
-            logger.warning("cannot reach %s: %s", worker_id, e)
+        """Send without waiting. An asyncio socket reports a failed send (an unroutable
+        identity: the worker is gone) on the future it returns, never by raising."""
+        sent = self._sock.send_multipart([worker_id.encode(), self.codec.encode(msg)], flags=zmq.NOBLOCK)
+        sent.add_done_callback(lambda future: self._sent(worker_id, future))
+
+    def _sent(self, worker_id: str, future: asyncio.Future) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            logger.warning("cannot reach %s: %s", worker_id, error)
             self._drop(worker_id, f"worker {worker_id} unreachable")
 
     async def _receive(self) -> None:

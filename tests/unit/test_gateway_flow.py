@@ -252,6 +252,17 @@ async def test_queued_requests_get_503_when_no_pair_is_left(cluster, add):
     await asyncio.gather(tasks[0], return_exceptions=True)
 
 
+@with_gateway(worker_timeout_s=60.0)
+async def test_a_send_to_a_disconnected_worker_drops_it_at_once(cluster, add):
+    """zmq reports an unroutable worker on the send's future: the gateway's next message to
+    it (its pings) drops the worker then, long before the 60 s worker timeout."""
+    decode, _ = await one_pair(cluster, add)
+    await decode.close()
+    await until(lambda: "d" not in cluster.workers, timeout=40.0)
+    events = await collect(cluster, spec("r"))
+    assert events[-1].status == 503 and "no workers" in events[-1].error
+
+
 @with_gateway()
 async def test_a_restarted_worker_fails_its_old_requests_at_once(cluster, add):
     decode, _, task = await held_request(cluster, add)
