@@ -171,12 +171,13 @@ def _payload_head(args: argparse.Namespace, model: str, output_len: int) -> dict
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def run_requests(args: argparse.Namespace, base_url: str, payloads: list[dict],
-                       records: list[RequestRecord], offsets: np.ndarray) -> float:
-    """Sends every payload at its offset (bounded by --max-concurrency); returns the wall time."""
-    url = base_url + ENDPOINTS[args.endpoint]
+async def _run_at_offsets(args: argparse.Namespace, count: int, num_steps: int,
+                          offsets: np.ndarray, work) -> float:
+    """Runs `await work(session, t0, i, progress)` for i in range(count), each from t0 +
+    offsets[i] and at most --max-concurrency at once, over one client session; a progress bar
+    of num_steps steps. Returns the wall time."""
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    progress = ProgressBar(len(payloads), enabled=not args.no_progress)
+    progress = ProgressBar(num_steps, enabled=not args.no_progress)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -185,13 +186,24 @@ async def run_requests(args: argparse.Namespace, base_url: str, payloads: list[d
         async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
             async with limit or contextlib.nullcontext():
-                await send_request(session, url, payloads[i], records[i], t0)
-            progress.update(failed=not records[i].success)
+                await work(session, t0, i, progress)
 
-        await asyncio.gather(*(one(i) for i in range(len(payloads))))
+        await asyncio.gather(*(one(i) for i in range(count)))
         duration = time.perf_counter() - t0
     progress.close()
     return duration
+
+
+async def run_requests(args: argparse.Namespace, base_url: str, payloads: list[dict],
+                       records: list[RequestRecord], offsets: np.ndarray) -> float:
+    """Sends every payload at its offset (bounded by --max-concurrency); returns the wall time."""
+    url = base_url + ENDPOINTS[args.endpoint]
+
+    async def work(session, t0: float, i: int, progress: ProgressBar) -> None:
+        await send_request(session, url, payloads[i], records[i], t0)
+        progress.update(failed=not records[i].success)
+
+    return await _run_at_offsets(args, len(payloads), len(payloads), offsets, work)
 
 
 async def run_conversations(args: argparse.Namespace, base_url: str, model: str,
@@ -201,36 +213,25 @@ async def run_conversations(args: argparse.Namespace, base_url: str, model: str,
     after another with --think-time between them, filling `turns[c]`; returns the wall time. A
     failed turn ends its conversation: its later turns fail unsent."""
     url = base_url + ENDPOINTS["chat"]
-    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    progress = ProgressBar(sum(map(len, turns)), enabled=not args.no_progress)
-    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
-    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        t0 = time.perf_counter()
 
-        async def one(c: int) -> None:
-            await asyncio.sleep(max(0.0, t0 + offsets[c] - time.perf_counter()))
-            async with limit or contextlib.nullcontext():
-                answers: list[str] = []
-                for t, record in enumerate(turns[c]):
-                    if answers and args.think_time > 0:
-                        await asyncio.sleep(args.think_time)
-                    messages = multi_turn.turn_messages(conversations[c], answers)
-                    texts: list[str] = []
-                    payload = chat_payload(args, model, messages, conversations[c].output_len)
-                    await send_request(session, url, payload, record, t0, texts)
-                    progress.update(failed=not record.success)
-                    if not record.success:
-                        for later in turns[c][t + 1:]:
-                            later.error = f"turn {t + 1} of this conversation failed"
-                            progress.update(failed=True)
-                        return
-                    answers.append("".join(texts))
+    async def work(session, t0: float, c: int, progress: ProgressBar) -> None:
+        answers: list[str] = []
+        for t, record in enumerate(turns[c]):
+            if answers and args.think_time > 0:
+                await asyncio.sleep(args.think_time)
+            messages = multi_turn.turn_messages(conversations[c], answers)
+            texts: list[str] = []
+            payload = chat_payload(args, model, messages, conversations[c].output_len)
+            await send_request(session, url, payload, record, t0, texts)
+            progress.update(failed=not record.success)
+            if not record.success:
+                for later in turns[c][t + 1:]:
+                    later.error = f"turn {t + 1} of this conversation failed"
+                    progress.update(failed=True)
+                return
+            answers.append("".join(texts))
 
-        await asyncio.gather(*(one(c) for c in range(len(conversations))))
-        duration = time.perf_counter() - t0
-    progress.close()
-    return duration
+    return await _run_at_offsets(args, len(conversations), sum(map(len, turns)), offsets, work)
 
 
 def make_conversations(args: argparse.Namespace, rng: np.random.Generator, max_model_len: int | None
