@@ -12,12 +12,10 @@ yet: the runner reads it on the device, from row `pending_row` of that step's sa
 the executor recorded when it launched the step. The plans bring it once it is known.
 
 Structured outputs (engine/grammar.py): the sampling rank keeps a grammar matcher per request
-that has a grammar, advanced over its output tokens as the plans bring them. A grammar row
-whose input token is still in flight cannot be masked before that token is known: its matcher
-is told where the token is (`GrammarState.defer`), and the sampler, once this step's forward
-is queued behind the step in flight, waits for that step's tokens and takes the token before
-it fills the mask. So the device does not idle: only the host waits, and only in steps with
-grammar rows; steps without them never wait.
+that has a grammar. The sampler masks a grammar row's logits and queues the matcher's work on
+the token it samples to the grammar thread, which runs while the next step is planned and its
+forward runs; tokens sampled elsewhere (prefill's token 1) are replayed when the plan brings
+them. Steps without grammar rows never wait for it.
 """
 
 from __future__ import annotations
@@ -89,7 +87,6 @@ class Executor:
         self.requests: dict[str, CachedRequest] = {}
         self.model_dir, self.samples = model_dir, samples
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar
-        self._num_grammar_requests = 0  # cached requests with a matcher: 0, no grammar work
         self._build(model_dir, max_model_len, samples)
 
     def _build(self, model_dir: Path, max_model_len: int, samples: bool) -> None:
@@ -166,9 +163,7 @@ class Executor:
     def update(self, plan: StepPlan) -> None:
         """Apply what the plan says changed (its docstring gives the order)."""
         for request_id in plan.finished_ids:
-            cached = self.requests.pop(request_id, None)
-            if cached is not None and cached.grammar is not None:
-                self._num_grammar_requests -= 1
+            self.requests.pop(request_id, None)
         for request_id in plan.preempted_ids:
             if request_id in self.requests:
                 self.requests[request_id].page_ids = []
@@ -177,7 +172,6 @@ class Executor:
             if cached.sampling_params.grammar is not None and self.samples:
                 cached.grammar = self.grammars().matcher(cached.sampling_params.grammar)
                 cached.grammar.accept(cached.output_token_ids)  # sampled elsewhere: replayed
-                self._num_grammar_requests += 1
         for diff in plan.request_diffs:
             cached = self.requests[diff.request_id]
             cached.token_ids.extend(diff.new_token_ids)
@@ -201,8 +195,6 @@ class Executor:
         this plan's pending tokens are. on_layer(kv_sends, layer), for a plan with KV sends, is
         called as the forward finishes each layer (prefill's layer-wise KV send)."""
         self.update(plan)
-        if prev is not None and self._num_grammar_requests:
-            self._accept_pending(plan, prev)
         pending = self.runner.launch(self._batch(plan), _after_layer(plan, on_layer),
                                      prev_tokens=prev.tokens if prev is not None else None)
         row = 0
@@ -211,15 +203,6 @@ class Executor:
                 self.requests[chunk.request_id].pending_row = row
                 row += 1
         return pending
-
-    def _accept_pending(self, plan: StepPlan, prev: PendingSample) -> None:
-        """Tell the grammar rows whose input token is still in flight where it is (module
-        docstring): the sampler takes it before it masks."""
-        for chunk in plan.chunks:
-            cached = self.requests[chunk.request_id]
-            if chunk.sample and cached.grammar is not None \
-                    and chunk.start + chunk.num_tokens > len(cached.token_ids):
-                cached.grammar.defer(prev, cached.pending_row)
 
     def execute(self, plan: StepPlan, on_layer=None) -> StepResult:
         """Run the plan and wait for its tokens (the synchronous schedule)."""

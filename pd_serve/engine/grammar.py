@@ -7,6 +7,12 @@ decode, from token 2 on) builds its own matcher from the plan's Grammar and repl
 tokens it knows (decode: token 1) before it samples. Grammars are compiled once per (tokenizer,
 Grammar): one `GrammarCompiler` per executor, its compiled grammars cached.
 
+The host work of a grammar row (take the token just sampled, fill the next token's bitmask) runs
+on one background thread (`advance_grammars`), queued as soon as a step's sampling is: it waits
+for that step's tokens and works while the host plans and launches the next step and the device
+runs its forward (xgrammar lets go of the GIL). The next step's mask then only gathers the rows
+filled ahead. A state waits for its job before anything else reads or moves its matcher.
+
 xgrammar (and the transformers tokenizer it reads the vocabulary from) is imported on the first
 grammar request: a worker that serves none never loads it.
 """
@@ -19,6 +25,7 @@ import logging
 import os
 import re
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -88,42 +95,52 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's matcher, how many of its output tokens it has taken, and where its next
-    token is while that is still on the device (overlap schedule: `defer`)."""
+    """One request's matcher, how many of its output tokens it has taken, the background job
+    (advance_grammars) that may be moving it, and its next token's bitmask when filled ahead."""
 
     def __init__(self, matcher):
         self.matcher = matcher
         self.num_accepted = 0
-        self._pending = None  # (PendingSample, row) of the newest output token, not known yet
+        self.num_queued = 0  # num_accepted plus the token a background job has still to take
+        self._job: Future | None = None
+        self._mask: torch.Tensor | None = None  # int32 [ceil(V / 32)], for num_accepted == _mask_at
+        self._mask_at = -1
 
     def accept(self, output_token_ids: list[int]) -> None:
-        """Advance over the output tokens not taken yet (the list is every output token so far)."""
-        self.catch_up()  # a deferred token first: it is among them
+        """Advance over the output tokens not taken yet (the list is every output token so far;
+        a token the background job takes is not taken twice). Waits for the job only when
+        there is a token past it (one sampled elsewhere), so a plan's update never waits for
+        the step in flight."""
+        if len(output_token_ids) <= self.num_queued:
+            return
+        self.wait()
         for token in output_token_ids[self.num_accepted:]:
             self._take(token)
 
-    def defer(self, sample, row: int) -> None:
-        """The next output token is row `row` of `sample` (a PendingSample): taken, with a
-        wait for it, by catch_up(), just before the mask is needed."""
-        self._pending = (sample, row)
+    def wait(self) -> None:
+        """Wait for the background job on this matcher (its error is raised here)."""
+        if self._job is not None:
+            job, self._job = self._job, None
+            job.result()
 
-    def catch_up(self) -> None:
-        if self._pending is not None:
-            sample, row = self._pending
-            self._pending = None
-            self._take(sample.result().token_ids[row])
+    @property
+    def active(self) -> bool:
+        self.wait()
+        return not self.matcher.is_terminated()
+
+    def filled_mask(self) -> torch.Tensor | None:
+        """The next token's bitmask if the background job filled it for the current state."""
+        self.wait()
+        return self._mask if self._mask_at == self.num_accepted else None
 
     def _take(self, token: int) -> None:
         # After the grammar has ended (its stop token sampled under ignore_eos) the rest of the
         # output is unconstrained.
-        if self.active and not self.matcher.accept_token(token):
+        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
             logger.warning("grammar refused token %d after %d output tokens", token,
                            self.num_accepted)
         self.num_accepted += 1
-
-    @property
-    def active(self) -> bool:
-        return not self.matcher.is_terminated()
+        self.num_queued = max(self.num_queued, self.num_accepted)
 
 
 def needs_grammar(requests) -> bool:
@@ -133,22 +150,63 @@ def needs_grammar(requests) -> bool:
 
 def apply_grammars(logits: torch.Tensor, requests) -> None:
     """Set to -inf, in place, the logits [B, V] (float32) of the tokens each row's grammar
-    forbids next. Deferred tokens are taken first (a wait for the step before, whose samples
-    are queued ahead of this step's forward). The bitmask is filled on the host, rows in
-    parallel threads, and applied on the logits' device."""
+    forbids next. A row's mask filled ahead by the background job is gathered; the others (a
+    request new to this executor, a token replayed) are filled here, rows in parallel threads.
+    Applied on the logits' device."""
     import xgrammar as xgr
     states = [getattr(r, "grammar", None) for r in requests]
-    for state in states:
-        if state is not None:
-            state.catch_up()
     rows = [i for i, state in enumerate(states) if state is not None and state.active]
     if not rows:
         return
     bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[1])  # [B, ceil(V / 32)] int32
-    _batch_matcher().batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
+    masks = {i: states[i].filled_mask() for i in rows}
+    ready = [i for i in rows if masks[i] is not None]
+    if ready:
+        bitmask[ready] = torch.stack([masks[i] for i in ready])
+    todo = [i for i in rows if masks[i] is None]
+    if todo:
+        _batch_matcher().batch_fill_next_token_bitmask([states[i].matcher for i in todo], bitmask, todo)
     if logits.device.type == "cuda":
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+def advance_grammars(sample, requests, vocab_size: int) -> None:
+    """Queue on the grammar thread: once `sample` (a PendingSample, row i for requests[i]) has
+    its tokens, each grammar row takes its token and, unless its grammar ended, fills its next
+    token's bitmask. Until then the rows' states wait for this job before any use."""
+    pairs = [(i, r.grammar) for i, r in enumerate(requests) if getattr(r, "grammar", None) is not None]
+    if not pairs:
+        return
+    job = _grammar_thread().submit(_advance, sample, pairs, vocab_size)
+    for _, state in pairs:
+        state._job = job
+        state.num_queued += 1
+
+
+def _advance(sample, pairs: list, vocab_size: int) -> None:
+    """The job advance_grammars queues (jobs run one at a time, in order: a state's job before
+    is done, so its matcher is this job's alone)."""
+    import xgrammar as xgr
+    tokens = sample.result().token_ids
+    live = [(state, tokens[i]) for i, state in pairs if not state.matcher.is_terminated()]
+    for i, state in pairs:
+        if state.matcher.is_terminated():
+            state.num_accepted += 1  # the grammar has ended: the token is free
+    accepted = _batch_matcher("job").batch_accept_token([s.matcher for s, _ in live], [t for _, t in live])
+    for (state, token), ok in zip(live, accepted):
+        if not ok:
+            logger.warning("grammar refused token %d after %d output tokens", token,
+                           state.num_accepted)
+        state.num_accepted += 1
+    going = [state for state, _ in live if not state.matcher.is_terminated()]
+    if not going:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(going), vocab_size)
+    _batch_matcher("job").batch_fill_next_token_bitmask([s.matcher for s in going], bitmask,
+                                                   list(range(len(going))))
+    for row, state in enumerate(going):
+        state._mask, state._mask_at = bitmask[row], state.num_accepted
 
 
 # A JSON string's characters that need no escape, as a regex class: not '"', '\\' or U+0000-U+001F.
@@ -188,8 +246,15 @@ def _bound_strings(node) -> None:
 
 
 @functools.cache
-def _batch_matcher():
-    """xgrammar's thread pool that fills many rows' bitmasks at once."""
+def _grammar_thread() -> ThreadPoolExecutor:
+    """The one thread advance_grammars queues on (one: a state's jobs stay in order)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+
+@functools.cache
+def _batch_matcher(user: str = "sampler"):
+    """xgrammar's thread pool that fills many rows' bitmasks at once: one per thread that uses
+    it (user: "sampler" or "job"), as one is not safe to call from two threads at once."""
     import xgrammar as xgr
     return xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
 

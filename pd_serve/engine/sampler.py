@@ -11,10 +11,12 @@ step on a GPU).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kernels.argmax import argmax
-from pd_serve.engine.grammar import apply_grammars, needs_grammar
+from pd_serve.engine.grammar import advance_grammars, apply_grammars, needs_grammar
 from pd_serve.engine.plan import StepResult
 from pd_serve.engine.request import Request, TokenLogprob
 from pd_serve.engine.sampling_params import SamplingParams
@@ -39,9 +41,14 @@ class PendingSample:
         if self._event is not None:
             self._event.record()
         self._result: SamplerOutput | None = None
+        self._lock = threading.Lock()  # the grammar thread may ask too (engine/grammar.py)
 
     def result(self) -> SamplerOutput:
-        """Wait for the copies (once; the executor may ask first, for grammar rows)."""
+        """Wait for the copies (once; the grammar thread may ask first)."""
+        with self._lock:
+            return self._wait()
+
+    def _wait(self) -> SamplerOutput:
         if self._result is None:
             if self._event is not None:
                 self._event.synchronize()
@@ -203,7 +210,7 @@ class Sampler:
     def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """Queue the sampling of one token per row on the logits' device; no host sync (the
         seeded noise of non-greedy rows is drawn on the host first). A row with a `grammar`
-        (a GrammarState, advanced over every output token so far) samples inside it."""
+        (a GrammarState) samples inside it; its matcher takes the token in the background."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs is not None for p in params]
@@ -236,9 +243,10 @@ class Sampler:
             is_sampled = torch.tensor([not p.greedy for p in params], device=device)
             token_ids = torch.where(is_sampled, drawn, token_ids)
 
-        if raw_logprobs is None:
-            return PendingSample(token_ids, params)
-        return PendingSample(token_ids, params, _logprob_parts(raw_logprobs, token_ids, params))
+        parts = None if raw_logprobs is None else _logprob_parts(raw_logprobs, token_ids, params)
+        pending = PendingSample(token_ids, params, parts)
+        advance_grammars(pending, requests, vocab_size)
+        return pending
 
 
 def _logprob_parts(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
