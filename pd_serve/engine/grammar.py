@@ -26,6 +26,7 @@ import os
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -102,8 +103,9 @@ class GrammarState:
         self.matcher = matcher
         self.num_accepted = 0
         self.num_queued = 0  # num_accepted plus the token a background job has still to take
+        self.ended = False  # the matcher has terminated (kept here: no call into xgrammar to ask)
         self._job: Future | None = None
-        self._mask: torch.Tensor | None = None  # int32 [ceil(V / 32)], for num_accepted == _mask_at
+        self._mask: tuple[_Filled, int] | None = None  # valid while num_accepted == _mask_at
         self._mask_at = -1
 
     def accept(self, output_token_ids: list[int]) -> None:
@@ -126,21 +128,33 @@ class GrammarState:
     @property
     def active(self) -> bool:
         self.wait()
-        return not self.matcher.is_terminated()
+        return not self.ended
 
-    def filled_mask(self) -> torch.Tensor | None:
-        """The next token's bitmask if the background job filled it for the current state."""
+    def filled_mask(self) -> tuple[_Filled, int] | None:
+        """Where the background job filled the next token's bitmask (the job's masks and this
+        state's row in them), if it did for the current state."""
         self.wait()
         return self._mask if self._mask_at == self.num_accepted else None
 
     def _take(self, token: int) -> None:
         # After the grammar has ended (its stop token sampled under ignore_eos) the rest of the
         # output is unconstrained.
-        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
-            logger.warning("grammar refused token %d after %d output tokens", token,
-                           self.num_accepted)
+        if not self.ended:
+            if not self.matcher.accept_token(token):
+                logger.warning("grammar refused token %d after %d output tokens", token,
+                               self.num_accepted)
+            self.ended = self.matcher.is_terminated()
         self.num_accepted += 1
         self.num_queued = max(self.num_queued, self.num_accepted)
+
+
+@dataclass
+class _Filled:
+    """One background job's next-token bitmasks: row i for states[i] (a row whose grammar has
+    ended allows every token), in host memory the device copies from."""
+
+    states: list[GrammarState]
+    bitmask: torch.Tensor  # int32 [len(states), ceil(V / 32)]
 
 
 def needs_grammar(requests) -> bool:
@@ -150,25 +164,33 @@ def needs_grammar(requests) -> bool:
 
 def apply_grammars(logits: torch.Tensor, requests) -> None:
     """Set to -inf, in place, the logits [B, V] (float32) of the tokens each row's grammar
-    forbids next. A row's mask filled ahead by the background job is gathered; the others (a
-    request new to this executor, a token replayed) are filled here, rows in parallel threads.
-    Applied on the logits' device."""
+    forbids next. The masks the background job filled for these rows are used as they are when
+    the rows are that job's, in its order (a steady decode batch), else gathered; rows it did
+    not fill (a request new to this executor, a token replayed) are filled here. Applied on the
+    logits' device."""
     import xgrammar as xgr
     states = [getattr(r, "grammar", None) for r in requests]
     rows = [i for i, state in enumerate(states) if state is not None and state.active]
     if not rows:
         return
-    bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[1])  # [B, ceil(V / 32)] int32
-    masks = {i: states[i].filled_mask() for i in rows}
-    ready = [i for i in rows if masks[i] is not None]
-    if ready:
-        bitmask[ready] = torch.stack([masks[i] for i in ready])
-    todo = [i for i in rows if masks[i] is None]
-    if todo:
-        _batch_matcher().batch_fill_next_token_bitmask([states[i].matcher for i in todo], bitmask, todo)
-    if logits.device.type == "cuda":
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    masks = [states[i].filled_mask() for i in rows]
+    filled = masks[0][0] if masks[0] is not None else None
+    if filled is not None and filled.states == states and all(m is not None and m[0] is filled
+                                                              for m in masks):
+        bitmask = filled.bitmask
+    else:
+        bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[1])  # [B, ceil(V / 32)]
+        ready = [(i, m) for i, m in zip(rows, masks) if m is not None]
+        if ready:
+            bitmask[[i for i, _ in ready]] = torch.stack([m[0].bitmask[m[1]] for _, m in ready])
+        todo = [i for i, m in zip(rows, masks) if m is None]
+        if todo:
+            _batch_matcher().batch_fill_next_token_bitmask([states[i].matcher for i in todo],
+                                                           bitmask, todo)
+        if logits.device.type == "cuda":
+            bitmask = bitmask.pin_memory()
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    indices=rows)
 
 
 def advance_grammars(sample, requests, vocab_size: int) -> None:
@@ -178,35 +200,41 @@ def advance_grammars(sample, requests, vocab_size: int) -> None:
     pairs = [(i, r.grammar) for i, r in enumerate(requests) if getattr(r, "grammar", None) is not None]
     if not pairs:
         return
-    job = _grammar_thread().submit(_advance, sample, pairs, vocab_size)
+    all_rows = len(pairs) == len(requests)
+    job = _grammar_thread().submit(_advance, sample, pairs, vocab_size, all_rows,
+                                   sample.tokens.device.type == "cuda")
     for _, state in pairs:
         state._job = job
         state.num_queued += 1
 
 
-def _advance(sample, pairs: list, vocab_size: int) -> None:
+def _advance(sample, pairs: list, vocab_size: int, all_rows: bool, pinned: bool) -> None:
     """The job advance_grammars queues (jobs run one at a time, in order: a state's job before
     is done, so its matcher is this job's alone)."""
     import xgrammar as xgr
     tokens = sample.result().token_ids
-    live = [(state, tokens[i]) for i, state in pairs if not state.matcher.is_terminated()]
-    for i, state in pairs:
-        if state.matcher.is_terminated():
-            state.num_accepted += 1  # the grammar has ended: the token is free
-    accepted = _batch_matcher("job").batch_accept_token([s.matcher for s, _ in live], [t for _, t in live])
+    live = [(state, tokens[i]) for i, state in pairs if not state.ended]
+    accepted = _batch_matcher("job").batch_accept_token([s.matcher for s, _ in live],
+                                                        [t for _, t in live])
     for (state, token), ok in zip(live, accepted):
         if not ok:
             logger.warning("grammar refused token %d after %d output tokens", token,
                            state.num_accepted)
+        state.ended = state.matcher.is_terminated()
+    for _, state in pairs:
         state.num_accepted += 1
-    going = [state for state, _ in live if not state.matcher.is_terminated()]
+    going = [row for row, (_, state) in enumerate(pairs) if not state.ended]
     if not going:
         return
-    bitmask = xgr.allocate_token_bitmask(len(going), vocab_size)
-    _batch_matcher("job").batch_fill_next_token_bitmask([s.matcher for s in going], bitmask,
-                                                   list(range(len(going))))
-    for row, state in enumerate(going):
-        state._mask, state._mask_at = bitmask[row], state.num_accepted
+    bitmask = xgr.allocate_token_bitmask(len(pairs), vocab_size)  # ended rows: every token
+    if pinned:
+        bitmask = bitmask.pin_memory()
+    _batch_matcher("job").batch_fill_next_token_bitmask([pairs[r][1].matcher for r in going],
+                                                        bitmask, going)
+    filled = _Filled([state for _, state in pairs] if all_rows else [], bitmask)
+    for row in going:
+        state = pairs[row][1]
+        state._mask, state._mask_at = (filled, row), state.num_accepted
 
 
 # A JSON string's characters that need no escape, as a regex class: not '"', '\\' or U+0000-U+001F.

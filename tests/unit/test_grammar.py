@@ -60,12 +60,16 @@ class Row:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_sampled_tokens_stay_inside_the_grammar(compiler, tokenizer, temperature):
+@pytest.mark.parametrize("free_row", [True, False])
+def test_sampled_tokens_stay_inside_the_grammar(compiler, tokenizer, temperature, free_row):
+    """free_row False: every row has a grammar, so each step uses the masks the background job
+    filled after the step before as they are; True: they are gathered beside a free row."""
     grammars = [JSON_GRAMMAR, Grammar("regex", r"[0-9]{2,3}-(yes|no)"),
                 Grammar("ebnf", 'root ::= "<" [a-c]+ ">"'), Grammar("json_object", "")]
     rows = [Row(SamplingParams(temperature=temperature, top_p=0.95), compiler.matcher(g))
             for g in grammars]
-    rows.append(Row(SamplingParams(temperature=temperature), None))  # unconstrained beside them
+    if free_row:
+        rows.append(Row(SamplingParams(temperature=temperature), None))  # unconstrained beside them
     sampler = Sampler(seed=3)
     gen = torch.Generator().manual_seed(0)
     vocab = compiler.vocab_size
