@@ -202,12 +202,14 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tp", type=int, default=None,
                         help="--tp of the decode workers (default: the --tp given to all workers)")
     parser.add_argument("--prefill-ep", type=int, default=None,
-                        help="--ep-size of the prefill workers (MoE models; equal to their --tp)")
+                        help="--ep-size of the prefill workers (MoE models; their --tp, or any "
+                             "with --tp 1: then a worker takes N GPUs)")
     parser.add_argument("--decode-ep", type=int, default=None,
-                        help="--ep-size of the decode workers (MoE models; equal to their --tp)")
+                        help="--ep-size of the decode workers (MoE models; their --tp, or any "
+                             "with --tp 1: then a worker takes N GPUs)")
     parser.add_argument("--gpu-ids", default=None,
                         help="comma-separated GPU ids handed to workers in turn (CUDA_VISIBLE_DEVICES; a worker "
-                             "with --tp N takes the next N; default: every visible GPU)")
+                             "with --tp N (or --ep-size N) takes the next N; default: every visible GPU)")
 
 
 def cmd_profile(args: argparse.Namespace) -> None:

@@ -102,8 +102,8 @@ class EngineConfig:
                    "(cuda:0..tp-1 of the visible ones)")
     ep_size: int = _opt(1, "expert parallel size: an MoE model's experts partitioned over N "
                         "ranks, tokens dispatched to them by all-to-all; equal to --tp "
-                        "(attention under --tp), or with --tp 1 (attention replicated; "
-                        "engines and colocated workers only, no KV hand-off yet)")
+                        "(attention under --tp), or with --tp 1 (attention replicated: "
+                        "N ranks, one process and one GPU each)")
     disable_overlap_schedule: bool = _opt(
         False, "on GPU, wait for each step's tokens before planning the next (by default step "
         "N+1 is planned while step N runs)")

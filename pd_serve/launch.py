@@ -66,7 +66,7 @@ def launch_gpu_ids(engine_args: list[str], gpu_ids: list[str] | None) -> list[st
 
 
 def worker_gpus(first: int, gpu_ids: list[str] | None, count: int) -> str | None:
-    """CUDA_VISIBLE_DEVICES of a worker with `count` TP ranks whose GPUs start at position
+    """CUDA_VISIBLE_DEVICES of a worker with `count` ranks whose GPUs start at position
     `first` of the workers' GPUs so far: the next `count` ids, wrapping around."""
     if not gpu_ids:
         return None
@@ -88,9 +88,9 @@ class LocalCluster:
                  gateway_args: list[str] = (), control_port: int = 0, log_level: str = "info",
                  gpu_ids: list[str] | None = None, role_tp: dict[str, int] | None = None,
                  role_ep: dict[str, int] | None = None):
-        """gpu_ids: handed to the workers in turn, as many each as its --tp ranks (the --tp in
-        engine_args, or role_tp[role], which also adds `--tp N` to that role's workers);
-        role_ep[role] adds `--ep-size N` to that role's workers."""
+        """gpu_ids: handed to the workers in turn, as many each as its ranks: max(--tp,
+        --ep-size), from engine_args or role_tp[role] / role_ep[role], which also add `--tp N`
+        / `--ep-size N` to that role's workers (--ep-size above --tp: attention replicated)."""
         self.port = port
         # Closed by default: the children share a fresh secret unless one is given.
         self.cluster_key = os.environ.get("PD_SERVE_CLUSTER_KEY") or secrets.token_hex(32)
@@ -106,8 +106,9 @@ class LocalCluster:
         first_gpu = 0
         for i, role in enumerate(roles):
             tp = role_tp.get(role, int(flag_value(list(engine_args), "--tp", "1")))
-            env_gpu = worker_gpus(first_gpu, gpu_ids, tp)
-            first_gpu += tp
+            ep = role_ep.get(role, int(flag_value(list(engine_args), "--ep-size", "1")))
+            env_gpu = worker_gpus(first_gpu, gpu_ids, max(tp, ep))
+            first_gpu += max(tp, ep)
             tp_args = ["--tp", str(tp)] if role in role_tp else []
             tp_args += ["--ep-size", str(role_ep[role])] if role in role_ep else []
             self._start(f"{role}-{i}", [role, "--gateway", gateway, "--worker-id", f"{role}-{i}",

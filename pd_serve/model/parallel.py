@@ -15,7 +15,8 @@ ranks (rank r holds experts [r * E / N, (r + 1) * E / N)), which dispatch tokens
 other's experts and combine the results by all-to-all (moe.py). Either N equals --tp, and
 attention, the shared expert and the dense layers' MLPs are split as above, or --tp is 1 and
 the N ranks each hold the whole model but the other ranks' experts (attention replicated:
-every rank runs every token). The router is replicated either way.
+every rank runs every token and holds every KV head, so a P/D hand-off sends from the first
+rank and to every rank: transfer/connector.py). The router is replicated either way.
 
 Multi-head latent attention (DeepSeek, mla.py) splits by query heads: q_proj / q_b_proj and
 kv_b_proj column-parallel (a rank's heads), o_proj row-parallel; the latent's down projections

@@ -11,7 +11,17 @@ The worker (rank 0) holds one KVConnector (`connector()`); each follower holds a
 followers through the TP group (engine/tp_group.py): prefill followers send a plan's KV sends
 from inside their forward, like rank 0; decode followers expect and cancel when rank 0 does.
 Followers report their transfers' results to rank 0 on the group's queue; rank 0 counts a
-request's parts (one per head route, or per decode rank) and reports the request once.
+request's parts (one per head route and receiver, or per decode rank) and reports the request once.
+
+Expert parallelism over replicated attention (--tp 1 --ep-size N) gives a worker N ranks that
+each hold every KV head: N copies of one attention rank. Routes run between attention ranks
+(rank r is attention rank r % tp, heads.py), so only the first copy of a prefill worker sends
+(its followers compute the same KV, and sending it again would only double the bytes) and every
+copy of a decode worker receives the pages into its own pool, from the prefill rank straight to
+it: no collective in the decode loop, and nothing to change in the gateway or the messages. A
+decode worker advertises one address per attention rank, as under TP, so everything that counts
+its TP ranks stays right; a replicated rank's address lists its copies' receivers, comma-separated
+(replica_addresses() reads it back).
 """
 
 from __future__ import annotations
@@ -84,6 +94,18 @@ def model_layout(core):
     return replace(core.kv_pool.layout, num_kv_heads=core.model_config.num_kv_heads)
 
 
+def join_replicas(addresses: list[str], tp: int) -> list[str]:
+    """A decode worker's receivers (one per rank) -> one address per attention rank (--tp of
+    them): rank r's receiver joins those of the ranks with the same attention rank r % tp."""
+    return [",".join(addresses[r::tp]) for r in range(tp)]
+
+
+def replica_addresses(address: str) -> list[str]:
+    """The receivers of an advertised decode address: one, or every copy of a replicated
+    attention rank (join_replicas)."""
+    return address.split(",")
+
+
 def group_ends(num_layers: int, groups: int) -> dict[int, int]:
     """Layer index after which each layer group is complete (e.g. 32 layers, 4 groups:
     7, 15, 23, 31) -> group number."""
@@ -106,7 +128,8 @@ class _RankPart:
 
 class PrefillRank(_RankPart):
     """One prefill rank's sender, and the routes from this rank to each decode TP size.
-    core: what it reads of an engine (kv_pool, model_config): an EngineCore or an Executor."""
+    core: what it reads of an engine (kv_pool, model_config): an EngineCore or an Executor.
+    tp: the pool's attention ranks (--tp); ranks from tp on are copies and send nothing."""
 
     def __init__(self, core, config: TransferConfig, rank: int, tp: int):
         from pd_serve.transfer.sender import KVSender
@@ -122,6 +145,12 @@ class PrefillRank(_RankPart):
 
     def routes(self, decode_tp: int) -> tuple:
         return head_routes(self.tp, decode_tp, self.num_kv_heads)
+
+    def num_parts(self, addresses: list[str]) -> int:
+        """A prompt's transfers to a decode worker's `addresses`, over all prefill ranks: one
+        per head route and receiver."""
+        return sum(len(replica_addresses(addresses[route.dst_rank]))
+                   for route in self.routes(len(addresses)))
 
     def send_layers(self, sends: list[KVSend], layer: int) -> None:
         """Called as the forward finishes `layer`: at a group's last layer, queue that group's KV
@@ -142,8 +171,9 @@ class PrefillRank(_RankPart):
                 if route.num_heads == self.local_heads == dst_heads:
                     heads = None  # every head on both sides: the plain whole-page path
                 parts = sum(r.dst_rank == route.dst_rank for r in routes)
-                self.sender.send(send.request_id, send.addresses[route.dst_rank], send.src_page_ids,
-                                 send.dst_page_ids, start, layer + 1, last, heads, parts, ready)
+                for address in replica_addresses(send.addresses[route.dst_rank]):
+                    self.sender.send(send.request_id, address, send.src_page_ids,
+                                     send.dst_page_ids, start, layer + 1, last, heads, parts, ready)
 
     def cancel(self, request_id: str) -> None:
         self.sender.abort(request_id)
@@ -167,9 +197,9 @@ class DecodeRank(_RankPart):
         self.receiver.cancel(request_id)
 
 
-def _rank_part(core, config: TransferConfig, rank: int, tp: int):
+def _rank_part(core, config: TransferConfig, rank: int):
     if config.role == "prefill":
-        return PrefillRank(core, config, rank, tp)
+        return PrefillRank(core, config, rank, core.config.tp)
     return DecodeRank(core, config, rank, config.port if rank == 0 else 0)
 
 
@@ -185,17 +215,18 @@ class _Parts:
 
 
 class TPConnector(KVConnector):
-    """Rank 0's part, and its followers' through the TP group (none without TP)."""
+    """Rank 0's part, and its followers' through the TP group (none without TP or EP)."""
 
     def __init__(self, config: TransferConfig, core):
         self.config = config
         self.tp, self.reports = core.tp, core.tp_reports
-        self.tp_size = self.tp.size if self.tp is not None else 1
-        self.part = _rank_part(core, config, 0, self.tp_size)
+        self.tp_size = self.tp.size if self.tp is not None else 1  # every rank, copies included
+        self.part = _rank_part(core, config, 0)
         self.stats = self.part.io.stats
         self._parts: dict[str, _Parts] = {}
-        if config.role == "decode":
-            self.addresses = [self.part.receiver.address] + self._follower_addresses()
+        if config.role == "decode":  # one per attention rank (module docstring)
+            self.addresses = join_replicas([self.part.receiver.address]
+                                           + self._follower_addresses(), core.config.tp)
 
     def routes(self, decode_tp: int) -> tuple:
         """Prefill: the head routes to a decode worker of decode_tp ranks (ValueError if its
@@ -205,7 +236,7 @@ class TPConnector(KVConnector):
     def send_layers(self, sends: list[KVSend], layer: int) -> None:
         for send in sends:
             if send.request_id not in self._parts:
-                self._parts[send.request_id] = _Parts(len(self.routes(len(send.addresses))))
+                self._parts[send.request_id] = _Parts(self.part.num_parts(send.addresses))
         self.part.send_layers(sends, layer)
 
     def expect(self, request_id: str, page_ids: list[int]) -> None:
@@ -295,7 +326,7 @@ class FollowerIO:
 
     def __init__(self, core, config: TransferConfig, rank: int, results):
         self.rank, self.results = rank, results
-        self.part = _rank_part(core, config, rank, core.tp.size)
+        self.part = _rank_part(core, config, rank)
         self.io = self.part.io
         if config.role == "decode":
             results.put(("address", rank, self.part.receiver.address))

@@ -5,6 +5,10 @@ kv_heads_of: split, or replicated when there are more ranks than KV heads). A de
 needs exactly its heads; each comes from the first prefill rank that holds it. Consecutive
 heads from one prefill rank travel together as one route (one transfer per request), so
 equal TP sizes give one route per rank pair i -> i carrying every head.
+
+Ranks here are attention ranks (--tp of them). A pool with more ranks than that (--tp 1
+--ep-size N: attention replicated) holds copies of its attention ranks; connector.py sends from
+the first copy to every copy.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def _core(pool):
     """What the hand-off halves read of an engine core."""
     heads = pool.layout.num_kv_heads
     return SimpleNamespace(kv_pool=pool, model_config=SimpleNamespace(num_kv_heads=heads),
-                           tp=SimpleNamespace(size=1))
+                           tp=SimpleNamespace(size=1), config=SimpleNamespace(tp=1))
 
 
 @pytest.mark.parametrize("decode_key", [b"k" * 32, b"o" * 32], ids=["same-key", "other-key"])
@@ -187,7 +187,8 @@ def _scripted_connector(monkeypatch, role: str, pool):
     if role == "decode":
         reports.put(("address", 1, "tcp://rank1"))
     core = SimpleNamespace(kv_pool=pool, model_config=SimpleNamespace(num_kv_heads=4),
-                           tp=SimpleNamespace(size=2), tp_reports=reports)
+                           tp=SimpleNamespace(size=2), tp_reports=reports,
+                           config=SimpleNamespace(tp=2))
     conn = connector.connector(TransferConfig(role, "tcp", 60.0, "w"), core)
     rank0 = []
     monkeypatch.setattr(conn.part, "poll", lambda: [rank0.pop(0)] if rank0 else [])
