@@ -48,13 +48,17 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 tl = None  # triton.language, bound when _kernels is first built
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   scoring_func: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights float32 [T, K], topk_ids int64 [T, K]).
 
-    Softmax in float32 over all experts, the K largest (torch.topk: the order and the choice
-    among equal values are transformers'), renormalised to sum 1 when `renormalize`."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    Softmax in float32 over all experts (or the sigmoid), the K largest (torch.topk: the order
+    and the choice among equal values are transformers'), renormalised to sum 1 when
+    `renormalize`. kernels/moe_routing.py is its one-launch Triton version."""
+    if scoring_func == "sigmoid":
+        probs = router_logits.float().sigmoid()
+    else:
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
