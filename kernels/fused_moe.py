@@ -109,8 +109,14 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 
 
 def _finish(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.Tensor:
-    """float32 [T, K, H] -> the sum over K in top-k order, rounded once (or as it is)."""
-    return weighted.sum(dim=1).to(dtype) if reduce else weighted
+    """float32 [T, K, H] -> the sum over K in top-k order, one add after another as the Triton
+    reduce adds (torch's sum over K adds in another order on CUDA), rounded once; or as it is."""
+    if not reduce:
+        return weighted
+    total = weighted[:, 0]
+    for k in range(1, weighted.shape[1]):
+        total = total + weighted[:, k]
+    return total.to(dtype)
 
 
 # ----------------------------------------------------------------------------- Triton
