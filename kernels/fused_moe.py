@@ -26,7 +26,11 @@ moe_align_block_size), so every block of rows reads one expert's weights:
   1. gate/up: a grouped GEMM of the block's tokens with their expert's [gate | up] rows, both
      halves accumulated side by side, SiLU-and-mul in the epilogue -> [T*K, I];
   2. down: a grouped GEMM with the expert's down rows, each row times its routing weight ->
-     float32 [T*K, H], summed over K in torch.
+     float32 [T*K, H];
+  3. reduce: each token's K rows summed in float32 in top-k order (rows of pairs routed to
+     another rank's experts skipped), rounded to the dtype once -> [T, H]. One launch for what
+     torch does in three (zero-fill, sum, cast); reduce=False returns the float32 rows, zeros
+     where another rank's experts were chosen.
 Nothing syncs with the host (the padded length is read on the device, the grid is sized for
 the worst case), so CUDA graphs capture it. It runs on CUDA tensors, or on CPU tensors when
 PD_SERVE_TRITON_CPU=1 (Triton's interpreter); otherwise the reference.
@@ -48,13 +52,17 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 tl = None  # triton.language, bound when _kernels is first built
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   scoring_func: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights float32 [T, K], topk_ids int64 [T, K]).
 
-    Softmax in float32 over all experts, the K largest (torch.topk: the order and the choice
-    among equal values are transformers'), renormalised to sum 1 when `renormalize`."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    Softmax in float32 over all experts (or the sigmoid), the K largest (torch.topk: the order
+    and the choice among equal values are transformers'), renormalised to sum 1 when
+    `renormalize`. kernels/moe_routing.py is its one-launch Triton version."""
+    if scoring_func == "sigmoid":
+        probs = router_logits.float().sigmoid()
+    else:
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -101,8 +109,14 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 
 
 def _finish(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.Tensor:
-    """float32 [T, K, H] -> the sum over K in top-k order, rounded once (or as it is)."""
-    return weighted.sum(dim=1).to(dtype) if reduce else weighted
+    """float32 [T, K, H] -> the sum over K in top-k order, one add after another as the Triton
+    reduce adds (torch's sum over K adds in another order on CUDA), rounded once; or as it is."""
+    if not reduce:
+        return weighted
+    total = weighted[:, 0]
+    for k in range(1, weighted.shape[1]):
+        total = total + weighted[:, k]
+    return total.to(dtype)
 
 
 # ----------------------------------------------------------------------------- Triton
@@ -119,7 +133,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, reduce,
                              w13_scale, w2_scale)
     global triton_launches
-    gate_up_kernel, down_kernel = _kernels.load()
+    gate_up_kernel, down_kernel, reduce_kernel = _kernels.load()
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -128,8 +142,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     block_m, block_n, block_k, num_warps, num_stages = block_config(num_tokens * top_k, num_experts,
                                                                     hidden, inter)
-    sorted_ids, block_experts, num_padded = moe_align(topk_ids - expert_offset, num_experts,
-                                                      block_m)
+    sorted_ids, block_experts, num_padded = moe_align(topk_ids, num_experts, block_m,
+                                                      expert_offset)
     num_pairs = num_tokens * top_k
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     fp8 = w13_scale is not None
@@ -143,14 +157,28 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          top_k, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n,
                          BLOCK_K=block_k, PRECISION=precision, W_FP8=fp8, num_warps=num_warps,
                          num_stages=num_stages)
-    out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [T*K, H]
+    # [T*K, H]: reduce skips the rows the down kernel leaves unwritten; unreduced, they are 0
+    out = (torch.empty if reduce else torch.zeros)(num_pairs, hidden, dtype=torch.float32,
+                                                   device=x.device)
     grid = (block_experts.numel(), -(-hidden // block_n))
     down_kernel[grid](h, w2, w2_scale, out, topk_weights.float().contiguous(), sorted_ids,
                       block_experts, num_padded, num_pairs, hidden, inter, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, W_FP8=fp8,
                       num_warps=num_warps, num_stages=num_stages)
     triton_launches += 2
-    return _finish(out.view(num_tokens, top_k, hidden), x.dtype, reduce)
+    if not reduce:
+        return out.view(num_tokens, top_k, hidden)
+    reduced = x.new_empty(num_tokens, hidden)  # [T, H]
+    block_h = min(1024, _pow2(hidden))
+    reduce_kernel[(num_tokens, -(-hidden // block_h))](
+        out, topk_ids.contiguous(), reduced, top_k, hidden, expert_offset, num_experts,
+        BLOCK_H=block_h, num_warps=4)
+    triton_launches += 1
+    return reduced
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def block_config(num_pairs: int, num_experts: int, hidden: int = 1 << 30,
@@ -173,7 +201,7 @@ def block_config(num_pairs: int, num_experts: int, hidden: int = 1 << 30,
 
 @lazy_kernel("the fused MoE")
 def _kernels(triton):
-    """(gate/up + SiLU-and-mul kernel, down + routing-weight kernel)."""
+    """(gate/up + SiLU-and-mul kernel, down + routing-weight kernel, sum-over-K kernel)."""
     @triton.jit
     def gate_up_kernel(x_ptr, w_ptr, scale_ptr, h_ptr, sorted_ptr, experts_ptr, num_padded_ptr,
                        num_pairs, top_k, hidden, inter, BLOCK_M: tl.constexpr,
@@ -247,7 +275,22 @@ def _kernels(triton):
         tl.store(out_ptr + pairs[:, None] * hidden + cols[None, :], out,
                  mask=valid[:, None] & col_ok[None, :])
 
-    return gate_up_kernel, down_kernel
+    @triton.jit
+    def reduce_kernel(pairs_ptr, ids_ptr, out_ptr, top_k, hidden, expert_offset, num_experts,
+                      BLOCK_H: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        col_ok = cols < hidden
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k in range(0, top_k):  # in top-k order, as the reference's sum
+            pair = token * top_k + k
+            expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
+            here = (expert >= 0) & (expert < num_experts)  # else nothing: all columns masked
+            acc += tl.load(pairs_ptr + pair * hidden + cols,
+                           mask=cols < tl.where(here, hidden, 0), other=0.0)
+        tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+    return gate_up_kernel, down_kernel, reduce_kernel
 
 
 # ----------------------------------------------------------------------------- validation

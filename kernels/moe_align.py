@@ -8,7 +8,9 @@ block size: the fused MoE's row order (SGLang's and vLLM's moe_align_block_size)
                                               used rows hold the last expert)
                        num_padded int32 [1]   rows used
 S = T*K + min(E, T*K) * (block_m - 1), rounded up to block_m: the most any routing can use.
-Ids outside [0, E) (another rank's experts) are left out.
+Ids are taken less `expert_offset` (an expert-parallel rank's first expert; subtracted in
+the kernel, not by a launch of its own); ids then outside [0, E) (another rank's experts) are
+left out.
 
 `moe_align_ref` does it in about fifteen torch ops; at decode sizes their launches cost more
 than the experts' GEMMs (~56 us a layer on an H200 in a CUDA graph), so up to MAX_PAIRS pairs
@@ -32,12 +34,12 @@ def output_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int,
-              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              expert_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids, block_experts, num_padded) as the module docstring says."""
     num_pairs = topk_ids.numel()
     if num_pairs > MAX_PAIRS or not _kernel.runs_on(topk_ids):
-        return moe_align_ref(topk_ids, num_experts, block_m)
+        return moe_align_ref(topk_ids, num_experts, block_m, expert_offset)
     kernel = _kernel.load()
     device = topk_ids.device
     size = output_size(num_pairs, num_experts, block_m)
@@ -46,7 +48,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)  # scratch
     kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_experts, num_padded, starts,
-                 num_pairs, num_experts, size, BLOCK_M=block_m, PAIRS=_pow2(num_pairs),
+                 num_pairs, num_experts, expert_offset, size, BLOCK_M=block_m, PAIRS=_pow2(num_pairs),
                  EXPERTS=_pow2(num_experts), BLOCKS=_pow2(size // block_m), TILE=32, num_warps=8)
     return sorted_ids, block_experts, num_padded
 
@@ -55,10 +57,10 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def moe_align_ref(topk_ids: torch.Tensor, num_experts: int,
-                  block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                  expert_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch ops (any size): a stable argsort by expert, padded offsets, searchsorted."""
-    flat = topk_ids.reshape(-1).long()  # [T*K]
+    flat = topk_ids.reshape(-1).long() - expert_offset  # [T*K]
     flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: elsewhere
     num_pairs, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
@@ -85,20 +87,21 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int,
 def _kernel(triton):
     @triton.jit
     def align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, starts_ptr,
-                     num_pairs, num_experts, size, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+                     num_pairs, num_experts, expert_offset, size, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
                      EXPERTS: tl.constexpr, BLOCKS: tl.constexpr, TILE: tl.constexpr):
         pairs = tl.arange(0, PAIRS)
         pair_ok = pairs < num_pairs
-        ids = tl.load(ids_ptr + pairs, mask=pair_ok, other=-1).to(tl.int32)
-        ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1)  # -1: elsewhere (or padding)
+        ids = tl.load(ids_ptr + pairs, mask=pair_ok, other=-1).to(tl.int32) - expert_offset
+        ids = tl.where(pair_ok & (ids >= 0) & (ids < num_experts), ids, -1)  # -1: elsewhere (or padding)
         experts = tl.arange(0, EXPERTS)
         # counts[e] and rank[p] (pairs before p with p's expert), a tile of pairs at a time
         counts = tl.zeros((EXPERTS,), dtype=tl.int32)
         rank = tl.zeros((PAIRS,), dtype=tl.int32)
         for q0 in range(0, PAIRS, TILE):
             qs = q0 + tl.arange(0, TILE)
-            q_ids = tl.load(ids_ptr + qs, mask=qs < num_pairs, other=-1).to(tl.int32)
-            q_ids = tl.where((q_ids >= 0) & (q_ids < num_experts), q_ids, -1)
+            q_ok = qs < num_pairs
+            q_ids = tl.load(ids_ptr + qs, mask=q_ok, other=-1).to(tl.int32) - expert_offset
+            q_ids = tl.where(q_ok & (q_ids >= 0) & (q_ids < num_experts), q_ids, -1)
             counts += tl.sum((experts[:, None] == q_ids[None, :]).to(tl.int32), axis=1)
             before = (ids[:, None] == q_ids[None, :]) & (qs[None, :] < pairs[:, None])
             rank += tl.sum(before.to(tl.int32), axis=1)

@@ -12,8 +12,8 @@ checkpoint tensors). FP8 experts (`--quantization fp8` at load, or an FP8 checkp
 per-expert `weight` + `weight_scale`) hold them in float8_e4m3fn with per-channel scales
 beside, and run weight-only (kernels/fused_moe.py); the router stays dense.
 
-`backend` is `--moe-runner-backend`: "triton" (kernels/fused_moe.py's fused kernel; no host
-sync, so CUDA graphs capture it) or "torch" (its reference, a loop over the experts hit).
+`backend` is `--moe-runner-backend`: "triton" (kernels/moe_routing.py's one-launch top-k, then
+kernels/fused_moe.py's fused kernel; no host sync, so CUDA graphs capture them) or "torch" (its reference, a loop over the experts hit).
 Under expert parallelism (`--ep-size`, model/parallel.py) a block holds a slice of the experts
 from `expert_offset`, and every rank has the same tokens (attention is split by --tp or
 replicated). Each rank takes its share of the tokens, dispatches their (token, expert) pairs to
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
+from kernels.moe_routing import route
 from pd_serve.config import MOE_RUNNER_BACKENDS
 from pd_serve.model import fp8 as fp8_format
 from pd_serve.model.config import ModelConfig
@@ -93,8 +94,9 @@ class SparseMoeBlock(nn.Module):
         if self.grouped_cfg is not None:
             topk_weights, topk_ids = grouped_topk(x, self.gate.weight, self.grouped_cfg,
                                                   getattr(self.gate, "e_score_correction_bias", None))
-        else:
-            topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        else:  # triton: one routing launch (kernels/moe_routing.py); torch: the reference
+            routing = route if self.backend == "triton" else select_experts
+            topk_weights, topk_ids = routing(self.gate(x), self.top_k, self.renormalize)
         if self.ep is None:
             out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,
                                       topk_weights, topk_ids, **self.experts.scales)

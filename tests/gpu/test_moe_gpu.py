@@ -1,6 +1,7 @@
 """An MoE model on a GPU (skipped without CUDA): decode through CUDA graphs with the fused
 Triton MoE gives the greedy tokens of the eager engine on the torch reference MoE, at a batch
-size that needs bucket padding (float32, so the two only differ in summation order)."""
+size that needs bucket padding (float32, so the two only differ in summation order); and the
+routing kernel against its reference, eager and replayed in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -27,3 +28,33 @@ def test_graphs_with_the_fused_moe_equal_the_eager_reference(tiny_moe_checkpoint
         del engine
         torch.cuda.empty_cache()
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (64, 128, 8), (5, 60, 4), (3, 8, 2)])
+def test_routing_kernel_equals_the_reference_and_replays(dtype, tokens, experts, top_k):
+    """kernels/moe_routing.py on the GPU against select_experts (ids exact where no chosen
+    logit ties; equal logits go lowest id first), then in a CUDA graph on new logits."""
+    from kernels.fused_moe import select_experts
+    from kernels.moe_routing import route
+
+    def check(logits, weights, ids):
+        want_weights, want_ids = select_experts(logits, top_k, True)
+        lowest_first = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :top_k]
+        assert torch.equal(ids.long(), lowest_first)
+        assert torch.equal(logits.gather(1, ids.long()), logits.gather(1, want_ids))
+        torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    logits = (2 * torch.randn(tokens, experts, generator=gen)).to("cuda", dtype)
+    logits[0, : 2 * top_k] = 1.5  # a tie across the top-k boundary
+    weights, ids = route(logits, top_k, True)
+    assert ids.dtype == torch.int32
+    check(logits, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route(logits, top_k, True)
+    logits.copy_((2 * torch.randn(tokens, experts, generator=gen)).to(dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(logits, weights, ids)

@@ -54,7 +54,7 @@ def test_fused_moe_equals_the_reference(device, dtype, shape, ties):
         assert torch.equal(weights[:2], torch.full_like(weights[:2], 1 / shape[4]))
     launches = fm.triton_launches
     got = fm.fused_moe(x, w13, w2, weights, ids)
-    assert fm.triton_launches == launches + 2  # the Triton path ran
+    assert fm.triton_launches == launches + 3  # the Triton path ran: GEMMs and reduce
     want = fm.fused_moe_ref(x, w13, w2, weights, ids)
     rtol, atol = TOLERANCE[dtype]
     assert got.dtype == dtype and got.shape == want.shape
@@ -101,6 +101,13 @@ def test_moe_align_kernel_equals_its_torch_ops(device, tokens, experts, top_k, b
     want = ma.moe_align_ref(ids, experts, block_m)
     for g, w in zip(got, want):
         assert torch.equal(g.cpu(), w.cpu())
+    # the offset taken inside (fused_moe's expert_offset), int32 ids as kernels/moe_routing.py's
+    raw = (ids + offset).to(torch.int32)
+    for g, w in zip(ma.moe_align(raw, experts, block_m, offset),
+                    ma.moe_align_ref(raw, experts, block_m, offset)):
+        assert torch.equal(g.cpu(), w.cpu())
+    for g, w in zip(got, ma.moe_align_ref(raw, experts, block_m, offset)):
+        assert torch.equal(g.cpu(), w.cpu())
 
 
 @needs_triton
@@ -116,6 +123,27 @@ def test_expert_slices_sum_to_the_whole(device, dtype, fn):
     assert halves[0].dtype == torch.float32 and halves[0].shape == (9, 3, 64)
     whole = run(x, w13, w2, weights, ids)
     assert torch.equal((halves[0] + halves[1]).sum(dim=1).to(dtype), whole)
+
+
+@needs_triton
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("offset", [0, 4])
+def test_reduce_kernel_sums_over_k_as_torch(device, dtype, offset):
+    """The reduce launch is the float32 sum over K in top-k order, one add after another,
+    rounded once, bit for bit (as the reference's; torch's sum(dim=1) adds in another order on
+    CUDA); under an expert offset the pairs of other ranks' experts add nothing."""
+    x, w13, w2, weights, ids = _inputs((6, 64, 32, 12, 8), device, dtype, seed=5)
+    w13, w2 = w13[offset:offset + 8], w2[offset:offset + 8]
+    pairs = fm.fused_moe(x, w13, w2, weights, ids, expert_offset=offset, reduce=False)
+    launches = fm.triton_launches
+    got = fm.fused_moe(x, w13, w2, weights, ids, expert_offset=offset)
+    assert fm.triton_launches == launches + 3
+    total = pairs[:, 0]
+    for k in range(1, 8):
+        total = total + pairs[:, k]
+    assert torch.equal(got, total.to(dtype))
+    local = ids - offset
+    assert (pairs[(local < 0) | (local >= 8)] == 0).all()
 
 
 @needs_cuda
@@ -155,7 +183,7 @@ def test_fp8_fused_moe_equals_the_reference(device, dtype, shape):
     x = x.to(dtype)
     launches = fm.triton_launches
     got = fm.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
-    assert fm.triton_launches == launches + 2
+    assert fm.triton_launches == launches + 3
     want = fm.fused_moe_ref(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
     rtol, atol = TOLERANCE[dtype]
     assert got.dtype == dtype

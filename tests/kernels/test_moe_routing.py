@@ -1,0 +1,94 @@
+"""The one-launch Triton routing (kernels/moe_routing.py) against `select_experts`.
+
+On CPU the kernel runs in Triton's interpreter (tests/kernels/conftest.py). The ids must be
+the reference's exactly where the logits differ; equal logits go lowest id first (torch.topk's
+order among them is its algorithm's, so there the weights are checked as values)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kernels import moe_routing as mr
+from kernels.fused_moe import select_experts
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CASES = [
+    pytest.param("cpu", torch.float32, id="cpu-float32"),
+    pytest.param("cpu", torch.float16, id="cpu-float16"),
+    *[pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}", marks=needs_cuda)
+      for dtype in (torch.float32, torch.float16, torch.bfloat16)],
+]
+
+
+def _logits(tokens, experts, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(tokens, experts, generator=gen)).to(device=device, dtype=dtype)
+
+
+def _lowest_id_first(logits, top_k):
+    """The kernel's rule: descending logits, equal ones by ascending id."""
+    return torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :top_k]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("experts", [8, 60, 128])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
+def test_routing_equals_select_experts(device, dtype, tokens, experts, top_k, renormalize):
+    logits = _logits(tokens, experts, dtype, device, seed=tokens * experts + top_k)
+    weights, ids = mr.route(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32  # the kernel ran
+    _check(logits, top_k, weights, ids, *select_experts(logits, top_k, renormalize))
+
+
+def _check(logits, top_k, weights, ids, want_weights, want_ids):
+    """ids by the lowest-id rule, the reference's where no chosen logit ties (fp16 logits
+    sometimes do); the same chosen values and weights as the reference's always."""
+    assert torch.equal(ids.long(), _lowest_id_first(logits, top_k))
+    chosen = logits.gather(1, want_ids)
+    assert torch.equal(logits.gather(1, ids.long()), chosen)
+    untied = torch.tensor([row.unique().numel() == top_k and int((logits[t] == row.min()).sum()) == 1
+                           for t, row in enumerate(chosen)], device=ids.device)
+    assert torch.equal(ids.long()[untied], want_ids[untied])
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (128, 8)])
+def test_ties_go_to_the_lowest_id(device, dtype, experts, top_k):
+    """Rows of equal logits in pairs, a row of all-equal logits (CUDA-graph padding: zeros),
+    and a row whose top K are one value: the kernel takes the lowest ids, with the reference's
+    weights."""
+    logits = _logits(4, experts, dtype, device, seed=7)
+    logits[0] = logits[0, torch.arange(experts) // 2]  # every value twice, side by side
+    logits[1] = logits[1].flip(0)[torch.arange(experts) // 2]
+    logits[2] = 0.0
+    logits[3, ::3] = 5.0  # more than K experts share the top value
+    weights, ids = mr.route(logits, top_k, renormalize=True)
+    _check(logits, top_k, weights, ids, *select_experts(logits, top_k, renormalize=True))
+
+
+@pytest.mark.parametrize("device,dtype", CASES[:2])
+def test_sigmoid_scores_and_strided_logits(device, dtype):
+    """Sigmoid scoring (DeepSeek-V3 without groups), and logits that are a column slice of a
+    wider tensor (a row stride != E)."""
+    wide = _logits(5, 80, dtype, device, seed=3)
+    logits = wide[:, 10:70]
+    for scoring in ("sigmoid", "softmax"):
+        weights, ids = mr.route(logits, 4, renormalize=scoring == "softmax", scoring_func=scoring)
+        _check(logits, 4, weights, ids, *select_experts(logits, 4, scoring == "softmax", scoring))
+
+
+def test_no_tokens_and_bad_arguments():
+    weights, ids = mr.route(torch.zeros(0, 8), 2, True)
+    assert weights.shape == ids.shape == (0, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        mr.route(torch.zeros(3, 8), 9, True)
+    with pytest.raises(ValueError, match="scoring_func"):
+        mr.route(torch.zeros(3, 8), 2, True, scoring_func="relu")
