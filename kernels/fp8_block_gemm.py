@@ -10,7 +10,9 @@ scale and the weight block's scale before adding it to the accumulator:
 
     y[t, n] = sum_b a[t, b] * s[n // bn, b] * sum_{k in block b} q[t, k] * weight[n, k]
 
-N and K need not be multiples of the block (ragged edges are masked). The Triton kernel runs on
+N and K need not be multiples of the block (ragged edges are masked). The scales may also come
+per row, [N, ceil(K / bk)] (`row_scales`: each row its block's scales): a layer that fuses
+parts not aligned to bn (q/k/v of a small model) or is sharded by rows keeps them so. The Triton kernel runs on
 CUDA tensors (and on CPU in Triton's interpreter under PD_SERVE_TRITON_CPU=1, the tests); the
 torch reference `block_linear_ref` (dequantize both and matmul) runs everywhere else.
 """
@@ -40,11 +42,18 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return q.view(num_tokens, -1)[:, :k].contiguous(), scale
 
 
+def row_scales(scale_inv: torch.Tensor, n: int, block: tuple[int, int]) -> torch.Tensor:
+    """Block scales [ceil(N / bn), Kb] -> per-row scales float32 [N, Kb] (already per row: as is)."""
+    if scale_inv.shape[0] == n:
+        return scale_inv.float()
+    return scale_inv.float().repeat_interleave(block[0], 0)[:n].contiguous()
+
+
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense weight [N, K] of a block-scaled FP8 weight (computed in float32)."""
+    """The dense weight [N, K] of a block-scaled FP8 weight (block or row scales; float32 math)."""
     n, k = weight.shape
-    s = scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    s = row_scales(scale_inv, n, block).repeat_interleave(block[1], 1)[:, :k]
     return (weight.float() * s).to(dtype)
 
 
@@ -91,31 +100,30 @@ def block_gemm(q: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
                scale_inv: torch.Tensor, block: tuple[int, int],
                out_dtype: torch.dtype) -> torch.Tensor:
     """The Triton GEMM: q float8 [T, K] with group scales a_scale [T, ceil(K / bk)], weight
-    float8 [N, K] with block scales scale_inv [ceil(N / bn), ceil(K / bk)] -> [T, N]."""
+    float8 [N, K] with block scales scale_inv [ceil(N / bn), ceil(K / bk)] (or row scales
+    [N, ceil(K / bk)]) -> [T, N]."""
     global triton_launches
     (t, k), n = q.shape, weight.shape[0]
-    bn, bk = block
-    if weight.shape[1] != k or scale_inv.shape != (-(-n // bn), -(-k // bk)):
+    bk = block[1]
+    num_k_blocks = -(-k // bk)
+    if weight.shape[1] != k or scale_inv.shape not in ((-(-n // block[0]), num_k_blocks),
+                                                       (n, num_k_blocks)):
         raise ValueError(f"block GEMM shapes: x {tuple(q.shape)}, weight {tuple(weight.shape)}, "
                          f"scales {tuple(scale_inv.shape)} for blocks {block}")
+    if bk not in (32, 64, 128, 256):
+        raise ValueError(f"block {block}: the kernel takes K blocks of 32, 64, 128 or 256")
     kernel = _kernel.load()
     out = torch.empty(t, n, dtype=out_dtype, device=q.device)
-    block_m = 16 if t <= 16 else 64
-    block_n = min(128, bn)
-    if bn % block_n or bk > 256:
-        raise ValueError(f"block {block}: the kernel tiles N by {block_n} inside a block")
-    grid = (triton_cdiv(t, block_m), triton_cdiv(n, block_n))
-    a_scale, scale_inv = a_scale.float().contiguous(), scale_inv.float().contiguous()
+    block_m, block_n = (16 if t <= 16 else 64), 128
+    grid = (-(-t // block_m), -(-n // block_n))
+    a_scale = a_scale.float().contiguous()
+    scale_inv = row_scales(scale_inv, n, block).contiguous()  # [N, Kb]
     kernel[grid](q, a_scale, weight, scale_inv, out, t, n, k, q.stride(0), weight.stride(0),
                  a_scale.stride(0), scale_inv.stride(0), out.stride(0),
-                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_N=bn,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
                  UPCAST=not q.is_cuda, num_warps=4, num_stages=3 if q.is_cuda else 1)
     triton_launches += 1
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @lazy_kernel("the block-scaled FP8 GEMM")
@@ -124,13 +132,12 @@ def _kernel(triton):
     def fp8_block_gemm_kernel(q_ptr, a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, q_stride, w_stride,
                               a_stride, s_stride, out_stride, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              GROUP_N: tl.constexpr, UPCAST: tl.constexpr):
+                              UPCAST: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
         ks = tl.arange(0, BLOCK_K)
-        s_row = s_ptr + (pid_n * BLOCK_N // GROUP_N) * s_stride  # the tile's weight scale row
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
             k_ok = kb * BLOCK_K + ks < K
@@ -143,8 +150,8 @@ def _kernel(triton):
             else:
                 part = tl.dot(a, w)
             a_s = tl.load(a_ptr + rows * a_stride + kb, mask=row_ok, other=0.0)  # [BM]
-            w_s = tl.load(s_row + kb)  # the weight block's scale
-            acc += part * a_s[:, None] * w_s
+            w_s = tl.load(s_ptr + cols * s_stride + kb, mask=col_ok, other=0.0)  # [BN]
+            acc += part * a_s[:, None] * w_s[None, :]
         tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -73,3 +73,13 @@ def test_block_gemm_gpu(device, m, n, k):
     out = bg.block_linear(x, weight, scale_inv, BLOCK)
     ref = bg.block_linear_ref(x.float(), weight, scale_inv, BLOCK)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@needs_triton
+def test_row_scales_interpreter():
+    """Per-row scales (what a fused or sharded layer keeps) give the same product."""
+    x, weight, scale_inv = operands(7, 200, 300, "cpu", torch.float32)
+    rows = bg.row_scales(scale_inv, 200, BLOCK)
+    assert rows.shape == (200, 3)
+    torch.testing.assert_close(bg.block_linear(x, weight, rows, BLOCK),
+                               bg.block_linear_ref(x, weight, scale_inv, BLOCK), rtol=1e-4, atol=1e-4)
