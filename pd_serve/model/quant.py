@@ -36,6 +36,7 @@ from kernels import fp8_block_gemm as block_gemm
 from kernels.w4a16 import w4a16_matmul
 from pd_serve.config import QUANTIZATIONS
 from pd_serve.model import fp8
+from pd_serve.model.layers import Linear
 from pd_serve.model.gptq import (GPTQConfig, check_layout, dequantize_t, quantize_rtn,
                                  sort_act_order, trivial_g_idx)
 
@@ -306,6 +307,18 @@ class Fp8BlockLinear(QuantLinear):
         if keep_dense:
             self.dense = block_gemm.dequantize_blocks(self.weight, self.weight_scale_inv,
                                                       self.block, self.dtype)
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Module:
+        """The layer as a plain Linear of its dequantized weight (MLA's kv_b_proj, whose
+        weight the attention backend reads itself)."""
+        dense = Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                       device=self.weight.device, dtype=self.dtype)
+        dense.weight.copy_(block_gemm.dequantize_blocks(self.weight, self.weight_scale_inv,
+                                                        self.block, self.dtype))
+        if self.bias is not None:
+            dense.bias.copy_(self.bias)
+        return dense.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
         """The layer on x; silu_and_mul: a [gate | up] layer's activation too."""

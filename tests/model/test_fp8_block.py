@@ -22,7 +22,8 @@ from pd_serve.eval import score_tokens
 from pd_serve.model.fp8 import Fp8Config
 from pd_serve.model.quant import Fp8BlockLinear
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def write_block_fp8(src: Path, dst: Path, block: list[int]) -> tuple[Path, Path]:
@@ -98,3 +99,24 @@ def test_wrong_block_scale_shape_is_named(tmp_path, tiny_checkpoints):
     save_file(tensors, fp8_dir / "model.safetensors")
     with pytest.raises(ValueError, match="down_proj.weight_scale_inv.*need"):
         _core(fp8_dir)
+
+
+def test_block_fp8_deepseek_v3_equals_its_dequantized_model(tmp_path, tiny_checkpoint_writer,
+                                                            default_model_dir):
+    """MLA projections (kv_b_proj dequantized at load: attention reads its weight), the dense
+    first layer's MLP, shared experts (Fp8BlockLinear) and routed experts (dequantized to the
+    model dtype at load: weight-only, so the reference does not round their inputs)."""
+    src = tiny_checkpoint_writer("deepseek_v3", tmp_path / "src", default_model_dir, seed=13)
+    fp8_dir, dense_dir = write_block_fp8(src, tmp_path, [16, 32])
+    core, dense = _core(fp8_dir), _core(dense_dir)
+    attn = core.model.model.layers[0].self_attn
+    assert isinstance(attn.kv_a_proj_with_mqa, Fp8BlockLinear)
+    assert not isinstance(attn.kv_b_proj, Fp8BlockLinear)
+    assert isinstance(core.model.model.layers[-1].mlp.shared_expert.down_proj, Fp8BlockLinear)
+    for module in dense.model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(_round_per_group(32))
+    ids = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    quantized, reference = score_tokens(core, ids), score_tokens(dense, ids)
+    assert torch.equal(quantized.top1, reference.top1)
+    torch.testing.assert_close(quantized.nll, reference.nll, rtol=1e-4, atol=1e-4)
