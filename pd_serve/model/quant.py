@@ -280,7 +280,7 @@ class Fp8BlockLinear(QuantLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
                  config: fp8.Fp8Config):
         super().__init__(in_features, out_sizes, bias, dtype)
-        self.block = config.weight_block_size
+        self.config, self.block = config, config.weight_block_size
         self.register_buffer("weight", torch.empty(self.out_features, in_features,
                                                    dtype=fp8.FP8_DTYPE))
         self.register_buffer("weight_scale_inv", torch.empty(
@@ -307,6 +307,40 @@ class Fp8BlockLinear(QuantLinear):
         if keep_dense:
             self.dense = block_gemm.dequantize_blocks(self.weight, self.weight_scale_inv,
                                                       self.block, self.dtype)
+
+    @torch.no_grad()
+    def shard(self, rows: list[int] | None = None,
+              columns: tuple[int, int] | None = None) -> Fp8BlockLinear:
+        """A tensor-parallel shard: output rows `rows` (any: the scales are kept per row;
+        the bias goes with them) or input columns [start, start + size) (no bias: the
+        row-parallel caller adds it after the all-reduce). A column shard must start on a bk
+        block boundary and end on one or at the last column, so that no activation group
+        straddles two ranks: ValueError otherwise."""
+        weight, scale, bias = self.weight, self.weight_scale_inv, self.bias
+        if rows is not None:
+            index = torch.tensor(rows, device=weight.device)
+            weight, scale = weight[index], scale[index]
+            bias = None if bias is None else bias[index]
+        in_features = self.in_features
+        if columns is not None:
+            (start, size), bk = columns, self.block[1]
+            if start % bk or ((start + size) % bk and start + size != self.in_features):
+                raise ValueError(f"input columns [{start}, {start + size}) of a block-wise FP8 "
+                                 f"layer do not fall on its {bk}-column blocks; choose a --tp "
+                                 "that splits the layer's input at block boundaries")
+            weight = weight[:, start:start + size]
+            scale = scale[:, start // bk:-(-(start + size) // bk)]
+            in_features, bias = size, None
+        with torch.device(weight.device):
+            layer = Fp8BlockLinear(in_features, [weight.shape[0]], bias is not None, self.dtype,
+                                   self.config)
+        layer.load("weight", weight.contiguous(), None)
+        layer.weight_scale_inv.copy_(scale)
+        layer._loaded.add(("weight_scale_inv", 0))
+        if bias is not None:
+            layer.load("bias", bias, None)
+        layer.finish_loading(keep_dense=self.dense is not None)
+        return layer
 
     @torch.no_grad()
     def to_dense(self) -> nn.Module:

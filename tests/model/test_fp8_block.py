@@ -120,3 +120,35 @@ def test_block_fp8_deepseek_v3_equals_its_dequantized_model(tmp_path, tiny_check
     quantized, reference = score_tokens(core, ids), score_tokens(dense, ids)
     assert torch.equal(quantized.top1, reference.top1)
     torch.testing.assert_close(quantized.nll, reference.nll, rtol=1e-4, atol=1e-4)
+
+
+def test_tp_2_equals_tp_1(tmp_path, tiny_checkpoints):
+    """Engine(tp=2) on a block-wise FP8 Llama: q/k/v and gate/up split by rows (scales per
+    row), o_proj and down_proj by input columns on their 32-column blocks."""
+    from pd_serve import Engine, SamplingParams
+
+    fp8_dir, _ = write_block_fp8(tiny_checkpoints["llama3"], tmp_path, [16, 32])
+    prompts = [[5, 17, 300, 42, 9, 1000, 7], [88, 3, 4096]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    options = dict(device="cpu", max_total_tokens=128, page_size=4)
+    want = Engine(fp8_dir, **options).generate(prompts, params)
+    engine = Engine(fp8_dir, tp=2, **options)
+    try:
+        got = engine.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    finally:
+        engine.close()
+
+
+def test_shard_off_the_blocks_is_refused():
+    """A row-parallel split must fall on the weight's K blocks; rows may split anywhere."""
+    linear = torch.nn.Linear(192, 40, bias=False)
+    cfg = Fp8Config(checkpoint=True, weight_block_size=(16, 64))
+    layer = Fp8BlockLinear.from_linear(linear, [40], cfg, keep_dense=True)
+    x = torch.randn(3, 192)
+    halves = [layer.shard(columns=(0, 128)), layer.shard(columns=(128, 64))]
+    torch.testing.assert_close(halves[0](x[:, :128]) + halves[1](x[:, 128:]), layer(x),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.shard(rows=list(range(7, 30)))(x), layer(x)[:, 7:30])
+    with pytest.raises(ValueError, match="do not fall on its 64-column blocks"):
+        layer.shard(columns=(0, 96))
