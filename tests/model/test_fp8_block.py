@@ -152,3 +152,23 @@ def test_shard_off_the_blocks_is_refused():
     torch.testing.assert_close(layer.shard(rows=list(range(7, 30)))(x), layer(x)[:, 7:30])
     with pytest.raises(ValueError, match="do not fall on its 64-column blocks"):
         layer.shard(columns=(0, 96))
+
+
+def test_deepseek_v3_tp_2_equals_tp_1(tmp_path, tiny_checkpoint_writer, default_model_dir):
+    """MLA's q_b_proj by rows, o_proj by input columns, the latent's projections whole; the
+    dense experts split over the ranks (ep = tp). Blocks of 16 columns, so that every
+    row-parallel input of the tiny model splits in two on block boundaries."""
+    from pd_serve import Engine, SamplingParams
+
+    src = tiny_checkpoint_writer("deepseek_v3", tmp_path / "src", default_model_dir, seed=13)
+    fp8_dir, _ = write_block_fp8(src, tmp_path, [16, 16])
+    prompts = [[5, 17, 300, 42, 9, 1000, 7], [88, 3, 4096]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    options = dict(device="cpu", max_total_tokens=128, page_size=4)
+    want = Engine(fp8_dir, **options).generate(prompts, params)
+    engine = Engine(fp8_dir, tp=2, ep_size=2, **options)
+    try:
+        got = engine.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    finally:
+        engine.close()
