@@ -10,6 +10,9 @@ quantized ones before any weight is allocated, and load those from the quantized
 FP8 reaches the experts too (moe.py): `--quantization fp8` quantizes them at load, and an FP8
 checkpoint's per-expert `weight` + `weight_scale` load into FP8 experts (their `input_scale`s
 are not used: the experts run weight-only).
+Block-wise FP8 checkpoints (weight_block_size, DeepSeek-V3 / Qwen3-FP8) load their decoder
+and MLA projections as quant.Fp8BlockLinear (MLA's kv_b_proj then dequantized: attention
+reads its weight) and dequantize their routed experts to the model dtype (_load_checkpoint).
 """
 
 from __future__ import annotations
