@@ -21,8 +21,13 @@ else
 `fp8_linear_ref`: x quantized and dequantized per token, times the dequantized weight, so CPU
 numbers carry the FP8 error of weights and activations alike.
 
+Block-wise FP8 (quant_method "fp8" with `weight_block_size` [bn, bk], as DeepSeek-V3 and
+Qwen3-FP8 ship) keeps `weight_scale_inv` float32 [ceil(out / bn), ceil(in / bk)] instead of
+weight_scale and scales activations per token and bk-column group: kernels/fp8_block_gemm.py.
+
 Checkpoints (what vLLM and SGLang load): config.json's `quantization_config` with
-quant_method "fp8" (`activation_scheme` dynamic or static; per-tensor `weight_scale`) or
+quant_method "fp8" (`activation_scheme` dynamic or static; per-tensor `weight_scale`, or
+block-wise `weight_scale_inv`) or
 "compressed-tensors" (format float-quantized: weights 8-bit float, strategy channel or tensor;
 input activations 8-bit float, dynamic per token or static per tensor).
 """
@@ -49,6 +54,9 @@ class Fp8Config:
 
     checkpoint: bool = False  # weights stored in FP8; False: quantized at load (--quantization fp8)
     static_activation: bool = False  # activations scaled by the checkpoint's input_scale
+    # block-wise weights ([bn, bk], e.g. [128, 128]: `weight_scale_inv` per block, activations
+    # scaled per token and bk-column group, kernels/fp8_block_gemm.py); None: per channel
+    weight_block_size: tuple[int, int] | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> Fp8Config:
@@ -56,12 +64,18 @@ class Fp8Config:
         "compressed-tensors"); ValueError names what is unsupported."""
         method = str(config.get("quant_method", "")).lower()
         if method == "fp8":
-            if config.get("weight_block_size"):
-                raise ValueError("block-wise FP8 (weight_block_size) is not supported; "
-                                 "per-tensor and per-channel weight scales are")
             scheme = config.get("activation_scheme", "dynamic")
             if scheme not in ("dynamic", "static"):
                 raise ValueError(f"activation_scheme {scheme!r} is not dynamic or static")
+            block = config.get("weight_block_size")
+            if block is not None:
+                if (not isinstance(block, (list, tuple)) or len(block) != 2
+                        or not all(isinstance(b, int) and b > 0 for b in block)):
+                    raise ValueError(f"weight_block_size {block!r} is not two positive ints")
+                if scheme != "dynamic":
+                    raise ValueError("block-wise FP8 weights take dynamic activation scales "
+                                     f"(per token and group), not {scheme!r} ones")
+                return cls(checkpoint=True, weight_block_size=(block[0], block[1]))
             return cls(checkpoint=True, static_activation=scheme == "static")
         if method == "compressed-tensors":
             return cls(checkpoint=True, static_activation=_compressed_tensors_static(config))

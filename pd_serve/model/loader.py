@@ -10,6 +10,9 @@ quantized ones before any weight is allocated, and load those from the quantized
 FP8 reaches the experts too (moe.py): `--quantization fp8` quantizes them at load, and an FP8
 checkpoint's per-expert `weight` + `weight_scale` load into FP8 experts (their `input_scale`s
 are not used: the experts run weight-only).
+Block-wise FP8 checkpoints (weight_block_size, DeepSeek-V3 / Qwen3-FP8) load their decoder
+and MLA projections as quant.Fp8BlockLinear (MLA's kv_b_proj then dequantized: attention
+reads its weight) and dequantize their routed experts to the model dtype (_load_checkpoint).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from pd_serve.model.checkpoint import checkpoint_files, kv_scale_target
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
 from pd_serve.model.moe import Experts, SparseMoeBlock
-from pd_serve.model.quant import QuantLinear, QuantMethod, quantization_method
+from kernels import fp8_block_gemm as block_gemm
+from pd_serve.model.quant import Fp8BlockLinear, QuantLinear, QuantMethod, quantization_method
 from pd_serve.model.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -42,7 +46,8 @@ _FUSED = {
     "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
 # One expert's tensor: (prefix, expert, its name); the name -> (our stacked parameter, part).
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|input_scale)$")
+_EXPERT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|weight_scale_inv|input_scale)$")
 _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
                  "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
                  "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
@@ -50,6 +55,10 @@ _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
 # has them (an MoE layer: attention and the shared expert; its router stays dense).
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
             "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
+# MLA's projections (block-wise FP8 checkpoints); kv_b_proj is dequantized once loaded, as
+# the attention backend reads its weight itself (absorption).
+_MLA_LINEARS = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
+                "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj")
 # A checkpoint's FP8 expert scale: the layer it belongs to.
 _FP8_EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.\d+\.\w+\.weight_scale$")
@@ -79,9 +88,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         raise ValueError(f"--model {model_dir}: no such directory")
     cfg = ModelConfig.from_dir(model_dir)
     method = quantization_method(model_dir, quantization)
-    if method is not None and cfg.is_mla:
+    if method is not None and cfg.is_mla and not (method.block_wise and method.checkpoint_quantized):
         raise ValueError(f"{model_dir}: {cfg.architecture} (multi-head latent attention) runs "
-                         f"unquantized only; quantization {method.name} is not supported for it yet")
+                         f"unquantized or from a block-wise FP8 checkpoint only; quantization {method.name} "
+                         "is not supported for it yet")
     if method is not None and method.name != "fp8" and cfg.num_experts:
         raise ValueError(f"{model_dir}: {cfg.architecture} is a mixture of experts; quantization "
                          f"{method.name} runs dense models only (fp8 runs both)")
@@ -96,33 +106,64 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                 experts.quantize_fp8()
         return model
     files = checkpoint_files(model_dir)
-    keys = {name for path in files for name in _tensor_names(path)}
+    keys = {_our_name(name) for path in files for name in _tensor_names(path)}
 
     def replace(m: CausalLM) -> None:
         _replace_linears(m, lambda prefixes, linear, sizes: _checkpoint_linear(
-            method, keys, prefixes, linear, sizes, dtype))
+            method, keys, prefixes, linear, sizes, dtype), mla=cfg.is_mla)
         _fp8_experts(m, {int(x.group(1)) for x in map(_FP8_EXPERT.match, keys) if x})
 
     model = _empty_model(cfg, dtype, device, replace)
-    model = _load_checkpoint(model_dir, cfg, model, files)
+    model = _load_checkpoint(model_dir, cfg, model, files,
+                             method.config.weight_block_size if method.block_wise else None)
     for name, layer in model.named_modules():
         if isinstance(layer, QuantLinear):
             try:
                 layer.finish_loading(keep_dense)
             except ValueError as e:
                 raise ValueError(f"{model_dir}: {name}: {e}") from None
+    for attn in [layer.self_attn for layer in model.model.layers] if cfg.is_mla else []:
+        if isinstance(attn.kv_b_proj, Fp8BlockLinear):
+            attn.kv_b_proj = attn.kv_b_proj.to_dense()
     return model
 
 
 def _load_checkpoint(model_dir: Path, cfg: ModelConfig, model: CausalLM,
-                     files: list[Path] | None = None) -> CausalLM:
-    """Fill every parameter (and every quantized layer) of `model` from the checkpoint."""
+                     files: list[Path] | None = None,
+                     block: tuple[int, int] | None = None) -> CausalLM:
+    """Fill every parameter (and every quantized layer) of `model` from the checkpoint.
+
+    block: a block-wise FP8 checkpoint's weight_block_size. Its experts are dequantized to
+    the model dtype as each expert's weight and weight_scale_inv are both read: the fused MoE
+    kernel takes per-channel FP8 scales only, and requantizing per channel would add a second
+    rounding (at DeepSeek-V3's size the dense experts do not fit; block scales in the fused MoE
+    are the way there)."""
     quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     params = {n: p for n, p in model.named_parameters() if n.rpartition(".")[0] not in quant}
     loaded: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # block-wise experts: prefix -> tensors
+    if block is not None and cfg.num_experts:
+        logger.info("block-wise FP8 experts are dequantized to the model dtype at load (the "
+                    "fused MoE takes per-channel FP8 scales only)")
     for path in files or checkpoint_files(model_dir):
         for name, tensor in _read_tensors(path):
+            if block is not None and (expert := _EXPERT.match(_our_name(name))) is not None:
+                if expert.group(4) == "input_scale":
+                    continue
+                if expert.group(4) == "weight_scale":
+                    raise ValueError(f"{path}: tensor {name!r}: a per-channel scale in a "
+                                     "block-wise FP8 checkpoint (weight_scale_inv expected)")
+                prefix, what = name.rsplit(".", 1)
+                pending.setdefault(prefix, {})[what] = tensor
+                if len(pending[prefix]) < 2:
+                    continue
+                tensors = pending.pop(prefix)
+                name, tensor = f"{prefix}.weight", block_gemm.dequantize_blocks(
+                    tensors["weight"], tensors["weight_scale_inv"], block)
             _load_tensor(cfg, params, loaded, name, tensor, path, quant)
+    if pending:
+        raise ValueError(f"{model_dir}: block-wise FP8 experts lack a weight or its "
+                         f"weight_scale_inv, e.g. {next(iter(pending))}")
     missing = [n for n in params if n not in loaded]
     missing += [f"{n}.{t}" for n, layer in quant.items() for t in layer.missing()]
     if missing:
@@ -131,12 +172,13 @@ def _load_checkpoint(model_dir: Path, cfg: ModelConfig, model: CausalLM,
     return model.eval()
 
 
-def _replace_linears(model: CausalLM, make) -> None:
+def _replace_linears(model: CausalLM, make, mla: bool = False) -> None:
     """Swap each decoder linear layer for `make(hf_prefixes, linear, out_sizes)` unless that
-    returns None. hf_prefixes: the checkpoint's layers fused into it, in order."""
+    returns None. hf_prefixes: the checkpoint's layers fused into it, in order. mla: MLA's
+    projections too."""
     cfg = model.config
     for i, layer in enumerate(model.model.layers):
-        for ours in _LINEARS:
+        for ours in _LINEARS + (_MLA_LINEARS if mla else ()):
             parent_name, _, attr = ours.rpartition(".")
             parent = layer
             for part in parent_name.split("."):
@@ -250,8 +292,7 @@ def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
         return  # some tied checkpoints store the head anyway
     if "rotary_emb" in name or kv_scale_target(name) is not None:
         return  # KV-cache scales are the cache's settings (cache/kv_quant.py reads them)
-    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
-    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's for its shared one
+    name = _our_name(name)
     if cfg.is_mla and _layer_of(name) >= cfg.num_layers:
         return  # DeepSeek-V3's multi-token prediction layer (model.layers.61): not served
     if (expert := _EXPERT.match(name)) is not None:
@@ -280,6 +321,12 @@ def _load_tensor(cfg, params, loaded, name, tensor, path, quant=None) -> None:
     loaded.add(target if part is None else f"{target}#{part}")
     if part is not None and all(f"{target}#{i}" in loaded for i in range(len(_split_sizes(cfg, target)))):
         loaded.add(target)
+
+
+def _our_name(name: str) -> str:
+    """A checkpoint name with Mixtral's MoE block and DeepSeek's shared experts renamed ours."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's shared one
 
 
 def _layer_of(name: str) -> int:

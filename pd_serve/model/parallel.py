@@ -23,7 +23,9 @@ kv_b_proj column-parallel (a rank's heads), o_proj row-parallel; the latent's do
 (q_a_proj, kv_a_proj_with_mqa) and norms are replicated, so every rank stores the whole latent:
 its one KV "head" is replicated, as KV heads are when there are more ranks than heads.
 
-Quantized linear layers are not sharded (yet): shard_model refuses them.
+Block-wise FP8 layers (quant.Fp8BlockLinear) shard as the dense ones do: column-parallel by
+rows (their scales are kept per row), row-parallel by input columns only where the split falls
+on the weight's K blocks (a clear error otherwise). Other quantized layers are refused.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from kernels.gemv import linear
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
 from pd_serve.model.moe import SparseMoeBlock
-from pd_serve.model.quant import QuantLinear
+from pd_serve.model.quant import Fp8BlockLinear, QuantLinear
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,19 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class QuantRowParallel(nn.Module):
+    """RowParallelLinear of a quantized layer's shard: y = all_reduce(shard(x)) + b."""
+
+    def __init__(self, shard: nn.Module, bias: torch.Tensor | None, tp: TPGroup):
+        super().__init__()
+        self.shard, self.tp = shard, tp
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self.shard(x))
+        return y if self.bias is None else y + self.bias
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + per) of the embedding (zero-padded past the vocabulary); ids outside
     them look up zeros here, and the all-reduce sums the one rank that holds each id."""
@@ -177,9 +192,9 @@ def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1,
         return full.eval()
     local = shard_config(cfg, tp.size, ep_size)
     for name, module in full.named_modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QuantLinear) and not isinstance(module, Fp8BlockLinear):
             raise ValueError(f"--tp {tp.size}: {name} is a quantized layer; tensor parallelism "
-                             "runs unquantized models only (for now)")
+                             "runs unquantized and block-wise FP8 models only (for now)")
     weight = full.model.embed_tokens.weight
     device, dtype = weight.device, weight.dtype
     default = torch.get_default_dtype()
@@ -222,10 +237,8 @@ def _shard_attention(a: nn.Module, b: nn.Module, cfg: ModelConfig, local: ModelC
     kv = kv_heads_of(rank, tp.size, cfg.num_kv_heads)
     k_rows = _rows(cfg.q_size + kv.start * hd, local.kv_size)
     v_rows = _rows(cfg.q_size + cfg.kv_size + kv.start * hd, local.kv_size)
-    b.qkv_proj.weight.copy_(a.qkv_proj.weight[q_rows + k_rows + v_rows])
-    if a.qkv_proj.bias is not None:
-        b.qkv_proj.bias.copy_(a.qkv_proj.bias[q_rows + k_rows + v_rows])
-    b.o_proj = RowParallelLinear(a.o_proj.weight[:, q_rows].clone(), _clone(a.o_proj.bias), tp)
+    _column_parallel(a, b, "qkv_proj", q_rows + k_rows + v_rows)
+    b.o_proj = _row_parallel(a.o_proj, q_rows, tp)
     if cfg.qk_norm:
         b.q_norm.weight.copy_(a.q_norm.weight)
         b.k_norm.weight.copy_(a.k_norm.weight)
@@ -238,13 +251,14 @@ def _shard_mla(a: nn.Module, b: nn.Module, local: ModelConfig, tp: TPGroup) -> N
     qk, kv_b, v = (local.qk_nope_head_dim + local.qk_rope_head_dim,
                    local.qk_nope_head_dim + local.v_head_dim, local.v_head_dim)
     q_name = "q_b_proj" if local.q_lora_rank else "q_proj"
-    getattr(b, q_name).weight.copy_(getattr(a, q_name).weight[_rows(tp.rank * heads * qk, heads * qk)])
+    _column_parallel(a, b, q_name, _rows(tp.rank * heads * qk, heads * qk))
     b.kv_b_proj.weight.copy_(a.kv_b_proj.weight[_rows(tp.rank * heads * kv_b, heads * kv_b)])
     for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
-        if hasattr(a, name):
+        if isinstance(getattr(a, name, None), Fp8BlockLinear):
+            setattr(b, name, getattr(a, name).shard())  # whole on every rank
+        elif hasattr(a, name):
             getattr(b, name).load_state_dict(getattr(a, name).state_dict())
-    columns = _rows(tp.rank * heads * v, heads * v)
-    b.o_proj = RowParallelLinear(a.o_proj.weight[:, columns].clone(), _clone(a.o_proj.bias), tp)
+    b.o_proj = _row_parallel(a.o_proj, _rows(tp.rank * heads * v, heads * v), tp)
 
 
 def _shard_mlp(theirs: nn.Module, ours: nn.Module, tp: TPGroup) -> None:
@@ -252,8 +266,27 @@ def _shard_mlp(theirs: nn.Module, ours: nn.Module, tp: TPGroup) -> None:
     full = theirs.down_proj.weight.shape[1]
     per = full // tp.size
     gate, up = _rows(tp.rank * per, per), _rows(full + tp.rank * per, per)
-    ours.gate_up_proj.weight.copy_(theirs.gate_up_proj.weight[gate + up])
-    ours.down_proj = RowParallelLinear(theirs.down_proj.weight[:, gate].clone(), None, tp)
+    _column_parallel(theirs, ours, "gate_up_proj", gate + up)
+    ours.down_proj = _row_parallel(theirs.down_proj, gate, tp)
+
+
+def _column_parallel(a: nn.Module, b: nn.Module, name: str, rows: list[int]) -> None:
+    """b.name: rows `rows` of a.name (and of its bias); a block-wise FP8 layer's shard."""
+    theirs, ours = getattr(a, name), getattr(b, name)
+    if isinstance(theirs, Fp8BlockLinear):
+        setattr(b, name, theirs.shard(rows=rows))
+        return
+    ours.weight.copy_(theirs.weight[rows])
+    if theirs.bias is not None:
+        ours.bias.copy_(theirs.bias[rows])
+
+
+def _row_parallel(layer: nn.Module, columns: list[int], tp: TPGroup) -> nn.Module:
+    """The row-parallel shard of `layer` over its input columns `columns` (contiguous)."""
+    if isinstance(layer, Fp8BlockLinear):
+        return QuantRowParallel(layer.shard(columns=(columns[0], len(columns))),
+                                _clone(layer.bias), tp)
+    return RowParallelLinear(layer.weight[:, columns].clone(), _clone(layer.bias), tp)
 
 
 def _shard_moe(theirs: SparseMoeBlock, ours: SparseMoeBlock, tp: TPGroup) -> None:

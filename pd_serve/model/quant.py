@@ -4,7 +4,8 @@ Methods (named as vLLM and SGLang name them):
 
     gptq   INT4 weight-only GPTQ checkpoints (model/gptq.py), run by kernels/w4a16.py
     fp8    FP8 weights with FP8 activations (model/fp8.py): checkpoints whose quant_method is
-           "fp8" or "compressed-tensors", or a 16/32-bit checkpoint quantized at load
+           "fp8" or "compressed-tensors", or a 16/32-bit checkpoint quantized at load;
+           "fp8" with weight_block_size: block-wise scales (Fp8BlockLinear)
 
 The checkpoint's config.json (`quantization_config`, or GPTQ's quantize_config.json) decides;
 `--quantization` may name the same method, or ask for `fp8` on an unquantized checkpoint.
@@ -30,9 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import activation
+from kernels import fp8_block_gemm as block_gemm
 from kernels.w4a16 import w4a16_matmul
 from pd_serve.config import QUANTIZATIONS
 from pd_serve.model import fp8
+from pd_serve.model.layers import Linear
 from pd_serve.model.gptq import (GPTQConfig, check_layout, dequantize_t, quantize_rtn,
                                  sort_act_order, trivial_g_idx)
 
@@ -226,7 +230,8 @@ class Fp8Linear(QuantLinear):
                 dst = self.input_scale if part is None else self.input_scale[part:part + 1]
                 dst.copy_(tensor.float().reshape(1).expand_as(dst))
         elif name == "weight_scale_inv":
-            raise ValueError("block-wise FP8 scales (weight_scale_inv) are not supported")
+            raise ValueError("block-wise FP8 scales (weight_scale_inv) in a checkpoint whose "
+                             "quantization_config gives no weight_block_size")
         else:
             raise ValueError(f"an FP8 layer has no tensor {name!r}")
 
@@ -263,6 +268,115 @@ class Fp8Linear(QuantLinear):
         return layer
 
 
+class Fp8BlockLinear(QuantLinear):
+    """A block-wise FP8 layer (`weight_block_size` [bn, bk], DeepSeek-V3 / Qwen3-FP8): weight
+    float8_e4m3fn [out, in] and the checkpoint's `weight_scale_inv` [ceil(out / bn),
+    ceil(in / bk)], kept per row here, [out, ceil(in / bk)] (a fused part need not start on a
+    bn boundary), run by kernels/fp8_block_gemm.py with activations scaled per token and
+    bk-column group. Stored input scales are ignored (dynamic activations)."""
+
+    required = ("weight", "weight_scale_inv")
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 config: fp8.Fp8Config):
+        super().__init__(in_features, out_sizes, bias, dtype)
+        self.config, self.block = config, config.weight_block_size
+        self.register_buffer("weight", torch.empty(self.out_features, in_features,
+                                                   dtype=fp8.FP8_DTYPE))
+        self.register_buffer("weight_scale_inv", torch.empty(
+            self.out_features, -(-in_features // self.block[1]), dtype=torch.float32))
+
+    def _load(self, name, tensor, part):
+        if name == "weight":
+            if tensor.dtype != fp8.FP8_DTYPE:
+                raise ValueError(f"weight is {tensor.dtype}; FP8 layers hold float8_e4m3fn")
+            _copy(self._narrow(self.weight, 0, part), tensor)
+        elif name == "weight_scale_inv":
+            dst = self._narrow(self.weight_scale_inv, 0, part)
+            want = (-(-dst.shape[0] // self.block[0]), dst.shape[1])
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"weight_scale_inv has shape {tuple(tensor.shape)}; blocks "
+                                 f"{list(self.block)} of a [{dst.shape[0]}, {self.in_features}] "
+                                 f"weight need {want}")
+            dst.copy_(block_gemm.row_scales(tensor, dst.shape[0], self.block))
+        elif name != "input_scale":
+            raise ValueError(f"a block-wise FP8 layer has no tensor {name!r}")
+
+    @torch.no_grad()
+    def finish_loading(self, keep_dense: bool) -> None:
+        if keep_dense:
+            self.dense = block_gemm.dequantize_blocks(self.weight, self.weight_scale_inv,
+                                                      self.block, self.dtype)
+
+    @torch.no_grad()
+    def shard(self, rows: list[int] | None = None,
+              columns: tuple[int, int] | None = None) -> Fp8BlockLinear:
+        """A tensor-parallel shard: output rows `rows` (any: the scales are kept per row;
+        the bias goes with them) or input columns [start, start + size) (no bias: the
+        row-parallel caller adds it after the all-reduce). A column shard must start on a bk
+        block boundary and end on one or at the last column, so that no activation group
+        straddles two ranks: ValueError otherwise."""
+        weight, scale, bias = self.weight, self.weight_scale_inv, self.bias
+        if rows is not None:
+            index = torch.tensor(rows, device=weight.device)
+            weight, scale = weight[index], scale[index]
+            bias = None if bias is None else bias[index]
+        in_features = self.in_features
+        if columns is not None:
+            (start, size), bk = columns, self.block[1]
+            if start % bk or ((start + size) % bk and start + size != self.in_features):
+                raise ValueError(f"input columns [{start}, {start + size}) of a block-wise FP8 "
+                                 f"layer do not fall on its {bk}-column blocks; choose a --tp "
+                                 "that splits the layer's input at block boundaries")
+            weight = weight[:, start:start + size]
+            scale = scale[:, start // bk:-(-(start + size) // bk)]
+            in_features, bias = size, None
+        with torch.device(weight.device):
+            layer = Fp8BlockLinear(in_features, [weight.shape[0]], bias is not None, self.dtype,
+                                   self.config)
+        layer.load("weight", weight.contiguous(), None)
+        layer.weight_scale_inv.copy_(scale)
+        layer._loaded.add(("weight_scale_inv", 0))
+        if bias is not None:
+            layer.load("bias", bias, None)
+        layer.finish_loading(keep_dense=self.dense is not None)
+        return layer
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Module:
+        """The layer as a plain Linear of its dequantized weight (MLA's kv_b_proj, whose
+        weight the attention backend reads itself)."""
+        dense = Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                       device=self.weight.device, dtype=self.dtype)
+        dense.weight.copy_(block_gemm.dequantize_blocks(self.weight, self.weight_scale_inv,
+                                                        self.block, self.dtype))
+        if self.bias is not None:
+            dense.bias.copy_(self.bias)
+        return dense.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
+        """The layer on x; silu_and_mul: a [gate | up] layer's activation too."""
+        out = block_gemm.block_linear(x, self.weight, self.weight_scale_inv, self.block,
+                                      self.bias, dense=self.dense)
+        return activation.silu_and_mul(out) if silu_and_mul else out
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, out_sizes: list[int], config: fp8.Fp8Config,
+                    keep_dense: bool) -> Fp8BlockLinear:
+        """Quantize a dense layer block-wise (benchmarks, tests)."""
+        w = linear.weight
+        with torch.device(w.device):
+            layer = cls(linear.in_features, out_sizes, linear.bias is not None, w.dtype, config)
+        weight, scale_inv = block_gemm.quantize_blocks(w, config.weight_block_size)
+        layer.load("weight", weight, None)
+        layer.load("weight_scale_inv", scale_inv, None)
+        if linear.bias is not None:
+            layer.load("bias", linear.bias, None)
+        layer.finish_loading(keep_dense)
+        return layer
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
@@ -286,18 +400,29 @@ class QuantMethod:
     def in_checkpoint(self, hf_prefix: str, keys: set[str]) -> bool:
         """Whether the checkpoint stores layer `hf_prefix` (e.g. model.layers.0.mlp.up_proj)
         quantized."""
-        marker = "qweight" if self.name == "gptq" else "weight_scale"
+        marker = "qweight" if self.name == "gptq" else self.scale_name
         return f"{hf_prefix}.{marker}" in keys
+
+    @property
+    def block_wise(self) -> bool:
+        return self.name == "fp8" and self.config.weight_block_size is not None
+
+    @property
+    def scale_name(self) -> str:
+        """An FP8 layer's weight-scale tensor in the checkpoint."""
+        return "weight_scale_inv" if self.block_wise else "weight_scale"
+
+    @property
+    def layer_class(self) -> type[QuantLinear]:
+        return GPTQLinear if self.name == "gptq" else Fp8BlockLinear if self.block_wise else Fp8Linear
 
     def empty_linear(self, in_features: int, out_sizes: list[int], bias: bool,
                      dtype: torch.dtype) -> QuantLinear:
-        cls = GPTQLinear if self.name == "gptq" else Fp8Linear
-        return cls(in_features, out_sizes, bias, dtype, self.config)
+        return self.layer_class(in_features, out_sizes, bias, dtype, self.config)
 
     def quantize_linear(self, linear: nn.Linear, out_sizes: list[int],
                         keep_dense: bool) -> QuantLinear:
-        cls = GPTQLinear if self.name == "gptq" else Fp8Linear
-        return cls.from_linear(linear, out_sizes, self.config, keep_dense)
+        return self.layer_class.from_linear(linear, out_sizes, self.config, keep_dense)
 
 
 def quantization_method(model_dir: str | Path, requested: str | None) -> QuantMethod | None:

@@ -57,7 +57,9 @@ def test_method_from_checkpoint_and_flag(tmp_path):
     ({"quant_method": "gptq", "bits": 4}, "fp8", "does not match"),
     ({"quant_method": "awq", "bits": 4}, None, "supported: gptq"),
     ({"quant_method": "gptq", "bits": 8}, None, "only 4-bit"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, None, "two positive ints"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     None, "dynamic activation"),
     ({"quant_method": "fp8", "activation_scheme": "mixed"}, None, "activation_scheme"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, None, "pack-quantized"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
