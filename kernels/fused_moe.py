@@ -96,7 +96,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h = silu_and_mul_ref(_linear(x[rows // top_k], w13[expert], w13_scale, expert))  # [n, I]
         pairs[rows] = _linear(h, w2[expert], w2_scale, expert)
     weighted = pairs.float() * topk_weights.reshape(-1, 1)  # [T*K, H] float32
-    return _finish(weighted.view(num_tokens, top_k, x.shape[1]), x.dtype, reduce)
+    return sum_topk(weighted.view(num_tokens, top_k, x.shape[1]), x.dtype, reduce)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
@@ -108,7 +108,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     return (F.linear(x.float(), w.float()) * scale[expert]).to(x.dtype)
 
 
-def _finish(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.Tensor:
+def sum_topk(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.Tensor:
     """float32 [T, K, H] -> the sum over K in top-k order, one add after another as the Triton
     reduce adds (torch's sum over K adds in another order on CUDA), rounded once; or as it is."""
     if not reduce:
@@ -138,7 +138,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     if num_tokens == 0:
-        return _finish(x.new_zeros(0, top_k, hidden, dtype=torch.float32), x.dtype, reduce)
+        return sum_topk(x.new_zeros(0, top_k, hidden, dtype=torch.float32), x.dtype, reduce)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     block_m, block_n, block_k, num_warps, num_stages = block_config(num_tokens * top_k, num_experts,
                                                                     hidden, inter)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
+from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts, sum_topk
 from kernels.moe_routing import route
 from pd_serve.config import MOE_RUNNER_BACKENDS
 from pd_serve.model import fp8 as fp8_format
@@ -133,7 +133,7 @@ class SparseMoeBlock(nn.Module):
         outputs = torch.empty_like(back)
         outputs[order] = back  # pair order again
         weighted = outputs.float() * topk_weights[mine].reshape(-1, 1)
-        combined = weighted.view(-1, top_k, hidden).sum(dim=1).to(x.dtype)  # [n, H], as fused_moe
+        combined = sum_topk(weighted.view(-1, top_k, hidden), x.dtype, True)  # [n, H], as fused_moe adds
         padded = x.new_zeros(chunk, hidden)
         padded[:combined.shape[0]] = combined
         return ep.all_gather(padded)[:num_tokens]
