@@ -34,6 +34,7 @@ from kernels.moe_routing import route
 from pd_serve.config import MOE_RUNNER_BACKENDS
 from pd_serve.model import fp8 as fp8_format
 from pd_serve.model.config import ModelConfig
+from pd_serve.model.layers import Linear
 from pd_serve.model.moe_routing import grouped_topk, is_grouped
 
 
@@ -74,7 +75,7 @@ class SparseMoeBlock(nn.Module):
         """shared_expert: Qwen2-MoE's dense MLP beside the experts (None: none)."""
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # GEMV at batch 1
         self.grouped_cfg = cfg if is_grouped(cfg) else None  # DeepSeekMoE routing
         if cfg.topk_method == "noaux_tc":  # V3: a per-expert bias on the scores of the choice
             self.gate.e_score_correction_bias = nn.Parameter(
@@ -82,7 +83,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = shared_expert
         if shared_expert is not None and cfg.shared_experts_gated:
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.backend = "torch"  # set_moe_backend
         # Expert parallelism (model/parallel.py): the group whose ranks hold the other experts,
         # and the first expert this one holds.

@@ -9,6 +9,7 @@ import torch
 from kernels import fused_moe
 from pd_serve import Engine, SamplingParams
 from pd_serve.model.fp8 import dequantize_weight, quantize_experts
+from pd_serve.model.layers import Linear
 from pd_serve.model.loader import load_model
 from pd_serve.model.moe import Experts
 from pd_serve.model.quant import Fp8Linear
@@ -64,7 +65,7 @@ def test_quantization_fp8_at_load_reaches_the_experts(tiny_moe_checkpoints):
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
     assert isinstance(block.shared_expert.gate_up_proj, Fp8Linear)
     assert isinstance(model.model.layers[2].mlp.down_proj, Fp8Linear)  # the dense layer
-    assert type(block.gate) is torch.nn.Linear and block.gate.weight.dtype == torch.float32
+    assert type(block.gate) is Linear and block.gate.weight.dtype == torch.float32
     weight, scale = quantize_experts(whole.experts.down_proj)
     assert torch.equal(block.experts.down_proj.view(torch.uint8), weight.view(torch.uint8))
     assert torch.equal(block.experts.down_proj_scale, scale)
