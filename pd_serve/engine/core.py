@@ -11,7 +11,9 @@ tokens and returns those. The host's work (scheduling, attention planning, the c
 checks and streaming) so hides behind the device's. A request's token from N-1 is pending while
 N is planned (its input is read on the device); a request that ends on N-1's token has one
 wasted row in N, whose token is dropped. Steps that sample with penalties (they read the output
-tokens) or report finished layers (prefill) wait for the step before them first.
+tokens) or report finished layers (prefill) wait for the step before them first. A step with
+grammar rows queues its sampling only when step N+1 is launched (sampler.DeferredSample), so
+the callers' host work on N-1's tokens runs while the grammar thread fills N's masks.
 """
 
 from __future__ import annotations

@@ -59,6 +59,29 @@ class PendingSample:
         return self._result
 
 
+class DeferredSample:
+    """A step's sampling, queued on the device only when first needed (its `tokens` or
+    result() asked for). Rows under a grammar wait for their masks (the grammar thread's job on
+    the step before); deferred, that wait comes after the engine's host work on the step before
+    (engine/core.py asks for `tokens` as it launches the next step), not before it."""
+
+    def __init__(self, launch, params: list[SamplingParams]):
+        self._launch, self.params = launch, params
+        self._pending: PendingSample | None = None
+
+    def launch(self) -> PendingSample:
+        if self._pending is None:
+            self._pending = self._launch()
+        return self._pending
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.launch().tokens
+
+    def result(self) -> SamplerOutput:
+        return self.launch().result()
+
+
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Right-pad id lists with `pad` into a [B, L] int64 tensor (L >= 1)."""
     width = max(1, max(len(r) for r in rows))
@@ -207,15 +230,23 @@ class Sampler:
                     and not r.sampling_params.logit_bias for r in requests)
                 and not needs_penalties(requests) and not needs_grammar(requests))
 
-    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample | DeferredSample:
         """Queue the sampling of one token per row on the logits' device; no host sync (the
         seeded noise of non-greedy rows is drawn on the host first). A row with a `grammar`
-        (a GrammarState) samples inside it; its matcher takes the token in the background."""
+        (a GrammarState) samples inside it; its matcher takes the token in the background.
+        A step with grammar rows is deferred (DeferredSample): `logits` must stay as they are
+        until its tokens are asked for (the next forward is queued after that)."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
         params = [r.sampling_params for r in requests]
-        want_logprobs = [p.logprobs is not None for p in params]
         if self.argmax_only(requests):
             return PendingSample(argmax(logits), params)
+        if needs_grammar(requests):
+            return DeferredSample(lambda: self._launch(logits, requests, params), params)
+        return self._launch(logits, requests, params)
+
+    def _launch(self, logits: torch.Tensor, requests: list[Request],
+                params: list[SamplingParams]) -> PendingSample:
+        want_logprobs = [p.logprobs is not None for p in params]
 
         vocab_size = logits.shape[1]
         device = logits.device
