@@ -124,11 +124,11 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 
 
 def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
-    from pd_serve.launch import LocalCluster, launch_gpu_ids, launch_transfer_args
+    from pd_serve.launch import LocalCluster, launch_drain_args, launch_gpu_ids, launch_transfer_args
 
     passthrough = list(args.engine_argv) + (["--model", args.model] if args.model else [])
     gpu_ids = launch_gpu_ids(passthrough, args.gpu_ids.split(",") if args.gpu_ids else None)
-    passthrough += launch_transfer_args(passthrough)
+    passthrough += launch_transfer_args(passthrough) + launch_drain_args(passthrough)
     gateway_args = ["--model", args.model] if args.model else []
     for flag, value in (("--tool-call-parser", args.tool_call_parser),
                         ("--reasoning-parser", args.reasoning_parser)):

@@ -170,10 +170,16 @@ class WorkerConfig:
     transfer_layer_groups: int = _opt(
         1, "prefill: send each prompt's KV in this many layer groups, each as soon as the "
         "forward has computed it, overlapping transfer with compute (1: after the last layer)")
+    drain_timeout_s: float = _opt(
+        30.0, "on SIGTERM: take no new requests (the gateway routes around the worker), finish "
+        "the ones held for at most this many seconds, then fail the rest and exit; 0: exit at "
+        "once; a second SIGTERM exits at once", flag="--drain-timeout")
     heartbeat_s: float = _opt(1.0, flag=None)
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control and KV message (empty: none)
 
     def __post_init__(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout {self.drain_timeout_s} must be >= 0")
         if self.transfer_layer_groups < 1:
             raise ValueError(f"--transfer-layer-groups {self.transfer_layer_groups} must be >= 1")
         if not self.gateway.startswith("tcp://"):

@@ -52,6 +52,12 @@ def launch_transfer_args(engine_args: list[str]) -> list[str]:
     return ["--transfer-backend", "ipc"] if _on_cuda(engine_args) else []
 
 
+def launch_drain_args(engine_args: list[str]) -> list[str]:
+    """["--drain-timeout", "0"] unless one was given: launch stops its gateway with its workers,
+    so a draining worker would have no gateway to finish its requests through."""
+    return [] if flag_value(engine_args, "--drain-timeout", None) is not None else ["--drain-timeout", "0"]
+
+
 def launch_gpu_ids(engine_args: list[str], gpu_ids: list[str] | None) -> list[str] | None:
     """The GPU ids handed to the workers in turn: --gpu-ids, else for workers on CUDA every
     visible GPU (CUDA_VISIBLE_DEVICES's entries, or 0..n-1), so workers get GPUs of their own

@@ -158,7 +158,18 @@ class WorkerStatus:
     max_running_requests: int = 0
     max_prefill_tokens: int = 0  # prompt tokens one step takes (--chunked-prefill-size)
     max_model_len: int = 0
+    draining: bool = False  # after SIGTERM: finishing what it holds; the gateway sends it no more
     metrics: str = ""
+
+
+@dataclass
+class WorkerExit:
+    """Worker -> gateway, as the worker exits: fail what it still holds now, not after
+    --worker-timeout of silence."""
+
+    worker_id: str
+    incarnation: str
+    reason: str
 
 
 @dataclass
@@ -265,7 +276,8 @@ class GatewayPing:
 
 
 MESSAGES = {cls.__name__: cls for cls in (
-    TransferHello, TransferWelcome, KVChunks, TransferAbort, TransferAcks, WorkerStatus, Heartbeat, Admit,
+    TransferHello, TransferWelcome, KVChunks, TransferAbort, TransferAcks, WorkerStatus, WorkerExit, Heartbeat,
+    Admit,
     AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest, GatewayPing)}
 
 # Counted wherever a received message is refused (undecodable, ill-typed, or its cluster-key tag

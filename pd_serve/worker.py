@@ -5,6 +5,11 @@ The worker registers with the gateway by sending its WorkerStatus (again every h
 restarted gateway learns it within one interval), hands the gateway's messages and its KV
 transfers' results to its role's scheduler between steps, steps while there is work, and sends
 back whatever messages those calls return.
+
+SIGTERM drains (--drain-timeout, as a Kubernetes pod's stop sends it): the status says
+`draining`, so the gateway routes new requests elsewhere, and the worker serves what it holds
+until nothing is left or the timeout passes, then ends the rest and exits. Its last message,
+WorkerExit, has the gateway fail whatever the worker still held at once.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from pd_serve.config import TransferConfig, WorkerConfig
 from pd_serve.decode.scheduler import DecodeScheduler
 from pd_serve.engine.core import EngineCore
 from pd_serve.prefill.scheduler import PrefillScheduler
-from pd_serve.protocol import ERRORS_REGISTRY, AbortRequest, GatewayPing, Heartbeat, WorkerStatus
+from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Heartbeat, WorkerExit,
+                               WorkerStatus)
 from pd_serve.role import ColocatedScheduler, WorkerMetrics
 from pd_serve.transfer import connector
 from pd_serve.transfer.connector import model_layout
@@ -64,6 +70,8 @@ class Worker:
         self._gateway_deadline = float("inf")  # no gateway ping by then: the gateway is gone
         self._ping_timeout_s = 0.0
         self._stop = False
+        self._drain_deadline: float | None = None  # set by SIGTERM
+        self._exit_reason = "stopped"
         self._aborted: set[str] = set()  # requests reconcile has aborted (their ends may lag)
 
     @property
@@ -86,7 +94,7 @@ class Worker:
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
         logger.info("%s %s: model %s, gateway %s", self.role, self.worker_id, self.core.model_dir,
                     self.config.gateway)
@@ -102,12 +110,47 @@ class Worker:
                 if time.monotonic() > self._gateway_deadline:
                     self._gateway_gone()
                 self.tick()
+                if self._drain_deadline is not None:
+                    self._drain()
                 if time.monotonic() >= self._next_heartbeat:
                     self.send(self.status())
                     self._next_heartbeat = time.monotonic() + self.config.heartbeat_s
         finally:
             self._stop = True  # (the heartbeat thread stops watching the TP followers)
+            self._say_exit()
             self.core.close()  # a TP group's followers
+
+    def _on_sigterm(self, *_) -> None:
+        """The first SIGTERM starts the drain (with --drain-timeout > 0); a second one stops."""
+        if self._drain_deadline is not None or self.config.drain_timeout_s <= 0:
+            self._stop, self._exit_reason = True, "stopped by SIGTERM"
+            return
+        logger.info("SIGTERM: draining for up to %.0f s", self.config.drain_timeout_s)
+        self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        self._next_heartbeat = 0.0  # the gateway learns it at once
+
+    def _drain(self) -> None:
+        """Exit once nothing is held; past the deadline, end what is and exit."""
+        held = self.scheduler.held_request_ids()
+        if not held:
+            logger.info("drained: exiting")
+            self._stop, self._exit_reason = True, "drained"
+        elif time.monotonic() > self._drain_deadline:
+            logger.warning("--drain-timeout %.0f s passed: ending %d request(s) and exiting",
+                           self.config.drain_timeout_s, len(held))
+            for request_id in held:
+                self.abort(request_id)
+            self._stop = True
+            self._exit_reason = f"--drain-timeout {self.config.drain_timeout_s:g} s passed"
+
+    def _say_exit(self) -> None:
+        """WorkerExit to the gateway, given a moment to leave (the socket's linger is 0)."""
+        try:
+            self._sock.setsockopt(zmq.LINGER, 1000)
+            self.send(WorkerExit(self.worker_id, self.incarnation, self._exit_reason))
+            self._sock.close()
+        except zmq.ZMQError as e:
+            logger.warning("could not tell the gateway this worker exits: %s", e)
 
     def poll_ms(self) -> int:
         return self.scheduler.poll_ms()
@@ -198,7 +241,7 @@ class Worker:
             max_running_requests=sched.max_running_requests,
             max_prefill_tokens=sched.chunked_prefill_size if sched.chunked_prefill_size > 0
             else core.max_model_len, max_model_len=core.max_model_len,
-            metrics=self.metrics_text(), **transfer)
+            draining=self._drain_deadline is not None, metrics=self.metrics_text(), **transfer)
 
     def metrics_text(self) -> str:
         text = generate_latest(self.metrics.registry) + generate_latest(ERRORS_REGISTRY)

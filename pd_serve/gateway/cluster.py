@@ -28,7 +28,8 @@ from pd_serve.gateway.metrics import GatewayMetrics, RequestTimer
 from pd_serve.gateway.router import Router, WorkerState, pair_error, status_error
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
-                               Prefill, PrefillDone, StartDecode, TokenBatch, TokenDelta, WorkerStatus)
+                               Prefill, PrefillDone, StartDecode, TokenBatch, TokenDelta, WorkerExit,
+                               WorkerStatus)
 
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
@@ -133,8 +134,9 @@ class Cluster(TokenSource):
         return min(lens) if lens else None
 
     def pool(self, role: str) -> list[WorkerState]:
-        return sorted((w for w in self.workers.values() if w.status.role == role),
-                      key=lambda w: w.worker_id)
+        """The role's workers that take new requests (a draining one finishes what it has)."""
+        return sorted((w for w in self.workers.values()
+                       if w.status.role == role and not w.status.draining), key=lambda w: w.worker_id)
 
     @property
     def num_queued(self) -> int:
@@ -261,7 +263,8 @@ class Cluster(TokenSource):
         for role in ("decode", "prefill"):
             pools = [w.status for w in self.pool(role) if w.status.layout]
             if not pools:
-                raise ClusterError(f"no {role} worker is registered", 503, self.config.worker_timeout_s)
+                raise ClusterError(f"no {role} worker is registered and taking requests (not "
+                                   "draining)", 503, self.config.worker_timeout_s)
             need = max(pages_for(len(spec.prompt_token_ids) + 1, s.layout["page_size"]) for s in pools)
             most = max(s.num_pages for s in pools)
             if need > most:
@@ -411,9 +414,14 @@ class Cluster(TokenSource):
             elif msg.role != state.status.role or msg.layout != state.status.layout:
                 self._drop(worker_id, f"worker {worker_id} changed its role or KV layout")
                 return
+            elif msg.draining and not state.status.draining:
+                logger.info("worker %s is draining: no new requests go to it", worker_id)
             state.status = msg
             self._capacity.set()
         if state is None:
+            return
+        if isinstance(msg, WorkerExit):
+            self._drop(worker_id, f"worker {worker_id} exited ({msg.reason})")
             return
         state.last_seen = time.monotonic()
         if not isinstance(msg, Heartbeat):

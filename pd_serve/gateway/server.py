@@ -23,7 +23,8 @@ def make_routes(cluster: Cluster) -> list[web.RouteDef]:
         ready = bool(cluster.pool("colocated")) or bool(cluster.pool("prefill") and cluster.pool("decode"))
         workers = {w.worker_id: {"role": w.status.role, "free_pages": w.status.num_free_pages,
                                  "total_pages": w.status.num_pages, "running": w.status.num_running,
-                                 "waiting": w.status.num_waiting, "inflight": len(w.inflight)}
+                                 "waiting": w.status.num_waiting, "inflight": len(w.inflight),
+                                 "draining": w.status.draining}
                    for w in cluster.workers.values()}
         status = cluster.fatal or ("ok" if ready else "no workers")
         return web.json_response({"status": status, "queued": cluster.num_queued, "workers": workers},
