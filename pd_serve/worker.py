@@ -73,6 +73,7 @@ class Worker:
         self._drain_deadline: float | None = None  # set by SIGTERM
         self._exit_reason = "stopped"
         self._aborted: set[str] = set()  # requests reconcile has aborted (their ends may lag)
+        self._dropped = 0  # messages the gateway's full queue refused (send_nowait)
 
     @property
     def transfer_backend(self) -> str:
@@ -147,7 +148,8 @@ class Worker:
         """WorkerExit to the gateway, given a moment to leave (the socket's linger is 0)."""
         try:
             self._sock.setsockopt(zmq.LINGER, 1000)
-            self.send(WorkerExit(self.worker_id, self.incarnation, self._exit_reason))
+            send_nowait(self._sock, self.codec.encode(WorkerExit(self.worker_id, self.incarnation,
+                                                                 self._exit_reason)))
             self._sock.close()
         except zmq.ZMQError as e:
             logger.warning("could not tell the gateway this worker exits: %s", e)
@@ -164,7 +166,11 @@ class Worker:
             self.send_all(self.scheduler.step())
 
     def send(self, msg) -> None:
-        self._sock.send(self.codec.encode(msg))
+        if not send_nowait(self._sock, self.codec.encode(msg)):
+            self._dropped += 1
+            if self._dropped in (1, 10) or self._dropped % 1000 == 0:
+                logger.warning("the gateway takes no messages (gone or unreachable): %d dropped",
+                               self._dropped)
 
     def send_all(self, messages: list) -> None:
         for msg in messages:
@@ -215,7 +221,7 @@ class Worker:
                 logger.error("%s; %s cannot serve without it: exiting", why, self.worker_id)
                 logging.shutdown()
                 os._exit(1)
-            sock.send(beat)
+            send_nowait(sock, beat)
             time.sleep(self.config.heartbeat_s)
 
     def status(self) -> WorkerStatus:
@@ -248,3 +254,15 @@ class Worker:
         if self.connector is not None:
             text += generate_latest(self.connector.stats.registry)
         return text.decode()
+
+
+def send_nowait(sock: zmq.Socket, data: bytes) -> bool:
+    """Queue `data` to the gateway without blocking; False when it is dropped. A socket's queue
+    to an unreachable gateway fills (zmq's high-water mark, 1000 messages) and a plain send would
+    then block the worker for good; what is dropped the gateway does not miss: the next status
+    re-registers the worker, and a gateway silent for long has had its requests dropped."""
+    try:
+        sock.send(data, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False

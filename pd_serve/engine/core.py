@@ -35,7 +35,7 @@ from pd_serve.engine import tp_group
 from pd_serve.engine.executor import Executor, resolve_device
 from pd_serve.engine.plan import StepPlan, StepResult
 from pd_serve.engine.request import FinishReason, Request
-from pd_serve.engine.sampler import PendingSample, needs_penalties
+from pd_serve.engine.sampler import DeferredSample, PendingSample, needs_penalties
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.engine.scheduler import PlanBuilder, Scheduler, SchedulerOutput
 from pd_serve.model.config import ModelConfig
@@ -220,7 +220,7 @@ class LaunchedStep:
     """A step launched on the device whose tokens are not yet known."""
 
     plan: SchedulerOutput
-    sample: PendingSample
+    sample: PendingSample | DeferredSample
     number: int  # the scheduler's count of launched steps
 
     @property
