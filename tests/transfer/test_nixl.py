@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_serve.transfer.backends.nixl import block_addresses, nixl_available
+from pd_serve.transfer.backends.nixl import block_addresses, coalesce, nixl_available
 from pd_serve.transfer.base import TransferError
 from pd_serve.transfer.receiver import KVReceiver
 from pd_serve.transfer.sender import KVSender
@@ -30,6 +30,25 @@ def test_blocks_are_whole_pages_or_the_heads_of_each_token_slot():
     assert nbytes == 2 * 2 * item
     assert list(addresses) == [pool[0, kv, 2, slot, 1].data_ptr() for kv in (0, 1)
                                for slot in range(4)]
+
+
+def test_blocks_contiguous_on_both_sides_merge_into_one_read():
+    pool = torch.zeros(2, 2, 8, 4, 3, 2)  # [L, 2, P, S, H, D]
+    base, shape, item = pool.data_ptr(), list(pool.shape), pool.element_size()
+    # pages 2, 3, 4 read into 5, 6, 7 (a run on both sides), then 0 into 1 (a run of its own)
+    local, nbytes = block_addresses(base, shape, item, 0, 2, [5, 6, 7, 1], None, per_slot=False)
+    remote, _ = block_addresses(base + 10**6, shape, item, 0, 2, [2, 3, 4, 0], None, per_slot=False)
+    starts, sources, lengths = coalesce(local, remote, nbytes)
+    rows = [(layer, kv) for layer in (0, 1) for kv in (0, 1)]
+    assert list(starts) == [pool[r][p].data_ptr() for r in rows for p in (5, 1)]
+    assert list(sources) == [base + 10**6 + pool[r][p].data_ptr() - base for r in rows for p in (2, 0)]
+    assert list(lengths) == [3 * nbytes, nbytes] * 4
+    # every byte is read once, into its own place
+    assert sum(lengths) == len(local) * nbytes
+    # contiguous here, not there: no merge
+    starts, _, lengths = coalesce(local[:3], remote[[0, 2, 1]], nbytes)
+    assert list(lengths) == [nbytes] * 3 and list(starts) == list(local[:3])
+    assert [len(a) for a in coalesce(local[:0], remote[:0], nbytes)] == [0, 0, 0]
 
 
 @needs_nixl

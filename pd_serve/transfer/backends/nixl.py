@@ -105,9 +105,25 @@ def block_addresses(address: int, shape: list[int], itemsize: int, layer_start: 
     return address + starts.ravel(), (h1 - h0) * head_dim * itemsize
 
 
-def _descs(addresses: np.ndarray, nbytes: int, device_id: int) -> np.ndarray:
+def coalesce(local: np.ndarray, remote: np.ndarray, nbytes: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks of `nbytes` read from `remote` into `local` (block i to block i), as fewer
+    (local start, remote start, length) runs: neighbours contiguous on both sides merge (a
+    request's consecutive pages, per layer). NIXL's cost grows with the number of descriptors:
+    64 MiB in 16 KiB blocks read at a quarter to a half of the rate of 4 MiB ones (DRAM, CPU)."""
+    if len(local) == 0:
+        return local, remote, np.zeros(0, dtype=np.uint64)
+    step = np.uint64(nbytes)
+    starts = np.ones(len(local), dtype=bool)
+    starts[1:] = (local[1:] != local[:-1] + step) | (remote[1:] != remote[:-1] + step)
+    first = np.flatnonzero(starts)
+    lengths = np.diff(np.append(first, len(local))).astype(np.uint64) * step
+    return local[first], remote[first], lengths
+
+
+def _descs(addresses: np.ndarray, lengths: np.ndarray, device_id: int) -> np.ndarray:
     out = np.empty((len(addresses), 3), dtype=np.uint64)  # [N, (address, bytes, device)]
-    out[:, 0], out[:, 1], out[:, 2] = addresses, nbytes, device_id
+    out[:, 0], out[:, 1], out[:, 2] = addresses, lengths, device_id
     return out
 
 
@@ -250,8 +266,9 @@ class NixlReceiverPlane(ReceiverPlane):
                                         chunk.layer_start, chunk.layer_end, chunk.src_page_ids,
                                         src_heads, per_slot)
             held = self._held.setdefault(sender_id, _Held())
-            held.local.append(_descs(local, nbytes, self._device_id))
-            held.remote.append(_descs(remote, nbytes, peer.device_id))
+            local, remote, lengths = coalesce(local, remote, nbytes)
+            held.local.append(_descs(local, lengths, self._device_id))
+            held.remote.append(_descs(remote, lengths, peer.device_id))
             held.request_ids.append(chunk.request_id)
 
     def flush(self) -> None:
