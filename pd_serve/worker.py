@@ -42,6 +42,7 @@ from pd_serve.transfer.connector import model_layout
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest message taken from the gateway
 PING_GRACE = 1.5  # no gateway ping for this many of its timeouts: the gateway is gone
+SEND_TIMEOUT_S = 15.0  # a send the gateway's full queue holds this long: the gateway is stuck
 ROLE_SCHEDULERS = {"colocated": ColocatedScheduler, "prefill": PrefillScheduler, "decode": DecodeScheduler}
 
 
@@ -66,6 +67,7 @@ class Worker:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
         self._sock.connect(config.gateway)
+        self._link = GatewayLink(self._sock, SEND_TIMEOUT_S, self._gateway_stuck)
         self._next_heartbeat = 0.0
         self._gateway_deadline = float("inf")  # no gateway ping by then: the gateway is gone
         self._ping_timeout_s = 0.0
@@ -73,7 +75,6 @@ class Worker:
         self._drain_deadline: float | None = None  # set by SIGTERM
         self._exit_reason = "stopped"
         self._aborted: set[str] = set()  # requests reconcile has aborted (their ends may lag)
-        self._dropped = 0  # messages the gateway's full queue refused (send_nowait)
 
     @property
     def transfer_backend(self) -> str:
@@ -104,6 +105,7 @@ class Worker:
                 if self._sock.poll(self.poll_ms(), zmq.POLLIN):
                     while self._sock.poll(0, zmq.POLLIN):
                         msg = self.codec.receive(self._sock.recv(), "control", "the gateway")
+                        self._link.heard()
                         if isinstance(msg, GatewayPing):
                             self._reconcile(msg)
                         elif msg is not None:
@@ -166,11 +168,7 @@ class Worker:
             self.send_all(self.scheduler.step())
 
     def send(self, msg) -> None:
-        if not send_nowait(self._sock, self.codec.encode(msg)):
-            self._dropped += 1
-            if self._dropped in (1, 10) or self._dropped % 1000 == 0:
-                logger.warning("the gateway takes no messages (gone or unreachable): %d dropped",
-                               self._dropped)
+        self._link.send(self.codec.encode(msg))
 
     def send_all(self, messages: list) -> None:
         for msg in messages:
@@ -192,6 +190,11 @@ class Worker:
         for request_id in stale:
             self.abort(request_id)
         self._aborted |= stale
+
+    def _gateway_stuck(self) -> None:
+        logger.warning("the gateway took no message for %.0f s: dropping its requests, and "
+                       "messages until it is heard from", SEND_TIMEOUT_S)
+        self._gateway_gone()
 
     def _gateway_gone(self) -> None:
         held = self.scheduler.held_request_ids()
@@ -256,11 +259,38 @@ class Worker:
         return text.decode()
 
 
+class GatewayLink:
+    """The worker's sends on its gateway socket. A send waits while the gateway's queue is full
+    (zmq's high-water mark: flow control), for at most `timeout_s`; past that the gateway is
+    stuck or unreachable (a plain send would block the worker for good): `on_stuck()` runs once
+    (the worker drops the gateway's requests, so no stream goes on with a gap) and later sends
+    are dropped at once until the gateway is heard from again (`heard()`)."""
+
+    def __init__(self, sock: zmq.Socket, timeout_s: float, on_stuck):
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self.sock, self.on_stuck = sock, on_stuck
+        self.stuck = False
+        self.dropped = 0
+
+    def send(self, data: bytes) -> bool:
+        """Whether `data` was queued (False: dropped)."""
+        try:
+            self.sock.send(data, zmq.NOBLOCK if self.stuck else 0)
+            return True
+        except zmq.Again:
+            self.dropped += 1
+            if not self.stuck:
+                self.stuck = True
+                self.on_stuck()
+            return False
+
+    def heard(self) -> None:
+        self.stuck = False
+
+
 def send_nowait(sock: zmq.Socket, data: bytes) -> bool:
-    """Queue `data` to the gateway without blocking; False when it is dropped. A socket's queue
-    to an unreachable gateway fills (zmq's high-water mark, 1000 messages) and a plain send would
-    then block the worker for good; what is dropped the gateway does not miss: the next status
-    re-registers the worker, and a gateway silent for long has had its requests dropped."""
+    """Queue `data` without blocking; False when it is dropped (the queue to the gateway is
+    full): for heartbeats, and the last word, which nothing must hold up."""
     try:
         sock.send(data, zmq.NOBLOCK)
         return True
