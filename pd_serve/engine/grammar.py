@@ -237,15 +237,17 @@ def _advance(sample, pairs: list, vocab_size: int, all_rows: bool, pinned: bool)
         state._mask, state._mask_at = (filled, row), state.num_accepted
 
 
-# A JSON string's characters that need no escape, as a regex class: not '"', '\\' or U+0000-U+001F.
-_PLAIN_CHAR = '[^"\\\\\\x00-\\x1f]'
+# A JSON string's characters that need no escape, as a regex class: not '"', '\\', U+0000-U+001F,
+# nor a surrogate (U+D800-U+DFFF), whose UTF-8 bytes xgrammar accepts but no decoder does: each
+# would come out as three U+FFFD and break the length bound.
+_PLAIN_CHAR = '[^"\\\\\\x00-\\x1f\\ud800-\\udfff]'
 
 
 def _schema_text(spec: str) -> str:
     """The schema xgrammar compiles: xgrammar 0.2.9 turns a string's minLength / maxLength into
     that many characters of a class that lets control characters through (the output is then
     not JSON), so such a string gets a pattern with the same bounds over the characters JSON
-    allows unescaped instead."""
+    allows unescaped (and a decoder reads as one character) instead."""
     if "Length" not in spec:
         return spec
     try:

@@ -163,9 +163,13 @@ def test_bad_grammar_fields_are_400_naming_them(tokenizer, fields, param, messag
 
 
 def test_bounded_strings_stay_json(compiler):
-    """A string's maxLength gives no control characters (xgrammar 0.2.9 lets them through: the
-    executor compiles such strings as a pattern with the same bounds)."""
+    """A string's maxLength gives no control characters and no surrogates (xgrammar 0.2.9 lets
+    both through; a surrogate's three UTF-8 bytes decode to three U+FFFD, past the bound): the
+    executor compiles such strings as a pattern with the same bounds."""
     for text, ok in [('{"name": "ab\x01', False), ('{"name": "ab\\"', False),
-                     ('{"name": "abcdefg', False), ('{"name": "abcdef", "n": 1, "ok": true}', True)]:
+                     ('{"name": "abcdefg', False), ('{"name": "abcdef", "n": 1, "ok": true}', True),
+                     (b'{"name": "a\xed\xa0\x80', False), (b'{"name": "a\xed\xbf\xbf', False),
+                     ('{"name": "\u00e9\ud7ff\ue000\U0001f600\U0010ffffa", "n": 1, "ok": true}'
+                      .encode(), True)]:
         state = compiler.matcher(JSON_GRAMMAR)
         assert state.matcher.accept_string(text) == ok, text
