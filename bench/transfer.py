@@ -7,8 +7,9 @@ the raw copy rate of the link measured in the same run.
 
 This process is the sender (pool on --sender-device); the receiver is a child process of this
 script (`--role receiver`, JSON lines on stdin/stdout), one per backend, with its pool on
---receiver-device. The KV layout is Llama-3-8B's (32 layers, 8 KV heads, head_dim 128) with pages
-of 1 MiB, so a request of X MiB is X pages, drawn at random (non-contiguous) on both sides.
+--receiver-device. The KV layout is Llama-3-8B's (32 layers, 8 KV heads, head_dim 128; or
+--kv-shape deepseek-v2-lite: 27 layers of one 576-value latent) with pages of 1 MiB (or
+--page-size tokens), drawn at random (non-contiguous) on both sides.
 A timed request runs from send() to the sender's ok result (a blocking poll wakes as it comes):
 the receiver has the pages in its pool and acknowledged. Telling the receiver to expect the request comes first and is not timed.
 Each size gets one warm-up request, then --repeats timed ones. GB/s are 1e9 bytes of KV per
@@ -54,7 +55,10 @@ from pd_serve.transfer.sender import KVSender  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 MiB = 1 << 20
-LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
+KV_SHAPES = {  # a token's KV per layer: Llama-3-8B's 8 heads of K and V; DeepSeek-V2-Lite's latent
+    "llama3-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128),
+    "deepseek-v2-lite": dict(num_layers=27, num_kv_heads=1, head_dim=512 + 64, num_planes=1),
+}
 DEFAULT_SIZES_MIB = [1, 4, 8, 16, 64, 256, 1024]
 DEFAULT_LATENCY_TOKENS = [1024, 4096, 16384]
 QUICK = dict(sizes_mib=[1, 4, 16], latency_tokens=[1024], repeats=2)
@@ -81,6 +85,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16",
                    choices=["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"],
                    help="KV dtype (float8_*: an FP8 KV cache, twice the tokens per 1 MiB page)")
+    p.add_argument("--kv-shape", default="llama3-8b", choices=sorted(KV_SHAPES),
+                   help="whose KV a token holds: Llama-3-8B's heads or DeepSeek-V2-Lite's latent")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per page (default: as many as make a page 1 MiB)")
     p.add_argument("--raw-mib", type=int, default=1024, help="size of the raw link copy")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a transfer may take")
     p.add_argument("--chunk-mib", type=float, default=None,
@@ -160,10 +168,11 @@ def check_backends(p: argparse.ArgumentParser, text: str | None, sender: torch.d
     return wanted
 
 
-def llama3_8b_layout(dtype: str) -> KVLayout:
-    """Llama-3-8B's KV shape with as many tokens per page as make one page 1 MiB."""
-    per_token = KVLayout(page_size=1, dtype=dtype, **LLAMA3_8B).bytes_per_token
-    return KVLayout(page_size=MiB // per_token, dtype=dtype, **LLAMA3_8B)
+def kv_layout(shape: str, dtype: str, page_size: int | None) -> KVLayout:
+    """A model's KV shape (KV_SHAPES) with page_size tokens per page; default as many as make
+    one page 1 MiB."""
+    per_token = KVLayout(page_size=1, dtype=dtype, **KV_SHAPES[shape]).bytes_per_token
+    return KVLayout(page_size=page_size or MiB // per_token, dtype=dtype, **KV_SHAPES[shape])
 
 
 def page_checksum(buffer: torch.Tensor, page_ids: list[int]) -> dict:
@@ -529,12 +538,12 @@ def main() -> None:
     sender_device, receiver_device = args.sender_device, args.receiver_device
     if sender_device.type == "cuda":
         torch.cuda.set_device(sender_device)  # send() records its ready event on this device
-    layout = llama3_8b_layout(args.dtype)
+    layout = kv_layout(args.kv_shape, args.dtype, args.page_size)
     piped = [m for m in args.sizes_mib if m <= args.in_flight_max_mib] if args.in_flight > 1 else []
     num_pages = max(max(args.sizes_mib) * MiB // layout.bytes_per_page,
                     -(-max(args.latency_tokens) // layout.page_size),
                     args.in_flight * max(piped, default=0) * MiB // layout.bytes_per_page) + SPARE_PAGES
-    log(f"layout {asdict(layout)}: {layout.bytes_per_page // MiB} MiB per page; pools of "
+    log(f"layout {asdict(layout)}: {layout.bytes_per_page / MiB:.3g} MiB per page; pools of "
         f"{num_pages} pages on {sender_device} (sender) and {receiver_device} (receiver)")
 
     raw = raw_link_rate(sender_device, receiver_device, args.raw_mib * MiB, 5)

@@ -147,17 +147,22 @@ class Executor:
             self.runner.capture_cuda_graphs(max_bs, pages_for(max_model_len, layout.page_size))
 
     def _mla_backend(self, mc: ModelConfig):
-        """MLA models attend through the torch reference (engine/attention/mla.py) on every
-        device for now: no Triton or flashinfer MLA kernels yet."""
-        from pd_serve.engine.attention.mla import TorchMLABackend
+        """MLA models (engine/attention/mla.py): the Triton MLA backend where the Triton backend
+        runs (auto on CUDA), else the torch one. flashinfer has no MLA path here: triton."""
+        from pd_serve.engine.attention.mla import TorchMLABackend, TritonMLABackend
         from pd_serve.model.mla import mla_softmax_scale
-        if self.config.attention_backend not in ("auto", "torch"):
-            logger.warning("--attention-backend %s: %s runs multi-head latent attention on the "
-                           "torch backend (no %s MLA kernels yet)", self.config.attention_backend,
-                           mc.architecture, self.config.attention_backend)
-        self.attention_backend = "torch"
-        return TorchMLABackend(self.kv_pool, mc.num_heads, mc.kv_lora_rank,
-                               mla_softmax_scale(mc), self.dtype)
+        name = self.config.attention_backend
+        if name == "flashinfer":
+            logger.warning("--attention-backend flashinfer: %s runs multi-head latent attention "
+                           "on the triton backend", mc.architecture)
+            name = "triton"
+        name = resolve_backend_name(name, self.device, self.dtype, mc.head_dim)
+        if name == "flashinfer":  # auto on CUDA
+            name = "triton"
+        self.attention_backend = name
+        backend = TritonMLABackend if name == "triton" else TorchMLABackend
+        return backend(self.kv_pool, mc.num_heads, mc.kv_lora_rank, mla_softmax_scale(mc),
+                       self.dtype)
 
     # ---- plans ----------------------------------------------------------------------------------
     def update(self, plan: StepPlan) -> None:

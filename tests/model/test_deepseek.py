@@ -50,6 +50,19 @@ def test_deepseek_matches_transformers(deepseek_dirs, kind):
     assert max(matched) >= 16, f"every sequence parted early: {matched}"
 
 
+def test_triton_mla_backend_matches_transformers(deepseek_dirs, monkeypatch):
+    """The GPU backend (Triton MLA decode kernel, in Triton's interpreter on CPU): decode
+    batches through the kernel, prefill chunks through the torch path."""
+    monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
+    from kernels import mla_decode
+    launches = mla_decode.triton_launches
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (9, 40)]
+    engine, matched = _check(deepseek_dirs["deepseek_v3"], prompts, 12, attention_backend="triton")
+    assert engine.attention_backend == "triton" and mla_decode.triton_launches > launches
+    assert max(matched) >= 8, f"every sequence parted early: {matched}"
+
+
 def test_deepseek_v3_long_prompt_in_chunks_past_yarn_original_length(deepseek_dirs):
     """A 150-token prompt in 64-token chunks (each attends over the cached latents before it),
     past YaRN's original_max_position_embeddings (64)."""

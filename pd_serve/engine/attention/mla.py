@@ -1,4 +1,5 @@
-"""Multi-head latent attention over a latent pool, in plain torch: the reference MLA backend.
+"""Multi-head latent attention over a latent pool: in plain torch (the reference, and the CPU
+backend), and on GPUs through the Triton MLA decode kernel.
 
 The pool (num_planes 1, one KV head) holds per token c = [latent (R) | k_pe (Dr)], R =
 kv_lora_rank. With kv_b_proj's rows split per head h into W_k[h] [Dn, R] (keys) and W_v[h]
@@ -19,8 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_store import store_kv
+from kernels.mla_decode import mla_decode_attention
 from pd_serve.cache.pool import KVPool
+from pd_serve.engine.attention.base import AttentionMetadata
 from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
+from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
 
 
 class TorchMLABackend(TorchAttentionBackend):
@@ -76,3 +81,59 @@ class TorchMLABackend(TorchAttentionBackend):
                                                scale=self.scale)  # [H, n, Dv]
             out[row.start:end] = o.transpose(0, 1)
         return out
+
+
+class TritonMLABackend(TritonAttentionBackend):
+    """MLA on GPUs: a batch of decode rows (one new token each) attends through the Triton MLA
+    decode kernel (kernels/mla_decode.py: MQA over the latent pages, each latent tile read once
+    for keys and values), under CUDA graphs as the Triton backend plans them. A batch with a
+    prefill chunk runs TorchMLABackend's path (the context expanded per head: dense attention
+    with Dn + Dr dims, where absorption would attend with R + Dr per head)."""
+
+    def __init__(self, pool: KVPool, num_heads: int, kv_lora_rank: int, scale: float,
+                 dtype: torch.dtype | None = None):
+        if pool.layout.num_planes != 1 or pool.layout.num_kv_heads != 1:
+            raise ValueError("MLA needs a latent pool (one plane, one KV head)")
+        super().__init__(pool, num_heads, pool.layout.head_dim, scale, dtype)
+        self.kv_lora_rank = kv_lora_rank
+        self.prefill = TorchMLABackend(pool, num_heads, kv_lora_rank, scale, dtype)
+        self.mixed = False  # this batch runs the prefill path
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self.mixed = any(n != 1 for n in meta.query_lens)
+        if self.mixed:
+            self.prefill.plan(meta)
+        else:
+            super().plan(meta)
+
+    def init_cuda_graph(self, max_bs: int, max_pages_per_seq: int) -> None:
+        super().init_cuda_graph(max_bs, max_pages_per_seq)
+        # The kernel's output (attention over the latent, before W_v) is [B, H, R].
+        self.graph_out = torch.empty(max_bs, self.num_heads, self.kv_lora_rank,
+                                     dtype=self.dtype, device=self.device)
+
+    def plan_cuda_graph(self, bs: int, meta: AttentionMetadata, host: torch.Tensor,
+                        device: torch.Tensor) -> int:
+        self.mixed = False
+        return super().plan_cuda_graph(bs, meta, host, device)
+
+    def run(self, layer_id, q, k, v, rope=None):
+        raise NotImplementedError("an MLA model calls run_mla()")
+
+    def run_mla(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                latent: torch.Tensor, k_pe: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
+        """As TorchMLABackend.run_mla."""
+        if self.mixed:
+            return self.prefill.run_mla(layer_id, q_nope, q_pe, latent, k_pe, kv_b_weight)
+        R, (B, H, Dn) = self.kv_lora_rank, q_nope.shape
+        cache = self.pool.latent_cache(layer_id)  # [P, S, 1, R + Dr]
+        entry = torch.cat([latent, k_pe], dim=-1).to(cache.dtype).unsqueeze(1)  # [B, 1, R + Dr]
+        store_kv(entry, entry, cache, cache, self.slot_mapping)  # skips padded rows (slot -1)
+        w = kv_b_weight.view(H, -1, R)  # [H, Dn + Dv, R]
+        w_k, w_v = w[:, :Dn], w[:, Dn:]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [B, H, R]: W_k absorbed
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, R + Dr]
+        out = self.out if self.out is not None and self.out.dtype == q.dtype else None
+        o = mla_decode_attention(q, cache, self.kv_indptr, self.kv_indices, self.seq_lens,
+                                 self.scale, R, out=out)  # [B, H, R]
+        return torch.bmm(o.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
