@@ -1,7 +1,8 @@
 """Our model's weights under Hugging Face names, for transformers to run the very same weights.
 
 The inverse of the loader (loader.py): the fused `self_attn.qkv_proj` splits back into
-q/k/v_proj and `mlp.gate_up_proj` into gate_proj and up_proj, weights and biases alike. With
+q/k/v_proj and `mlp.gate_up_proj` into gate_proj and up_proj, weights and biases alike;
+DeepSeek's shared experts take their name back. With
 tied embeddings there is no `lm_head.weight` (as save_pretrained writes a tied checkpoint).
 Benchmarks and tests use it to compare pd-serve with transformers on random (dummy) weights.
 """
@@ -34,6 +35,9 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
         pieces = tensor.split(_split_sizes(cfg, fused), dim=0)
         for hf, piece in zip(parts[fused], pieces, strict=True):
             out[name.replace(fused, hf)] = piece
+    if not cfg.shared_experts_gated:  # DeepSeek's ungated shared experts (loader's _our_name)
+        out = {name.replace(".mlp.shared_expert.", ".mlp.shared_experts."): tensor
+               for name, tensor in out.items()}
     return out
 
 

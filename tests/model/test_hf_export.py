@@ -43,3 +43,11 @@ def test_hf_model_equals_from_pretrained(kind, tiny_checkpoints):
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_hf_model_equals_from_pretrained(kind, tmp_path, tiny_checkpoint_writer,
+                                                  default_model_dir):
+    """DeepSeek's shared experts (ours: mlp.shared_expert) go back under transformers' name."""
+    test_hf_model_equals_from_pretrained(
+        kind, {kind: tiny_checkpoint_writer(kind, tmp_path / kind, default_model_dir, seed=12)})
