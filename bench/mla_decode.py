@@ -50,8 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-splits", type=int, default=None,
                    help="our kernel's splits (default: its shape rule)")
     p.add_argument("--configs", default=None,
-                   help="our kernel's tilings to time, KEYSxWARPSxSTAGES comma list (default: "
-                        "the module's own); ours_us is the first's, ours_by_config has them all")
+                   help="our kernel's tilings to time, KEYSxWARPSxSTAGES[xHEADS] comma list "
+                        "(default: the module's own); ours_us is the first's, ours_by_config has "
+                        "them all")
     p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph (default 20)")
     p.add_argument("--repeats", type=int, default=20, help="timed replays (default 20)")
     p.add_argument("--seed", type=int, default=0)
@@ -61,8 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (the kernels and flashinfer are timed on one)")
     args.device = torch.device("cuda")
-    default = f"{mla_decode._BLOCK_N}x{mla_decode._WARPS}x{mla_decode._STAGES}"
-    args.configs = [tuple(map(int, c.split("x"))) for c in (args.configs or default).split(",")]
+    default = f"{mla_decode._BLOCK_N}x{mla_decode._WARPS}x{mla_decode._STAGES}x{mla_decode._BLOCK_H}"
+    args.configs = [c.strip() for c in (args.configs or default).split(",")]
     if args.output is None:
         gpu = torch.cuda.get_device_name(args.device).split()[-1].lower()
         args.output = str(Path(__file__).parent / "results" / f"mla-decode-{gpu}.json")
@@ -106,15 +107,15 @@ def run_case(heads: int, page_size: int, batch: int, context: int, args) -> dict
                                              num_splits=args.num_splits)
     num_bytes = batch * context * (RANK + ROPE) * cache.element_size()
     by_config, errors = {}, {}
-    for keys, warps, stages in args.configs:
+    for name in args.configs:
+        keys, warps, stages, *heads = map(int, name.split("x"))
         mla_decode._BLOCK_N, mla_decode._WARPS, mla_decode._STAGES = keys, warps, stages
-        name = f"{keys}x{warps}x{stages}"
+        mla_decode._BLOCK_H = heads[0] if heads else 16
         ours.zero_()
         ours_call()  # compiles outside the graph
         errors[name] = _err(ours, want)
         by_config[name] = seconds_per_call(ours_call, args.device, args.calls, args.repeats) * 1e6
-    first = f"{args.configs[0][0]}x{args.configs[0][1]}x{args.configs[0][2]}"
-    t_ours = by_config[first] / 1e6
+    t_ours = by_config[args.configs[0]] / 1e6
     t_ref = eager_seconds(lambda: mla_decode_attention_ref(q, cache, *pages, SCALE, RANK),
                           args.device, min(args.repeats, 5))
     row = {"heads": heads, "page_size": page_size, "batch": batch, "context": context,
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.output, {
         "benchmark": "mla_decode", "device": device_name(args.device), "dtype": "bfloat16",
         "kv_lora_rank": RANK, "rope_dims": ROPE, "scale": SCALE, "num_splits": args.num_splits,
+        "configs": args.configs,
         "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
         "flashinfer_version": flashinfer_version, "git_commit": git_commit(),
         "calls_per_graph": args.calls, "repeats": args.repeats, "rows": rows})

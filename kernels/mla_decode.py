@@ -38,11 +38,12 @@ triton_launches = 0
 
 _LOG2E = math.log2(math.e)
 _BLOCK_H = 16  # query heads per program (tl.dot wants 16 rows or more)
-_BLOCK_N = 16  # keys per tile
+# Keys per tile, warps, stages: the fastest of five tilings in an H200 sweep (bench/mla_decode.py,
+# bench/results/mla-decode-h200.json) at 16 and 128 heads, batch 1-64, 1k-4k context, or
+# within 10 % of it.
+_BLOCK_N = 32
 _WARPS = 4
 _STAGES = 2
-# (At R 512, compiled for sm_90, these take 198 registers a thread and spill none; 32 keys a
-# tile spill at 4 warps. Not timed on a GPU yet.)
 tl = None  # triton.language, bound when _kernels is first built
 
 
