@@ -108,9 +108,9 @@ def run_case(heads: int, page_size: int, batch: int, context: int, args) -> dict
     num_bytes = batch * context * (RANK + ROPE) * cache.element_size()
     by_config, errors = {}, {}
     for name in args.configs:
-        keys, warps, stages, *heads = map(int, name.split("x"))
+        keys, warps, stages, *per_program = map(int, name.split("x"))
         mla_decode._BLOCK_N, mla_decode._WARPS, mla_decode._STAGES = keys, warps, stages
-        mla_decode._BLOCK_H = heads[0] if heads else 16
+        mla_decode._BLOCK_H = per_program[0] if per_program else 16
         ours.zero_()
         ours_call()  # compiles outside the graph
         errors[name] = _err(ours, want)

@@ -76,8 +76,10 @@ class TorchMLABackend(TorchAttentionBackend):
             k_nope, v = kv_b.split([Dn, w_v.shape[1]], dim=-1)
             k = torch.cat([k_nope, kv[:, None, R:].expand(-1, H, -1)], dim=-1)  # [L, H, Dn + Dr]
             q = torch.cat([q_nope[row.start:end], q_pe[row.start:end]], dim=-1)  # [n, H, Dn + Dr]
+            causal = row.num_new == len(kv)  # no cached prefix: SDPA's own causal kernels
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                               v.transpose(0, 1), attn_mask=row.masks[0],
+                                               v.transpose(0, 1), is_causal=causal,
+                                               attn_mask=None if causal else row.masks[0],
                                                scale=self.scale)  # [H, n, Dv]
             out[row.start:end] = o.transpose(0, 1)
         return out
