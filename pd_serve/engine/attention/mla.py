@@ -60,7 +60,8 @@ class TorchMLABackend(TorchAttentionBackend):
         cache[self.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
         w = kv_b_weight.view(H, -1, R)  # [H, Dn + Dv, R]
         w_k, w_v = w[:, :Dn], w[:, Dn:]  # [H, Dn, R], [H, Dv, R]
-        out = q_nope.new_empty(T, H, w_v.shape[1])
+        Dv = w_v.shape[1]
+        out = q_nope.new_empty(T, H, Dv)
         if self.decode_token_ids:
             idx = self.decode_index
             q_lat = torch.einsum("bhd,hdr->bhr", q_nope[idx], w_k)  # [B, H, R]
@@ -76,12 +77,13 @@ class TorchMLABackend(TorchAttentionBackend):
             k_nope, v = kv_b.split([Dn, w_v.shape[1]], dim=-1)
             k = torch.cat([k_nope, kv[:, None, R:].expand(-1, H, -1)], dim=-1)  # [L, H, Dn + Dr]
             q = torch.cat([q_nope[row.start:end], q_pe[row.start:end]], dim=-1)  # [n, H, Dn + Dr]
+            if q.is_cuda:  # V padded to the query's width: flash attention takes one head size
+                v = F.pad(v, (0, q.shape[-1] - Dv))
             causal = row.num_new == len(kv)  # no cached prefix: SDPA's own causal kernels
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                               v.transpose(0, 1), is_causal=causal,
-                                               attn_mask=None if causal else row.masks[0],
-                                               scale=self.scale)  # [H, n, Dv]
-            out[row.start:end] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(  # [1, H, n, Dv (or padded)], 4-D for the kernels
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=causal, attn_mask=None if causal else row.masks[0], scale=self.scale)
+            out[row.start:end] = o[0, ..., :Dv].transpose(0, 1)
         return out
 
 
