@@ -237,10 +237,12 @@ def _advance(sample, pairs: list, vocab_size: int, all_rows: bool, pinned: bool)
         state._mask, state._mask_at = (filled, row), state.num_accepted
 
 
-# A JSON string's characters that need no escape, as a regex class: not '"', '\\', U+0000-U+001F,
-# nor a surrogate (U+D800-U+DFFF), whose UTF-8 bytes xgrammar accepts but no decoder does: each
-# would come out as three U+FFFD and break the length bound.
-_PLAIN_CHAR = '[^"\\\\\\x00-\\x1f\\ud800-\\udfff]'
+# A JSON string's characters that need no escape, as a regex: not '"', '\\' or U+0000-U+001F, and
+# no surrogate (U+D800-U+DFFF). One range per UTF-8 length: xgrammar 0.2.9 builds a range that
+# spans two lengths (or a negated class) with byte paths no decoder takes, overlong forms and
+# surrogates, each of whose bytes then decodes to its own U+FFFD, past the length bound.
+_PLAIN_CHAR = ('(?:[ !#-\\[\\]-\\x7f]|[\\u0080-\\u07ff]|[\\u0800-\\ud7ff]|[\\ue000-\\uffff]'
+               '|[\\u{10000}-\\u{10ffff}])')
 
 
 def _schema_text(spec: str) -> str:

@@ -173,3 +173,24 @@ def test_bounded_strings_stay_json(compiler):
                       .encode(), True)]:
         state = compiler.matcher(JSON_GRAMMAR)
         assert state.matcher.accept_string(text) == ok, text
+
+
+def test_bounded_strings_take_what_utf8_decodes_as_one_character(compiler):
+    """Every byte, every 2-byte sequence, and every lead / second byte pair of 3- and 4-byte
+    ones (where overlong forms, surrogates and values past U+10FFFF live), as a bounded
+    string's one character: taken exactly when Python's decoder reads it as one character
+    that JSON writes unescaped."""
+    sequences = [bytes([c]) for c in range(0x20, 0x100)]
+    sequences += [bytes([a, b]) for a in range(0xC0, 0x100) for b in range(0x80, 0xC0)]
+    sequences += [bytes([a, b, 0x80]) for a in range(0xE0, 0xF0) for b in range(0x80, 0xC0)]
+    sequences += [bytes([a, b, 0x80, 0x80]) for a in range(0xF0, 0xF8) for b in range(0x80, 0xC0)]
+    wrong = []
+    for seq in sequences:
+        try:
+            ok = len(seq.decode("utf-8")) == 1 and seq not in (b'"', b"\\")
+        except UnicodeDecodeError:
+            ok = False
+        state = compiler.matcher(JSON_GRAMMAR)
+        if state.matcher.accept_string(b'{"name": "' + seq + b'"') != ok:
+            wrong.append(seq)
+    assert not wrong, f"{len(wrong)} wrong, e.g. {wrong[:8]}"
