@@ -23,9 +23,10 @@ kv_b_proj column-parallel (a rank's heads), o_proj row-parallel; the latent's do
 (q_a_proj, kv_a_proj_with_mqa) and norms are replicated, so every rank stores the whole latent:
 its one KV "head" is replicated, as KV heads are when there are more ranks than heads.
 
-Block-wise FP8 layers (quant.Fp8BlockLinear) shard as the dense ones do: column-parallel by
-rows (their scales are kept per row), row-parallel by input columns only where the split falls
-on the weight's K blocks (a clear error otherwise). Other quantized layers are refused.
+FP8 layers shard as the dense ones do (their `shard()`): column-parallel by rows with their
+per-channel (or per-row block) scales, row-parallel by input columns, each rank quantizing its
+own slice of the activations; a block-wise layer's column split must fall on its K blocks (a
+clear error otherwise). GPTQ layers are refused.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from kernels.gemv import linear
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
 from pd_serve.model.moe import SparseMoeBlock
-from pd_serve.model.quant import Fp8BlockLinear, QuantLinear
+from pd_serve.model.quant import Fp8BlockLinear, Fp8Linear, QuantLinear
+
+_SHARDABLE = (Fp8BlockLinear, Fp8Linear)  # quantized layers with a shard()
 
 
 @dataclass(frozen=True)
@@ -192,9 +195,9 @@ def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1,
         return full.eval()
     local = shard_config(cfg, tp.size, ep_size)
     for name, module in full.named_modules():
-        if isinstance(module, QuantLinear) and not isinstance(module, Fp8BlockLinear):
-            raise ValueError(f"--tp {tp.size}: {name} is a quantized layer; tensor parallelism "
-                             "runs unquantized and block-wise FP8 models only (for now)")
+        if isinstance(module, QuantLinear) and not isinstance(module, _SHARDABLE):
+            raise ValueError(f"--tp {tp.size}: {name} is a {type(module).__name__}; tensor "
+                             "parallelism runs unquantized and FP8 models only (for now)")
     weight = full.model.embed_tokens.weight
     device, dtype = weight.device, weight.dtype
     default = torch.get_default_dtype()
@@ -254,7 +257,7 @@ def _shard_mla(a: nn.Module, b: nn.Module, local: ModelConfig, tp: TPGroup) -> N
     _column_parallel(a, b, q_name, _rows(tp.rank * heads * qk, heads * qk))
     b.kv_b_proj.weight.copy_(a.kv_b_proj.weight[_rows(tp.rank * heads * kv_b, heads * kv_b)])
     for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
-        if isinstance(getattr(a, name, None), Fp8BlockLinear):
+        if isinstance(getattr(a, name, None), _SHARDABLE):
             setattr(b, name, getattr(a, name).shard())  # whole on every rank
         elif hasattr(a, name):
             getattr(b, name).load_state_dict(getattr(a, name).state_dict())
@@ -271,9 +274,9 @@ def _shard_mlp(theirs: nn.Module, ours: nn.Module, tp: TPGroup) -> None:
 
 
 def _column_parallel(a: nn.Module, b: nn.Module, name: str, rows: list[int]) -> None:
-    """b.name: rows `rows` of a.name (and of its bias); a block-wise FP8 layer's shard."""
+    """b.name: rows `rows` of a.name (and of its bias); an FP8 layer's shard."""
     theirs, ours = getattr(a, name), getattr(b, name)
-    if isinstance(theirs, Fp8BlockLinear):
+    if isinstance(theirs, _SHARDABLE):
         setattr(b, name, theirs.shard(rows=rows))
         return
     ours.weight.copy_(theirs.weight[rows])
@@ -283,7 +286,7 @@ def _column_parallel(a: nn.Module, b: nn.Module, name: str, rows: list[int]) -> 
 
 def _row_parallel(layer: nn.Module, columns: list[int], tp: TPGroup) -> nn.Module:
     """The row-parallel shard of `layer` over its input columns `columns` (contiguous)."""
-    if isinstance(layer, Fp8BlockLinear):
+    if isinstance(layer, _SHARDABLE):
         return QuantRowParallel(layer.shard(columns=(columns[0], len(columns))),
                                 _clone(layer.bias), tp)
     return RowParallelLinear(layer.weight[:, columns].clone(), _clone(layer.bias), tp)

@@ -251,6 +251,35 @@ class Fp8Linear(QuantLinear):
                               dense=self.dense, gemv_one_row=self.batch1_kernels,
                               silu_and_mul=silu_and_mul)
 
+    @torch.no_grad()
+    def shard(self, rows: list[int] | None = None,
+              columns: tuple[int, int] | None = None) -> Fp8Linear:
+        """A tensor-parallel shard: output rows `rows` with their per-channel scales and bias,
+        or input columns [start, start + size) (every channel's scale; no bias: the
+        row-parallel caller adds it after the all-reduce). A static input scale is the
+        layer's, on every shard; dynamic activation scales come from each shard's input."""
+        weight, scale, bias = self.weight, self.weight_scale, self.bias
+        if rows is not None:
+            index = torch.tensor(rows, device=weight.device)
+            weight, scale = weight[index], scale[index]
+            bias = None if bias is None else bias[index]
+        in_features = self.in_features
+        if columns is not None:
+            start, in_features = columns
+            weight, bias = weight[:, start:start + in_features], None
+        with torch.device(weight.device):
+            layer = Fp8Linear(in_features, [weight.shape[0]], bias is not None, self.dtype,
+                              self.config)
+        layer.load("weight", weight.contiguous(), None)
+        layer.load("weight_scale", scale, None)
+        if self.input_scale is not None:
+            layer.load("input_scale", self.input_scale, None)
+        if bias is not None:
+            layer.load("bias", bias, None)
+        layer.finish_loading(keep_dense=self.dense is not None)
+        layer.batch1_kernels = self.batch1_kernels
+        return layer
+
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear, out_sizes: list[int], config: fp8.Fp8Config,

@@ -141,6 +141,56 @@ def test_fp8_checkpoint_equals_its_dequantized_model(tmp_path, tiny_checkpoints,
     torch.testing.assert_close(quantized.nll, reference.nll, rtol=1e-4, atol=1e-4)
 
 
+def test_fp8_shards_add_up_to_the_layer():
+    """Fp8Linear.shard: rows keep their channels' scales and bias; column shards' partial
+    sums add up to the layer (static input scale: the same rounding of x on every shard)."""
+    from pd_serve.model.fp8 import Fp8Config
+    linear = torch.nn.Linear(96, 40)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0))
+    for static in (False, True):
+        layer = Fp8Linear.from_linear(linear, [40], Fp8Config(static_activation=static),
+                                      keep_dense=True)
+        if static:
+            layer.input_scale = torch.tensor([x.abs().max().item() / 448])
+        rows = list(range(3, 29))
+        torch.testing.assert_close(layer.shard(rows=rows)(x), layer(x)[:, rows])
+        halves = layer.shard(columns=(0, 48))(x[:, :48]) + layer.shard(columns=(48, 48))(x[:, 48:])
+        tolerance = dict(rtol=1e-5, atol=1e-5) if static else dict(rtol=0.05, atol=0.05)
+        torch.testing.assert_close(halves + layer.bias, layer(x), **tolerance)
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "at load"])
+def test_fp8_tp_2_equals_tp_1(tmp_path, tiny_checkpoints, source):
+    """Engine(tp=2) on FP8 weights. A checkpoint with per-tensor weight scales and a static
+    input scale (qwen2: QKV biases): the same tokens as TP 1. --quantization fp8 at load
+    (per-channel scales, per-token activation scales, each rank's from its own slice of a
+    row-parallel input, so the rounding differs from TP 1's): TP 1's first token among TP 2's
+    top 5, its logprob within 0.5 of TP 1's (FP8 itself moves such a logprob by 0.33 from
+    float32 on this random model; a shard with the wrong scales or rows lands far off)."""
+    from pd_serve import Engine, SamplingParams
+    if source == "checkpoint":
+        model_dir, options = write_fp8_checkpoint(tiny_checkpoints["qwen2"], tmp_path / "fp8",
+                                                  layout="fp8", input_amax=24.0), {}
+    else:
+        model_dir, options = tiny_checkpoints["llama3"], dict(quantization="fp8")
+    prompts = [[5, 17, 300, 42, 9, 1000, 7], [88, 3, 4096]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    options |= dict(device="cpu", max_total_tokens=128, page_size=4)
+    want = Engine(model_dir, **options).generate(prompts, params)
+    engine = Engine(model_dir, tp=2, **options)
+    try:
+        assert isinstance(engine.model.model.layers[0].self_attn.o_proj.shard, Fp8Linear)
+        got = engine.generate(prompts, params)
+    finally:
+        engine.close()
+    if source == "checkpoint":
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        return
+    for ours, ref in zip(got, want):  # the first token: TP 1's choice among TP 2's top 5
+        top = dict(ours.logprobs[0].top)
+        assert abs(top[ref.token_ids[0]] - ref.logprobs[0].logprob) < 0.5, (ours, ref)
+
+
 def test_kv_cache_scales_beside_fp8_weights_are_not_weights(tmp_path, tiny_checkpoints):
     """An FP8 checkpoint with KV-cache scales (compressed-tensors' k_proj.output_scale, under
     a quantized layer's name) loads; --kv-cache-dtype fp8_e4m3 picks the scales up."""
