@@ -23,10 +23,11 @@ kv_b_proj column-parallel (a rank's heads), o_proj row-parallel; the latent's do
 (q_a_proj, kv_a_proj_with_mqa) and norms are replicated, so every rank stores the whole latent:
 its one KV "head" is replicated, as KV heads are when there are more ranks than heads.
 
-FP8 layers shard as the dense ones do (their `shard()`): column-parallel by rows with their
-per-channel (or per-row block) scales, row-parallel by input columns, each rank quantizing its
-own slice of the activations; a block-wise layer's column split must fall on its K blocks (a
-clear error otherwise). GPTQ layers are refused.
+Quantized layers shard as the dense ones do (their `shard()`): column-parallel by rows with
+their scales (FP8 per channel or per row block; GPTQ in runs of 8 rows, as its zeros pack),
+row-parallel by input columns, each FP8 rank quantizing its own slice of the activations. A
+column split must fall on a block-wise FP8 layer's K blocks and a GPTQ layer's groups, and
+act-order GPTQ does not shard: clear errors.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from kernels.gemv import linear
 from pd_serve.model.config import ModelConfig
 from pd_serve.model.llama import CausalLM
 from pd_serve.model.moe import SparseMoeBlock
-from pd_serve.model.quant import Fp8BlockLinear, Fp8Linear, QuantLinear
+from pd_serve.model.quant import Fp8BlockLinear, Fp8Linear, GPTQLinear
 
-_SHARDABLE = (Fp8BlockLinear, Fp8Linear)  # quantized layers with a shard()
+_SHARDABLE = (Fp8BlockLinear, Fp8Linear, GPTQLinear)  # the quantized layers: each has shard()
 
 
 @dataclass(frozen=True)
@@ -195,9 +196,10 @@ def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1,
         return full.eval()
     local = shard_config(cfg, tp.size, ep_size)
     for name, module in full.named_modules():
-        if isinstance(module, QuantLinear) and not isinstance(module, _SHARDABLE):
-            raise ValueError(f"--tp {tp.size}: {name} is a {type(module).__name__}; tensor "
-                             "parallelism runs unquantized and FP8 models only (for now)")
+        if isinstance(module, GPTQLinear) and (module.perm is not None or module.g_idx is not None):
+            raise ValueError(f"--tp {tp.size}: {name} is an act-order GPTQ layer (desc_act) or "
+                             "its groups do not divide its input; such layers do not shard yet: "
+                             "use --tp 1 or a checkpoint without act-order")
     weight = full.model.embed_tokens.weight
     device, dtype = weight.device, weight.dtype
     default = torch.get_default_dtype()
@@ -266,7 +268,7 @@ def _shard_mla(a: nn.Module, b: nn.Module, local: ModelConfig, tp: TPGroup) -> N
 
 def _shard_mlp(theirs: nn.Module, ours: nn.Module, tp: TPGroup) -> None:
     """Column-parallel gate/up (this rank's slice of each), row-parallel down."""
-    full = theirs.down_proj.weight.shape[1]
+    full = theirs.down_proj.in_features
     per = full // tp.size
     gate, up = _rows(tp.rank * per, per), _rows(full + tp.rank * per, per)
     _column_parallel(theirs, ours, "gate_up_proj", gate + up)

@@ -167,6 +167,51 @@ class GPTQLinear(QuantLinear):
                 w_t = torch.empty_like(w_t).index_copy_(0, self.perm.long(), w_t)
             self.dense = w_t.t().to(self.dtype).contiguous()  # [out, in]
 
+    @torch.no_grad()
+    def shard(self, rows: list[int] | None = None,
+              columns: tuple[int, int] | None = None) -> GPTQLinear:
+        """A tensor-parallel shard: output rows `rows` (runs of 8 from a multiple of 8, as
+        qzeros packs them) with their scales, zeros and bias, or input columns [start,
+        start + size) on group boundaries (their packed rows and their groups' scales and
+        zeros; no bias: the row-parallel caller adds it after the all-reduce). Act-order
+        layers (rows sorted by group at load) and groups that do not divide the input are
+        refused: ValueError."""
+        if self.perm is not None or self.g_idx is not None:
+            raise ValueError("an act-order GPTQ layer (desc_act, rows sorted by group), or one "
+                             "whose groups do not divide its input, does not shard; use --tp 1")
+        qweight, qzeros, scales, bias = self.qweight, self.qzeros, self.scales, self.bias
+        if rows is not None:
+            if len(rows) % 8 or any(rows[i] % 8 or rows[i + 7] != rows[i] + 7
+                                    for i in range(0, len(rows), 8)):
+                raise ValueError("a GPTQ layer's output rows shard in runs of 8 from a multiple "
+                                 "of 8 (its zeros are packed 8 to an int32)")
+            index = torch.tensor(rows, device=qweight.device)
+            qweight, scales, qzeros = qweight[:, index], scales[:, index], qzeros[:, index[::8] // 8]
+            bias = None if bias is None else bias[index]
+        in_features = self.in_features
+        if columns is not None:
+            (start, in_features), group = columns, self.config.group_size_for(self.in_features)
+            if self.config.group_size != -1:  # else one group: every shard keeps it
+                if start % group or in_features % group:
+                    raise ValueError(f"input columns [{start}, {start + in_features}) of a GPTQ "
+                                     f"layer do not fall on its {group}-column groups; choose a "
+                                     "--tp that splits the layer's input at group boundaries")
+                scales = scales[start // group:(start + in_features) // group]
+                qzeros = qzeros[start // group:(start + in_features) // group]
+            qweight, bias = qweight[start // 8:(start + in_features) // 8], None
+        with torch.device(qweight.device):
+            layer = GPTQLinear(in_features, [qweight.shape[1]], bias is not None, self.dtype,
+                               self.config)
+        for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+            layer.load(name, tensor.contiguous(), None)
+        if self.config.desc_act:  # a trivial g_idx, as this layer's was
+            layer.load("g_idx", trivial_g_idx(in_features, self.config.group_size_for(in_features)),
+                       None)
+        if bias is not None:
+            layer.load("bias", bias, None)
+        layer.finish_loading(keep_dense=self.dense is not None)
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return F.linear(x, self.dense, self.bias)

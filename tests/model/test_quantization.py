@@ -191,6 +191,53 @@ def test_fp8_tp_2_equals_tp_1(tmp_path, tiny_checkpoints, source):
         assert abs(top[ref.token_ids[0]] - ref.logprobs[0].logprob) < 0.5, (ours, ref)
 
 
+@pytest.mark.parametrize("kind, options", [
+    ("qwen2", dict(group_size=32)),  # QKV bias
+    ("llama3", dict(sym=False, checkpoint_format="gptq_v2", group_size=32)),
+])
+def test_gptq_tp_2_equals_tp_1(tmp_path, tiny_checkpoints, kind, options):
+    """Engine(tp=2) on GPTQ INT4: q/k/v and gate/up split by output rows (with their scales
+    and packed zeros), o_proj and down_proj by input columns on 32-column groups."""
+    from pd_serve import Engine, SamplingParams
+    gptq_dir = write_gptq_checkpoint(tiny_checkpoints[kind], tmp_path / "gptq", **options)
+    prompts = [[5, 17, 300, 42, 9, 1000, 7], [88, 3, 4096]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine_options = dict(device="cpu", max_total_tokens=128, page_size=4)
+    want = Engine(gptq_dir, **engine_options).generate(prompts, params)
+    engine = Engine(gptq_dir, tp=2, **engine_options)
+    try:
+        assert isinstance(engine.model.model.layers[0].mlp.down_proj.shard, GPTQLinear)
+        got = engine.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    finally:
+        engine.close()
+
+
+def test_gptq_shards_and_what_they_refuse():
+    """Row and column shards of a GPTQ layer add up to it; rows off the zeros' packing,
+    columns off the groups and act-order layers are clear errors."""
+    from pd_serve.model.gptq import GPTQConfig
+    linear = torch.nn.Linear(128, 48)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    config = GPTQConfig.from_dict({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                   "sym": False, "desc_act": False})
+    layer = GPTQLinear.from_linear(linear, [48], config, keep_dense=True)
+    rows = list(range(8, 24)) + list(range(40, 48))
+    torch.testing.assert_close(layer.shard(rows=rows)(x), layer(x)[:, rows])
+    halves = layer.shard(columns=(0, 64))(x[:, :64]) + layer.shard(columns=(64, 64))(x[:, 64:])
+    torch.testing.assert_close(halves + layer.bias, layer(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="runs of 8"):
+        layer.shard(rows=list(range(4, 12)))
+    with pytest.raises(ValueError, match="32-column groups"):
+        layer.shard(columns=(16, 64))
+    act_order = GPTQConfig.from_dict({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                      "sym": True, "desc_act": True})
+    layer = GPTQLinear.from_linear(linear, [48], act_order, keep_dense=True)
+    layer.perm = torch.arange(128)  # as sort_act_order leaves an act-order layer
+    with pytest.raises(ValueError, match="act-order"):
+        layer.shard(rows=list(range(8)))
+
+
 def test_kv_cache_scales_beside_fp8_weights_are_not_weights(tmp_path, tiny_checkpoints):
     """An FP8 checkpoint with KV-cache scales (compressed-tensors' k_proj.output_scale, under
     a quantized layer's name) loads; --kv-cache-dtype fp8_e4m3 picks the scales up."""
