@@ -305,9 +305,7 @@ class Fp8Linear(QuantLinear):
         layer's, on every shard; dynamic activation scales come from each shard's input."""
         weight, scale, bias = self.weight, self.weight_scale, self.bias
         if rows is not None:
-            index = torch.tensor(rows, device=weight.device)
-            weight, scale = weight[index], scale[index]
-            bias = None if bias is None else bias[index]
+            weight, scale, bias = _take_rows(rows, weight, scale, bias)
         in_features = self.in_features
         if columns is not None:
             start, in_features = columns
@@ -392,9 +390,7 @@ class Fp8BlockLinear(QuantLinear):
         straddles two ranks: ValueError otherwise."""
         weight, scale, bias = self.weight, self.weight_scale_inv, self.bias
         if rows is not None:
-            index = torch.tensor(rows, device=weight.device)
-            weight, scale = weight[index], scale[index]
-            bias = None if bias is None else bias[index]
+            weight, scale, bias = _take_rows(rows, weight, scale, bias)
         in_features = self.in_features
         if columns is not None:
             (start, size), bk = columns, self.block[1]
@@ -458,6 +454,13 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 # ----------------------------------------------------------------------------- methods
+
+def _take_rows(rows: list[int], weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None) -> tuple:
+    """Output rows `rows` of an FP8 weight [out, in], of its per-row scales and of its bias."""
+    index = torch.tensor(rows, device=weight.device)
+    return weight[index], scale[index], None if bias is None else bias[index]
+
 
 @dataclass(frozen=True)
 class QuantMethod:

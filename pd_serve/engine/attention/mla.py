@@ -96,11 +96,9 @@ class TritonMLABackend(TritonAttentionBackend):
 
     def __init__(self, pool: KVPool, num_heads: int, kv_lora_rank: int, scale: float,
                  dtype: torch.dtype | None = None):
-        if pool.layout.num_planes != 1 or pool.layout.num_kv_heads != 1:
-            raise ValueError("MLA needs a latent pool (one plane, one KV head)")
+        self.prefill = TorchMLABackend(pool, num_heads, kv_lora_rank, scale, dtype)  # checks pool
         super().__init__(pool, num_heads, pool.layout.head_dim, scale, dtype)
         self.kv_lora_rank = kv_lora_rank
-        self.prefill = TorchMLABackend(pool, num_heads, kv_lora_rank, scale, dtype)
         self.mixed = False  # this batch runs the prefill path
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -132,7 +130,8 @@ class TritonMLABackend(TritonAttentionBackend):
         R, (B, H, Dn) = self.kv_lora_rank, q_nope.shape
         cache = self.pool.latent_cache(layer_id)  # [P, S, 1, R + Dr]
         entry = torch.cat([latent, k_pe], dim=-1).to(cache.dtype).unsqueeze(1)  # [B, 1, R + Dr]
-        store_kv(entry, entry, cache, cache, self.slot_mapping)  # skips padded rows (slot -1)
+        # keys and values are the one entry; store_kv skips padded graph rows (slot -1)
+        store_kv(entry, entry, cache, cache, self.slot_mapping)
         w = kv_b_weight.view(H, -1, R)  # [H, Dn + Dv, R]
         w_k, w_v = w[:, :Dn], w[:, Dn:]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [B, H, R]: W_k absorbed
