@@ -11,7 +11,8 @@ Norms and SiLU-and-mul call kernels/: Triton on GPU, their torch references on C
 reproduce Hugging Face's arithmetic); RoPE is the attention backend's, applied as it stores K
 and V (kernels/kv_store.py's rope_store_kv). Linear layers run cuBLAS on GPU;
 `use_batch1_kernels` (--enable-batch1-kernels) gives one-row inputs (decode at batch 1)
-kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue.
+kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue. On CPU,
+`pack_cpu_weights` gives decode's few-row calls oneDNN on packed weights (layers.cpu_linear).
 The residual stream is carried beside the hidden states so the residual add fuses into the
 next norm. Nothing here syncs with the host: CUDA graphs
 capture the whole forward.
@@ -20,14 +21,13 @@ capture the whole forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.gemv import linear
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
-from pd_serve.model.layers import Linear, RMSNorm
+from pd_serve.model.layers import Linear, RMSNorm, cpu_linear, pack_cpu_weight
 from pd_serve.model.moe import SparseMoeBlock
 from pd_serve.model.rope import RotaryEmbedding
 
@@ -118,6 +118,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tp = None  # a tensor-parallel shard's TPGroup (model/parallel.py): logits are gathered
         self.batch1_kernels = False  # see use_batch1_kernels
+        self.cpu_packed_head: torch.Tensor | None = None  # see pack_cpu_weights
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 after_layer=None) -> torch.Tensor:
@@ -135,10 +136,24 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = (linear if self.batch1_kernels else F.linear)(hidden, weight)
+        logits = (linear(hidden, weight) if self.batch1_kernels
+                  else cpu_linear(hidden, weight, None, self.cpu_packed_head))
         if self.tp is not None:  # this rank's slice of the vocabulary
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()
+
+
+def pack_cpu_weights(model: CausalLM) -> int:
+    """Give every float32 CPU Linear of `model` and its LM head a packed copy of the weight
+    (layers.cpu_linear); returns the bytes the copies take (about the weights' own)."""
+    head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+    model.cpu_packed_head = pack_cpu_weight(head)
+    total = 0 if model.cpu_packed_head is None else head.nbytes
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.cpu_packed = pack_cpu_weight(module.weight)
+            total += 0 if module.cpu_packed is None else module.weight.nbytes
+    return total
 
 
 def use_batch1_kernels(model: nn.Module) -> None:

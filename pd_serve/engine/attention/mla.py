@@ -24,7 +24,7 @@ from kernels.kv_store import store_kv
 from kernels.mla_decode import mla_decode_attention
 from pd_serve.cache.pool import KVPool
 from pd_serve.engine.attention.base import AttentionMetadata
-from pd_serve.engine.attention.torch_backend import TorchAttentionBackend
+from pd_serve.engine.attention.torch_backend import TorchAttentionBackend, rows_of_pages
 from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
 
 
@@ -56,7 +56,8 @@ class TorchMLABackend(TorchAttentionBackend):
         [T, H, Dv]
         """
         R, (T, H, Dn) = self.kv_lora_rank, q_nope.shape
-        cache = self.pool.latent_cache(layer_id).view(-1, self.head_dim)  # [slots, R + Dr]
+        pages = self.pool.latent_cache(layer_id)  # [P, S, 1, R + Dr]
+        cache = pages.view(-1, self.head_dim)  # [slots, R + Dr]
         cache[self.slot_mapping] = torch.cat([latent, k_pe], dim=-1).to(cache.dtype)
         w = kv_b_weight.view(H, -1, R)  # [H, Dn + Dv, R]
         w_k, w_v = w[:, :Dn], w[:, Dn:]  # [H, Dn, R], [H, Dv, R]
@@ -66,13 +67,14 @@ class TorchMLABackend(TorchAttentionBackend):
             idx = self.decode_index
             q_lat = torch.einsum("bhd,hdr->bhr", q_nope[idx], w_k)  # [B, H, R]
             q = torch.cat([q_lat, q_pe[idx]], dim=-1).unsqueeze(2)  # [B, H, 1, R + Dr]
-            kv = cache[self.decode_slots].to(q.dtype).unsqueeze(1)  # [B, 1, Lmax, R + Dr]
+            kv = (rows_of_pages(pages, self.decode_pages.flatten())
+                  .view(len(idx), 1, -1, self.head_dim).to(q.dtype))  # [B, 1, Lmax, R + Dr]
             o = F.scaled_dot_product_attention(q, kv, kv[..., :R], attn_mask=self.decode_masks[0],
                                                scale=self.scale, enable_gqa=True)  # [B, H, 1, R]
             out[idx] = torch.einsum("bhr,hvr->bhv", o.squeeze(2), w_v)
         for row in self.prefill_rows:
             end = row.start + row.num_new
-            kv = cache[row.slots].to(q_nope.dtype)  # [L, R + Dr]
+            kv = rows_of_pages(pages, row.pages)[:row.seq_len, 0].to(q_nope.dtype)  # [L, R + Dr]
             kv_b = F.linear(kv[:, :R], kv_b_weight).view(len(kv), H, -1)  # [L, H, Dn + Dv]
             k_nope, v = kv_b.split([Dn, w_v.shape[1]], dim=-1)
             k = torch.cat([k_nope, kv[:, None, R:].expand(-1, H, -1)], dim=-1)  # [L, H, Dn + Dr]

@@ -17,12 +17,22 @@ from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, 
 class _PrefillRow:
     start: int  # first of this row's tokens in the batch
     num_new: int
-    slots: torch.Tensor  # [L] cache slots of the row's whole context
+    seq_len: int  # L: cached prefix + new tokens
+    pages: torch.Tensor  # [ceil(L / page_size)] pages of the row's whole context
     masks: dict[int, torch.Tensor]  # window -> [num_new, L] True where a query may attend
 
 
+def rows_of_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache [P, S, H, D], pages [N] -> their rows [N * S, H, D], one index_select (a page is
+    S contiguous slots, so this copies whole blocks; indexing slot by slot is several times
+    slower on CPU). 1-byte (FP8) caches go through uint8, which index_select has a kernel for."""
+    flat = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+    rows = flat.index_select(0, pages).flatten(0, 1)
+    return rows.view(cache.dtype) if cache.element_size() == 1 else rows
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Gathers each sequence's K/V from its pages and calls scaled_dot_product_attention.
+    """Gathers each sequence's K/V pages and calls scaled_dot_product_attention.
 
     Single-token (decode) rows run as one padded batch; rows with several new tokens (prefill
     chunks) run one by one with a causal mask offset by their cached prefix. Sliding-window
@@ -34,33 +44,32 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         device = self.pool.buffer.device
         page_size = self.pool.layout.page_size
-        offsets = torch.arange(page_size, device=device)
         self.slot_mapping = meta.slot_mapping
         self.decode_token_ids: list[int] = []
-        decode_slots: list[torch.Tensor] = []
+        decode_pages: list[torch.Tensor] = []
+        decode_lens: list[int] = []
         self.prefill_rows: list[_PrefillRow] = []
         windows = set(self.windows)
         start = 0
         for num_new, seq_len, pages in zip(meta.query_lens, meta.seq_lens, meta.page_tables):
             num_pages = pages_for(seq_len, page_size)
             page_ids = torch.tensor(pages[:num_pages], dtype=torch.int64, device=device)
-            slots = (page_ids[:, None] * page_size + offsets).flatten()[:seq_len]  # [L]
             if num_new == 1:
                 self.decode_token_ids.append(start)
-                decode_slots.append(slots)
+                decode_pages.append(page_ids)
+                decode_lens.append(seq_len)
             else:
                 q_pos = torch.arange(seq_len - num_new, seq_len, device=device)[:, None]
                 k_pos = torch.arange(seq_len, device=device)[None, :]
                 masks = {w: (k_pos <= q_pos) & ((k_pos > q_pos - w) if w else True)
                          for w in windows}  # [num_new, L] each
-                self.prefill_rows.append(_PrefillRow(start, num_new, slots, masks))
+                self.prefill_rows.append(_PrefillRow(start, num_new, seq_len, page_ids, masks))
             start += num_new
-        if decode_slots:
-            lens = torch.tensor([len(s) for s in decode_slots], device=device)
-            # Padding points at slot 0: finite data, masked out below.
-            self.decode_slots = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True)
-            k_pos = torch.arange(self.decode_slots.shape[1], device=device)[None, :]
-            lens = lens[:, None]
+        if decode_pages:
+            # Padding points at page 0: finite data, masked out below.
+            self.decode_pages = torch.nn.utils.rnn.pad_sequence(decode_pages, batch_first=True)
+            k_pos = torch.arange(self.decode_pages.shape[1] * page_size, device=device)[None, :]
+            lens = torch.tensor(decode_lens, device=device)[:, None]
             self.decode_masks = {w: ((k_pos < lens) & ((k_pos >= lens - w) if w else True))
                                  [:, None, None, :] for w in windows}  # [B, 1, 1, Lmax] each
             self.decode_index = torch.tensor(self.decode_token_ids, device=device)
@@ -74,24 +83,28 @@ class TorchAttentionBackend(AttentionBackend):
             apply_rope_ref_(rope[0], q, k, rope[1], rope[2])
         store_kv_ref(k, v, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
                      self.slot_mapping, k_scale, v_scale)
-        k_cache = self.pool.k_cache(layer_id).view(-1, num_kv_heads, self.head_dim)  # [slots, H, D]
-        v_cache = self.pool.v_cache(layer_id).view(-1, num_kv_heads, self.head_dim)
+        k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)  # [P, S, H, D]
         scale = self.scale * k_scale  # softmax(q . (k_stored * k_scale) * scale)
         out = torch.empty_like(q)
         window = self.windows[layer_id]
         if self.decode_token_ids:
             qd = q[self.decode_index].unsqueeze(2)  # [B, Hq, 1, D]
-            kd = k_cache[self.decode_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lmax, D]
-            vd = v_cache[self.decode_slots].transpose(1, 2).to(q.dtype)
+            batch = self.decode_pages.shape[0]
+            pages = self.decode_pages.flatten()
+            kd = (rows_of_pages(k_cache, pages).view(batch, -1, num_kv_heads, self.head_dim)
+                  .transpose(1, 2).to(q.dtype))  # [B, Hkv, Lmax, D]
+            vd = (rows_of_pages(v_cache, pages).view(batch, -1, num_kv_heads, self.head_dim)
+                  .transpose(1, 2).to(q.dtype))
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_masks[window],
                                                 scale=scale, enable_gqa=True)
             out[self.decode_index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
         for row in self.prefill_rows:
             end = row.start + row.num_new
-            qp = q[row.start:end].transpose(0, 1)  # [Hq, n, D]
-            kp = k_cache[row.slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-            vp = v_cache[row.slots].transpose(0, 1).to(q.dtype)
+            # 4-D [1, H, n, D]: SDPA takes its math fallback for 3-D inputs, at twice the time.
+            qp = q[row.start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
+            kp = rows_of_pages(k_cache, row.pages)[:row.seq_len].transpose(0, 1)[None].to(q.dtype)
+            vp = rows_of_pages(v_cache, row.pages)[:row.seq_len].transpose(0, 1)[None].to(q.dtype)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.masks[window],
-                                                scale=scale, enable_gqa=True)
+                                                scale=scale, enable_gqa=True)[0]  # [Hq, n, D]
             out[row.start:end] = op.transpose(0, 1) if v_scale == 1.0 else op.transpose(0, 1) * v_scale
         return out
