@@ -29,8 +29,8 @@ from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAck, TransferAcks,
                                TransferHello, TransferWelcome)
 from pd_serve.transfer.backends import make_receiver_plane
-from pd_serve.transfer.base import (TRACE, Deadlines, TransferResult, TransferStats, head_range,
-                                    layout_mismatch, now, trace)
+from pd_serve.transfer.base import (TRACE, Deadlines, TransferResult, TransferStats,
+                                    enter_io_thread, head_range, layout_mismatch, now, trace)
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +182,7 @@ class KVReceiver:
     def _serve(self) -> None:
         next_expiry = 0.0
         try:
-            if self.pool.buffer.is_cuda:
-                torch.cuda.set_device(self.pool.buffer.device)
+            enter_io_thread(self.pool.buffer.device)
             while not self._stop.is_set():
                 busy = bool(self._landing) or now() < self._spin_until
                 if self._sock.poll(0 if busy else 20, zmq.POLLIN):

@@ -32,7 +32,7 @@ from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAcks, T
                                TransferWelcome)
 from pd_serve.transfer.backends import make_sender_plane
 from pd_serve.transfer.base import (TRACE, Deadlines, TransferError, TransferResult, TransferStats,
-                                    now, trace)
+                                    enter_io_thread, now, trace)
 
 logger = logging.getLogger(__name__)
 
@@ -254,8 +254,7 @@ class KVSender:
         poller = zmq.Poller()
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         try:
-            if self.pool.buffer.is_cuda:
-                torch.cuda.set_device(self.pool.buffer.device)
+            enter_io_thread(self.pool.buffer.device)
             while not self._stop.is_set():
                 timeout = 0 if self._jobs or (self._outgoing and now() < self._spin_until) else 50
                 if timeout:
