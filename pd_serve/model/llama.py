@@ -146,13 +146,17 @@ class CausalLM(nn.Module):
 def pack_cpu_weights(model: CausalLM) -> int:
     """Give every float32 CPU Linear of `model` and its LM head a packed copy of the weight
     (layers.cpu_linear); returns the bytes the copies take (about the weights' own)."""
-    head = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
-    model.cpu_packed_head = pack_cpu_weight(head)
-    total = 0 if model.cpu_packed_head is None else head.nbytes
+    total = 0
     for module in model.modules():
         if isinstance(module, Linear):
             module.cpu_packed = pack_cpu_weight(module.weight)
             total += 0 if module.cpu_packed is None else module.weight.nbytes
+    if model.config.tie_word_embeddings:  # the head is the embedding table, not a Linear
+        head = model.model.embed_tokens.weight
+        model.cpu_packed_head = pack_cpu_weight(head)
+        total += 0 if model.cpu_packed_head is None else head.nbytes
+    else:
+        model.cpu_packed_head = model.lm_head.cpu_packed
     return total
 
 

@@ -85,3 +85,18 @@ def test_engine_packs_its_layers_and_agrees_with_unpacked(default_model_dir, mon
         model.cpu_packed_head = None
         _close(model.compute_logits(hidden), packed_logits)
         _close(mlp(hidden), packed_mlp)
+
+
+def test_an_untied_head_shares_its_linear_packing(tiny_checkpoints):
+    """An untied LM head is a Linear: packed once, and compute_logits uses that copy."""
+    from pd_serve.model.llama import pack_cpu_weights
+    from pd_serve.model.loader import load_model
+
+    model = load_model(tiny_checkpoints["llama3"], torch.float32, "cpu")
+    assert not model.config.tie_word_embeddings
+    weights = sum(m.weight.nbytes for m in model.modules() if isinstance(m, Linear))
+    assert pack_cpu_weights(model) == weights  # the head counted once, as the Linear it is
+    assert model.cpu_packed_head is model.lm_head.cpu_packed is not None
+    hidden = torch.randn(4, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        _close(model.compute_logits(hidden), F.linear(hidden, model.lm_head.weight))
