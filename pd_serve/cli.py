@@ -189,7 +189,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
-    parser.add_argument("--colocated", type=int, default=0, help="colocated workers")
+    parser.add_argument("--colocated", type=int, default=0,
+                        help="colocated workers, beside the prefill and decode ones (a colocated-"
+                             "only cluster: --prefill 0 --decode 0 --colocated 1)")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     parser.add_argument("--control-port", type=int, default=0, help="gateway control port (0: any)")
     parser.add_argument("--model", default=None)
