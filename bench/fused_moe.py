@@ -6,6 +6,7 @@ token counts.
     python bench/fused_moe.py --output bench/results/fused-moe-h200.json
     python bench/fused_moe.py --fp8 --output bench/results/fused-moe-h200.json  # + FP8 experts
     python bench/fused_moe.py --device cpu --quick              # CPU smoke run
+    python bench/fused_moe.py --tokens 1 --fp8 --batch1-sweep   # kernels/moe_batch1.py's blocks
 
 Random weights and router logits (routing as the model routes: select_experts); the two
 outputs are compared (relative error) before anything is timed. The fused side is timed in a
@@ -16,6 +17,8 @@ side reads them at (the floor at small batches: only the hit experts' weights ar
 --fp8 adds a row per token count with the experts in FP8 (per-channel scales, weight-only:
 kernels/fused_moe.py), against the reference of the same FP8 weights; its weight bytes are one
 per weight plus the float32 scales.
+--batch1 adds a row per 1-token case with the batch-1 kernels (kernels/moe_batch1.py, what
+--enable-batch1-kernels runs), --batch1-sweep one per block configuration of theirs.
 On the CPU the fused side is the reference too, and the figures only show that the script runs.
 """
 
@@ -35,10 +38,15 @@ import torch  # noqa: E402
 from bench._common import device_name, git_commit, sync, write_json  # noqa: E402
 from bench.w4a16 import seconds_per_call  # noqa: E402
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts  # noqa: E402
+from kernels.moe_batch1 import moe_batch1  # noqa: E402
 from pd_serve.model.fp8 import quantize_experts  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden=2048, inter=768, experts=128, top_k=8)
 QUICK = dict(hidden=64, inter=32, experts=8, top_k=2)
+# kernels/moe_batch1.py block configurations for --batch1-sweep: (BLOCK_N, BLOCK_K, warps, stages)
+BATCH1_SWEEP = [{"gate_up": g, "down": d}
+                for g in [(1, 1024, 4, 2), (2, 1024, 4, 2), (4, 512, 4, 2), (8, 256, 4, 3)]
+                for d in [(1, 256, 4, 2), (2, 256, 4, 2), (4, 256, 4, 2), (8, 128, 4, 3)]]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (default 5)")
     p.add_argument("--quick", action="store_true", help="a tiny layer, tokens 1 and 16")
     p.add_argument("--fp8", action="store_true", help="also FP8 experts (a row per token count)")
+    p.add_argument("--batch1", action="store_true",
+                   help="1-token cases also on the batch-1 kernels (kernels/moe_batch1.py)")
+    p.add_argument("--batch1-sweep", action="store_true",
+                   help="1-token cases on every batch-1 block configuration in BATCH1_SWEEP")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write a JSON result here")
     args = p.parse_args(argv)
@@ -80,7 +92,8 @@ def eager_seconds(fn, device: torch.device, repeats: int) -> float:
 
 
 def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype,
-        fp8: bool = False) -> dict:
+        fp8: bool = False, batch1: dict | None = None) -> dict:
+    """One row; batch1: the batch-1 kernels with these block sizes ({} their defaults)."""
     hidden, inter, experts, top_k = (shape[k] for k in ("hidden", "inter", "experts", "top_k"))
     gen = torch.Generator(args.device).manual_seed(args.seed)
     cast = dict(device=args.device, dtype=dtype)
@@ -93,6 +106,8 @@ def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype,
     if fp8:
         (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
     fused = lambda: fused_moe(x, w13, w2, weights, ids, **scales)  # noqa: E731
+    if batch1 is not None:
+        fused = lambda: moe_batch1(x, w13, w2, weights, ids, **scales, config=batch1 or None)  # noqa: E731
     ref = lambda: fused_moe_ref(x, w13, w2, weights, ids, **scales)  # noqa: E731
     got, want = fused(), ref()
     rel_err = float((got.float() - want.float()).norm() / want.float().norm())
@@ -102,10 +117,11 @@ def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype,
     per_expert = 3 * hidden * inter * w13.element_size() + (2 * inter + hidden) * 4 * fp8
     weight_bytes = hit * per_expert
     row = {"tokens": tokens, **shape, "weights": "fp8" if fp8 else str(dtype).removeprefix("torch."),
+           "kernels": "fused" if batch1 is None else "batch1", "batch1_blocks": batch1 or None,
            "experts_hit": hit, "fused_us": t_fused * 1e6,
            "torch_us": t_ref * 1e6, "speedup": t_ref / t_fused, "hit_weight_bytes": weight_bytes,
            "fused_weight_gbps": weight_bytes / t_fused / 1e9, "rel_err": rel_err}
-    print(f"{row['weights']:>8} T {tokens:>6}: fused {row['fused_us']:9.1f} us ({row['fused_weight_gbps']:7.1f} GB/s "
+    print(f"{row['weights']:>8} {row['kernels']:>6} T {tokens:>6}: fused {row['fused_us']:9.1f} us ({row['fused_weight_gbps']:7.1f} GB/s "
           f"of {hit} experts' weights)  torch {row['torch_us']:9.1f} us  speedup "
           f"{row['speedup']:6.2f}x  rel err {rel_err:.1e}", file=sys.stderr, flush=True)
     return row
@@ -115,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     shape = QUICK if args.quick else QWEN3_30B_A3B
-    rows = [run(shape, tokens, args, dtype, fp8) for fp8 in [False] + [True] * args.fp8
-            for tokens in args.tokens]
+    batch1 = [{}] * args.batch1 + BATCH1_SWEEP * args.batch1_sweep
+    rows = [run(shape, tokens, args, dtype, fp8, config)
+            for fp8 in [False] + [True] * args.fp8 for tokens in args.tokens
+            for config in [None] + (batch1 if tokens == 1 and args.device.type == "cuda" else [])]
     bad = [r for r in rows if not r["rel_err"] < 2e-2]
     for r in bad:
         print(f"MISMATCH: T {r['tokens']}: fused vs torch rel err {r['rel_err']:.3g}", file=sys.stderr)

@@ -32,7 +32,9 @@ moe_align_block_size), so every block of rows reads one expert's weights:
      torch does in three (zero-fill, sum, cast); reduce=False returns the float32 rows, zeros
      where another rank's experts were chosen.
 Nothing syncs with the host (the padded length is read on the device, the grid is sized for
-the worst case), so CUDA graphs capture it. It runs on CUDA tensors, or on CPU tensors when
+the worst case), so CUDA graphs capture it. With batch1 set, one token takes
+kernels/moe_batch1.py's two GEMV-form launches instead of the alignment and these three
+(--enable-batch1-kernels). It runs on CUDA tensors, or on CPU tensors when
 PD_SERVE_TRITON_CPU=1 (Triton's interpreter); otherwise the reference.
 """
 
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from kernels._triton import lazy_kernel
 from kernels.activation import silu_and_mul_ref
 from kernels.moe_align import moe_align
+from kernels.moe_batch1 import moe_batch1
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -124,14 +127,16 @@ def sum_topk(weighted: torch.Tensor, dtype: torch.dtype, reduce: bool) -> torch.
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int = 0,
               reduce: bool = True, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, batch1: bool = False) -> torch.Tensor:
     """The experts (shapes in the module docstring) by the fused Triton kernels where they run,
     else `fused_moe_ref` (expert_offset, reduce and the FP8 scales as there). Returns [T, H]
-    in x's dtype."""
+    in x's dtype. batch1: one token, all experts here, summed, runs kernels/moe_batch1.py."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if not _kernels.runs_on(x):
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, reduce,
                              w13_scale, w2_scale)
+    if batch1 and x.shape[0] == 1 and reduce and expert_offset == 0:
+        return moe_batch1(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     global triton_launches
     gate_up_kernel, down_kernel, reduce_kernel = _kernels.load()
     num_tokens, top_k = topk_ids.shape

@@ -18,7 +18,10 @@ one launch: it rotates q (in place, or into a given q_out: flashinfer wants q co
 this spares a copy) and stores the rotated k (k itself is left as it was) and v. Rounding as the
 two kernels in turn: the rotation rounds to k's dtype, then the store casts (or scales) that.
 Its grid is tokens x (1 + q head blocks): block 0 takes the token's K and V, the others its
-query heads, BLOCK_H at a time.
+query heads, BLOCK_H at a time. With `qk_norm` (Qwen3's per-head RMSNorm of q and k) each head
+is normalised before it is rotated, as kernels/norm.py's `rms_norm_ref` rounds it: two launches
+of a decode layer fewer (the head's mean square sums its two halves, so it may differ from
+`rms_norm`'s in the last bit).
 
 `store_kv` and `rope_store_kv` run the kernels on CUDA tensors, or on CPU tensors when
 PD_SERVE_TRITON_CPU=1 (Triton's interpreter; how the tests exercise the kernels); otherwise
@@ -32,6 +35,10 @@ import torch
 
 from kernels import rope as _rope
 from kernels._triton import launch_options, lazy_kernel, pdl
+from kernels.norm import rms_norm_ref
+
+# Qwen3's per-head norms to apply before RoPE: (q weight [D], k weight [D], eps).
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -101,12 +108,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                  v_scale: float = 1.0, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: float = 1.0, q_out: torch.Tensor | None = None,
+                  qk_norm: QKNorm | None = None) -> torch.Tensor:
     """RoPE on q and k, then `store_kv` of the rotated k and v; one launch.
 
     positions, q, k, cos, sin as kernels/rope.py's `apply_rope_ref_` takes them; k, v, the caches,
     slot_mapping and the scales as `store_kv` takes them. k is not modified. q_out: where the
     rotated q goes (q's shape and dtype, last dim contiguous); default q itself, in place.
+    qk_norm: (q weight [D], k weight [D], eps): RMSNorm each q and k head before the rotation.
     Returns the rotated q (q_out, or q).
     """
     _rope.check(positions, q, k, cos, sin)
@@ -117,7 +126,14 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     elif q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.stride(2) != 1:
         raise ValueError(f"q_out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim, "
                          f"got {q_out.dtype} {tuple(q_out.shape)} strides {q_out.stride()}")
+    if qk_norm is not None:
+        for weight in qk_norm[:2]:
+            if weight.shape != (q.shape[2],) or weight.device != q.device:
+                raise ValueError(f"qk_norm weights must be [{q.shape[2]}] on {q.device}, got "
+                                 f"{tuple(weight.shape)} on {weight.device}")
     if not _rope_kernel.runs_on(k_cache):
+        if qk_norm is not None:
+            q, k = rms_norm_ref(q, qk_norm[0], qk_norm[2]), rms_norm_ref(k, qk_norm[1], qk_norm[2])
         rotated = k.clone()
         if q_out is not q:
             q_out.copy_(q)
@@ -126,7 +142,7 @@ def rope_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return q_out
     if k.shape[0] > 0:
         _launch_rope(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale,
-                     v_scale, q_out)
+                     v_scale, q_out, qk_norm)
     return q_out
 
 
@@ -188,12 +204,12 @@ def _rope_kernel(triton):
     @triton.jit
     def rope_store_kv_kernel(
             pos_ptr, q_ptr, q_out_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
-            slot_ptr, q_token_stride, q_head_stride, qo_token_stride, qo_head_stride,
-            k_token_stride, k_head_stride, v_token_stride, v_head_stride, table_stride,
-            num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
+            slot_ptr, q_norm_ptr, k_norm_ptr, q_token_stride, q_head_stride, qo_token_stride,
+            qo_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride,
+            table_stride, num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale, eps,
             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
             BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
-            PDL: tl.constexpr):
+            QK_NORM: tl.constexpr, PDL: tl.constexpr):
         # Grid: (tokens, 1 + q head blocks). The two arms of the `if` below share no names:
         # compiled Triton requires a name set in both arms of a runtime `if` to keep one type.
         token = tl.program_id(0).to(tl.int64)
@@ -211,6 +227,12 @@ def _rope_kernel(triton):
         sin1 = tl.load(sin_ptr + pos * table_stride + dims, mask=dim_mask, other=0.0)[None, :]
         sin2 = tl.load(sin_ptr + pos * table_stride + HALF + dims, mask=dim_mask,
                        other=0.0)[None, :]
+        if QK_NORM:  # the norms' weight halves, rounded to the activations' dtype
+            dtype = q_out_ptr.dtype.element_ty
+            q_w1 = tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0).to(dtype)[None, :]
+            q_w2 = tl.load(q_norm_ptr + HALF + dims, mask=dim_mask, other=0.0).to(dtype)[None, :]
+            k_w1 = tl.load(k_norm_ptr + dims, mask=dim_mask, other=0.0).to(dtype)[None, :]
+            k_w2 = tl.load(k_norm_ptr + HALF + dims, mask=dim_mask, other=0.0).to(dtype)[None, :]
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -222,6 +244,15 @@ def _rope_kernel(triton):
                        + dims[None, :])
             k_x1 = tl.load(k_first, mask=kv_mask, other=0.0)
             k_x2 = tl.load(k_first + HALF, mask=kv_mask, other=0.0)
+            if QK_NORM:  # rms_norm_ref per head: the row rounded, then times the weight
+                k_f1, k_f2 = k_x1.to(tl.float32), k_x2.to(tl.float32)
+                k_inv = tl.math.rsqrt((tl.reduce(k_f1 * k_f1, 1, tl.standard._sum_combine)
+                                      + tl.reduce(k_f2 * k_f2, 1, tl.standard._sum_combine))
+                                     / (2 * HALF) + eps)[:, None]
+                k_x1 = ((k_f1 * k_inv).to(k_x1.dtype).to(tl.float32)
+                         * k_w1.to(tl.float32)).to(k_x1.dtype)
+                k_x2 = ((k_f2 * k_inv).to(k_x1.dtype).to(tl.float32)
+                         * k_w2.to(tl.float32)).to(k_x1.dtype)
             # rotated and rounded to k's dtype, as the reference rounds it before the store
             k1 = (k_x1.to(tl.float32) * cos1 - k_x2.to(tl.float32) * sin1).to(k_x1.dtype)
             k2 = (k_x2.to(tl.float32) * cos2 + k_x1.to(tl.float32) * sin2).to(k_x1.dtype)
@@ -253,6 +284,15 @@ def _rope_kernel(triton):
                        + dims[None, :])
             q_x1 = tl.load(q_first, mask=q_mask, other=0.0)
             q_x2 = tl.load(q_first + HALF, mask=q_mask, other=0.0)
+            if QK_NORM:  # rms_norm_ref per head: the row rounded, then times the weight
+                q_f1, q_f2 = q_x1.to(tl.float32), q_x2.to(tl.float32)
+                q_inv = tl.math.rsqrt((tl.reduce(q_f1 * q_f1, 1, tl.standard._sum_combine)
+                                      + tl.reduce(q_f2 * q_f2, 1, tl.standard._sum_combine))
+                                     / (2 * HALF) + eps)[:, None]
+                q_x1 = ((q_f1 * q_inv).to(q_x1.dtype).to(tl.float32)
+                         * q_w1.to(tl.float32)).to(q_x1.dtype)
+                q_x2 = ((q_f2 * q_inv).to(q_x1.dtype).to(tl.float32)
+                         * q_w2.to(tl.float32)).to(q_x1.dtype)
             out = (q_out_ptr + token * qo_token_stride + q_heads[:, None] * qo_head_stride
                    + dims[None, :])
             tl.store(out, (q_x1.to(tl.float32) * cos1 - q_x2.to(tl.float32) * sin1)
@@ -266,7 +306,7 @@ def _rope_kernel(triton):
 def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float,
-                 v_scale: float, q_out: torch.Tensor) -> None:
+                 v_scale: float, q_out: torch.Tensor, qk_norm: QKNorm | None) -> None:
     global triton_launches
     kernel = _rope_kernel.load()
     num_tokens, num_q_heads, head_dim = q.shape
@@ -277,14 +317,16 @@ def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   max(1, _ROPE_BLOCK_ELEMENTS // (2 * block_d)))
     fp8 = _is_fp8(k_cache.dtype)
     grid = (num_tokens, 1 + -(-num_q_heads // block_h))
-    kernel[grid](positions, q, q_out, k, v, cos, sin, k_cache, v_cache, slot_mapping, q.stride(0),
-                 q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1),
-                 v.stride(0), v.stride(1), cos.stride(0),
-                 num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale, HALF=half,
-                 BLOCK_H=block_h, BLOCK_KV=1 << (num_kv_heads - 1).bit_length(), BLOCK_D=block_d,
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)  # (unread)
+    kernel[grid](positions, q, q_out, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                 q_norm.contiguous(), k_norm.contiguous(), q.stride(0), q.stride(1),
+                 q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                 v.stride(1), cos.stride(0), num_q_heads, num_kv_heads, 1.0 / k_scale,
+                 1.0 / v_scale, eps, HALF=half, BLOCK_H=block_h,
+                 BLOCK_KV=1 << (num_kv_heads - 1).bit_length(), BLOCK_D=block_d,
                  QUANT=fp8 or k_scale != 1.0 or v_scale != 1.0,
-                 FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4,
-                 **launch_options(pdl(k_cache)))
+                 FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
+                 QK_NORM=qk_norm is not None, num_warps=4, **launch_options(pdl(k_cache)))
     triton_launches += 1
 
 

@@ -15,7 +15,8 @@ reference as a set of equal weights, not id for id. Real routers tie only on row
 (CUDA-graph padding), whose output is discarded.
 
 One program per token, all E <= MAX_EXPERTS experts in registers, K passes of max-then-lowest-
-index; no host sync, so CUDA graphs capture it. It runs on CUDA tensors, or on CPU tensors
+index; no host sync, so CUDA graphs capture it. It launches with programmatic dependent launch
+(kernels/_triton.py) and reads nothing before the wait: the logits are the router's output. It runs on CUDA tensors, or on CPU tensors
 when PD_SERVE_TRITON_CPU=1 (Triton's interpreter); otherwise the reference.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import lazy_kernel
+from kernels._triton import launch_options, lazy_kernel, pdl
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
@@ -53,7 +54,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
                               EXPERTS=_pow2(num_experts), TOP_K=top_k, SLOTS=_pow2(top_k),
                               SIGMOID=scoring_func == "sigmoid", RENORMALIZE=renormalize,
-                              num_warps=1 if num_experts <= 256 else 4)
+                              num_warps=1 if num_experts <= 256 else 4,
+                              **launch_options(pdl(logits)))
     return weights, ids
 
 
@@ -66,8 +68,11 @@ def _kernel(triton):
     @triton.jit
     def route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride,
                      EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr):
+                     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
+        if PDL:  # see kernels/_triton.py: the router done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         experts = tl.arange(0, EXPERTS)
         valid = experts < num_experts
         logits = tl.load(logits_ptr + token * stride + experts, mask=valid,

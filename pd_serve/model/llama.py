@@ -50,10 +50,12 @@ class Attention(nn.Module):
         q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # RoPE happens in the backend, in the kernel that stores K and V.
-        out = attn.run(self.layer_id, q, k, v, rope=(positions, rope.cos, rope.sin))  # [T, Hq, D]
+        # RoPE (and Qwen3's q/k norms before it) happen in the backend, in the kernel that
+        # stores K and V.
+        qk_norm = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if cfg.qk_norm
+                   else None)
+        out = attn.run(self.layer_id, q, k, v, rope=(positions, rope.cos, rope.sin),
+                       qk_norm=qk_norm)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
 
@@ -162,7 +164,8 @@ def pack_cpu_weights(model: CausalLM) -> int:
 
 def use_batch1_kernels(model: nn.Module) -> None:
     """Give every linear layer of `model` (and its LM head) that has the switch the one-row GEMV
-    (kernels/gemv.py): faster decode at batch 1 on GPU, but a row computed alone then rounds
+    (kernels/gemv.py), and MoE blocks their one-token experts (kernels/moe_batch1.py): faster
+    decode at batch 1 on GPU, but a row computed alone then rounds
     differently from the same row in a batch, so greedy output can depend on the batch."""
     for module in model.modules():
         if hasattr(module, "batch1_kernels"):

@@ -85,6 +85,7 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None and cfg.shared_experts_gated:
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.backend = "torch"  # set_moe_backend
+        self.batch1_kernels = False  # one token on kernels/moe_batch1.py (llama.use_batch1_kernels)
         # Expert parallelism (model/parallel.py): the group whose ranks hold the other experts,
         # and the first expert this one holds.
         self.ep = None
@@ -99,8 +100,9 @@ class SparseMoeBlock(nn.Module):
             routing = route if self.backend == "triton" else select_experts
             topk_weights, topk_ids = routing(self.gate(x), self.top_k, self.renormalize)
         if self.ep is None:
+            batch1 = {"batch1": True} if self.batch1_kernels and self.backend == "triton" else {}
             out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                      topk_weights, topk_ids, **self.experts.scales)
+                                      topk_weights, topk_ids, **self.experts.scales, **batch1)
         else:
             out = self._expert_parallel(x, topk_weights, topk_ids)
         if self.shared_expert is not None:

@@ -30,6 +30,33 @@ def test_graphs_with_the_fused_moe_equal_the_eager_reference(tiny_moe_checkpoint
     assert outs["triton"] == outs["torch"]
 
 
+@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
+def test_batch1_kernels_keep_the_eager_references_tokens(tiny_moe_checkpoints, attention):
+    """--enable-batch1-kernels on Qwen3-MoE, one prompt at a time through CUDA graphs: the
+    experts on kernels/moe_batch1.py and the q/k norms inside the RoPE + KV store kernel give
+    the eager torch-MoE engine's greedy tokens (float32: the two differ in summation order)."""
+    if attention == "flashinfer":
+        pytest.importorskip("flashinfer")
+    from kernels import kv_store, moe_batch1
+
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for batch1 in (False, True):
+        engine = Engine(tiny_moe_checkpoints["qwen3_moe"], device="cuda", dtype="float32",
+                        max_total_tokens=4096, moe_runner_backend="triton" if batch1 else "torch",
+                        attention_backend=attention, enable_batch1_kernels=batch1,
+                        disable_cuda_graph=not batch1)
+        experts, stores = moe_batch1.triton_launches, kv_store.triton_launches
+        outs[batch1] = [engine.generate([p], params)[0].token_ids for p in prompts]
+        assert (moe_batch1.triton_launches > experts) == batch1  # captured once, then replayed
+        assert kv_store.triton_launches > stores
+        del engine
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (64, 128, 8), (5, 60, 4), (3, 8, 2)])
 def test_routing_kernel_equals_the_reference_and_replays(dtype, tokens, experts, top_k):

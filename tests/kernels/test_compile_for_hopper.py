@@ -33,8 +33,8 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def _cases():
     """(name, call): each call launches the kernel(s) of one configuration."""
-    from kernels import (activation, argmax, fp8_quant, gemv, kv_copy, kv_store, norm,
-                         paged_attention, pending, w4a16)
+    from kernels import (activation, argmax, fp8_quant, fused_moe, gemv, kv_copy, kv_store,
+                         moe_routing, norm, paged_attention, pending, w4a16)
     bf16, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     e4m3 = torch.float8_e4m3fn
     yield "rms_norm", lambda: norm.rms_norm(_t(3, 4096), _t(4096), 1e-5)
@@ -54,6 +54,16 @@ def _cases():
                                                           slots)
     yield "rope_store_kv fp8 into q_out", lambda: kv_store.rope_store_kv(
         positions, q, k, v, *tables, *caches(e4m3), slots, 0.5, 0.25, q_out=_t(3, 32, 128))
+    yield "rope_store_kv + qk_norm", lambda: kv_store.rope_store_kv(
+        positions, q, k, v, *tables, *caches(bf16), slots, qk_norm=(_t(128), _t(128), 1e-6))
+    yield "moe routing", lambda: moe_routing.route(_t(3, 128), 8, True)
+    ids1 = torch.tensor([[5, 0, 7, 2, 1, 3, 4, 6]], dtype=i32)
+    for fp8 in (False, True):
+        w13 = _t(8, 2 * 768, 2048, dtype=e4m3 if fp8 else bf16)
+        w2 = _t(8, 2048, 768, dtype=e4m3 if fp8 else bf16)
+        scales = dict(w13_scale=_t(8, 2 * 768, dtype=f32), w2_scale=_t(8, 2048, dtype=f32)) if fp8 else {}
+        yield f"moe batch1{' fp8' if fp8 else ''}", lambda a=(w13, w2), sc=scales: fused_moe.fused_moe(
+            _t(1, 2048), *a, _t(1, 8, dtype=f32), ids1, **sc, batch1=True)
     pages = torch.tensor([0, 3, 4, 8], dtype=i32), torch.zeros(8, dtype=i32)  # kv_indptr, kv_indices
     lens = torch.tensor([40, 1, 64], dtype=i32)
     for splits in (1, 3):
@@ -122,8 +132,8 @@ def _compile(fn, args: tuple, kwargs: dict) -> None:
 def _with_pdl():
     """The cases whose kernels take programmatic dependent launch (kernels/_triton.py), again
     with it on, as a Hopper GPU has them (unless PD_SERVE_PDL=0)."""
-    from kernels import gemv, kv_store, norm, paged_attention
-    pdl_modules = (gemv, kv_store, norm, paged_attention)
+    from kernels import gemv, kv_store, moe_batch1, moe_routing, norm, paged_attention
+    pdl_modules = (gemv, kv_store, moe_batch1, moe_routing, norm, paged_attention)
     for name, call in _cases():
         def with_pdl(call=call):
             saved = [m.pdl for m in pdl_modules]
@@ -134,7 +144,7 @@ def _with_pdl():
             finally:
                 for m, f in zip(pdl_modules, saved):
                     m.pdl = f
-        if name.split()[0] in ("rms_norm", "rope_store_kv", "decode", "prefill", "gemv"):
+        if name.split()[0] in ("rms_norm", "rope_store_kv", "decode", "prefill", "gemv", "moe"):
             yield f"{name}, PDL", with_pdl
 
 

@@ -205,3 +205,82 @@ def test_fp8_experts_are_checked():
         fm.fused_moe_ref(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
     with pytest.raises(ValueError, match="scales"):
         fm.fused_moe_ref(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s13)
+
+
+# kernels/moe_batch1.py's block sizes: its defaults, and small ones that take the input in
+# several steps and leave channels of the last block masked (hidden 40, intermediate 24)
+BATCH1_CONFIGS = [None, {"gate_up": (4, 16, 1, 1), "down": (8, 16, 1, 1)}]
+
+
+@needs_triton
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("shape", [(1, 64, 32, 8, 2), (1, 40, 24, 16, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("config", BATCH1_CONFIGS, ids=["default-blocks", "small-blocks"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
+def test_batch1_experts_equal_the_reference(device, dtype, shape, config, fp8):
+    """One token through kernels/moe_batch1.py (two launches, no alignment) against the
+    reference: gate/up, down and the weighted sum over the top k, dense and FP8 experts."""
+    from kernels import moe_batch1
+    from pd_serve.model.fp8 import quantize_experts
+
+    x, w13, w2, weights, ids = _inputs(shape, device, torch.float32)
+    scales = {}
+    if fp8:
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    x = x.to(dtype)
+    launches, batched = moe_batch1.triton_launches, fm.triton_launches
+    if config is None:
+        got = fm.fused_moe(x, w13, w2, weights, ids, batch1=True, **scales)
+    else:
+        got = moe_batch1.moe_batch1(x, w13, w2, weights, ids, config=config, **scales)
+    assert moe_batch1.triton_launches == launches + 2 and fm.triton_launches == batched
+    want = fm.fused_moe_ref(x, w13, w2, weights, ids, **scales)
+    rtol, atol = TOLERANCE[dtype]
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_batch1_only_takes_one_token_on_one_rank():
+    """batch1 is for one token whose experts all live here: more tokens, an expert-parallel
+    slice or unreduced pairs take the general kernels."""
+    calls = []
+    real = fm.moe_batch1
+    try:
+        fm.moe_batch1 = lambda *a, **k: calls.append(1) or real(*a, **k)
+        for shape, kwargs in (((2, 64, 32, 8, 2), {}), ((1, 64, 32, 8, 2), {"expert_offset": 4}),
+                              ((1, 64, 32, 8, 2), {"reduce": False})):
+            x, w13, w2, weights, ids = _inputs(shape, "cpu", torch.float32)
+            fm.fused_moe(x, w13, w2, weights, ids, batch1=True, **kwargs)
+        assert not calls
+        x, w13, w2, weights, ids = _inputs((1, 64, 32, 8, 2), "cpu", torch.float32)
+        fm.fused_moe(x, w13, w2, weights, ids, batch1=True)
+        assert calls == [1]
+    finally:
+        fm.moe_batch1 = real
+
+
+@needs_cuda
+@pytest.mark.parametrize("device", ["cuda"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_batch1_experts_replay_in_a_cuda_graph(device, fp8):
+    """No host sync: captured once, replayed on a new token and new routing, it follows them."""
+    from pd_serve.model.fp8 import quantize_experts
+
+    x, w13, w2, weights, ids = _inputs((1, 256, 128, 16, 4), device, torch.bfloat16, seed=3)
+    scales = {}
+    if fp8:
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
+    fm.fused_moe(x, w13, w2, weights, ids, batch1=True, **scales)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, w13, w2, weights, ids, batch1=True, **scales)
+    x2, _, _, weights2, ids2 = _inputs((1, 256, 128, 16, 4), device, torch.bfloat16, seed=4)
+    x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, fm.fused_moe_ref(x, w13, w2, weights, ids, **scales),
+                               rtol=TOLERANCE[torch.bfloat16][0], atol=TOLERANCE[torch.bfloat16][1])

@@ -17,8 +17,12 @@ KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 PREWAIT_READS = {
     "gemv_kernel": {"w_ptr", "w_scale_ptr", "bias_ptr"},
     "rms_norm_kernel": {"w_ptr"},
-    "rope_store_kv_kernel": {"pos_ptr", "slot_ptr", "cos_ptr", "sin_ptr"},
+    "rope_store_kv_kernel": {"pos_ptr", "slot_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr",
+                             "k_norm_ptr"},
     "attention_kernel": set(),
+    "route_kernel": set(),
+    "expert_gate_up_gemv_kernel": set(),
+    "expert_down_gemv_kernel": set(),
 }
 
 

@@ -329,6 +329,75 @@ def test_rope_store_kv_is_rope_then_store(device, dtype, cache_dtype, k_scale, s
 
 
 @needs_triton
+@pytest.mark.parametrize("shape", ["one-token", "odd-heads", "llama-heads"])
+@pytest.mark.parametrize("device, dtype, cache_dtype, k_scale", ROPE_KV_CASES)
+def test_rope_store_kv_with_qk_norm_is_norm_then_rope_then_store(device, dtype, cache_dtype,
+                                                                  k_scale, shape):
+    """Qwen3's per-head q/k norms in the same launch: as rms_norm_ref on q and k, then the
+    rotation and store (padding rows skipped, k itself unchanged). The kernel sums a head's
+    squares in two halves, so a value may differ from the reference's by a dtype unit."""
+    num_tokens, num_q_heads, num_k_heads, head_dim = ROPE_SHAPES[shape]
+    cos, sin = (t.to(device) for t in llama3_tables(head_dim))
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,),
+                              generator=torch.Generator().manual_seed(31)).to(device)
+    qkv = fused_qkv(num_tokens, num_q_heads, num_k_heads, head_dim, dtype, device, seed=32)
+    v = qkv[:, (num_q_heads + num_k_heads) * head_dim:-3].view(num_tokens, num_k_heads, head_dim)
+    q_weight, k_weight = (randn(head_dim, dtype=dtype, device=device, seed=s) for s in (33, 34))
+    slots = slots_with_padding(num_tokens, 64, device)
+    k_cache, v_cache = (poisoned_cache((8, 8, num_k_heads, head_dim), cache_dtype, device)
+                        for _ in range(2))
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    q, k = qk_views(qkv, num_q_heads, num_k_heads, head_dim)
+    q_ref, k_ref = norm.rms_norm_ref(q, q_weight, 1e-6), norm.rms_norm_ref(k, k_weight, 1e-6)
+    rope.apply_rope_ref_(positions, q_ref, k_ref, cos, sin)
+    kv_store.store_kv_ref(k_ref, v, k_expected, v_expected, slots, k_scale, 2 * k_scale)
+    before = qkv.clone()
+    with expect_launches(kv_store, 1):
+        got = kv_store.rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots,
+                                     k_scale, 2 * k_scale, qk_norm=(q_weight, k_weight, 1e-6))
+    q_end = num_q_heads * head_dim
+    assert got is q and torch.equal(qkv[:, q_end:], before[:, q_end:]), "k or v modified"
+    assert_within_ulps(q, q_ref, 4)
+    valid = slots[slots >= 0]
+    tolerance = 0.125 if cache_dtype == torch.float8_e4m3fn else 4 * torch.finfo(dtype).eps
+    for got_cache, expected in ((k_cache, k_expected), (v_cache, v_expected)):
+        got_rows, expected_rows = (c.view(-1, num_k_heads, head_dim)[valid].float()
+                                   for c in (got_cache, expected))
+        torch.testing.assert_close(got_rows, expected_rows, rtol=tolerance, atol=tolerance)
+    untouched = torch.ones(64, dtype=torch.bool, device=device)
+    untouched[valid] = False
+    for cache in (k_cache, v_cache):
+        rows = bits(cache).view(-1, num_k_heads, head_dim)[untouched]
+        assert bool((rows == POISON[cache.element_size()]).all())
+
+
+def test_rope_store_kv_qk_norm_without_interpreter_is_the_references(monkeypatch):
+    """The torch path: rms_norm_ref on q and k, then the reference rotation and store."""
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
+    cos, sin = llama3_tables(64)
+    positions = torch.tensor([3, 700, 5])
+    qkv = fused_qkv(3, 4, 2, 64, torch.float32, "cpu", seed=35)
+    q, k = qk_views(qkv, 4, 2, 64)
+    v = qkv[:, 6 * 64:-3].view(3, 2, 64)
+    weights = randn(64, dtype=torch.float32, device="cpu", seed=36), torch.ones(64)
+    slots = torch.tensor([5, -1, 0])
+    caches = [poisoned_cache((2, 4, 2, 64), torch.float32, "cpu") for _ in range(4)]
+    q_ref, k_ref = norm.rms_norm_ref(q, weights[0], 1e-5), norm.rms_norm_ref(k, weights[1], 1e-5)
+    rope.apply_rope_ref_(positions, q_ref, k_ref, cos, sin)
+    kv_store.store_kv_ref(k_ref, v, caches[2], caches[3], slots)
+    k_before = k.clone()
+    with expect_launches(kv_store, 0):
+        got = kv_store.rope_store_kv(positions, q, k, v, cos, sin, caches[0], caches[1], slots,
+                                     qk_norm=(*weights, 1e-5))
+    assert got is q and torch.equal(q, q_ref) and torch.equal(k, k_before)
+    assert torch.equal(bits(caches[0]), bits(caches[2]))
+    assert torch.equal(bits(caches[1]), bits(caches[3]))
+    with pytest.raises(ValueError, match="qk_norm weights must be"):
+        kv_store.rope_store_kv(positions, q, k, v, cos, sin, caches[0], caches[1], slots,
+                               qk_norm=(torch.ones(32), torch.ones(64), 1e-5))
+
+
+@needs_triton
 @pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"),
                                     pytest.param("cuda", marks=needs_cuda, id="cuda")])
 def test_rope_store_kv_into_q_out(device):

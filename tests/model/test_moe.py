@@ -130,3 +130,32 @@ def test_triton_moe_backend_generates_the_torch_backends_tokens(tiny_moe_checkpo
         outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
         assert (fused_moe.triton_launches > launches) == (backend == "triton")
     assert outs["triton"] == outs["torch"]
+
+
+def test_batch1_kernels_keep_the_torch_backends_tokens(tiny_moe_checkpoints, monkeypatch):
+    """--enable-batch1-kernels on Qwen3-MoE, in Triton's interpreter: one-token steps run the
+    experts on kernels/moe_batch1.py and the q/k norms inside the RoPE + KV store kernel
+    (Triton attention backend), and in float32 the greedy tokens stay the torch backends'."""
+    from kernels import gemv, kv_store, moe_batch1
+    from pd_serve import Engine, SamplingParams
+
+    model_dir = tiny_moe_checkpoints["qwen3_moe"]
+    prompt = [torch.randint(3, 49152, (11,), generator=torch.Generator().manual_seed(5)).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = Engine(model_dir, device="cpu", max_total_tokens=512, moe_runner_backend="torch",
+                  attention_backend="torch").generate(prompt, params)[0].token_ids
+    monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
+    # 64 rows a GEMV program, not 2: the interpreter runs programs one at a time (as in
+    # tests/unit/test_graph_runner.py)
+    block_config = gemv._block_config
+    monkeypatch.setattr(gemv, "_block_config", lambda n, k, fp8: (64, *block_config(n, k, fp8)[1:]))
+    engine = Engine(model_dir, device="cpu", max_total_tokens=512, moe_runner_backend="triton",
+                    attention_backend="triton", enable_batch1_kernels=True)
+    experts, stores = moe_batch1.triton_launches, kv_store.triton_launches
+    got = engine.generate(prompt, params)[0].token_ids
+    config = engine.model.config
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    assert moe_layers == 2
+    assert moe_batch1.triton_launches - experts == 2 * moe_layers * (params.max_tokens - 1)
+    assert kv_store.triton_launches - stores == config.num_layers * params.max_tokens
+    assert got == want

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_store import rope_store_kv, store_kv
+from kernels.kv_store import QKNorm, rope_store_kv, store_kv  # noqa: F401 (QKNorm: backends')
 from pd_serve.cache.pool import KVPool
 
 # RoPE still to apply to q and k: (positions [T], cos [max_pos, D], sin [max_pos, D]), as
@@ -40,7 +40,8 @@ class AttentionBackend(ABC):
     Invariant: run() first stores the new tokens' K and V into the pool at slot_mapping, then
     attends causally over each sequence's whole context (cached prefix + new tokens). Given
     `rope`, q and k are not yet rotated: run() rotates q in place and stores the rotated k, in
-    the same kernel as the store on GPU (k itself is left as it was). A pool
+    the same kernel as the store on GPU (k itself is left as it was). Given `qk_norm` too (Qwen3's
+    per-head norms), q and k are normalised before they are rotated, in that kernel as well. A pool
     whose layout has K/V scales (FP8) holds k / k_scale and v / v_scale; run() returns the
     attention over the dequantised values.
 
@@ -70,22 +71,26 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            rope: Rope | None = None) -> torch.Tensor:
+            rope: Rope | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> attention output [T, Hq, D]."""
 
     def store(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rope: Rope | None, q_out: torch.Tensor | None = None) -> torch.Tensor:
+              rope: Rope | None, q_out: torch.Tensor | None = None,
+              qk_norm: QKNorm | None = None) -> torch.Tensor:
         """The new tokens' K and V into the pool at slot_mapping; with rope, k rotated on the
-        way and q rotated in place or into q_out (kernels/kv_store.py's rope_store_kv).
-        Returns q as attention reads it: q, or q_out."""
+        way and q rotated in place or into q_out (kernels/kv_store.py's rope_store_kv), both
+        normalised first with qk_norm (which needs rope). Returns q as attention reads it: q,
+        or q_out."""
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
         if rope is None:
+            if qk_norm is not None:
+                raise ValueError("qk_norm is applied with RoPE: pass rope too")
             store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
             return q if q_out is None else q_out.copy_(q)
         positions, cos, sin = rope
         return rope_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, self.slot_mapping,
-                             k_scale, v_scale, q_out)
+                             k_scale, v_scale, q_out, qk_norm)
 
     # CUDA graphs (decode batches only). A backend that supports them keeps every tensor run()
     # reads in buffers allocated once by init_cuda_graph() or in the runner's fixed input buffer;

@@ -39,7 +39,7 @@ import os
 import torch
 
 from pd_serve.cache.pool import KVPool, pages_for
-from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, QKNorm, Rope
 from pd_serve.engine.attention.triton_backend import TritonAttentionBackend
 
 WORKSPACE_BYTES = 256 * 2**20  # split-k partial results; flashinfer recommends 128 MiB or more
@@ -181,11 +181,12 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- per layer --------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            rope: Rope | None = None) -> torch.Tensor:
+            rope: Rope | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
         if self.delegate is not None:
-            return self.delegate.run(layer_id, q, k, v, rope)
+            return self.delegate.run(layer_id, q, k, v, rope, qk_norm)
         # flashinfer reads q contiguous (q is a view into qkv): the rotation writes it so.
-        q = self.store(layer_id, q, k, v, rope, torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        q = self.store(layer_id, q, k, v, rope, torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                       qk_norm)
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)  # [P, S, Hkv, D]
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
         return self.wrapper.run(q, (k_cache, v_cache), k_scale=k_scale,

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_store import store_kv_ref
+from kernels.norm import rms_norm
 from kernels.rope import apply_rope_ref_
 from pd_serve.cache.pool import pages_for
-from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, QKNorm, Rope
 
 
 @dataclass
@@ -75,9 +76,13 @@ class TorchAttentionBackend(AttentionBackend):
             self.decode_index = torch.tensor(self.decode_token_ids, device=device)
 
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            rope: Rope | None = None) -> torch.Tensor:
+            rope: Rope | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
         num_kv_heads = k.shape[1]
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]
+        if qk_norm is not None:  # new tensors, rotated below
+            if rope is None:
+                raise ValueError("qk_norm is applied with RoPE: pass rope too")
+            q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         if rope is not None:  # q in place, k on a copy (as rope_store_kv leaves k)
             k = k.clone()
             apply_rope_ref_(rope[0], q, k, rope[1], rope[2])

@@ -24,7 +24,7 @@ import torch
 from kernels.paged_attention import (decode_num_splits, paged_decode_attention,
                                      paged_prefill_attention, prefill_blocks)
 from pd_serve.cache.pool import KVPool, pages_for
-from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
+from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, QKNorm, Rope
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -121,8 +121,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---- per layer ------------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            rope: Rope | None = None) -> torch.Tensor:
-        q = self.store(layer_id, q, k, v, rope)
+            rope: Rope | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+        q = self.store(layer_id, q, k, v, rope, qk_norm=qk_norm)
         k_cache = self.pool.k_cache(layer_id)  # [P, S, Hkv, D]
         v_cache = self.pool.v_cache(layer_id)
         k_scale, v_scale = self.k_scales[layer_id], self.v_scales[layer_id]

@@ -1,0 +1,150 @@
+"""One token's experts in GEMV form: the MoE layer of a decode step at batch 1.
+
+    x [1, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights float32 [1, K], topk_ids [1, K]
+    -> out [1, H] = sum_k topk_weights[k] * w2[e_k] @ (silu(w13[e_k, :I] @ x) * (w13[e_k, I:] @ x))
+
+kernels/fused_moe.py's kernels serve any number of tokens: an alignment launch sorts the
+(token, expert) pairs into blocks of 16 rows, the GEMMs run on those blocks (one real row of
+16 at batch 1), and a third launch sums each token's K rows. At batch 1 the K experts are
+distinct, so none of that is needed: two launches read the K experts' weights as
+kernels/gemv.py reads a linear layer's (a program owns BLOCK_N output channels and walks the
+whole input in BLOCK_K steps, products kept in a [BLOCK_N, BLOCK_K] float32 tile):
+  1. gate/up: grid (I / BLOCK_N, K), program (n, k) reads expert e_k's gate and up rows of its
+     channels and writes h[k] = silu(gate) * up -> [K, I];
+  2. down: grid (H / BLOCK_N), each program loops over the K experts for its channels and sums
+     their outputs times the routing weights in float32 in top-k order, rounded once -> [1, H].
+The rounding is fused_moe's (gate/up and down outputs to the dtype, the weighted sum in
+float32 in top-k order), but the GEMVs sum over the input in another order than its GEMMs, so
+a token computed here may differ from a batched one in the last bit (as kernels/gemv.py's rows
+differ from cuBLAS's): the model uses it under --enable-batch1-kernels only. FP8 experts
+(per-channel scales) widen the weight tile to float32 and scale the channel's sum, as
+fused_moe does. Both kernels launch with programmatic dependent launch (kernels/_triton.py)
+and read nothing before the wait: the expert ids come from the routing launch before them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import launch_options, lazy_kernel, pdl
+
+# Kernel launches so far; the tests read it to confirm the Triton path really ran.
+triton_launches = 0
+
+tl = None  # triton.language, bound when _kernels is first built
+
+
+def block_config(fp8: bool) -> dict:
+    """Block sizes of the two kernels (BLOCK_N output channels, BLOCK_K inputs a step)."""
+    return {"gate_up": (2, 1024, 4, 2), "down": (2, 256, 4, 2)}  # (BN, BK, warps, stages)
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    return _kernels.runs_on(x)
+
+
+def moe_batch1(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+               w2_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """The experts of one token (shapes in the module docstring; arguments checked by
+    fused_moe, which calls this); [1, H] in x's dtype. config: block sizes other than
+    `block_config`'s (the bench's sweep)."""
+    global triton_launches
+    gate_up_kernel, down_kernel = _kernels.load()
+    num_experts, two_inter, hidden = w13.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    fp8 = w13_scale is not None
+    cfg = config or block_config(fp8)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    if not fp8:  # unread (W_FP8 False): any float32 pointer
+        w13_scale = w2_scale = topk_weights
+    opts = launch_options(pdl(x))
+    h = x.new_empty(top_k, inter)  # [K, I]
+    block_n, block_k, warps, stages = cfg["gate_up"]
+    gate_up_kernel[(-(-inter // block_n), top_k)](
+        x, w13, w13_scale.contiguous(), h, ids, hidden, inter, BLOCK_N=block_n,
+        BLOCK_K=min(block_k, _pow2(hidden)), W_FP8=fp8, num_warps=warps, num_stages=stages, **opts)
+    out = x.new_empty(1, hidden)
+    block_n, block_k, warps, stages = cfg["down"]
+    down_kernel[(-(-hidden // block_n),)](
+        h, w2, w2_scale.contiguous(), out, topk_weights.reshape(-1).float().contiguous(), ids,
+        hidden, inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, _pow2(inter)),
+        W_FP8=fp8, num_warps=warps, num_stages=stages, **opts)
+    triton_launches += 2
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@lazy_kernel("the batch-1 MoE")
+def _kernels(triton):
+    """(gate/up + SiLU-and-mul kernel, down + weighted sum over the top k)."""
+    @triton.jit
+    def expert_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, h_ptr, ids_ptr, hidden, inter,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr,
+                       PDL: tl.constexpr):
+        slot = tl.program_id(1)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of I
+        col_ok = cols < inter
+        rk = tl.arange(0, BLOCK_K)
+        if PDL:  # see kernels/_triton.py: the routing done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        gate_rows = (expert * 2 * inter + cols.to(tl.int64))[:, None] * hidden  # [BN, 1]
+        up_rows = gate_rows + inter * hidden
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + rk
+            k_ok = ks < hidden
+            xs = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            mask = col_ok[:, None] & k_ok[None, :]
+            acc_gate += tl.load(w_ptr + gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs
+            acc_up += tl.load(w_ptr + up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs
+        # tl.reduce with the add combiner, not tl.sum (kernels/norm.py: the interpreter)
+        gate = tl.reduce(acc_gate, 1, tl.standard._sum_combine)  # [BN]
+        up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
+        if W_FP8:  # the channels' scales on the float32 sums
+            s_base = scale_ptr + expert * 2 * inter
+            gate = gate * tl.load(s_base + cols, mask=col_ok, other=0.0)
+            up = up * tl.load(s_base + inter + cols, mask=col_ok, other=0.0)
+        dtype = h_ptr.dtype.element_ty
+        gate = gate.to(dtype).to(tl.float32)  # the GEMV's output rounds to the dtype ...
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # ... then silu_and_mul's arithmetic
+        out = (act.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(h_ptr + slot * inter + cols, out, mask=col_ok)
+
+    @triton.jit
+    def expert_down_gemv_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    W_FP8: tl.constexpr, PDL: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
+        col_ok = cols < hidden
+        rk = tl.arange(0, BLOCK_K)
+        if PDL:  # see kernels/_triton.py: gate/up done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for slot in range(0, TOP_K):  # in top-k order, as the reference's sum
+            expert = tl.load(ids_ptr + slot).to(tl.int64)
+            rows = (expert * hidden + cols.to(tl.int64))[:, None] * inter  # [BN, 1]
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                ks = k0 + rk
+                k_ok = ks < inter
+                hs = tl.load(h_ptr + slot * inter + ks, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                acc += w.to(tl.float32) * hs[None, :]
+            y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]
+            if W_FP8:
+                y = y * tl.load(scale_ptr + expert * hidden + cols, mask=col_ok, other=0.0)
+            y = y.to(h_ptr.dtype.element_ty).to(tl.float32)  # the pair's output, rounded
+            total += y * tl.load(weights_ptr + slot)
+        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+    return expert_gate_up_gemv_kernel, expert_down_gemv_kernel
