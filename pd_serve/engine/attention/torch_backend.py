@@ -96,10 +96,9 @@ class TorchAttentionBackend(AttentionBackend):
             qd = q[self.decode_index].unsqueeze(2)  # [B, Hq, 1, D]
             batch = self.decode_pages.shape[0]
             pages = self.decode_pages.flatten()
-            kd = (rows_of_pages(k_cache, pages).view(batch, -1, num_kv_heads, self.head_dim)
-                  .transpose(1, 2).to(q.dtype))  # [B, Hkv, Lmax, D]
-            vd = (rows_of_pages(v_cache, pages).view(batch, -1, num_kv_heads, self.head_dim)
-                  .transpose(1, 2).to(q.dtype))
+            kd, vd = (rows_of_pages(cache, pages).view(batch, -1, num_kv_heads, self.head_dim)
+                      .transpose(1, 2).to(q.dtype)
+                      for cache in (k_cache, v_cache))  # [B, Hkv, Lmax, D]
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_masks[window],
                                                 scale=scale, enable_gqa=True)
             out[self.decode_index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
@@ -107,8 +106,8 @@ class TorchAttentionBackend(AttentionBackend):
             end = row.start + row.num_new
             # 4-D [1, H, n, D]: SDPA takes its math fallback for 3-D inputs, at twice the time.
             qp = q[row.start:end].transpose(0, 1)[None]  # [1, Hq, n, D]
-            kp = rows_of_pages(k_cache, row.pages)[:row.seq_len].transpose(0, 1)[None].to(q.dtype)
-            vp = rows_of_pages(v_cache, row.pages)[:row.seq_len].transpose(0, 1)[None].to(q.dtype)
+            kp, vp = (rows_of_pages(cache, row.pages)[:row.seq_len].transpose(0, 1)[None]
+                      .to(q.dtype) for cache in (k_cache, v_cache))  # [1, Hkv, L, D]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.masks[window],
                                                 scale=scale, enable_gqa=True)[0]  # [Hq, n, D]
             out[row.start:end] = op.transpose(0, 1) if v_scale == 1.0 else op.transpose(0, 1) * v_scale
