@@ -129,7 +129,9 @@ def _kernels(triton):
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for slot in range(0, TOP_K):  # in top-k order, as the reference's sum
+        # in top-k order, as the reference's sum; unrolled, so one expert's weight loads need
+        # not wait for the previous expert's sum
+        for slot in tl.static_range(TOP_K):
             expert = tl.load(ids_ptr + slot).to(tl.int64)
             rows = (expert * hidden + cols.to(tl.int64))[:, None] * inter  # [BN, 1]
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
