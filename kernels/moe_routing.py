@@ -16,7 +16,15 @@ reference as a set of equal weights, not id for id. Real routers tie only on row
 
 One program per token, all E <= MAX_EXPERTS experts in registers, K passes of max-then-lowest-
 index; no host sync, so CUDA graphs capture it. It launches with programmatic dependent launch
-(kernels/_triton.py) and reads nothing before the wait: the logits are the router's output. It runs on CUDA tensors, or on CPU tensors
+(kernels/_triton.py) and reads nothing before the wait: the logits are the router's output.
+
+`route_one_row` takes one token's hidden state and the router's weight instead, and computes
+the logits in the same launch (decode at batch 1, --enable-batch1-kernels): each program
+computes BLOCK_N logits as kernels/gemv.py's GEMV does (rounded to x's dtype, as the router's
+linear layer rounds them) and stores them; the program that counts last on a per-device
+counter (an acquire-release atomic after a barrier over the stores, as kernels/paged_attention.py
+merges its splits) routes them and zeroes the counter. One launch fewer a layer than the GEMV
+then `route`. Launches sharing a device must not overlap (one stream per device). It runs on CUDA tensors, or on CPU tensors
 when PD_SERVE_TRITON_CPU=1 (Triton's interpreter); otherwise the reference.
 """
 
@@ -29,6 +37,8 @@ from kernels._triton import launch_options, lazy_kernel, pdl
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 SCORING_FUNCS = ("softmax", "sigmoid")
+_ROW_BLOCK_K = 2048  # route_one_row: inputs a GEMV step (one step for Qwen3-MoE's 2048)
+_counters: dict[torch.device, torch.Tensor] = {}  # device -> int32 [1], zero between launches
 tl = None  # triton.language, bound when _kernel is first built
 
 
@@ -39,24 +49,68 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     from kernels.fused_moe import select_experts
 
     num_tokens, num_experts = router_logits.shape
+    _check(num_experts, top_k, scoring_func)
+    if num_experts > MAX_EXPERTS or not _kernel.runs_on(router_logits):
+        return select_experts(router_logits, top_k, renormalize, scoring_func)
+    weights, ids = _outputs(num_tokens, top_k, router_logits.device)
+    if num_tokens:
+        logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+        _launch(num_tokens, logits, weights, ids, logits, logits, weights, num_experts,
+                logits.stride(0), 0, top_k, scoring_func, renormalize, gemv=False)
+    return weights, ids
+
+
+def route_one_row(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                  scoring_func: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """`route(x @ weight.T, ...)` for one token, logits and routing in one launch (module
+    docstring). x [1, H], weight [E, H] in x's dtype, contiguous; returns as `route`."""
+    from kernels.fused_moe import select_experts
+
+    num_experts, hidden = weight.shape
+    _check(num_experts, top_k, scoring_func)
+    if x.shape != (1, hidden) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} and weight {weight.dtype} "
+                         f"{tuple(weight.shape)}: want [1, H] and a contiguous [E, H] alike")
+    if num_experts > MAX_EXPERTS or not _kernel.runs_on(x):
+        return select_experts(x @ weight.T, top_k, renormalize, scoring_func)
+    weights, ids = _outputs(1, top_k, x.device)
+    logits = x.new_empty(num_experts)  # [E], the programs' stores, read by the last one
+    _launch(num_experts, logits, weights, ids, x.contiguous(), weight, _counter(x.device),
+            num_experts, 0, hidden, top_k, scoring_func, renormalize, gemv=True)
+    return weights, ids
+
+
+def _check(num_experts: int, top_k: int, scoring_func: str) -> None:
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func {scoring_func!r} must be one of {SCORING_FUNCS}")
     if not 0 < top_k <= min(num_experts, MAX_TOP_K):
         raise ValueError(f"top_k {top_k} must be in [1, min(E={num_experts}, {MAX_TOP_K})]")
-    if num_experts > MAX_EXPERTS or not _kernel.runs_on(router_logits):
-        return select_experts(router_logits, top_k, renormalize, scoring_func)
+
+
+def _outputs(num_tokens: int, top_k: int, device: torch.device):
+    return (torch.empty(num_tokens, top_k, dtype=torch.float32, device=device),
+            torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The device's zeroed route_one_row counter (made on first use, outside any capture: the
+    engine runs each graph's forward eagerly before capturing it)."""
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("route_one_row's counter must exist before a CUDA graph capture: "
+                               "call it eagerly first")
+        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def _launch(programs, logits, weights, ids, x, weight, counter, num_experts, stride, hidden,
+            top_k, scoring_func, renormalize, gemv) -> None:
     kernel = _kernel.load()
-    device = router_logits.device
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
-    if num_tokens:
-        logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-        kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
-                              EXPERTS=_pow2(num_experts), TOP_K=top_k, SLOTS=_pow2(top_k),
-                              SIGMOID=scoring_func == "sigmoid", RENORMALIZE=renormalize,
-                              num_warps=1 if num_experts <= 256 else 4,
-                              **launch_options(pdl(logits)))
-    return weights, ids
+    kernel[(programs,)](logits, weights, ids, x, weight, counter, num_experts, stride, hidden,
+                        EXPERTS=_pow2(num_experts), TOP_K=top_k, SLOTS=_pow2(top_k),
+                        SIGMOID=scoring_func == "sigmoid", RENORMALIZE=renormalize, GEMV=gemv,
+                        BLOCK_K=min(_ROW_BLOCK_K, _pow2(max(hidden, 1))),
+                        num_warps=1 if num_experts <= 256 else 4, **launch_options(pdl(logits)))
 
 
 def _pow2(n: int) -> int:
@@ -66,17 +120,35 @@ def _pow2(n: int) -> int:
 @lazy_kernel("the MoE routing")
 def _kernel(triton):
     @triton.jit
-    def route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride,
-                     EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    def route_kernel(logits_ptr, weights_ptr, ids_ptr, x_ptr, w_ptr, counter_ptr, num_experts,
+                     stride, hidden, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+                     SLOTS: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+                     GEMV: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # Grid: one program per token; GEMV: one per expert (one token), the last one routes.
         token = tl.program_id(0).to(tl.int64)
-        if PDL:  # see kernels/_triton.py: the router done, then let the next start
+        if PDL:  # see kernels/_triton.py: the router (GEMV: the norm) done, then the next
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        if GEMV:  # this program's logit: x . weight[expert], rounded to x's dtype
+            rk = tl.arange(0, BLOCK_K)
+            acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                ks = k0 + rk
+                k_ok = ks < hidden
+                acc += (tl.load(w_ptr + token * hidden + ks, mask=k_ok, other=0.0).to(tl.float32)
+                        * tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32))
+            # tl.reduce with the add combiner, not tl.sum (kernels/norm.py: the interpreter)
+            logit = tl.reduce(acc, 0, tl.standard._sum_combine)
+            tl.store(logits_ptr + token, logit.to(logits_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the store before the release below
+            if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") != num_experts - 1:
+                return
+            tl.store(counter_ptr, 0)  # zero again for the next launch
+            token = token * 0  # the one row
         experts = tl.arange(0, EXPERTS)
         valid = experts < num_experts
-        logits = tl.load(logits_ptr + token * stride + experts, mask=valid,
-                         other=float("-inf")).to(tl.float32)  # [EXPERTS]
+        logits = tl.load(logits_ptr + token * stride + experts, mask=valid, other=float("-inf"),
+                         cache_modifier=".cg").to(tl.float32)  # [EXPERTS], from L2
         if SIGMOID:
             scores = 1.0 / (1.0 + tl.exp(-logits))
         else:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts, sum_topk
-from kernels.moe_routing import route
+from kernels.moe_routing import route, route_one_row
 from pd_serve.config import MOE_RUNNER_BACKENDS
 from pd_serve.model import fp8 as fp8_format
 from pd_serve.model.config import ModelConfig
@@ -85,7 +85,8 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None and cfg.shared_experts_gated:
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.backend = "torch"  # set_moe_backend
-        self.batch1_kernels = False  # one token on kernels/moe_batch1.py (llama.use_batch1_kernels)
+        # one token: route_one_row and kernels/moe_batch1.py (llama.use_batch1_kernels)
+        self.batch1_kernels = False
         # Expert parallelism (model/parallel.py): the group whose ranks hold the other experts,
         # and the first expert this one holds.
         self.ep = None
@@ -93,16 +94,19 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
+        batch1 = self.batch1_kernels and self.backend == "triton" and x.shape[0] == 1
         if self.grouped_cfg is not None:
             topk_weights, topk_ids = grouped_topk(x, self.gate.weight, self.grouped_cfg,
                                                   getattr(self.gate, "e_score_correction_bias", None))
+        elif batch1:  # the router's GEMV and the routing in one launch
+            topk_weights, topk_ids = route_one_row(x, self.gate.weight, self.top_k, self.renormalize)
         else:  # triton: one routing launch (kernels/moe_routing.py); torch: the reference
             routing = route if self.backend == "triton" else select_experts
             topk_weights, topk_ids = routing(self.gate(x), self.top_k, self.renormalize)
         if self.ep is None:
-            batch1 = {"batch1": True} if self.batch1_kernels and self.backend == "triton" else {}
+            one_token = {"batch1": True} if batch1 else {}  # fused_moe's (batch1: triton)
             out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                      topk_weights, topk_ids, **self.experts.scales, **batch1)
+                                      topk_weights, topk_ids, **self.experts.scales, **one_token)
         else:
             out = self._expert_parallel(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
