@@ -18,14 +18,20 @@ One program per token, all E <= MAX_EXPERTS experts in registers, K passes of ma
 index; no host sync, so CUDA graphs capture it. It launches with programmatic dependent launch
 (kernels/_triton.py) and reads nothing before the wait: the logits are the router's output.
 
-`route_one_row` takes one token's hidden state and the router's weight instead, and computes
-the logits in the same launch (decode at batch 1, --enable-batch1-kernels): each program
-computes BLOCK_N logits as kernels/gemv.py's GEMV does (rounded to x's dtype, as the router's
-linear layer rounds them) and stores them; the program that counts last on a per-device
-counter (an acquire-release atomic after a barrier over the stores, as kernels/paged_attention.py
-merges its splits) routes them and zeroes the counter. One launch fewer a layer than the GEMV
-then `route`. Launches sharing a device must not overlap (one stream per device). It runs on CUDA tensors, or on CPU tensors
-when PD_SERVE_TRITON_CPU=1 (Triton's interpreter); otherwise the reference.
+`route_one_row` serves one token (decode at batch 1, --enable-batch1-kernels) from the layer's
+hidden state before its post-attention RMSNorm: one launch does that norm (the residual add in
+front, as kernels/norm.py's `rms_norm(x, w, eps, residual)` rounds it), the router's logits and
+the routing, where three launches did. Each of E programs normalises the row (a few KB from
+L2) and computes one logit, rounded to x's dtype as the router's linear layer rounds it;
+program 0 stores the normalised row and the sum for the experts and the next layer. The
+program that counts last on a per-device counter (an acquire-release atomic after a barrier
+over the logit stores, as kernels/paged_attention.py merges its splits) routes the logits and
+zeroes the counter, so launches sharing a device must not overlap (one stream per device).
+Before the PDL wait a program loads its router row and the norm weight (no kernel writes them).
+The row's sum of squares is one reduction over the whole row here, another order than
+`rms_norm`'s, so the normalised row may differ from it in the last bit.
+It runs on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1 (Triton's interpreter);
+otherwise the references.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from kernels._triton import launch_options, lazy_kernel, pdl
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 SCORING_FUNCS = ("softmax", "sigmoid")
-_ROW_BLOCK_K = 2048  # route_one_row: inputs a GEMV step (one step for Qwen3-MoE's 2048)
+MAX_ONE_ROW_HIDDEN = 8192  # route_one_row holds the row in registers
 _counters: dict[torch.device, torch.Tensor] = {}  # device -> int32 [1], zero between launches
 tl = None  # triton.language, bound when _kernel is first built
 
@@ -55,29 +61,41 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     weights, ids = _outputs(num_tokens, top_k, router_logits.device)
     if num_tokens:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-        _launch(num_tokens, logits, weights, ids, logits, logits, weights, num_experts,
-                logits.stride(0), 0, top_k, scoring_func, renormalize, gemv=False)
+        _launch(num_tokens, logits, weights, ids, num_experts, logits.stride(0), top_k,
+                scoring_func, renormalize)
     return weights, ids
 
 
-def route_one_row(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
-                  scoring_func: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
-    """`route(x @ weight.T, ...)` for one token, logits and routing in one launch (module
-    docstring). x [1, H], weight [E, H] in x's dtype, contiguous; returns as `route`."""
+def route_one_row(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, top_k: int, renormalize: bool,
+                  scoring_func: str = "softmax"):
+    """One token's post-attention RMSNorm, router and routing in one launch (module docstring).
+
+    x, residual [1, H] and the router's weight [E, H], contiguous, in one dtype; norm_weight
+    [H]. Returns (normed [1, H], x + residual [1, H], topk_weights float32 [1, K], topk_ids
+    [1, K]): what `rms_norm(x, norm_weight, eps, residual)` then `route(normed @ weight.T, ...)`
+    give (those references where the kernel does not run)."""
     from kernels.fused_moe import select_experts
+    from kernels.norm import rms_norm
 
     num_experts, hidden = weight.shape
     _check(num_experts, top_k, scoring_func)
-    if x.shape != (1, hidden) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise ValueError(f"x {x.dtype} {tuple(x.shape)} and weight {weight.dtype} "
-                         f"{tuple(weight.shape)}: want [1, H] and a contiguous [E, H] alike")
+    if (x.shape != (1, hidden) or residual.shape != x.shape or norm_weight.shape != (hidden,)
+            or weight.dtype != x.dtype or residual.dtype != x.dtype or hidden > MAX_ONE_ROW_HIDDEN):
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)}, residual {residual.dtype} "
+                         f"{tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)} and "
+                         f"router {weight.dtype} {tuple(weight.shape)}: want [1, H], [1, H], [H] "
+                         f"and [E, H] in one dtype, H <= {MAX_ONE_ROW_HIDDEN}")
     if num_experts > MAX_EXPERTS or not _kernel.runs_on(x):
-        return select_experts(x @ weight.T, top_k, renormalize, scoring_func)
+        normed, summed = rms_norm(x, norm_weight, eps, residual)
+        return normed, summed, *select_experts(normed @ weight.T, top_k, renormalize, scoring_func)
     weights, ids = _outputs(1, top_k, x.device)
+    normed, summed = torch.empty_like(x), torch.empty_like(x)
     logits = x.new_empty(num_experts)  # [E], the programs' stores, read by the last one
-    _launch(num_experts, logits, weights, ids, x.contiguous(), weight, _counter(x.device),
-            num_experts, 0, hidden, top_k, scoring_func, renormalize, gemv=True)
-    return weights, ids
+    _launch(num_experts, logits, weights, ids, num_experts, 0, top_k, scoring_func, renormalize,
+            one_row=(x.contiguous(), residual.contiguous(), norm_weight.contiguous(), eps,
+                     weight.contiguous(), normed, summed, _counter(x.device)))
+    return normed, summed, weights, ids
 
 
 def _check(num_experts: int, top_k: int, scoring_func: str) -> None:
@@ -103,14 +121,22 @@ def _counter(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
-def _launch(programs, logits, weights, ids, x, weight, counter, num_experts, stride, hidden,
-            top_k, scoring_func, renormalize, gemv) -> None:
+def _launch(programs, logits, weights, ids, num_experts, stride, top_k, scoring_func, renormalize,
+            one_row: tuple | None = None) -> None:
+    """one_row: route_one_row's (x, residual, norm weight, eps, router weight, normed out, sum
+    out, counter); else the logits are given."""
     kernel = _kernel.load()
-    kernel[(programs,)](logits, weights, ids, x, weight, counter, num_experts, stride, hidden,
-                        EXPERTS=_pow2(num_experts), TOP_K=top_k, SLOTS=_pow2(top_k),
-                        SIGMOID=scoring_func == "sigmoid", RENORMALIZE=renormalize, GEMV=gemv,
-                        BLOCK_K=min(_ROW_BLOCK_K, _pow2(max(hidden, 1))),
-                        num_warps=1 if num_experts <= 256 else 4, **launch_options(pdl(logits)))
+    with_row = one_row is not None
+    if not with_row:  # unread without ONE_ROW: any pointers, no hidden size
+        one_row = (logits, logits, logits, 0.0, logits, logits, logits, logits)
+    x, residual, norm_w, eps, w, normed, summed, counter = one_row
+    hidden = x.shape[-1] if with_row else 1
+    kernel[(programs,)](logits, weights, ids, x, residual, norm_w, w, normed, summed, counter,
+                        num_experts, stride, hidden, eps, EXPERTS=_pow2(num_experts), TOP_K=top_k,
+                        SLOTS=_pow2(top_k), SIGMOID=scoring_func == "sigmoid",
+                        RENORMALIZE=renormalize, ONE_ROW=with_row, BLOCK_H=_pow2(hidden),
+                        num_warps=4 if with_row or num_experts > 256 else 1,
+                        **launch_options(pdl(logits)))
 
 
 def _pow2(n: int) -> int:
@@ -120,27 +146,36 @@ def _pow2(n: int) -> int:
 @lazy_kernel("the MoE routing")
 def _kernel(triton):
     @triton.jit
-    def route_kernel(logits_ptr, weights_ptr, ids_ptr, x_ptr, w_ptr, counter_ptr, num_experts,
-                     stride, hidden, EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
-                     SLOTS: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
-                     GEMV: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        # Grid: one program per token; GEMV: one per expert (one token), the last one routes.
+    def route_kernel(logits_ptr, weights_ptr, ids_ptr, x_ptr, res_ptr, norm_w_ptr, w_ptr,
+                     normed_ptr, sum_ptr, counter_ptr, num_experts, stride, hidden, eps,
+                     EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, ONE_ROW: tl.constexpr,
+                     BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        # Grid: one program per token; ONE_ROW: one per expert (one token), the last one routes.
         token = tl.program_id(0).to(tl.int64)
-        if PDL:  # see kernels/_triton.py: the router (GEMV: the norm) done, then the next
+        if ONE_ROW:  # this program's router row and the norm weight: no kernel writes them
+            cols = tl.arange(0, BLOCK_H)
+            col_ok = cols < hidden
+            w_row = tl.load(w_ptr + token * hidden + cols, mask=col_ok, other=0.0)
+            norm_w = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0)
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if GEMV:  # this program's logit: x . weight[expert], rounded to x's dtype
-            rk = tl.arange(0, BLOCK_K)
-            acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                ks = k0 + rk
-                k_ok = ks < hidden
-                acc += (tl.load(w_ptr + token * hidden + ks, mask=k_ok, other=0.0).to(tl.float32)
-                        * tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32))
+        if ONE_ROW:  # kernels/norm.py's rounding: the sum, the normalised row, the weight product
+            dtype = x_ptr.dtype.element_ty
+            s = (tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                 + tl.load(res_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype)
+            sf = s.to(tl.float32)
             # tl.reduce with the add combiner, not tl.sum (kernels/norm.py: the interpreter)
-            logit = tl.reduce(acc, 0, tl.standard._sum_combine)
+            inv = tl.math.rsqrt(tl.reduce(sf * sf, 0, tl.standard._sum_combine) / hidden + eps)
+            xn = ((sf * inv).to(dtype).to(tl.float32) * norm_w.to(dtype).to(tl.float32)).to(dtype)
+            if token == 0:
+                tl.store(normed_ptr + cols, xn, mask=col_ok)
+                tl.store(sum_ptr + cols, s, mask=col_ok)
+            logit = tl.reduce(w_row.to(tl.float32) * xn.to(tl.float32), 0,
+                              tl.standard._sum_combine)
             tl.store(logits_ptr + token, logit.to(logits_ptr.dtype.element_ty))
-            tl.debug_barrier()  # the store before the release below
+            tl.debug_barrier()  # the stores before the release below
             if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") != num_experts - 1:
                 return
             tl.store(counter_ptr, 0)  # zero again for the next launch

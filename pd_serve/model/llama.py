@@ -97,6 +97,8 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rope, attn)
+        if isinstance(self.mlp, SparseMoeBlock) and self.mlp.takes_one_row(x):
+            return self.mlp.forward_one_row(x, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -85,8 +85,7 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None and cfg.shared_experts_gated:
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.backend = "torch"  # set_moe_backend
-        # one token: route_one_row and kernels/moe_batch1.py (llama.use_batch1_kernels)
-        self.batch1_kernels = False
+        self.batch1_kernels = False  # forward_one_row (llama.use_batch1_kernels)
         # Expert parallelism (model/parallel.py): the group whose ranks hold the other experts,
         # and the first expert this one holds.
         self.ep = None
@@ -94,15 +93,32 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        batch1 = self.batch1_kernels and self.backend == "triton" and x.shape[0] == 1
         if self.grouped_cfg is not None:
             topk_weights, topk_ids = grouped_topk(x, self.gate.weight, self.grouped_cfg,
                                                   getattr(self.gate, "e_score_correction_bias", None))
-        elif batch1:  # the router's GEMV and the routing in one launch
-            topk_weights, topk_ids = route_one_row(x, self.gate.weight, self.top_k, self.renormalize)
         else:  # triton: one routing launch (kernels/moe_routing.py); torch: the reference
             routing = route if self.backend == "triton" else select_experts
             topk_weights, topk_ids = routing(self.gate(x), self.top_k, self.renormalize)
+        return self._experts(x, topk_weights, topk_ids)
+
+    def takes_one_row(self, x: torch.Tensor) -> bool:
+        """Whether `forward_one_row` serves x: one token, --enable-batch1-kernels, the Triton
+        backend, softmax routing."""
+        return (self.batch1_kernels and self.backend == "triton" and x.shape[0] == 1
+                and self.grouped_cfg is None)
+
+    def forward_one_row(self, x: torch.Tensor, residual: torch.Tensor,
+                        norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's post-attention `norm` and this block for one token: (out, x + residual).
+        The norm, the router and the routing are one launch (kernels/moe_routing.py's
+        route_one_row), the experts two (kernels/moe_batch1.py)."""
+        x, residual, topk_weights, topk_ids = route_one_row(
+            x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize)
+        return self._experts(x, topk_weights, topk_ids, batch1=True), residual
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 batch1: bool = False) -> torch.Tensor:
+        """The routed experts (and the shared one) for x [T, H] -> [T, H]."""
         if self.ep is None:
             one_token = {"batch1": True} if batch1 else {}  # fused_moe's (batch1: triton)
             out = self._run_experts()(x, self.experts.gate_up_proj, self.experts.down_proj,

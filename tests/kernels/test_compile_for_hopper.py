@@ -57,7 +57,8 @@ def _cases():
     yield "rope_store_kv + qk_norm", lambda: kv_store.rope_store_kv(
         positions, q, k, v, *tables, *caches(bf16), slots, qk_norm=(_t(128), _t(128), 1e-6))
     yield "moe routing", lambda: moe_routing.route(_t(3, 128), 8, True)
-    yield "moe routing, one row", lambda: moe_routing.route_one_row(_t(1, 2048), _t(128, 2048), 8, True)
+    yield "moe routing, one row", lambda: moe_routing.route_one_row(
+        _t(1, 2048), _t(1, 2048), _t(2048), 1e-6, _t(128, 2048), 8, True)
     ids1 = torch.tensor([[5, 0, 7, 2, 1, 3, 4, 6]], dtype=i32)
     for fp8 in (False, True):
         w13 = _t(8, 2 * 768, 2048, dtype=e4m3 if fp8 else bf16)

@@ -94,62 +94,75 @@ def test_no_tokens_and_bad_arguments():
         mr.route(torch.zeros(3, 8), 2, True, scoring_func="relu")
 
 
+def _one_row_case(experts, hidden, dtype, device, seed):
+    """x, residual, norm weight, router weight for route_one_row. In float32 random; in 16-bit
+    dtypes, where a summation order could round two logits to a tie, rows whose normalised sum
+    is one-hot at `seed` (x + residual = 2 there, 0 elsewhere; norm weight 1) and a router
+    column of distinct logits exact in the dtype (random values elsewhere)."""
+    gen = torch.Generator().manual_seed(experts + hidden + seed)
+    weight = torch.randn(experts, hidden, generator=gen) / hidden ** 0.5
+    if dtype == torch.float32:
+        x, residual = torch.randn(2, 1, hidden, generator=gen)
+        norm_weight = 1 + torch.randn(hidden, generator=gen) / 4
+    else:
+        x, residual, norm_weight = torch.zeros(1, hidden), torch.zeros(1, hidden), torch.ones(hidden)
+        x[0, seed], residual[0, seed] = 1.5, 0.5
+        weight[:, seed] = (torch.randperm(experts, generator=gen) - experts // 2) * 0.125
+    return [t.to(device=device, dtype=dtype) for t in (x, residual, norm_weight, weight)]
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("experts,top_k,hidden", [(8, 2, 64), (60, 4, 200), (128, 8, 2048)])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
-def test_one_row_routing_equals_the_router_then_select_experts(device, dtype, experts, top_k,
-                                                                hidden, renormalize):
-    """route_one_row: the router's logits and the routing in one launch, twice in a row (the
-    last program zeroes its counter for the next launch). In float32 on random rows; in 16-bit
-    dtypes, where the GEMV's summation order could round two logits to a tie, on a one-hot x
-    and one column of distinct logits exact in the dtype (random values elsewhere)."""
-    gen = torch.Generator().manual_seed(experts + hidden)
-    weight = torch.randn(experts, hidden, generator=gen) / hidden ** 0.5
+def test_one_row_routing_equals_norm_router_then_select_experts(device, dtype, experts, top_k,
+                                                                 hidden, renormalize):
+    """route_one_row: the post-attention norm, the router's logits and the routing in one
+    launch, twice in a row (the last program zeroes its counter for the next launch)."""
+    from kernels.norm import rms_norm_ref
+
     for seed in (1, 2):
-        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed))
-        if dtype != torch.float32:
-            x = torch.zeros(1, hidden)
-            x[0, seed] = 1.0
-            weight[:, seed] = (torch.randperm(experts, generator=gen) - experts // 2) * 0.125
-        x, weight = x.to(device=device, dtype=dtype), weight.to(device=device, dtype=dtype)
-        weights, ids = mr.route_one_row(x, weight, top_k, renormalize)
+        x, residual, norm_weight, weight = _one_row_case(experts, hidden, dtype, device, seed)
+        normed, summed, weights, ids = mr.route_one_row(x, residual, norm_weight, 1e-6, weight,
+                                                        top_k, renormalize)
         assert ids.dtype == torch.int32 and weights.dtype == torch.float32  # the kernel ran
         assert int(mr._counters[x.device][0]) == 0
-        logits = (x.float() @ weight.float().T).to(dtype)  # [1, E], the GEMV's sums up to order
+        want_normed, want_sum = rms_norm_ref(x, norm_weight, 1e-6, residual)
+        assert torch.equal(summed, want_sum)
+        eps = torch.finfo(dtype).eps  # the row's sum of squares in another order: a unit or so
+        torch.testing.assert_close(normed, want_normed, rtol=2 * eps, atol=2 * eps)
+        logits = (normed.float() @ weight.float().T).to(dtype)  # [1, E], up to summation order
         want_weights, want_ids = select_experts(logits, top_k, renormalize)
         assert torch.equal(ids.long(), want_ids)
         torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
-        weight = weight.cpu().float()
 
 
 def test_one_row_routing_checks_its_arguments():
-    x, weight = torch.zeros(1, 16), torch.zeros(8, 16)
+    x, norm_weight, weight = torch.zeros(1, 16), torch.ones(16), torch.zeros(8, 16)
     with pytest.raises(ValueError, match="want \\[1, H\\]"):
-        mr.route_one_row(torch.zeros(2, 16), weight, 2, True)
+        mr.route_one_row(torch.zeros(2, 16), torch.zeros(2, 16), norm_weight, 1e-6, weight, 2, True)
     with pytest.raises(ValueError, match="top_k"):
-        mr.route_one_row(x, weight, 9, True)
+        mr.route_one_row(x, x, norm_weight, 1e-6, weight, 9, True)
     with pytest.raises(ValueError, match="scoring_func"):
-        mr.route_one_row(x, weight, 2, True, "relu")
+        mr.route_one_row(x, x, norm_weight, 1e-6, weight, 2, True, "relu")
 
 
 @needs_cuda
 def test_one_row_routing_replays_in_a_cuda_graph():
-    """Captured once, replayed on new rows (one-hot, as the 16-bit case above), it follows them."""
-    weight = torch.randn(128, 2048) / 45
-    for j in range(3):
-        weight[:, j] = (torch.randperm(128, generator=torch.Generator().manual_seed(j)) - 64) * 0.125
-    weight = weight.to(device="cuda", dtype=torch.bfloat16)
-    x = torch.zeros(1, 2048, device="cuda", dtype=torch.bfloat16)
-    mr.route_one_row(x, weight, 8, True)  # compile, and the counter, outside the capture
+    """Captured once, replayed on new rows (the 16-bit case above), it follows them."""
+    x, residual, norm_weight, weight = _one_row_case(128, 2048, torch.bfloat16, "cuda", 0)
+    for j in range(1, 4):
+        weight[:, j] = _one_row_case(128, 2048, torch.bfloat16, "cuda", j)[3][:, j]
+    mr.route_one_row(x, residual, norm_weight, 1e-6, weight, 8, True)  # compile, the counter
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        weights, ids = mr.route_one_row(x, weight, 8, True)
-    for j in range(3):
-        x.zero_()
-        x[0, j] = 1.0
+        normed, _, weights, ids = mr.route_one_row(x, residual, norm_weight, 1e-6, weight, 8, True)
+    for j in range(1, 4):
+        x.zero_(), residual.zero_()
+        x[0, j], residual[0, j] = 1.5, 0.5
         graph.replay()
         torch.cuda.synchronize()
-        want_weights, want_ids = select_experts(weight[:, j][None], 8, True)
+        assert normed[0, j] > 0 and int((normed != 0).sum()) == 1
+        want_weights, want_ids = select_experts((normed.float() @ weight.float().T).to(x.dtype), 8, True)
         assert torch.equal(ids.long(), want_ids)
         torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)

@@ -20,7 +20,7 @@ PREWAIT_READS = {
     "rope_store_kv_kernel": {"pos_ptr", "slot_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr",
                              "k_norm_ptr"},
     "attention_kernel": set(),
-    "route_kernel": set(),
+    "route_kernel": {"w_ptr", "norm_w_ptr"},
     "expert_gate_up_gemv_kernel": set(),
     "expert_down_gemv_kernel": set(),
 }

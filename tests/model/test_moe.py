@@ -132,14 +132,17 @@ def test_triton_moe_backend_generates_the_torch_backends_tokens(tiny_moe_checkpo
     assert outs["triton"] == outs["torch"]
 
 
-def test_batch1_kernels_keep_the_torch_backends_tokens(tiny_moe_checkpoints, monkeypatch):
-    """--enable-batch1-kernels on Qwen3-MoE, in Triton's interpreter: one-token steps run the
-    experts on kernels/moe_batch1.py and the q/k norms inside the RoPE + KV store kernel
-    (Triton attention backend), and in float32 the greedy tokens stay the torch backends'."""
-    from kernels import gemv, kv_store, moe_batch1
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_batch1_kernels_keep_the_torch_backends_tokens(tiny_moe_checkpoints, monkeypatch, kind):
+    """--enable-batch1-kernels on Qwen3-MoE and Qwen2-MoE (a shared expert), in Triton's
+    interpreter: one-token steps run the post-attention norm, router and routing as one launch
+    (kernels/moe_routing.py's route_one_row), the experts on kernels/moe_batch1.py, and Qwen3's
+    q/k norms inside the RoPE + KV store kernel (Triton attention backend); in float32 the
+    greedy tokens stay the torch backends'."""
+    from kernels import gemv, kv_store, moe_batch1, moe_routing
     from pd_serve import Engine, SamplingParams
 
-    model_dir = tiny_moe_checkpoints["qwen3_moe"]
+    model_dir = tiny_moe_checkpoints[kind]
     prompt = [torch.randint(3, 49152, (11,), generator=torch.Generator().manual_seed(5)).tolist()]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     want = Engine(model_dir, device="cpu", max_total_tokens=512, moe_runner_backend="torch",
@@ -152,10 +155,12 @@ def test_batch1_kernels_keep_the_torch_backends_tokens(tiny_moe_checkpoints, mon
     engine = Engine(model_dir, device="cpu", max_total_tokens=512, moe_runner_backend="triton",
                     attention_backend="triton", enable_batch1_kernels=True)
     experts, stores = moe_batch1.triton_launches, kv_store.triton_launches
+    monkeypatch.setattr(moe_routing, "_counters", {})  # route_one_row makes its counter anew
     got = engine.generate(prompt, params)[0].token_ids
     config = engine.model.config
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     assert moe_layers == 2
     assert moe_batch1.triton_launches - experts == 2 * moe_layers * (params.max_tokens - 1)
+    assert list(moe_routing._counters) == [torch.device("cpu")]  # route_one_row ran
     assert kv_store.triton_launches - stores == config.num_layers * params.max_tokens
     assert got == want
