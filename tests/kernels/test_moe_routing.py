@@ -147,11 +147,12 @@ def test_one_row_routing_checks_its_arguments():
 
 
 @needs_cuda
-def test_one_row_routing_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("device", ["cuda"])
+def test_one_row_routing_replays_in_a_cuda_graph(device):
     """Captured once, replayed on new rows (the 16-bit case above), it follows them."""
-    x, residual, norm_weight, weight = _one_row_case(128, 2048, torch.bfloat16, "cuda", 0)
+    x, residual, norm_weight, weight = _one_row_case(128, 2048, torch.bfloat16, device, 0)
     for j in range(1, 4):
-        weight[:, j] = _one_row_case(128, 2048, torch.bfloat16, "cuda", j)[3][:, j]
+        weight[:, j] = _one_row_case(128, 2048, torch.bfloat16, device, j)[3][:, j]
     mr.route_one_row(x, residual, norm_weight, 1e-6, weight, 8, True)  # compile, the counter
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
