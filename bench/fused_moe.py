@@ -108,7 +108,8 @@ def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype,
         (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
     fused = lambda: fused_moe(x, w13, w2, weights, ids, **scales)  # noqa: E731
     if batch1 is not None:
-        fused = lambda: moe_batch1(x, w13, w2, weights, ids, **scales, config=batch1 or None)  # noqa: E731
+        fused = lambda: moe_batch1(x, w13, w2, weights, ids, **scales,  # noqa: E731
+                                   config=batch1 or None)
     ref = lambda: fused_moe_ref(x, w13, w2, weights, ids, **scales)  # noqa: E731
     got, want = fused(), ref()
     rel_err = float((got.float() - want.float()).norm() / want.float().norm())

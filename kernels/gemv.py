@@ -133,8 +133,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
 
 def _block_config(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, bool]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, ROWSUM) by the layer's shape and weight dtype
-    (timed on an H200's Llama-3.1-8B and Qwen3-30B-A3B layers; see the module docstring). n counts the output
-    rows a call reads: both halves with silu_and_mul."""
+    (timed on an H200's Llama-3.1-8B and Qwen3-30B-A3B layers; see the module docstring). n
+    counts the output rows a call reads: both halves with silu_and_mul."""
     if fp8:  # q/k/v; o, gate/up (its two halves) and down
         return (8, 1024, 4, 1, True) if k < n < 4 * k else (4, 2048, 4, 1, True)
     if k >= 8192:

@@ -86,8 +86,8 @@ def _kernels(triton):
     """(gate/up + SiLU-and-mul kernel, down + weighted sum over the top k)."""
     @triton.jit
     def expert_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, h_ptr, ids_ptr, hidden, inter,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr,
-                       PDL: tl.constexpr):
+                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   W_FP8: tl.constexpr, PDL: tl.constexpr):
         slot = tl.program_id(1)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of I
         col_ok = cols < inter
@@ -105,8 +105,10 @@ def _kernels(triton):
             k_ok = ks < hidden
             xs = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             mask = col_ok[:, None] & k_ok[None, :]
-            acc_gate += tl.load(w_ptr + gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs
-            acc_up += tl.load(w_ptr + up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs
+            w_gate = tl.load(w_ptr + gate_rows + ks[None, :], mask=mask, other=0.0)
+            w_up = tl.load(w_ptr + up_rows + ks[None, :], mask=mask, other=0.0)
+            acc_gate += w_gate.to(tl.float32) * xs
+            acc_up += w_up.to(tl.float32) * xs
         # tl.reduce with the add combiner, not tl.sum (kernels/norm.py: the interpreter)
         gate = tl.reduce(acc_gate, 1, tl.standard._sum_combine)  # [BN]
         up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
@@ -121,9 +123,9 @@ def _kernels(triton):
         tl.store(h_ptr + slot * inter + cols, out, mask=col_ok)
 
     @triton.jit
-    def expert_down_gemv_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    W_FP8: tl.constexpr, PDL: tl.constexpr):
+    def expert_down_gemv_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, ids_ptr, hidden,
+                                inter, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
         col_ok = cols < hidden
         rk = tl.arange(0, BLOCK_K)
