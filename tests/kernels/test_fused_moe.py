@@ -149,20 +149,23 @@ def test_reduce_kernel_sums_over_k_as_torch(device, dtype, offset):
 @needs_cuda
 @pytest.mark.parametrize("device", ["cuda"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_fused_moe_replays_in_a_cuda_graph(device, fp8):
-    """No host sync: captured once, replayed on new inputs and new routing, it follows them."""
+@pytest.mark.parametrize("shape,batch1", [((8, 64, 32, 8, 2), False), ((1, 256, 128, 16, 4), True)],
+                         ids=["tokens", "batch1"])
+def test_fused_moe_replays_in_a_cuda_graph(device, fp8, shape, batch1):
+    """No host sync: captured once, replayed on new inputs and new routing, it follows them
+    (batch1: one token on kernels/moe_batch1.py)."""
     from pd_serve.model.fp8 import quantize_experts
 
-    x, w13, w2, weights, ids = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=3)
+    x, w13, w2, weights, ids = _inputs(shape, device, torch.bfloat16, seed=3)
     scales = {}
     if fp8:
         (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
-    fm.fused_moe(x, w13, w2, weights, ids, **scales)  # compile outside the capture
+    fm.fused_moe(x, w13, w2, weights, ids, batch1=batch1, **scales)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, w13, w2, weights, ids, **scales)
-    x2, _, _, weights2, ids2 = _inputs((8, 64, 32, 8, 2), device, torch.bfloat16, seed=4)
+        out = fm.fused_moe(x, w13, w2, weights, ids, batch1=batch1, **scales)
+    x2, _, _, weights2, ids2 = _inputs(shape, device, torch.bfloat16, seed=4)
     x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
     graph.replay()
     torch.cuda.synchronize()
@@ -260,27 +263,3 @@ def test_batch1_only_takes_one_token_on_one_rank():
         assert calls == [1]
     finally:
         fm.moe_batch1 = real
-
-
-@needs_cuda
-@pytest.mark.parametrize("device", ["cuda"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_batch1_experts_replay_in_a_cuda_graph(device, fp8):
-    """No host sync: captured once, replayed on a new token and new routing, it follows them."""
-    from pd_serve.model.fp8 import quantize_experts
-
-    x, w13, w2, weights, ids = _inputs((1, 256, 128, 16, 4), device, torch.bfloat16, seed=3)
-    scales = {}
-    if fp8:
-        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
-    fm.fused_moe(x, w13, w2, weights, ids, batch1=True, **scales)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fm.fused_moe(x, w13, w2, weights, ids, batch1=True, **scales)
-    x2, _, _, weights2, ids2 = _inputs((1, 256, 128, 16, 4), device, torch.bfloat16, seed=4)
-    x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, fm.fused_moe_ref(x, w13, w2, weights, ids, **scales),
-                               rtol=TOLERANCE[torch.bfloat16][0], atol=TOLERANCE[torch.bfloat16][1])
