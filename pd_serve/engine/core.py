@@ -81,7 +81,7 @@ class EngineCore:
         # PD_SERVE_OVERLAP_CPU=1 turns it on for CPU too (where nothing runs asynchronously): for
         # tests of its bookkeeping in real workers.
         on_device = self.device.type == "cuda" or os.environ.get("PD_SERVE_OVERLAP_CPU") == "1"
-        self.overlap = on_device and not cfg.disable_overlap_schedule and self.tp is None
+        self.overlap = on_device and not cfg.disable_overlap_schedule
         logger.info("attention backend %s, CUDA graphs %s, overlap schedule %s%s",
                     self.attention_backend, "on" if self.runner.graphs else "off",
                     "on" if self.overlap else "off", f", tp {cfg.tp}" if self.tp else "")
@@ -159,6 +159,8 @@ class EngineCore:
         plan = self.plans.build(out)
         previous, self._launched = self._launched, None
         if plan is not None:
+            if self.tp is not None:
+                tp_group.send(self.tp, ["plan", plan.to_wire()])
             sample = self.executor.launch(plan, prev=previous.sample if previous else None)
             self.scheduler.update(out, None)
             self._launched = LaunchedStep(out, sample, self.scheduler.launched())

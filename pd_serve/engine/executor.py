@@ -9,7 +9,10 @@ all-gather needs every rank) and stop there.
 
 A token of the step still in flight (overlap schedule, engine/core.py) is not in the cache
 yet: the runner reads it on the device, from row `pending_row` of that step's samples, which
-the executor recorded when it launched the step. The plans bring it once it is known.
+the executor recorded when it launched the step. The plans bring it once it is known. Under TP
+only rank 0 has those samples: a plan with pending tokens starts with a broadcast of the step
+before's sampled tokens from rank 0 over the model's group (on the device under NCCL: stream
+ordered, no wait on the host), which every rank decides from the same plan.
 
 Structured outputs (engine/grammar.py): the sampling rank keeps a grammar matcher per request
 that has a grammar. The sampler masks a grammar row's logits and queues the matcher's work on
@@ -87,6 +90,7 @@ class Executor:
         self.requests: dict[str, CachedRequest] = {}
         self.model_dir, self.samples = model_dir, samples
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar
+        self._sampled_rows = 0  # rows the last plan sampled (a TP follower's pending tokens)
         self._build(model_dir, max_model_len, samples)
 
     def _build(self, model_dir: Path, max_model_len: int, samples: bool) -> None:
@@ -138,8 +142,11 @@ class Executor:
             logger.info("CPU: linear weights packed for oneDNN as well, %.2f GiB more", packed / 2**30)
         sampler = Sampler(cfg.seed) if samples else None
         self.runner = ModelRunner(self.model, attn, sampler, layout.page_size)
+        # Every rank captures the same sizes in the same order, so their collectives pair up in
+        # the warm-up forwards and the replays; expert parallelism's all-to-all reads its split
+        # sizes on the host, so it runs eagerly.
         if self.device.type == "cuda" and not cfg.disable_cuda_graph and attn.supports_cuda_graph \
-                and self.tp is None and graphs_ok:
+                and cfg.ep_size == 1 and graphs_ok:
             max_bs = min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
             if cfg.scheduler.max_running_requests > cfg.cuda_graph_max_bs:
                 logger.warning("decode batches above %d run without CUDA graphs (eagerly, several "
@@ -202,8 +209,13 @@ class Executor:
         this plan's pending tokens are. on_layer(kv_sends, layer), for a plan with KV sends, is
         called as the forward finishes each layer (prefill's layer-wise KV send)."""
         self.update(plan)
-        pending = self.runner.launch(self._batch(plan), _after_layer(plan, on_layer),
-                                     prev_tokens=prev.tokens if prev is not None else None)
+        batch = self._batch(plan)
+        prev_tokens = prev.tokens if prev is not None else None
+        if self.tp is not None and any(c.request.token_at(c.start + c.num_tokens - 1) < 0
+                                       for c in batch.chunks):
+            prev_tokens = self._shared_tokens(prev_tokens)
+        pending = self.runner.launch(batch, _after_layer(plan, on_layer), prev_tokens=prev_tokens)
+        self._sampled_rows = sum(c.sample for c in plan.chunks)
         row = 0
         for chunk in plan.chunks:
             if chunk.sample:
@@ -211,9 +223,21 @@ class Executor:
                 row += 1
         return pending
 
+    def _shared_tokens(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's sampled tokens of the step before, on every rank (module docstring)."""
+        if self.samples:
+            if tokens is None:
+                raise RuntimeError("a planned token is pending but no step is in flight")
+            tokens = tokens.to(torch.int64).contiguous()
+        else:
+            tokens = torch.empty(self._sampled_rows, dtype=torch.int64, device=self.device)
+        dist.broadcast(tokens, src=0, group=self.tp.group)
+        return tokens
+
     def execute(self, plan: StepPlan, on_layer=None) -> StepResult:
         """Run the plan and wait for its tokens (the synchronous schedule)."""
         self.update(plan)
+        self._sampled_rows = sum(c.sample for c in plan.chunks)
         return self.runner.execute(self._batch(plan), _after_layer(plan, on_layer))
 
     def _batch(self, plan: StepPlan) -> Batch:

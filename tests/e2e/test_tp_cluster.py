@@ -42,8 +42,14 @@ def test_colocated_tp2_worker_equals_the_unsharded_engine(tiny_checkpoints):
 @pytest.mark.skipif(TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2,
                     reason="--tp 2 needs two GPUs")
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_1p1d_across_tp_sizes_equals_the_unsharded_engine(tiny_checkpoints, arch, prefill_tp, decode_tp):
+@pytest.mark.parametrize("prefill_tp,decode_tp,overlap", [(2, 1, False), (1, 2, False), (1, 2, True)],
+                         ids=["p2-d1", "p1-d2", "p1-d2-overlap"])
+def test_1p1d_across_tp_sizes_equals_the_unsharded_engine(tiny_checkpoints, arch, prefill_tp,
+                                                          decode_tp, overlap, monkeypatch):
+    """overlap: the decode worker's TP group under the overlap schedule (on by default on GPU;
+    PD_SERVE_OVERLAP_CPU=1 forces it on here)."""
+    if overlap:
+        monkeypatch.setenv("PD_SERVE_OVERLAP_CPU", "1")  # the workers inherit it
     model_dir = tiny_checkpoints[arch]
     reference = Engine(model_dir, device=TEST_DEVICE, max_total_tokens=4096, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -2,7 +2,11 @@
 (test_model_vs_hf_gpu's peaked recipe, drawn on each GPU from one seed, checked equal), the
 same 2048 teacher-forced positions; the sharded model (NCCL all-reduces, vocab-parallel head)
 must give the unsharded model's top-1 at >= 99 % of them. With $PD_SERVE_RESULTS set, the
-figures go to that JSON file too (the device check commits it)."""
+figures go to that JSON file too (the device check commits it).
+
+An Engine(tp=2) with CUDA graphs (every rank captures; the all-reduces and the logits gather are
+in the graphs) and the overlap schedule (a step's pending tokens broadcast from rank 0) gives
+the tokens of the same engine run eagerly and synchronously, in float32."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pd_serve import Engine, SamplingParams
 from test_model_vs_hf_gpu import (DTYPE, HF_CONFIG, MIN_TOP1_AGREEMENT, NUM_SEQS, SEQ_LEN,
                                   _check_backend, our_logits, peaked_weights_)
 
@@ -71,3 +76,26 @@ def test_tp2_matches_tp1_in_bfloat16(backend):
         Path(path).write_text(json.dumps(record, indent=2))
     assert got["same_weights"]
     assert got["agreement"] >= MIN_TOP1_AGREEMENT, f"top-1 agreement {got['agreement']:.4f}"
+
+
+def test_engine_tp2_with_graphs_and_overlap_equals_eager_and_synchronous(tiny_checkpoints):
+    model = tiny_checkpoints["llama3"]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
+    prompts = [[1, 5 + i, 9, 200 + 3 * i] * (i + 1) for i in range(len(params))]
+    options = dict(device="cuda", dtype="float32", max_total_tokens=4096, tp=2)
+    eager = Engine(model, disable_cuda_graph=True, disable_overlap_schedule=True, **options)
+    try:
+        want = eager.generate(prompts, params)
+    finally:
+        eager.close()
+    fast = Engine(model, **options)
+    try:
+        assert fast.runner.graphs and fast.overlap
+        got = fast.generate(prompts, params)
+    finally:
+        fast.close()
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]

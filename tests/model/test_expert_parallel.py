@@ -2,7 +2,9 @@
 attention (tp 1), partitions each MoE block's experts over its ranks (follower processes),
 dispatches tokens to them by all-to-all, and generates the one-process engine's greedy tokens:
 Qwen2-MoE (shared expert and a dense layer split by TP) at TP 2 EP 2, Mixtral at TP 4 EP 4,
-Qwen3-MoE (sparse and dense layers) at EP 2 and Mixtral at EP 4 with attention replicated."""
+Qwen3-MoE (sparse and dense layers) at EP 2 and Mixtral at EP 4 with attention replicated.
+Qwen3-MoE at EP 2 runs once more under the overlap schedule (switched on by hand on CPU): the
+follower reads each step's pending tokens from rank 0's samples."""
 
 from __future__ import annotations
 
@@ -21,13 +23,15 @@ def _prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (6, 21, 40)]
 
 
-@pytest.mark.parametrize("kind,tp,ep", [("qwen2_moe", 2, 2), ("mixtral", 4, 4),
-                                         ("qwen3_moe", 1, 2), ("mixtral", 1, 4)])
-def test_ep_engine_equals_ep1(tiny_moe_checkpoints, kind, tp, ep):
+@pytest.mark.parametrize("kind,tp,ep,overlap", [
+    ("qwen2_moe", 2, 2, False), ("mixtral", 4, 4, False), ("qwen3_moe", 1, 2, False),
+    ("mixtral", 1, 4, False), ("qwen3_moe", 1, 2, True)])
+def test_ep_engine_equals_ep1(tiny_moe_checkpoints, kind, tp, ep, overlap):
     model_dir, prompts = tiny_moe_checkpoints[kind], _prompts(ep + tp)
     options = dict(device="cpu", max_total_tokens=512, chunked_prefill_size=32)
     want = [o.token_ids for o in Engine(model_dir, **options).generate(prompts, PARAMS)]
     engine = Engine(model_dir, tp=tp, ep_size=ep, **options)
+    engine.overlap = overlap
     try:
         got = [o.token_ids for o in engine.generate(prompts, PARAMS)]
     finally:

@@ -102,21 +102,32 @@ def test_shard_shapes_and_clear_errors(tiny_checkpoints):
         shard_config(full, 3)
 
 
-def test_engine_with_tp_2_equals_tp_1(tiny_checkpoints):
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+def test_engine_with_tp_2_equals_tp_1(tiny_checkpoints, overlap):
     """Engine(tp=2): a follower process runs rank 1; rank 0 broadcasts every step (prefill,
-    decode, a preemption under a tight KV budget) and samples, seeded sampling included."""
+    decode, a preemption under a tight KV budget) and samples, seeded sampling included. Under
+    the overlap schedule (switched on by hand, as tests/model/test_overlap.py does on CPU) the
+    follower reads a step's pending tokens from rank 0's samples (engine/executor.py); a
+    penalised row makes some steps wait for the one before, and a short row ends early."""
     from pd_serve import Engine
 
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1)]
+    prompts = PROMPTS
+    if overlap:
+        params = params + [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                          repetition_penalty=1.3),
+                           SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
+        prompts = PROMPTS + [[7, 8, 9, 10], [300, 301]]
     options = dict(device="cpu", max_total_tokens=32, page_size=4, chunked_prefill_size=8)
-    want = Engine(tiny_checkpoints["qwen3"], **options).generate(PROMPTS, params)
+    want = Engine(tiny_checkpoints["qwen3"], **options).generate(prompts, params)
     engine = Engine(tiny_checkpoints["qwen3"], tp=2, **options)
+    engine.overlap = overlap
     try:
         follower = engine._tp_followers[0]
         assert follower.is_alive()
-        got = engine.generate(PROMPTS, params)
+        got = engine.generate(prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert sum(o.num_preemptions for o in got) > 0, "the budget should force preemption"
         assert_pages_settled(engine)
