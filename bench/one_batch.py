@@ -70,6 +70,7 @@ import torch  # noqa: E402
 
 from bench._common import device_name, git_commit, sync  # noqa: E402
 from bench.one_batch_hf import transformers_cases  # noqa: E402
+from kernels._triton import pdl_enabled  # noqa: E402
 from bench.one_batch_report import (  # noqa: E402
     DEFINITIONS,
     Bench,
@@ -203,7 +204,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="per decode case, also keep the host functions that cost the most per "
                    "step (cProfile: host_profile) and the graph's kernels by GPU time "
-                   "(torch.profiler: kernel_profile)")
+                   "(torch.profiler: kernel_profile). Under programmatic dependent launch "
+                   "(kernels/_triton.py) a kernel's wait for the one before counts as its own "
+                   "time: PD_SERVE_PDL=0 for a per-kernel breakdown")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None,
                    help="compare with transformers (default: on GPU only)")
     p.add_argument("--hf-batch-sizes", type=_ints, default=[1, 64])
@@ -502,6 +505,10 @@ def main(argv=None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     fill_defaults(args, device)
+    if args.profile and device.type == "cuda" and pdl_enabled():
+        print("note: --profile under programmatic dependent launch counts each kernel's wait "
+              "for the one before as its own time; PD_SERVE_PDL=0 for a per-kernel breakdown",
+              file=sys.stderr)
     dtype = resolve_dtype(args.dtype, device.type)
     run_hf = (device.type == "cuda" if args.hf is None else args.hf) and not args.quantization
     preset = PRESETS[args.preset]
