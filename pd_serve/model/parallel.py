@@ -26,8 +26,9 @@ its one KV "head" is replicated, as KV heads are when there are more ranks than 
 Quantized layers shard as the dense ones do (their `shard()`): column-parallel by rows with
 their scales (FP8 per channel or per row block; GPTQ in runs of 8 rows, as its zeros pack),
 row-parallel by input columns, each FP8 rank quantizing its own slice of the activations. A
-column split must fall on a block-wise FP8 layer's K blocks and a GPTQ layer's groups, and
-act-order GPTQ does not shard: clear errors.
+column split must fall on a block-wise FP8 layer's K blocks and a GPTQ layer's groups (clear
+errors). An act-order GPTQ layer's column split keeps the groups its input rows come from
+(any of them: act-order scatters a group's rows over the input), its rows sorted by group.
 """
 
 from __future__ import annotations
@@ -195,11 +196,6 @@ def shard_model(full: CausalLM, tp: TPGroup, ep_size: int = 1,
             _keep_experts(block, block, tp)
         return full.eval()
     local = shard_config(cfg, tp.size, ep_size)
-    for name, module in full.named_modules():
-        if isinstance(module, GPTQLinear) and (module.perm is not None or module.g_idx is not None):
-            raise ValueError(f"--tp {tp.size}: {name} is an act-order GPTQ layer (desc_act) or "
-                             "its groups do not divide its input; such layers do not shard yet: "
-                             "use --tp 1 or a checkpoint without act-order")
     weight = full.model.embed_tokens.weight
     device, dtype = weight.device, weight.dtype
     default = torch.get_default_dtype()

@@ -37,8 +37,8 @@ from kernels.w4a16 import w4a16_matmul
 from pd_serve.config import QUANTIZATIONS
 from pd_serve.model import fp8
 from pd_serve.model.layers import Linear
-from pd_serve.model.gptq import (GPTQConfig, check_layout, dequantize_t, quantize_rtn,
-                                 sort_act_order, trivial_g_idx)
+from pd_serve.model.gptq import (GPTQConfig, check_layout, dequantize_t, pack_int4,
+                                 quantize_rtn, sort_act_order, trivial_g_idx, unpack_int4)
 
 logger = logging.getLogger(__name__)
 SUPPORTED = "gptq (4-bit), fp8, compressed-tensors (FP8 weights and activations)"
@@ -117,10 +117,12 @@ class GPTQLinear(QuantLinear):
     required = ("qweight", "qzeros", "scales")
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
-                 config: GPTQConfig):
+                 config: GPTQConfig, num_groups: int | None = None):
+        """num_groups: the scales' rows, by default the config's for in_features (a shard of
+        an act-order layer holds the groups its rows come from)."""
         super().__init__(in_features, out_sizes, bias, dtype)
         self.config = config
-        num_groups, out = config.num_groups(in_features), self.out_features
+        num_groups, out = num_groups or config.num_groups(in_features), self.out_features
         self.register_buffer("qweight", torch.empty(in_features // 8, out, dtype=torch.int32))
         self.register_buffer("qzeros", torch.empty(num_groups, out // 8, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(num_groups, out, dtype=torch.float16))
@@ -173,21 +175,14 @@ class GPTQLinear(QuantLinear):
         """A tensor-parallel shard: output rows `rows` (runs of 8 from a multiple of 8, as
         qzeros packs them) with their scales, zeros and bias, or input columns [start,
         start + size) on group boundaries (their packed rows and their groups' scales and
-        zeros; no bias: the row-parallel caller adds it after the all-reduce). Act-order
-        layers (rows sorted by group at load) and groups that do not divide the input are
-        refused: ValueError."""
+        zeros; no bias: the row-parallel caller adds it after the all-reduce). ValueError for
+        rows or columns off those boundaries. An act-order layer (or one whose groups do not
+        divide its input) shards as its checkpoint would: `_shard_grouped`."""
         if self.perm is not None or self.g_idx is not None:
-            raise ValueError("an act-order GPTQ layer (desc_act, rows sorted by group), or one "
-                             "whose groups do not divide its input, does not shard; use --tp 1")
+            return self._shard_grouped(rows, columns)
         qweight, qzeros, scales, bias = self.qweight, self.qzeros, self.scales, self.bias
         if rows is not None:
-            if len(rows) % 8 or any(rows[i] % 8 or rows[i + 7] != rows[i] + 7
-                                    for i in range(0, len(rows), 8)):
-                raise ValueError("a GPTQ layer's output rows shard in runs of 8 from a multiple "
-                                 "of 8 (its zeros are packed 8 to an int32)")
-            index = torch.tensor(rows, device=qweight.device)
-            qweight, scales, qzeros = qweight[:, index], scales[:, index], qzeros[:, index[::8] // 8]
-            bias = None if bias is None else bias[index]
+            qweight, qzeros, scales, bias = _gptq_rows(rows, qweight, qzeros, scales, bias)
         in_features = self.in_features
         if columns is not None:
             (start, in_features), group = columns, self.config.group_size_for(self.in_features)
@@ -209,6 +204,40 @@ class GPTQLinear(QuantLinear):
                        None)
         if bias is not None:
             layer.load("bias", bias, None)
+        layer.finish_loading(keep_dense=self.dense is not None)
+        return layer
+
+    @torch.no_grad()
+    def _shard_grouped(self, rows: list[int] | None, columns: tuple[int, int] | None) -> GPTQLinear:
+        """`shard` of a layer with a g_idx: its rows back in the checkpoint's input order with
+        their groups, sliced as the checkpoint would be, then loaded as a new layer, which
+        sorts them by group again (finish_loading). A column shard's inputs may come from any
+        group (act-order), so it keeps the groups its rows use, renumbered in order."""
+        qweight, qzeros, scales, bias = self.qweight, self.qzeros, self.scales, self.bias
+        g_idx = self.g_idx if self.g_idx is not None else trivial_g_idx(
+            self.in_features, self.config.group_size_for(self.in_features), qweight.device)
+        if self.perm is not None:  # sorted row j holds input perm[j]
+            order = torch.argsort(self.perm.long())
+            qweight, g_idx = pack_int4(unpack_int4(qweight, dim=0)[order], dim=0), g_idx[order]
+        if rows is not None:
+            qweight, qzeros, scales, bias = _gptq_rows(rows, qweight, qzeros, scales, bias)
+        in_features = self.in_features
+        if columns is not None:
+            start, in_features = columns
+            if start % 8 or in_features % 8:
+                raise ValueError(f"input columns [{start}, {start + in_features}) of a GPTQ layer "
+                                 "do not fall on its packing (8 rows to an int32)")
+            qweight, g_idx, bias = qweight[start // 8:(start + in_features) // 8], \
+                g_idx[start:start + in_features], None
+            used = torch.unique(g_idx)  # sorted
+            scales, qzeros = scales[used], qzeros[used]
+            g_idx = torch.searchsorted(used, g_idx).to(torch.int32)
+        with torch.device(qweight.device):
+            layer = GPTQLinear(in_features, [qweight.shape[1]], bias is not None, self.dtype,
+                               self.config, num_groups=scales.shape[0])
+        for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales),
+                             ("g_idx", g_idx)) + ((("bias", bias),) if bias is not None else ()):
+            layer.load(name, tensor.contiguous(), None)
         layer.finish_loading(keep_dense=self.dense is not None)
         return layer
 
@@ -234,6 +263,18 @@ class GPTQLinear(QuantLinear):
             layer.load(name, t, None)
         layer.finish_loading(keep_dense)
         return layer
+
+
+def _gptq_rows(rows: list[int], qweight, qzeros, scales, bias):
+    """Output rows `rows` of a GPTQ layer's tensors (runs of 8 from a multiple of 8, as qzeros
+    packs them); ValueError otherwise."""
+    if len(rows) % 8 or any(rows[i] % 8 or rows[i + 7] != rows[i] + 7
+                            for i in range(0, len(rows), 8)):
+        raise ValueError("a GPTQ layer's output rows shard in runs of 8 from a multiple "
+                         "of 8 (its zeros are packed 8 to an int32)")
+    index = torch.tensor(rows, device=qweight.device)
+    return (qweight[:, index], qzeros[:, index[::8] // 8], scales[:, index],
+            None if bias is None else bias[index])
 
 
 class Fp8Linear(QuantLinear):

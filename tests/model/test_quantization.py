@@ -194,10 +194,12 @@ def test_fp8_tp_2_equals_tp_1(tmp_path, tiny_checkpoints, source):
 @pytest.mark.parametrize("kind, options", [
     ("qwen2", dict(group_size=32)),  # QKV bias
     ("llama3", dict(sym=False, checkpoint_format="gptq_v2", group_size=32)),
+    ("qwen2", dict(desc_act=True, group_size=32)),  # act-order
 ])
 def test_gptq_tp_2_equals_tp_1(tmp_path, tiny_checkpoints, kind, options):
     """Engine(tp=2) on GPTQ INT4: q/k/v and gate/up split by output rows (with their scales
-    and packed zeros), o_proj and down_proj by input columns on 32-column groups."""
+    and packed zeros), o_proj and down_proj by input columns on 32-column groups (act-order:
+    each rank's input rows with the groups they come from)."""
     from pd_serve import Engine, SamplingParams
     gptq_dir = write_gptq_checkpoint(tiny_checkpoints[kind], tmp_path / "gptq", **options)
     prompts = [[5, 17, 300, 42, 9, 1000, 7], [88, 3, 4096]]
@@ -206,7 +208,8 @@ def test_gptq_tp_2_equals_tp_1(tmp_path, tiny_checkpoints, kind, options):
     want = Engine(gptq_dir, **engine_options).generate(prompts, params)
     engine = Engine(gptq_dir, tp=2, **engine_options)
     try:
-        assert isinstance(engine.model.model.layers[0].mlp.down_proj.shard, GPTQLinear)
+        down = engine.model.model.layers[0].mlp.down_proj.shard
+        assert isinstance(down, GPTQLinear) and (down.perm is not None) == options.get("desc_act", False)
         got = engine.generate(prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
     finally:
@@ -214,8 +217,8 @@ def test_gptq_tp_2_equals_tp_1(tmp_path, tiny_checkpoints, kind, options):
 
 
 def test_gptq_shards_and_what_they_refuse():
-    """Row and column shards of a GPTQ layer add up to it; rows off the zeros' packing,
-    columns off the groups and act-order layers are clear errors."""
+    """Row and column shards of a GPTQ layer add up to it; rows off the zeros' packing and
+    columns off the groups are clear errors."""
     from pd_serve.model.gptq import GPTQConfig
     linear = torch.nn.Linear(128, 48)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
@@ -230,12 +233,51 @@ def test_gptq_shards_and_what_they_refuse():
         layer.shard(rows=list(range(4, 12)))
     with pytest.raises(ValueError, match="32-column groups"):
         layer.shard(columns=(16, 64))
-    act_order = GPTQConfig.from_dict({"quant_method": "gptq", "bits": 4, "group_size": 32,
-                                      "sym": True, "desc_act": True})
-    layer = GPTQLinear.from_linear(linear, [48], act_order, keep_dense=True)
-    layer.perm = torch.arange(128)  # as sort_act_order leaves an act-order layer
-    with pytest.raises(ValueError, match="act-order"):
-        layer.shard(rows=list(range(8)))
+
+
+@pytest.mark.parametrize("in_features,group_size", [(128, 32), (96, 40)],
+                         ids=["act-order", "groups-off-the-input"])
+def test_gptq_act_order_shards_add_up_to_the_layer(in_features, group_size, monkeypatch):
+    """An act-order layer (a group's rows scattered over the input; sorted by group at load)
+    and one whose groups do not divide its input shard too: row shards give the layer's
+    output rows, column shards (any group's rows, off the group boundaries) sum to it, each
+    on the dequantized reference and on the W4A16 kernel (Triton's interpreter)."""
+    from kernels import w4a16
+    from pd_serve.model.gptq import GPTQConfig, quantize_rtn, trivial_g_idx
+
+    monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")  # the layers without a dense copy: the kernel
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(48, in_features, generator=gen), torch.randn(48, generator=gen)
+    x = torch.randn(3, in_features, generator=gen)
+    g_idx = trivial_g_idx(in_features, group_size)
+    act_order = in_features % group_size == 0
+    if act_order:
+        g_idx = g_idx[torch.randperm(in_features, generator=gen)]
+    config = GPTQConfig.from_dict({"quant_method": "gptq", "bits": 4, "group_size": group_size,
+                                   "sym": False, "desc_act": act_order})
+    tensors = dict(zip(("qweight", "qzeros", "scales", "g_idx"),
+                       quantize_rtn(weight, group_size, sym=False, g_idx=g_idx)), bias=bias)
+    for keep_dense in (True, False):
+        layer = GPTQLinear(in_features, [48], True, torch.float32, config)
+        for name, tensor in tensors.items():
+            layer.load(name, tensor, None)
+        layer.finish_loading(keep_dense=keep_dense)
+        if act_order:
+            assert layer.perm is not None
+        else:
+            assert layer.perm is None and layer.g_idx is not None
+        launches = w4a16.triton_launches
+        want = layer(x)
+        rows = list(range(8, 24)) + list(range(40, 48))
+        torch.testing.assert_close(layer.shard(rows=rows)(x), want[:, rows], rtol=1e-5, atol=1e-5)
+        cut = 40  # off every group boundary
+        parts = [layer.shard(columns=(0, cut)), layer.shard(columns=(cut, in_features - cut))]
+        assert all(p.bias is None for p in parts)
+        total = parts[0](x[:, :cut]) + parts[1](x[:, cut:]) + bias
+        torch.testing.assert_close(total, want, rtol=1e-4, atol=1e-4)
+        assert (w4a16.triton_launches > launches) == (not keep_dense)
+    with pytest.raises(ValueError, match="packing"):
+        layer.shard(columns=(4, 32))
 
 
 def test_kv_cache_scales_beside_fp8_weights_are_not_weights(tmp_path, tiny_checkpoints):
