@@ -212,7 +212,8 @@ class GPTQLinear(QuantLinear):
         """`shard` of a layer with a g_idx: its rows back in the checkpoint's input order with
         their groups, sliced as the checkpoint would be, then loaded as a new layer, which
         sorts them by group again (finish_loading). A column shard's inputs may come from any
-        group (act-order), so it keeps the groups its rows use, renumbered in order."""
+        group (act-order), so it keeps the groups its rows use, renumbered in order; they are
+        then of unequal sizes, which the W4A16 kernel reads through g_idx row by row."""
         qweight, qzeros, scales, bias = self.qweight, self.qzeros, self.scales, self.bias
         g_idx = self.g_idx if self.g_idx is not None else trivial_g_idx(
             self.in_features, self.config.group_size_for(self.in_features), qweight.device)
