@@ -378,6 +378,8 @@ async def _read_json(request: web.Request, timeout_s: float):
         raise ApiError(f"the request body did not arrive within {timeout_s:g} s", status=408) from None
     except web.HTTPRequestEntityTooLarge as e:
         raise ApiError(f"request body too large: {e.text}", status=413) from None
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode by
+        raise ApiError(f"the request body could not be read: {e}") from None
     return decode_body(raw)
 
 

@@ -177,6 +177,17 @@ def test_body_must_be_utf8(tokenizer, token):
     assert_error(status, resp, 400, None, "not valid UTF-8")
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+def test_a_body_its_content_encoding_does_not_decode_is_400(tokenizer, token, encoding):
+    """gzip fails as the handler reads the body (our 400); deflate and br fail in aiohttp's
+    parser, which answers 400 itself, in plain text."""
+    status, _, body = post(tokenizer, done(token), b"abcd",
+                           headers={"Content-Encoding": encoding, "Content-Type": "application/json"})
+    assert status == 400, body
+    if encoding == "gzip":
+        assert "could not be read" in body["error"]["message"], body
+
+
 def test_surrogate_pair_is_fine(tokenizer, token):
     status, _, body = post(tokenizer, done(token), b'{"model": "m", "prompt": "\\ud83d\\ude00"}')
     assert status == 200, body
