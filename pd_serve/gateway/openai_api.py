@@ -123,7 +123,8 @@ class OpenAIServer:
         """A reply computed from the body alone (no tokens generated)."""
         try:
             info = self._model_info()
-            return web.json_response(answer(await _read_json(request, self.body_timeout_s), info))
+            body = await _read_json(request, self.body_timeout_s)
+            return web.json_response(await asyncio.to_thread(answer, body, info))
         except ApiError as e:
             return error_response(e)
 
@@ -137,7 +138,10 @@ class OpenAIServer:
     async def _serve(self, request: web.Request, parse, shape_cls, id_prefix: str) -> web.StreamResponse:
         try:
             info = self._model_info()
-            parsed = parse(await _read_json(request, self.body_timeout_s), info)
+            # off the event loop: a long prompt's tokenization (or a grammar's check) takes
+            # seconds, and every stream and /health would wait for it
+            body = await _read_json(request, self.body_timeout_s)
+            parsed = await asyncio.to_thread(parse, body, info)
         except ApiError as e:
             return error_response(e)
         request_id = self.new_request_id(id_prefix)
@@ -380,7 +384,7 @@ async def _read_json(request: web.Request, timeout_s: float):
         raise ApiError(f"request body too large: {e.text}", status=413) from None
     except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode by
         raise ApiError(f"the request body could not be read: {e}") from None
-    return decode_body(raw)
+    return await asyncio.to_thread(decode_body, raw) if len(raw) > 2**20 else decode_body(raw)
 
 
 async def _send(response: web.StreamResponse, payload: dict) -> None:

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as _Backend
 
 # Prompt tokens decoded with the first output tokens, so a token's text is seen in context.
 _PROMPT_CONTEXT_TOKENS = 5
+LONG_TEXT = 1 << 16  # characters from which encode releases the GIL (encode_batch)
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -84,7 +85,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Special tokens written in the text are always recognised;
-        `add_special_tokens` only controls what the post-processor adds (e.g. a BOS)."""
+        `add_special_tokens` only controls what the post-processor adds (e.g. a BOS).
+        A long text goes through encode_batch, which releases the GIL (encode holds it for
+        seconds on a few MiB, stalling the gateway's event loop thread)."""
+        if len(text) >= LONG_TEXT:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -112,6 +113,55 @@ def test_api_key_is_required_on_v1_routes_only(tokenizer, token):
         assert body["error"]["code"] == "invalid_api_key"
     assert out["right"][0] == 200 and out["right"][1]["choices"][0]["text"] == " hello"
     assert models == 401 and health == 200
+
+
+class TimedTokenizer:
+    """The tokenizer, recording (start, end, characters) of every encode."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer, self.encodes = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        start = time.monotonic()
+        ids = self._tokenizer.encode(text, **kwargs)
+        self.encodes.append((start, time.monotonic(), len(text)))
+        return ids
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])
+def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, token, path):
+    """A prompt of a few MiB takes seconds to tokenize; the event loop (every stream, /health)
+    keeps running meanwhile: the parse runs in a thread and the tokenizer releases the GIL. A
+    ticker on the loop must keep ticking while the long encode runs (it cannot when the loop
+    thread does the encode, or waits for the GIL the encode holds)."""
+    timed = TimedTokenizer(tokenizer)
+
+    async def go():
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        async with serving(timed, done(token)) as client:
+            body = {"model": MODEL, "prompt": "hello world, " * 300_000}
+            if path == "/v1/completions":
+                body["max_tokens"] = 4  # a prompt past the context: 400 once tokenized
+            tick = asyncio.create_task(ticker())
+            resp = await client.post(path, json=body)
+            await resp.read()
+            tick.cancel()
+            return resp.status, ticks
+
+    status, ticks = asyncio.run(go())
+    assert status == (200 if path == "/tokenize" else 400)
+    start, end, _ = next(e for e in timed.encodes if e[2] >= 3_000_000)
+    inside = sum(start < t < end for t in ticks)  # a blocked loop gets one or two at the edges
+    assert inside >= 10, f"{inside} ticks in the {end - start:.2f} s encode"
 
 
 # ---- aiohttp's own errors ------------------------------------------------------------------
