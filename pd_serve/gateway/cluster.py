@@ -327,9 +327,10 @@ class Cluster(TokenSource):
     async def _next(self, flight: _Flight, kind):
         """The request's next message of `kind`; a worker failure arrives as an exception, and
         so does a worker whose loop has been silent for --step-timeout (a request may wait its
-        turn longer on a worker that steps on). (asyncio.timeout, not wait_for: 3.11's wait_for
-        can swallow a cancellation that comes as the message does, which left a departed
-        client's request parked forever.)"""
+        turn longer on a worker that steps on). A message of another kind that carries an
+        error (a worker of the request failed it) raises too. (asyncio.timeout, not wait_for:
+        3.11's wait_for can swallow a cancellation that comes as the message does, which left
+        a departed client's request parked forever.)"""
         timeout = self.config.step_timeout_s
         while True:
             if flight.error is not None:
@@ -347,6 +348,9 @@ class Cluster(TokenSource):
                 continue
             if isinstance(msg, kind):
                 return msg
+            error = getattr(msg, "error", "")
+            if error:  # another phase's failure (e.g. decode failed it during prefill)
+                raise ClusterError(error)
 
     def _enlist(self, flight: _Flight, worker: WorkerState, rid: str, tokens: int) -> None:
         flight.workers.append(worker.worker_id)

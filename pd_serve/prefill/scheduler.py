@@ -46,6 +46,9 @@ class PrefillScheduler(RoleScheduler):
         super().__init__(core, worker_id, connector, metrics)
         self.jobs: dict[str, _Job] = {}  # computing or sending
 
+    def fail(self, request_id: str, error: str) -> list:
+        return [PrefillDone(request_id, ok=False, error=error)]
+
     def handle(self, msg) -> list:
         if isinstance(msg, Prefill):
             try:

@@ -318,9 +318,11 @@ def test_worker_without_the_cluster_key_cannot_register(cluster, model, tmp_path
 
 
 # ---- 4. kill -9 of each process mid-request ----------------------------------------------------
-def kill_under_load(cluster, model, pid: int, num_streams: int, stream_long: bool):
+def kill_under_load(cluster, model, pid: int, num_streams: int, stream_long: bool,
+                    pause_s: float | None = None):
     """Start `num_streams` streams (each past its first token) and three long prompts (in
-    prefill), then kill -9 `pid`. Returns the time of the kill and every client's reply."""
+    prefill), then kill -9 `pid` (or, with pause_s, stop it for that long and let it run
+    again). Returns the time of the kill (or of the resume) and every client's reply."""
 
     async def main():
         started = [asyncio.Event() for _ in range(num_streams)]
@@ -334,7 +336,14 @@ def kill_under_load(cluster, model, pid: int, num_streams: int, stream_long: boo
                 model, long_prompt(i, 1500), 2000, stream=stream_long and i % 2 == 0)))
                 for i in range(3)]
             await asyncio.to_thread(wait_for, lambda: inflight(cluster, "prefill"), 60)
-            os.kill(pid, signal.SIGKILL)
+            if pause_s is None:
+                os.kill(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(pause_s)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
             killed = time.monotonic()
             return killed, await asyncio.gather(*tasks)
 
@@ -406,6 +415,26 @@ def test_gateway_killed_mid_stream(cluster, model):
                                                       for p in PROMPTS[:2] for s in (False, True)]))
     assert all(r.complete(8) for r in replies), replies
     assert_idle(cluster)
+
+
+def test_gateway_paused_past_the_workers_patience(cluster, model):
+    """The gateway frozen (SIGSTOP: a long pause, a starved host) with streams on decode and
+    prompts on prefill, for longer than the workers wait for its pings (1.5x --worker-timeout):
+    the workers drop those requests. When the gateway runs again, either it finds the workers
+    silent for too long and fails their requests, or it hears them first and each worker fails
+    the requests it dropped at the gateway's next ping (the path
+    tests/unit/test_role_schedulers.py pins down). Every client has its answer (an error, no
+    stream left hanging) within 2x --worker-timeout of the resume, and the cluster serves on."""
+    _, proc = worker(cluster, "gateway")
+    resumed, replies = kill_under_load(cluster, model, proc.pid, 3, stream_long=True,
+                                       pause_s=1.5 * WORKER_TIMEOUT_S + 2)
+    for reply in replies:
+        assert reply.error or reply.status >= 500, reply
+        assert reply.ended - resumed < HANG_S, (reply.ended - resumed, reply)
+    assert proc.poll() is None
+    assert_idle(cluster)
+    replies = asyncio.run(call_all(cluster.base_url, [request_body(model, p, 8) for p in PROMPTS[:2]]))
+    assert all(r.complete(8) for r in replies), replies
 
 
 # ---- 5. clients leaving -------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class FakeWorker:
         self.full_replies = 0  # decode: answer this many Admits "full" first
         self.finish = True  # decode: end a request at StartDecode
         self.prefill_ok = True
+        self.answer_prefill = True  # prefill: answer a Prefill at once (else never)
         self.stuck = False  # heartbeats only: alive, but its loop never comes round
         self._task = asyncio.create_task(self._serve())
 
@@ -74,7 +75,7 @@ class FakeWorker:
                     self.send(AdmitReply(msg.request_id, False, error="full", retryable=True))
                 else:
                     self.send(AdmitReply(msg.request_id, True, [0], ["tcp://127.0.0.1:1"]))
-            elif isinstance(msg, Prefill):
+            elif isinstance(msg, Prefill) and self.answer_prefill:
                 self.send(PrefillDone(msg.request_id, self.prefill_ok, 7,
                                       error="" if self.prefill_ok else "boom"))
             elif isinstance(msg, StartDecode) and self.finish:
@@ -228,6 +229,21 @@ async def test_a_failed_prefill_aborts_the_request_on_decode(cluster, add):
     events = await collect(cluster, spec("r"))
     assert "prefill failed: boom" in events[-1].error
     await until(lambda: [m.request_id for m in decode.of(AbortRequest)] == ["r"])
+
+
+@with_gateway()
+async def test_a_decode_failure_during_prefill_fails_the_request(cluster, add):
+    """An error from any worker of the request ends it, whatever the gateway waits on: here
+    decode fails it (as a worker that dropped it while the gateway was silent does) while
+    prefill still computes; prefill is told to abort."""
+    decode, prefill = await one_pair(cluster, add)
+    prefill.answer_prefill = False
+    task = asyncio.create_task(collect(cluster, spec("r")))
+    await until(lambda: prefill.of(Prefill))
+    decode.send(TokenBatch("d", [TokenDelta("r", [], None, True, None, "dropped it")]))
+    events = await asyncio.wait_for(task, 20)
+    assert "dropped it" in events[-1].error
+    await until(lambda: "r" in [m.request_id for m in prefill.of(AbortRequest)])
 
 
 @with_gateway(step_timeout_s=1.0)

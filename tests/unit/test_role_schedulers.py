@@ -15,11 +15,12 @@ from pd_serve.decode.scheduler import DecodeScheduler
 from pd_serve.engine.core import EngineCore
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.prefill.scheduler import PrefillScheduler
-from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, Generate, Prefill, PrefillDone,
-                               StartDecode, TokenBatch)
+from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Prefill,
+                               PrefillDone, StartDecode, TokenBatch)
 from pd_serve.role import ColocatedScheduler
 from pd_serve.transfer.base import TransferResult
 from pd_serve.transfer.connector import KVConnector
+from pd_serve.worker import Worker
 
 PAGE_SIZE = 16
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 20, 33)]
@@ -278,3 +279,52 @@ def test_decode_side_reuse_sends_only_a_follow_up_turns_new_pages(cores):
     assert decode.held_request_ids() == set() and core.prefix_cache.num_pages >= cached_before
     assert_all_pages_free(core)
     assert_all_pages_free(cores["prefill"])
+
+
+class SilencedWorker:
+    """The part of worker.Worker that handles a silent gateway (its own methods), over a real
+    role; what it sends is recorded."""
+
+    _gateway_gone, _reconcile, abort = Worker._gateway_gone, Worker._reconcile, Worker.abort
+
+    def __init__(self, role):
+        self.scheduler, self.worker_id, self.sent = role, role.worker_id, []
+        self._dropped, self._aborted = {}, set()
+        self._ping_timeout_s, self._gateway_deadline = 6.0, 0.0
+
+    def send_all(self, messages) -> None:
+        self.sent.extend(messages)
+
+
+@pytest.mark.parametrize("role_name", ["colocated", "prefill"])
+def test_requests_dropped_while_the_gateway_was_silent_fail_at_its_next_ping(cores, role_name):
+    """A worker that heard no ping for 1.5x the gateway's timeout drops its requests; a paused
+    gateway that comes back still waits for them, so its next ping listing them gets an error
+    for each (a PrefillDone from prefill, a final row otherwise), once; requests the ping does
+    not list, or that ended normally, get nothing."""
+    if role_name == "colocated":
+        role = ColocatedScheduler(cores["colocated"], "c0")
+        role.handle(Generate("a", PROMPTS[2], greedy(50)))
+        role.handle(Generate("b", PROMPTS[0], greedy(50)))
+        role.step()
+    else:  # waiting for their turn (once sending, an abort waits for the transfer's result)
+        role, _ = roles(cores)
+        for rid, pages in (("a", [1]), ("b", [2])):
+            role.handle(Prefill(rid, PROMPTS[0], greedy(), role.connector.addresses, pages))
+    worker = SilencedWorker(role)
+    worker._gateway_gone()
+    assert role.held_request_ids() == set()
+    worker.sent.clear()
+    worker._reconcile(GatewayPing("g", ["a", "z"], 4.0))
+    if role_name == "colocated":
+        [failed] = rows(worker.sent)
+        assert failed.request_id == "a" and failed.finished and "dropped" in failed.error
+    else:
+        [failed] = worker.sent
+        assert isinstance(failed, PrefillDone) and failed.request_id == "a" and not failed.ok
+        assert "no ping from the gateway for 6.0 s" in failed.error
+    worker.sent.clear()
+    worker._reconcile(GatewayPing("g", ["a", "b"], 4.0))
+    assert worker.sent == []
+    assert not role.has_work()
+    assert_all_pages_free(role.core)
