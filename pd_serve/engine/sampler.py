@@ -125,8 +125,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     output_seen = output_counts > 0  # [B, V]
     prompt_seen = _token_counts([r.prompt_token_ids for r in requests], vocab_size, device) > 0
 
-    rep = column([p.repetition_penalty for p in params])
-    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    # A penalty far from 1 overflows float32 (a Python double of 1e-46 is 0 here): the
+    # penalty and the scaled logits stay finite, so the softmax never sees inf - inf.
+    finite = torch.finfo(torch.float32)
+    rep = column([p.repetition_penalty for p in params]).clamp(finite.tiny, finite.max)
+    scaled = torch.where(logits > 0, logits / rep, logits * rep).clamp(-finite.max, finite.max)
     logits = torch.where(prompt_seen | output_seen, scaled, logits)
     logits = logits - column([p.frequency_penalty for p in params]) * output_counts
     logits = logits - column([p.presence_penalty for p in params]) * output_seen
@@ -174,9 +177,10 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         # top_p = 1 rows get 2.0 so rounding in the cumulative sum can never drop their tail.
         top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Mass of the higher-ranked tokens; it is 0 for the top token, which so always survives.
+        # Mass of the higher-ranked tokens; the top token always survives (a top_p that
+        # rounds to 0 in float32 would drop it too).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = drop | (mass_before >= top_p.unsqueeze(1))
+        drop = drop | ((mass_before >= top_p.unsqueeze(1)) & (ranks > 0))
     drop_by_id = torch.empty_like(drop).scatter_(1, order, drop)
     return logits.masked_fill(drop_by_id, float("-inf"))
 

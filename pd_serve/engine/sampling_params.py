@@ -22,11 +22,16 @@ class Grammar:
     spec: str
 
 
+SAMPLING_EPS = 1e-5  # a temperature below it samples greedily
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    temperature 0 means greedy, and so does any below SAMPLING_EPS (vLLM's rule: dividing the
+    logits by less overflows them). top_k <= 0 and top_p == 1 and min_p == 0 disable those
+    filters.
     Penalties follow vLLM: repetition_penalty scales logits of tokens seen in the prompt or the
     output (divide if positive, multiply if negative); presence_penalty subtracts a constant from
     tokens present in the output; frequency_penalty subtracts it once per occurrence in the output.
@@ -61,7 +66,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""

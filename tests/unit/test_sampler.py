@@ -225,3 +225,20 @@ def test_logit_bias_is_checked():
         SamplingParams(logit_bias={3: 101.0})
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={-1: 1.0})
+
+
+@pytest.mark.parametrize("params,want", [
+    (dict(temperature=1e-40), 7),  # greedy below SAMPLING_EPS (dividing by it overflows)
+    (dict(temperature=1e-300), 7),
+    (dict(temperature=1.0, top_p=1e-46, seed=1), 7),  # 0 in float32: the top token stays
+    (dict(temperature=1.0, repetition_penalty=1e-46, output=(7,), seed=2), 7),  # 0 in float32
+    (dict(temperature=0.0, repetition_penalty=1e300, output=(7, 11)), 3),  # inf in float32
+], ids=["temperature-1e-40", "temperature-1e-300", "top_p-1e-46", "rep-1e-46", "rep-1e300"])
+def test_extreme_values_that_pass_validation_never_give_nan(params, want):
+    """Doubles the API accepts that float32 turns into 0 or inf give a real choice, never a
+    NaN row's: logits 5 for token 7, 4 for token 3, 0 elsewhere. A penalty near 0 makes a seen
+    7 certain; one near inf sends seen 7 (and a seen 0-logit 11, 0 * inf) to 0, leaving 3."""
+    logits = torch.zeros(1, 50)
+    logits[0, 7], logits[0, 3] = 5.0, 4.0
+    out = Sampler(seed=0)(logits, [make_request(**params)])
+    assert out.token_ids == [want]
