@@ -44,6 +44,7 @@ from pd_serve.ports import free_port
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+GRAMMAR_POLL_S = 0.01  # an idle step's wait for a grammar's compile
 
 
 class EngineCore:
@@ -77,6 +78,7 @@ class EngineCore:
                              if prefix_cache and not cfg.cache.disable_radix_cache else None)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, page_size, self.max_model_len,
                                    self.prefix_cache)
+        self.scheduler.ready = self._grammar_compiled
         self.plans = PlanBuilder()
         # PD_SERVE_OVERLAP_CPU=1 turns it on for CPU too (where nothing runs asynchronously): for
         # tests of its bookkeeping in real workers.
@@ -148,6 +150,8 @@ class EngineCore:
         if not self.overlap or kv_sends is not None:
             out = self.scheduler.schedule()
             plan = self.plans.build(out, kv_sends(out) if kv_sends is not None and out.chunks else None)
+            if plan is None:
+                self._wait_for_grammars()
             sampled = self._execute(plan, on_layer) if plan is not None else StepResult([], [])
             self.scheduler.update(out, sampled.token_ids)
             return out, _with_logprobs([c.request for c in out.chunks if c.sample], sampled.logprobs)
@@ -167,6 +171,8 @@ class EngineCore:
         if previous is not None:
             done = self._settle(previous)
         if plan is None:  # nothing launched: what scheduling ended is reported now
+            if done is None:
+                self._wait_for_grammars()
             return _merged(done, out), done[1] if done else []
         return done or (SchedulerOutput(), [])
 
@@ -182,6 +188,16 @@ class EngineCore:
                 self.scheduler.finish(request, reason)
             ended.append((request, reason))
         return ended
+
+    def _grammar_compiled(self, request: Request) -> bool:
+        grammar = request.sampling_params.grammar
+        return grammar is None or self.executor.grammar_ready(grammar)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run: if requests wait for their grammars' compiles, wait a little for
+        one (rather than spin the caller's loop against the compile thread)."""
+        if self.scheduler.waiting:
+            self.executor.wait_for_grammars(GRAMMAR_POLL_S)
 
     def _execute(self, plan: StepPlan, on_layer) -> StepResult:
         """Run a plan on every rank (rank 0 sends it to the followers first) and wait for it."""

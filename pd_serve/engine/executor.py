@@ -193,6 +193,16 @@ class Executor:
             if cached.grammar is not None:
                 cached.grammar.accept(cached.output_token_ids)
 
+    def grammar_ready(self, grammar) -> bool:
+        """Whether a request with this Grammar can be planned without waiting for its compile
+        (engine/grammar.py: it starts here, on its own thread)."""
+        return not self.samples or self.grammars().ready(grammar)
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Until a grammar compile under way ends, or timeout_s (at once when none is)."""
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.wait(timeout_s)
+
     def grammars(self) -> GrammarCompiler:
         """The compiler for this model's tokenizer (built, importing xgrammar, on first use)."""
         if self._grammar_compiler is None:

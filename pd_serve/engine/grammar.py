@@ -5,7 +5,10 @@ A matcher's state is a function of the output tokens so far, so nothing of it tr
 workers: every executor that samples a request (colocated; prefill, which samples token 1;
 decode, from token 2 on) builds its own matcher from the plan's Grammar and replays the output
 tokens it knows (decode: token 1) before it samples. Grammars are compiled once per (tokenizer,
-Grammar): one `GrammarCompiler` per executor, its compiled grammars cached.
+Grammar): one `GrammarCompiler` per executor, its compiled grammars cached. A compile takes from
+milliseconds to seconds (a 7 KiB EBNF grammar: 1 s on one core), so it runs on a thread of its
+own (`GrammarCompiler.ready`): the engine's scheduler admits the request once it is done, and
+every other request steps on meanwhile.
 
 The host work of a grammar row (take the token just sampled, fill the next token's bitmask) runs
 on one background thread (`advance_grammars`), queued as soon as a step's sampling is: it waits
@@ -25,6 +28,7 @@ import logging
 import os
 import re
 from collections import OrderedDict
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,18 +75,45 @@ class GrammarCompiler:
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[Grammar, object] = OrderedDict()
+        self._compiling: dict[Grammar, Future] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self.vocab_size = vocab_size
+
+    def ready(self, grammar: Grammar) -> bool:
+        """Whether `matcher(grammar)` returns at once: compiled (the compile starts on the
+        first call, on the compile thread, which xgrammar runs without the GIL)."""
+        if grammar in self._compiled:
+            return True
+        future = self._compiling.get(grammar)
+        if future is None:
+            self._compiling[grammar] = self._pool.submit(self._compile, grammar)
+            return False
+        if not future.done():
+            return False
+        del self._compiling[grammar]
+        if future.exception() is None:  # else matcher() compiles it again, and raises
+            self._store(grammar, future.result())
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a compile under way ends, or timeout_s (at once when none is)."""
+        if self._compiling:
+            futures.wait(list(self._compiling.values()), timeout_s,
+                         return_when=futures.FIRST_COMPLETED)
 
     def matcher(self, grammar: Grammar) -> "GrammarState":
         compiled = self._compiled.get(grammar)
         if compiled is None:
             compiled = self._compile(grammar)
-            self._compiled[grammar] = compiled
-            if len(self._compiled) > MAX_CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+            self._store(grammar, compiled)
         else:
             self._compiled.move_to_end(grammar)
         return GrammarState(self._xgr.GrammarMatcher(compiled))
+
+    def _store(self, grammar: Grammar, compiled) -> None:
+        self._compiled[grammar] = compiled
+        if len(self._compiled) > MAX_CACHED_GRAMMARS:
+            self._compiled.popitem(last=False)
 
     def _compile(self, grammar: Grammar):
         c = self._compiler

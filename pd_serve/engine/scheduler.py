@@ -69,6 +69,9 @@ class Scheduler:
         self._num_launched = 0  # steps handed to the device
         self._num_completed = 0  # of those, the ones known to be done
         self._deferred: list[tuple[int, list[int]]] = []  # (steps launched then, pages)
+        # ready(request): whether a waiting request may start now (EngineCore: its grammar is
+        # compiled); the ones that may not keep their place and the rest go ahead of them
+        self.ready = None
 
     # ---- queue management -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -171,9 +174,13 @@ class Scheduler:
             budget -= num
         # Then admit waiting requests while there is budget, room and no preemption this step.
         self._order_waiting()
+        not_ready = []
         while self.waiting and not out.preempted and budget > 0 \
                 and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
+            if self.ready is not None and not self.ready(request):
+                not_ready.append(self.waiting.pop(0))
+                continue
             self._match_prefix(request)
             num = min(request.num_uncomputed_tokens, budget)
             if not self._reserve(request, num):
@@ -187,6 +194,7 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(self._chunk(request, num))
             budget -= num
+        self.waiting[:0] = not_ready
         return out
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int] | None) -> None:

@@ -49,3 +49,28 @@ def test_overlap_schedule_gives_the_synchronous_answers(engines):
     while overlap.has_unfinished():  # a step in flight when the last answer ended settles
         overlap.step()
     assert_pages_settled(overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+def test_a_slow_grammar_compiles_while_other_requests_run(engines, overlap):
+    """A grammar whose compile takes a while (hundreds of EBNF rules) compiles on its own
+    thread: the first step runs the plain request without it, the grammar's request joins once
+    compiled, and its answer is what it is when the grammar was compiled beforehand."""
+    sync = engines[int(overlap)]
+    rules = ["root ::= a0"] + [f'a{i} ::= [a-z]{{0,2}} "{i % 10}" a{i + 1}' for i in range(300)]
+    grammar = Grammar("ebnf", "\n".join(rules + ['a300 ::= "."']))
+    slow = SamplingParams(temperature=0.0, max_tokens=8, grammar=grammar)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sync.add_request([1, 5, 9], slow, request_id="slow")
+    sync.add_request([1, 6, 9], plain, request_id="plain")
+    first = sync.step()
+    assert [o.request_id for o in first] in ([], ["plain"])  # (overlap: its token comes next)
+    assert [r.request_id for r in sync.scheduler.running] == ["plain"]
+    outputs = {}
+    while sync.has_unfinished():
+        for out in sync.step():
+            outputs[out.request_id] = out
+    again = sync.generate([[1, 5, 9]], slow)[0]  # compiled now: admitted at once
+    assert outputs["slow"].token_ids == again.token_ids and len(again.token_ids) == 8
+    assert outputs["plain"].finished
+    assert_pages_settled(sync)
