@@ -84,14 +84,17 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
 
 def require_api_key(api_key: str):
     """A middleware answering 401 to a request outside OPEN_PATHS without
-    "Authorization: Bearer <api_key>" (compared in constant time)."""
-    expected = f"Bearer {api_key}".encode()
+    "Authorization: Bearer <api_key>" (the key compared in constant time; the scheme's case
+    does not matter, RFC 7235)."""
+    expected = api_key.encode()
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS:
             given = request.headers.get("Authorization")
-            if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected):
+            scheme, _, key = (given or "").partition(" ")
+            if given is None or scheme.lower() != "bearer" or not hmac.compare_digest(
+                    key.encode("utf-8", "surrogatepass"), expected):
                 message = ("Missing API key: send 'Authorization: Bearer <key>'" if given is None
                            else "Incorrect API key provided")
                 return error_response(ApiError(message, status=401, code="invalid_api_key"),

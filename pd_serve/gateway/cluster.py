@@ -339,6 +339,8 @@ class Cluster(TokenSource):
                 async with asyncio.timeout(min(timeout, SILENCE_CHECK_S)):
                     msg = await flight.queue.get()
             except TimeoutError:
+                if flight.error is not None:  # (its wake-up came with the timeout)
+                    raise flight.error from None
                 cutoff = time.monotonic() - timeout
                 silent = [w for w in flight.workers
                           if w not in self.workers or self.workers[w].last_progress < cutoff]

@@ -100,6 +100,9 @@ def test_api_key_is_required_on_v1_routes_only(tokenizer, token):
             out = {}
             for name, headers in [("none", {}), ("wrong", {"Authorization": "Bearer nope"}),
                                   ("scheme", {"Authorization": KEY}),
+                                  ("basic", {"Authorization": f"Basic {KEY}"}),
+                                  ("spaces", {"Authorization": f"Bearer  {KEY}"}),
+                                  ("lower", {"Authorization": f"bearer {KEY}"}),
                                   ("right", {"Authorization": f"Bearer {KEY}"})]:
                 resp = await client.post("/v1/completions", json=completion(), headers=headers)
                 out[name] = resp.status, await resp.json()
@@ -107,11 +110,12 @@ def test_api_key_is_required_on_v1_routes_only(tokenizer, token):
             health = await client.get("/health")
             return out, models.status, health.status
     out, models, health = asyncio.run(go())
-    for name in ("none", "wrong", "scheme"):
+    for name in ("none", "wrong", "scheme", "basic", "spaces"):
         status, body = out[name]
         assert_error(status, body, 401, message="API key")
         assert body["error"]["code"] == "invalid_api_key"
-    assert out["right"][0] == 200 and out["right"][1]["choices"][0]["text"] == " hello"
+    for name in ("lower", "right"):  # the scheme is case-insensitive (RFC 7235)
+        assert out[name][0] == 200 and out[name][1]["choices"][0]["text"] == " hello"
     assert models == 401 and health == 200
 
 
