@@ -46,18 +46,40 @@ _JSON_OPTIONS = dict(any_whitespace=False)
 
 
 def check_grammar(grammar: Grammar) -> None:
-    """Raise ValueError (xgrammar's reason) when the grammar does not parse: a bad schema,
-    regex or EBNF. Needs no tokenizer; the gateway calls it so a bad one is a 400."""
+    """Raise ValueError (xgrammar's reason) when the grammar does not parse (a bad schema,
+    regex or EBNF) or admits no output at all (`root ::= root "a"`: every token would be
+    masked). Needs no model tokenizer: it compiles against a vocabulary of the 256 bytes and a
+    stop token, where a grammar that admits any string allows a first byte or the stop. The
+    gateway calls it so a bad grammar is a 400."""
     import xgrammar as xgr
     try:
-        if grammar.kind == "json_schema":
-            xgr.Grammar.from_json_schema(_schema_text(grammar.spec), **_JSON_OPTIONS)
-        elif grammar.kind == "regex":
-            xgr.Grammar.from_regex(grammar.spec)
-        elif grammar.kind == "ebnf":
-            xgr.Grammar.from_ebnf(grammar.spec)
+        compiled = _compile_with(_byte_compiler(), grammar)
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own kinds
         raise ValueError(f"invalid {grammar.kind}: {_first_line(e)}") from None
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    if not bitmask.any():
+        raise ValueError(f"invalid {grammar.kind}: it admits no output (no string matches it)")
+
+
+@functools.cache
+def _byte_compiler():
+    """An xgrammar compiler over the 256 bytes as tokens, and a stop token (id 256)."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo([bytes([i]) for i in range(256)] + [b"</s>"],
+                             vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _compile_with(compiler, grammar: Grammar):
+    """The grammar compiled by an xgrammar GrammarCompiler."""
+    if grammar.kind == "json_schema":
+        return compiler.compile_json_schema(_schema_text(grammar.spec), **_JSON_OPTIONS)
+    if grammar.kind == "json_object":  # any object: a schema that names no properties
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **_JSON_OPTIONS)
+    if grammar.kind == "regex":
+        return compiler.compile_regex(grammar.spec)
+    return compiler.compile_grammar(grammar.spec)
 
 
 class GrammarCompiler:
@@ -116,14 +138,7 @@ class GrammarCompiler:
             self._compiled.popitem(last=False)
 
     def _compile(self, grammar: Grammar):
-        c = self._compiler
-        if grammar.kind == "json_schema":
-            return c.compile_json_schema(_schema_text(grammar.spec), **_JSON_OPTIONS)
-        if grammar.kind == "json_object":  # any object: a schema that names no properties
-            return c.compile_json_schema('{"type": "object"}', strict_mode=False, **_JSON_OPTIONS)
-        if grammar.kind == "regex":
-            return c.compile_regex(grammar.spec)
-        return c.compile_grammar(grammar.spec)
+        return _compile_with(self._compiler, grammar)
 
 
 class GrammarState:

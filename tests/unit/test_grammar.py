@@ -110,11 +110,21 @@ def test_matcher_replays_tokens_sampled_elsewhere(compiler, tokenizer):
     (Grammar("regex", "(ab"), "parenthesis"),
     (Grammar("json_schema", "{"), "JSON"),
     (Grammar("ebnf", "root ::= "), "EBNF"),
+    (Grammar("ebnf", 'root ::= root "a"'), "admits no output"),  # no finite string
+    (Grammar("regex", "[^\\x00-\\U0010FFFF]"), "admits no output"),  # an empty class
 ])
 def test_check_grammar_names_the_problem(grammar, match):
     with pytest.raises(ValueError, match=match) as e:
         check_grammar(grammar)
     assert "/project/" not in str(e.value)
+
+
+@pytest.mark.parametrize("grammar", [
+    Grammar("regex", ""), Grammar("regex", "é+|日本"), Grammar("ebnf", 'root ::= "a" root'),
+    Grammar("json_schema", '{"type": "string", "enum": ["ü"]}'), Grammar("json_object", ""),
+], ids=["empty-string", "multibyte", "endless", "schema", "object"])
+def test_check_grammar_takes_what_admits_some_output(grammar):
+    check_grammar(grammar)  # (the empty string; multi-byte characters; no end, yet a start)
 
 
 # ---- the gateway's fields ------------------------------------------------------------------
