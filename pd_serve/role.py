@@ -86,6 +86,9 @@ class RoleScheduler:
         self.worker_id = worker_id
         self.connector = connector
         self.metrics = metrics or WorkerMetrics()
+        # The last step ran nothing though requests wait (for pages held outside the batch,
+        # a grammar's compile): the worker then looks again after 1 ms, not in a busy loop.
+        self.stalled = False
 
     # ---- messages in ----------------------------------------------------------------------
     def handle(self, msg) -> list:
@@ -108,10 +111,14 @@ class RoleScheduler:
 
     def poll_ms(self) -> int:
         """How long the worker may wait for a message before its next tick."""
-        return 0 if self.has_work() else 10
+        return self.work_poll_ms() if self.has_work() else 10
+
+    def work_poll_ms(self) -> int:
+        return 1 if self.stalled else 0
 
     def step(self) -> list:
         out, sampled = self.core.step()
+        self.stalled = not out.chunks and not sampled
         return self.postprocess(out, sampled)
 
     def postprocess(self, out: SchedulerOutput, sampled: list[Request]) -> list:

@@ -109,7 +109,7 @@ class DecodeScheduler(RoleScheduler):
     def poll_ms(self) -> int:
         """Requests whose token 1 is here wait only for their KV: look again soon (1 ms)."""
         if self.has_work():
-            return 0
+            return self.work_poll_ms()
         return 1 if any(p.first_token is not None for p in self.pending.values()) else 10
 
     def held_request_ids(self) -> set[str]:

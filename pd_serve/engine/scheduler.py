@@ -169,7 +169,7 @@ class Scheduler:
                 continue
             num = min(request.num_uncomputed_tokens, budget)
             if not self._reserve_or_preempt(request, num, out):
-                continue
+                continue  # preempted, finished, or waiting in place for pages held elsewhere
             out.chunks.append(self._chunk(request, num))
             budget -= num
         # Then admit waiting requests while there is budget, room and no preemption this step.
@@ -184,11 +184,12 @@ class Scheduler:
             self._match_prefix(request)
             num = min(request.num_uncomputed_tokens, budget)
             if not self._reserve(request, num):
+                fits = self._fits_pool(request, num)
                 self._unmatch_prefix(request)
-                if not self.running and not out.chunks:
+                if not self.running and not out.chunks and not fits:
                     self._finish_too_large(request, out)
                     continue
-                break
+                break  # room comes back as requests end (or reservations and deferrals go)
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -293,14 +294,18 @@ class Scheduler:
     def _reserve_or_preempt(self, request: Request, num: int, out: SchedulerOutput) -> bool:
         """Reserve pages for `num` more tokens, preempting the lowest-priority requests if needed.
 
-        Returns False when `request` itself was preempted (or finished for lack of room).
+        Returns False when `request` itself was preempted, finished (it needs more than the
+        whole pool), or must wait: alone in the batch, it keeps its pages and waits in place
+        for the ones held outside it (prompts reserved for KV on its way, pages of an ended
+        request that a step in flight may still read, a prefill's KV being sent).
         """
         while not self._reserve(request, num):
             # Running is sorted by priority and served in order, so the victim (the lowest
             # priority) is `request` itself or one not yet scheduled this step.
             victim = max(self.running, key=self._priority_key)
             if victim is request and len(self.running) == 1:
-                self._finish_too_large(request, out)
+                if not self._fits_pool(request, num):
+                    self._finish_too_large(request, out)
                 return False
             self._preempt(victim, out)
             if victim is request:
@@ -315,6 +320,11 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.insert(0, request)
         out.preempted.append(request)
+
+    def _fits_pool(self, request: Request, num: int) -> bool:
+        """Whether the pool could hold the request's pages after `num` more tokens if nothing
+        else held any."""
+        return pages_for(request.num_computed_tokens + num, self.page_size) <= self.allocator.num_pages
 
     def _finish_too_large(self, request: Request, out: SchedulerOutput) -> None:
         logger.warning("request %s needs more KV pages than the pool holds (%d); ending it",

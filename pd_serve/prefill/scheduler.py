@@ -96,7 +96,7 @@ class PrefillScheduler(RoleScheduler):
 
     def poll_ms(self) -> int:
         """Prompts whose KV is on its way wait only for transfer results: look again soon."""
-        return 0 if self.has_work() else (1 if self.jobs else 10)
+        return self.work_poll_ms() if self.has_work() else (1 if self.jobs else 10)
 
     def held_request_ids(self) -> set[str]:
         return set(self.jobs)
@@ -117,6 +117,7 @@ class PrefillScheduler(RoleScheduler):
     def step(self) -> list:
         start = time.monotonic()
         out, sampled = self.core.step(kv_sends=self._sends, on_layer=self.connector.send_layers)
+        self.stalled = not out.chunks and not sampled
         for request in sampled:
             self.jobs[request.request_id].step_s = time.monotonic() - start
         return self.postprocess(out, sampled)

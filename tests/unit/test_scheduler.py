@@ -98,3 +98,45 @@ def test_finish_frees_pages_once_from_any_state():
     sched.finish(a, FinishReason.ABORT)  # second finish is a no-op, not a double free
     sched.finish(b, FinishReason.ABORT)  # still waiting: holds no pages
     assert sched.allocator.num_free_pages == 64 and not sched.has_unfinished()
+
+
+def test_a_request_waits_for_pages_held_outside_the_batch():
+    """Decode's pool full of reserved prompts (KV on its way) and one running request that
+    needs another page: it waits for room (in place, keeping its pages), not ends as too
+    large; a waiting request with nothing running waits too. Once the reservations go, both
+    run to their max_tokens."""
+    sched = make_scheduler(num_pages=6, page_size=4)
+    a = Request(list(range(1, 5)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    sched.add(a)
+    run_step(sched)  # 4 prompt tokens + 1: one page, full
+    held = make_request(16)
+    assert sched.reserve_prompt(held)  # the other 4 pages... and the last one below
+    also_held = make_request(4)
+    assert sched.reserve_prompt(also_held) and sched.allocator.num_free_pages == 0
+    late = make_request(2)
+    sched.add(late)
+    for _ in range(3):
+        plan = run_step(sched)
+        assert not plan.chunks and not plan.finished and not plan.preempted
+        assert a.status is RequestStatus.RUNNING and len(a.page_ids) == 1
+        assert late.status is RequestStatus.WAITING and not late.finished
+    sched.release(held)
+    sched.release(also_held)
+    while sched.has_unfinished():
+        plan = run_step(sched)
+        for request in (a, late):
+            if request in [c.request for c in plan.chunks] and len(request.output_token_ids) >= 3:
+                sched.finish(request, FinishReason.LENGTH)
+    assert len(a.output_token_ids) == 3 and len(late.output_token_ids) == 3
+    assert sched.allocator.num_free_pages == 6
+
+
+def test_a_running_request_past_the_whole_pool_ends():
+    """Alone and needing more pages than the pool has: finished (length), not left waiting."""
+    sched = make_scheduler(num_pages=2, page_size=4)
+    a = make_request(8)
+    sched.add(a)
+    run_step(sched)  # 8 prompt tokens in both pages, 1 sampled
+    plan = sched.schedule()
+    assert plan.finished == [a] and a.finish_reason is FinishReason.LENGTH
+    assert sched.allocator.num_free_pages == 2
