@@ -75,9 +75,10 @@ class Worker:
         self._drain_deadline: float | None = None  # set by SIGTERM
         self._exit_reason = "stopped"
         self._aborted: set[str] = set()  # requests reconcile has aborted (their ends may lag)
-        # requests dropped while the gateway was silent: failed at its next ping, if it still
-        # has them (a paused gateway comes back waiting for them)
-        self._dropped: dict[str, str] = {}
+        # requests dropped while the gateway was silent, and why: failed at its next ping, if it
+        # still has them (a paused gateway comes back waiting for them)
+        self._dropped: set[str] = set()
+        self._dropped_why = ""
 
     @property
     def transfer_backend(self) -> str:
@@ -193,9 +194,9 @@ class Worker:
         for request_id in stale:
             self.abort(request_id)
         self._aborted |= stale
-        dropped, self._dropped = self._dropped, {}
-        for request_id in sorted(dropped.keys() & set(ping.request_ids)):
-            self.send_all(self.scheduler.fail(request_id, dropped[request_id]))
+        dropped, self._dropped = self._dropped, set()
+        for request_id in sorted(dropped & set(ping.request_ids)):
+            self.send_all(self.scheduler.fail(request_id, self._dropped_why))
 
     def _gateway_stuck(self) -> None:
         logger.warning("the gateway took no message for %.0f s: dropping its requests, and "
@@ -208,7 +209,8 @@ class Worker:
         logger.warning("%s: dropping its %d request(s)", why, len(held))
         for request_id in held:
             self.abort(request_id)
-            self._dropped[request_id] = f"worker {self.worker_id} dropped the request: {why}"
+        self._dropped |= held
+        self._dropped_why = f"worker {self.worker_id} dropped the request: {why}"
         self._gateway_deadline = float("inf")  # until the next ping
 
     def _heartbeat(self) -> None:

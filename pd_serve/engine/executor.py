@@ -90,7 +90,7 @@ class Executor:
         self.requests: dict[str, CachedRequest] = {}
         self.model_dir, self.samples = model_dir, samples
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar
-        self._sampled_rows = 0  # rows the last plan sampled (a TP follower's pending tokens)
+        self._sampled_rows = 0  # rows the last launched plan sampled (a follower's pending)
         self._build(model_dir, max_model_len, samples)
 
     def _build(self, model_dir: Path, max_model_len: int, samples: bool) -> None:
@@ -247,7 +247,6 @@ class Executor:
     def execute(self, plan: StepPlan, on_layer=None) -> StepResult:
         """Run the plan and wait for its tokens (the synchronous schedule)."""
         self.update(plan)
-        self._sampled_rows = sum(c.sample for c in plan.chunks)
         return self.runner.execute(self._batch(plan), _after_layer(plan, on_layer))
 
     def _batch(self, plan: StepPlan) -> Batch:

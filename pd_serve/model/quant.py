@@ -194,18 +194,9 @@ class GPTQLinear(QuantLinear):
                 scales = scales[start // group:(start + in_features) // group]
                 qzeros = qzeros[start // group:(start + in_features) // group]
             qweight, bias = qweight[start // 8:(start + in_features) // 8], None
-        with torch.device(qweight.device):
-            layer = GPTQLinear(in_features, [qweight.shape[1]], bias is not None, self.dtype,
-                               self.config)
-        for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-            layer.load(name, tensor.contiguous(), None)
-        if self.config.desc_act:  # a trivial g_idx, as this layer's was
-            layer.load("g_idx", trivial_g_idx(in_features, self.config.group_size_for(in_features)),
-                       None)
-        if bias is not None:
-            layer.load("bias", bias, None)
-        layer.finish_loading(keep_dense=self.dense is not None)
-        return layer
+        g_idx = (trivial_g_idx(in_features, self.config.group_size_for(in_features))
+                 if self.config.desc_act else None)  # a trivial g_idx, as this layer's was
+        return self._new_shard(in_features, qweight, qzeros, scales, g_idx, bias)
 
     @torch.no_grad()
     def _shard_grouped(self, rows: list[int] | None, columns: tuple[int, int] | None) -> GPTQLinear:
@@ -233,12 +224,18 @@ class GPTQLinear(QuantLinear):
             used = torch.unique(g_idx)  # sorted
             scales, qzeros = scales[used], qzeros[used]
             g_idx = torch.searchsorted(used, g_idx).to(torch.int32)
+        return self._new_shard(in_features, qweight, qzeros, scales, g_idx, bias)
+
+    def _new_shard(self, in_features: int, qweight, qzeros, scales, g_idx, bias) -> GPTQLinear:
+        """A layer of this one's config loaded with a shard's tensors (g_idx, bias optional)."""
         with torch.device(qweight.device):
             layer = GPTQLinear(in_features, [qweight.shape[1]], bias is not None, self.dtype,
                                self.config, num_groups=scales.shape[0])
-        for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales),
-                             ("g_idx", g_idx)) + ((("bias", bias),) if bias is not None else ()):
-            layer.load(name, tensor.contiguous(), None)
+        tensors = (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx),
+                   ("bias", bias))
+        for name, tensor in tensors:
+            if tensor is not None:
+                layer.load(name, tensor.contiguous(), None)
         layer.finish_loading(keep_dense=self.dense is not None)
         return layer
 

@@ -289,7 +289,7 @@ class SilencedWorker:
 
     def __init__(self, role):
         self.scheduler, self.worker_id, self.sent = role, role.worker_id, []
-        self._dropped, self._aborted = {}, set()
+        self._dropped, self._dropped_why, self._aborted = set(), "", set()
         self._ping_timeout_s, self._gateway_deadline = 6.0, 0.0
 
     def send_all(self, messages) -> None:
