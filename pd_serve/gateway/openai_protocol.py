@@ -31,6 +31,8 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "tool_call_id")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one request: prompts (a completions batch) x n
+# A text of more characters than this times the context is judged by its head first (_encode).
+HEAD_CHARS_PER_TOKEN = 8
 _PARAMS_ERROR = re.compile(r"^SamplingParams\.(\w+)=(.*)$", re.S)
 MAX_JSON_DEPTH = 64  # nesting of a request body; real requests need a handful of levels
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -176,7 +178,7 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     body = _check_common(body, model, _COMPLETION_FIELDS)
     if "prompt" not in body:
         raise ApiError("'prompt' is a required field", "prompt")
-    prompts = _prompts(body["prompt"], model.tokenizer)
+    prompts = _prompts(body["prompt"], model)
     echo = _opt(body, "echo", bool) or False
     best_of = _opt(body, "best_of", int)
     if best_of is not None and best_of != 1:
@@ -213,7 +215,7 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
             messages, add_generation_prompt=True, **({"tools": tools.tools} if tools.tools else {}))
     except (TemplateError, ValueError) as e:
         raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages")
-    prompt_ids = model.tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = _encode(text, model, "messages", add_special_tokens=False)
     if not prompt_ids:
         raise ApiError("the messages rendered to an empty prompt", "messages")
     want_logprobs = _opt(body, "logprobs", bool) or False
@@ -416,23 +418,39 @@ def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
                    f"{what} or completion.", what)
 
 
-def _prompts(prompt, tokenizer: Tokenizer) -> list[list[int]]:
+def _prompts(prompt, model: ModelInfo) -> list[list[int]]:
     """A string or a list of token ids (one prompt), or a list of those (a batch)."""
     if _is_batch(prompt):
         if len(prompt) > MAX_CHOICES:
             raise ApiError(f"{len(prompt)} prompts; at most {MAX_CHOICES} per request", "prompt")
-        return [_prompt_token_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_prompt_token_ids(prompt, tokenizer, "prompt")]
+        return [_prompt_token_ids(p, model, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt_token_ids(prompt, model, "prompt")]
 
 
 def _is_batch(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
 
-def _prompt_token_ids(prompt, tokenizer: Tokenizer, where: str) -> list[int]:
+def _encode(text: str, model: ModelInfo, what: str, add_special_tokens: bool = True) -> list[int]:
+    """The text's token ids. A text longer than HEAD_CHARS_PER_TOKEN characters per token of
+    the context is judged by its head first: when the head alone passes the context, the 400
+    comes at once (tokenizing a body of MiBs holds a gateway thread for minutes)."""
+    limit = model.max_model_len
+    if limit is not None and len(text) > limit * HEAD_CHARS_PER_TOKEN:
+        head = model.tokenizer.encode(text[:limit * HEAD_CHARS_PER_TOKEN], add_special_tokens)
+        if len(head) > limit:
+            raise ApiError(f"This model's maximum context length is {limit} tokens. However, "
+                           f"the first {limit * HEAD_CHARS_PER_TOKEN} characters of your {what} "
+                           f"({len(text)} in all) alone resulted in {len(head)} tokens. Please "
+                           f"reduce the length of the {what}.", what.split("[")[0])
+    return model.tokenizer.encode(text, add_special_tokens)
+
+
+def _prompt_token_ids(prompt, model: ModelInfo, where: str) -> list[int]:
     """A string or a list of token ids."""
+    tokenizer = model.tokenizer
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = _encode(prompt, model, where)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = prompt
         bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)

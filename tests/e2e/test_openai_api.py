@@ -340,6 +340,16 @@ def test_logit_bias_forces_a_token(client, engines):
     wait_idle(engines[0])
 
 
+def test_a_prompt_long_in_characters_but_not_in_tokens_is_served(server, engines):
+    """70,000 spaces: past the characters the context's head check reads (8 x 8192), but only
+    1,095 tokens, so it is tokenized in full and served."""
+    prompt = " " * 70_000
+    code, resp = post(server.ports["plain"], "/v1/completions",
+                      {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert code == 200, resp
+    assert resp["usage"]["prompt_tokens"] == len(engines[0].tokenizer.encode(prompt)) > 1000
+
+
 def test_batched_prompts_give_n_choices_each_in_order(client, ref, engines):
     prompts = [PROMPT, "Once upon a time"]
     resp = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=10,
@@ -355,6 +365,7 @@ def test_batched_prompts_give_n_choices_each_in_order(client, ref, engines):
 
 # ---- bad requests --------------------------------------------------------------------------
 LONG = [28] * 8192  # token ids: as long as the whole context
+HUGE = "hello " * 700_000  # 4.2 MB, 700,001 tokens
 
 BAD_REQUESTS = {
     "malformed_json": ("/v1/completions", b'{"model": "default", "prompt": ', 400, None, "not valid JSON"),
@@ -382,6 +393,15 @@ BAD_REQUESTS = {
     "prompt_beyond_context": ("/v1/completions", {"model": MODEL, "prompt": LONG, "max_tokens": 16},
                               400, "prompt", "maximum context length is 8192 tokens. However, you "
                               "requested 8208 tokens (8192 in the prompt, 16 in the completion)"),
+    # MiBs past the context: refused from the tokens of the first 8 x 8192 characters alone
+    "prompt_far_beyond_context": ("/v1/completions", {"model": MODEL, "prompt": HUGE}, 400,
+                                  "prompt", "the first 65536 characters of your prompt (4200000 "
+                                  "in all) alone resulted in 10923 tokens"),
+    "batch_prompt_far_beyond_context": ("/v1/completions", {"model": MODEL, "prompt": ["hi", HUGE]},
+                                        400, "prompt", "characters of your prompt[1] (4200000"),
+    "chat_far_beyond_context": ("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": HUGE}]}, 400, "messages",
+        "characters of your messages ("),
     "chat_beyond_context": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
                                                      "max_completion_tokens": 8192}, 400, "messages",
                             "maximum context length is 8192 tokens"),
