@@ -186,6 +186,30 @@ def test_decode_admission_limits(cores):
     assert_all_pages_free(core)
 
 
+def test_decode_waits_for_pages_its_reservations_hold(cores):
+    """A running request that needs a page while the rest of decode's pool is reserved for
+    prompts whose KV is on its way waits for room (the worker polls every 1 ms meanwhile): it
+    is not ended early as larger than the pool. Once a reservation goes, it runs to max_tokens."""
+    _, decode = roles(cores)
+    core = cores["decode"]
+    prompt = list(range(5, 5 + PAGE_SIZE - 1))  # one page; its 2nd decode step needs a 2nd
+    assert decode.handle(Admit("r", prompt, greedy()))[0].ok
+    decode.handle(StartDecode("r", 42))
+    decode.on_transfer(TransferResult("r", ok=True))
+    big = list(range(5, 5 + 15 * PAGE_SIZE))  # the other 15 pages
+    assert decode.handle(Admit("big", big, greedy()))[0].ok
+    got = [t for row in rows(decode.step()) for t in row.token_ids]  # fits in page 1
+    for _ in range(3):
+        assert rows(decode.step()) == [] and decode.has_work() and decode.poll_ms() == 1
+    decode.handle(AbortRequest("big"))
+    for row in rows(decode.step()):
+        got += row.token_ids
+    assert decode.poll_ms() == 0
+    tokens = run_to_end(decode)
+    assert len([42] + got + tokens["r"]) == greedy().max_tokens
+    assert_all_pages_free(core)
+
+
 def test_decode_failed_transfer_and_a_first_token_that_ends_the_request(cores):
     _, decode = roles(cores)
     core = cores["decode"]
