@@ -24,6 +24,8 @@ class PageAllocator:
         # reads it every heartbeat without walking the cache.
         self._cached = [False] * num_pages
         self.num_evictable_pages = 0
+        # Called with a cached page whose last other holder let go (the prefix cache listens)
+        self.on_evictable = None
 
     @property
     def num_free_pages(self) -> int:
@@ -67,6 +69,8 @@ class PageAllocator:
                 self._free.append(page_id)
             elif self._cached[page_id] and self._refcounts[page_id] == 1:
                 self.num_evictable_pages += 1
+                if self.on_evictable is not None:
+                    self.on_evictable(page_id)
 
     def set_cached(self, page_id: int, cached: bool) -> None:
         """The prefix cache takes (True) or drops (False) its reference's mark on a page it

@@ -11,9 +11,11 @@ ancestors are held at least as often as the node: the evictable pages are the no
 refcount is 1, and eviction takes least recently inserted leaves first, working up.
 
 Eviction pops candidate leaves from a heap instead of scanning the tree: a leaf is pushed when
-an insert ends at it (every request that used it inserts its path when it ends) or when its
-last child is evicted; entries that are stale (touched since, no longer a leaf, evicted) or in
-use are dropped when popped, and the node's next push brings it back.
+an insert ends at it, when its last child is evicted, and when its page's last holder but the
+cache lets go (the allocator tells the cache; a holder may give a page back without inserting,
+e.g. a reservation that failed or was aborted before its KV came); entries that are stale
+(touched since, no longer a leaf, evicted) or in use are dropped when popped, and the node's
+next push brings it back.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class PrefixCache:
         self.hit_tokens = 0  # totals, for metrics: tokens found / looked up at admission
         self.query_tokens = 0
         self.evicted_pages = 0
+        self._node_of: dict[int, _Node] = {}  # page id -> its node
+        allocator.on_evictable = self._evictable
 
     def _keys(self, token_ids: list[int], num_pages: int):
         ps = self.page_size
@@ -115,6 +119,7 @@ class PrefixCache:
                 if share:
                     self.allocator.incref([page_id])
                 child = node.children[key] = _Node(key, page_id, node, now)
+                self._node_of[page_id] = child
                 self.allocator.set_cached(page_id, True)
                 self.num_pages += 1
             else:
@@ -129,6 +134,11 @@ class PrefixCache:
     def _push(self, node: _Node) -> None:
         heapq.heappush(self._leaves, (node.last_used, next(self._seq), node))
 
+    def _evictable(self, page_id: int) -> None:
+        node = self._node_of.get(page_id)
+        if node is not None and not node.children:
+            self._push(node)
+
     def evict(self, num_pages: int) -> int:
         """Give back to the allocator up to num_pages pages only the cache holds, least
         recently used leaves first; returns how many."""
@@ -141,6 +151,7 @@ class PrefixCache:
                 continue  # stale, or in use (pushed again when its user inserts its path)
             parent, node.parent = node.parent, None
             del parent.children[node.key]
+            del self._node_of[node.page_id]
             self.allocator.set_cached(node.page_id, False)
             self.allocator.free([node.page_id])
             self.num_pages -= 1

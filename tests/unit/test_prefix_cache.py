@@ -55,6 +55,35 @@ def test_eviction_takes_least_recently_used_leaves_that_only_the_cache_holds():
     assert alloc.num_free_pages == 6 and cache.num_pages == 0
 
 
+def test_pages_given_back_without_an_insert_can_still_be_evicted():
+    """A holder may give cached pages back without inserting their path (decode's reservation
+    that failed, or was aborted before its KV came). Eviction drops a leaf in use from its
+    heap when it pops it; once only the cache holds the pages again, they are found."""
+    alloc = PageAllocator(8)
+    cache = PrefixCache(alloc, PS)
+    cached(alloc, cache, list(range(12)))  # 3 pages
+    held = cache.match(list(range(12)) + [99])
+    assert cache.evict(3) == 0  # in use
+    alloc.free(held)  # given back as they were, no insert
+    assert cache.num_evictable_pages() == 3
+    assert cache.evict(3) == 3 and alloc.num_free_pages == 8 and cache.num_pages == 0
+
+
+def test_a_failed_reservation_leaves_its_cached_prefix_evictable():
+    """Decode: a reservation matches a cached prefix, finds no room for the rest and gives the
+    prefix back; a later reservation that needs the whole pool evicts it."""
+    sched = scheduler_with_cache(8)
+    cached(sched.allocator, sched.cache, list(range(12)))  # 3 pages, only the cache holds them
+    elsewhere = sched.allocator.allocate(4)  # another request's: 1 page left free
+    short = Request(list(range(12)) + [50] * 8, SamplingParams(temperature=0))  # 3 cached + 2
+    assert not sched.reserve_prompt(short) and sched.cache.num_evictable_pages() == 3
+    sched.allocator.free(elsewhere)
+    whole = Request([60] * 32, SamplingParams(temperature=0))  # all 8 pages
+    assert sched.reserve_prompt(whole) and len(whole.page_ids) == 8
+    sched.release(whole)
+    assert sched.allocator.num_free_pages == 8
+
+
 def scheduler_with_cache(num_pages: int, **config) -> Scheduler:
     alloc = PageAllocator(num_pages)
     return Scheduler(SchedulerConfig(**config), alloc, PS, cache=PrefixCache(alloc, PS))
