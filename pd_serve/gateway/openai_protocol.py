@@ -437,13 +437,14 @@ def _encode(text: str, model: ModelInfo, what: str, add_special_tokens: bool = T
     comes at once (tokenizing a body of MiBs holds a gateway thread for minutes)."""
     limit = model.max_model_len
     if limit is not None and len(text) > limit * HEAD_CHARS_PER_TOKEN:
-        head = model.tokenizer.encode(text[:limit * HEAD_CHARS_PER_TOKEN], add_special_tokens)
+        head = model.tokenizer.encode(text[:limit * HEAD_CHARS_PER_TOKEN],
+                                       add_special_tokens=add_special_tokens)
         if len(head) > limit:
             raise ApiError(f"This model's maximum context length is {limit} tokens. However, "
                            f"the first {limit * HEAD_CHARS_PER_TOKEN} characters of your {what} "
                            f"({len(text)} in all) alone resulted in {len(head)} tokens. Please "
                            f"reduce the length of the {what}.", what.split("[")[0])
-    return model.tokenizer.encode(text, add_special_tokens)
+    return model.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _prompt_token_ids(prompt, model: ModelInfo, where: str) -> list[int]:
