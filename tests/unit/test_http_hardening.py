@@ -154,7 +154,11 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, token, path):
         async with serving(timed, done(token)) as client:
             body = {"model": MODEL, "prompt": "hello world, " * 300_000}
             if path == "/v1/completions":
-                body["max_tokens"] = 4  # a prompt past the context: 400 once tokenized
+                # a prompt past the context: 400 once tokenized. Spaces first, so its head (8
+                # characters per token of the 1,024-token context) stays under the context
+                # and the whole text is tokenized (openai_protocol._encode)
+                body["prompt"] = " " * 8 * 1024 + body["prompt"]
+                body["max_tokens"] = 4
             tick = asyncio.create_task(ticker())
             resp = await client.post(path, json=body)
             await resp.read()
