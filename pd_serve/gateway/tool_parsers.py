@@ -189,11 +189,17 @@ def json_end(text: str, start: int) -> int | None:
 def object_call(text: str, start: int, final: bool) -> tuple[ToolCallText | None, int | None]:
     """The call in the JSON object at text[start] and where the object ends (None: not complete).
     Partial (final False): a call once its name is read, with the arguments received so far.
-    An object that names its arguments before its name is read once complete."""
+    An object that names its arguments before its name is read once complete. A name (or
+    arguments) whose escapes do not make text (a bad escape, a lone surrogate) is no call."""
     end = json_end(text, start)
     match = _NAME_FIRST.match(text, start)
     if match is not None:
-        name = json.loads(f'"{match.group(1)}"')
+        try:
+            name = json.loads(f'"{match.group(1)}"')
+        except ValueError:
+            return None, end
+        if not _is_text(name):
+            return None, end
         args_end = json_end(text, match.end())
         complete = args_end is not None and end is not None
         if final and not complete:
@@ -206,7 +212,18 @@ def object_call(text: str, start: int, final: bool) -> tuple[ToolCallText | None
         return None, end
     args = obj.get("arguments", obj.get("parameters", {}))
     text_args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    if not (_is_text(obj["name"]) and _is_text(text_args)):
+        return None, end
     return ToolCallText(obj["name"], text_args), end
+
+
+def _is_text(s: str) -> bool:
+    """Whether s encodes as UTF-8 (a JSON escape can make a lone surrogate, which cannot)."""
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def array_calls(text: str, start: int, final: bool) -> tuple[list[ToolCallText], int | None]:

@@ -35,6 +35,12 @@ CASES = [
     ("llama3_json", '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}', None,
      _calls(WEATHER)),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    # escapes that make no text: a bad one, a lone surrogate (name or arguments): content
+    ("llama3_json", '{"name": "\\q", "parameters": {}}', '{"name": "\\q", "parameters": {}}', []),
+    ("llama3_json", '{"name": "\\ud800", "parameters": {}}', '{"name": "\\ud800", "parameters": {}}',
+     []),
+    ("hermes", '<tool_call>{"arguments": {"x": "\\udc00"}, "name": "f"}</tool_call>',
+     '<tool_call>{"arguments": {"x": "\\udc00"}, "name": "f"}</tool_call>', []),
     ("llama3_json", "The weather is {\"name\": fine}", "The weather is {\"name\": fine}", []),
     ("mistral", 'Sure [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", '
                 '"days": 3}}, {"name": "add", "arguments": ' + json.dumps(ADD[1]) + '}]',
