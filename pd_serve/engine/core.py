@@ -74,6 +74,13 @@ class EngineCore:
         self.kv_pool, self.runner, self.attention_backend = ex.kv_pool, ex.runner, ex.attention_backend
         self.allocator = PageAllocator(self.kv_pool.num_pages)
         page_size = self.kv_pool.layout.page_size
+        pool_tokens = self.kv_pool.num_pages * page_size
+        if pool_tokens < self.max_model_len:  # a longer request could only end early
+            logger.warning("the KV cache holds %d tokens, fewer than the context length %d: "
+                           "requests are limited to %d tokens (prompt + output); raise "
+                           "--max-total-tokens or --mem-fraction-static, or lower "
+                           "--context-length", pool_tokens, self.max_model_len, pool_tokens)
+            self.max_model_len = pool_tokens
         self.prefix_cache = (PrefixCache(self.allocator, page_size)
                              if prefix_cache and not cfg.cache.disable_radix_cache else None)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, page_size, self.max_model_len,

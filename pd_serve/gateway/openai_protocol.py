@@ -33,6 +33,9 @@ _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one request: prompts (a completions batch) x n
 # A text of more characters than this times the context is judged by its head first (_encode).
 HEAD_CHARS_PER_TOKEN = 8
+# Stop strings are matched on every token of every choice, on the gateway's event loop, and
+# travel with the request to each worker: bounded (OpenAI's API takes 4).
+MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 _PARAMS_ERROR = re.compile(r"^SamplingParams\.(\w+)=(.*)$", re.S)
 MAX_JSON_DEPTH = 64  # nesting of a request body; real requests need a handful of levels
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -298,10 +301,18 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ApiError("'stop' must be a string or a list of strings", "stop")
+    if stop is not None and len(stop) > MAX_STOP:
+        raise ApiError(f"{len(stop)} stop strings; at most {MAX_STOP}", "stop")
+    if stop is not None and max(map(len, stop), default=0) > MAX_STOP_CHARS:
+        raise ApiError(f"a stop string of {max(map(len, stop))} characters; at most "
+                       f"{MAX_STOP_CHARS}", "stop")
     kwargs["stop"] = stop
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):
         raise ApiError("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if stop_ids is not None and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(f"{len(stop_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS}",
+                       "stop_token_ids")
     bad = next((t for t in stop_ids or [] if not _INT64[0] <= t < _INT64[1]), None)
     if bad is not None:
         raise ApiError(f"stop_token_ids: {bad} is out of range (a 64-bit integer)", "stop_token_ids")

@@ -341,7 +341,7 @@ def test_logit_bias_forces_a_token(client, engines):
 
 
 def test_a_prompt_long_in_characters_but_not_in_tokens_is_served(server, engines):
-    """70,000 spaces: past the characters the context's head check reads (8 x 8192), but only
+    """70,000 spaces: past the characters the context's head check reads (8 x 4096), but only
     1,095 tokens, so it is tokenized in full and served."""
     prompt = " " * 70_000
     code, resp = post(server.ports["plain"], "/v1/completions",
@@ -364,7 +364,7 @@ def test_batched_prompts_give_n_choices_each_in_order(client, ref, engines):
 
 
 # ---- bad requests --------------------------------------------------------------------------
-LONG = [28] * 8192  # token ids: as long as the whole context
+LONG = [28] * 8192  # token ids: the model's whole context, twice the 4,096-token KV cache
 HUGE = "hello " * 700_000  # 4.2 MB, 700,001 tokens
 
 BAD_REQUESTS = {
@@ -391,12 +391,12 @@ BAD_REQUESTS = {
     "top_p_zero": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "top_p": 0},
                    400, "top_p", "top_p=0.0 must be in (0, 1]"),
     "prompt_beyond_context": ("/v1/completions", {"model": MODEL, "prompt": LONG, "max_tokens": 16},
-                              400, "prompt", "maximum context length is 8192 tokens. However, you "
+                              400, "prompt", "maximum context length is 4096 tokens. However, you "
                               "requested 8208 tokens (8192 in the prompt, 16 in the completion)"),
-    # MiBs past the context: refused from the tokens of the first 8 x 8192 characters alone
+    # MiBs past the context: refused from the tokens of the first 8 x 4096 characters alone
     "prompt_far_beyond_context": ("/v1/completions", {"model": MODEL, "prompt": HUGE}, 400,
-                                  "prompt", "the first 65536 characters of your prompt (4200000 "
-                                  "in all) alone resulted in 10923 tokens"),
+                                  "prompt", "the first 32768 characters of your prompt (4200000 "
+                                  "in all) alone resulted in 5462 tokens"),
     "batch_prompt_far_beyond_context": ("/v1/completions", {"model": MODEL, "prompt": ["hi", HUGE]},
                                         400, "prompt", "characters of your prompt[1] (4200000"),
     "chat_far_beyond_context": ("/v1/chat/completions", {
@@ -404,7 +404,7 @@ BAD_REQUESTS = {
         "characters of your messages ("),
     "chat_beyond_context": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
                                                      "max_completion_tokens": 8192}, 400, "messages",
-                            "maximum context length is 8192 tokens"),
+                            "maximum context length is 4096 tokens"),
     "unknown_model": ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model",
                       "The model `gpt-4` does not exist"),
     "n_0": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 0}, 400, "n",
@@ -430,6 +430,14 @@ BAD_REQUESTS = {
     "logit_bias_value": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
                                                   "logit_bias": {"5": 101}}, 400, "logit_bias",
                          "must be a number in [-100, 100]"),
+    "too_many_stops": ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["x"] * 65},
+                       400, "stop", "65 stop strings; at most 64"),
+    "long_stop": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                           "stop": ["ab", "x" * 1025]}, 400, "stop",
+                  "a stop string of 1025 characters; at most 1024"),
+    "too_many_stop_token_ids": ("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                    "stop_token_ids": [1] * 1025}, 400,
+                                "stop_token_ids", "1025 stop_token_ids; at most 1024"),
     "token_id_outside_vocab": ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt",
                                "outside the vocabulary"),
 }
@@ -457,9 +465,11 @@ def test_openai_client_sees_errors(client):
 
 
 def test_models_and_health(server):
+    """max_model_len: the engine's KV cache (4,096 tokens), which limits requests below the
+    model's context (8,192)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.ports['plain']}/v1/models") as resp:
         models = json.loads(resp.read())
-    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 8192
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 4096
     with urllib.request.urlopen(f"http://127.0.0.1:{server.ports['plain']}/health") as resp:
         assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
 

@@ -160,6 +160,19 @@ def test_context_length_ends_generation(default_model_dir):
         engine.add_request(list(range(100, 130)))
 
 
+def test_a_kv_cache_smaller_than_the_context_limits_requests(default_model_dir, caplog):
+    """A pool of 64 tokens under the model's 8,192-token context: requests are limited to the
+    pool (a longer one could only be cut short), with a warning that says what to change."""
+    with caplog.at_level("WARNING"):
+        engine = Engine(default_model_dir, device="cpu", max_total_tokens=64, page_size=16)
+    assert engine.max_model_len == 64 and "requests are limited to 64 tokens" in caplog.text
+    prompt = list(range(100, 140))
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 64
+    with pytest.raises(ValueError, match="prompt has 64 tokens; the context length is 64"):
+        engine.add_request(list(range(100, 164)))
+
+
 def test_logit_bias_outside_the_vocabulary_is_refused(smol):
     vocab = smol.model_config.vocab_size
     with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocabulary"):
