@@ -118,7 +118,7 @@ class RoleScheduler:
 
     def step(self) -> list:
         out, sampled = self.core.step()
-        self.stalled = not out.chunks and not sampled
+        self.stalled = not out.chunks and not sampled and not self.core.step_in_flight
         return self.postprocess(out, sampled)
 
     def postprocess(self, out: SchedulerOutput, sampled: list[Request]) -> list:

@@ -96,6 +96,11 @@ class EngineCore:
                     "on" if self.overlap else "off", f", tp {cfg.tp}" if self.tp else "")
         self._launched: LaunchedStep | None = None
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A step is launched (overlap schedule) whose tokens the next step() takes."""
+        return self._launched is not None
+
     def exited_tp_ranks(self) -> list[int]:
         """Ranks of this (rank 0) engine's tensor-parallel followers that have exited."""
         return [rank for rank, p in enumerate(self._tp_followers, 1) if p.exitcode is not None]

@@ -210,6 +210,19 @@ def test_decode_waits_for_pages_its_reservations_hold(cores):
     assert_all_pages_free(core)
 
 
+def test_a_step_launched_from_idle_is_no_stall(tiny_checkpoints, monkeypatch):
+    """Under the overlap schedule a step launched from idle gives no rows yet (its tokens come
+    with the next step): the worker steps again at once, not after a stall's 1 ms poll."""
+    monkeypatch.setenv("PD_SERVE_OVERLAP_CPU", "1")
+    core = EngineCore(EngineConfig.from_flat(model=str(tiny_checkpoints["llama3"]), device="cpu",
+                                             page_size=PAGE_SIZE, max_total_tokens=16 * PAGE_SIZE))
+    role = ColocatedScheduler(core, "c0")
+    role.handle(Generate("a", PROMPTS[0], greedy()))
+    assert rows(role.step()) == [] and core.step_in_flight and role.poll_ms() == 0
+    assert len(run_to_end(role)["a"]) == greedy().max_tokens
+    assert_all_pages_free(core)
+
+
 def test_decode_failed_transfer_and_a_first_token_that_ends_the_request(cores):
     _, decode = roles(cores)
     core = cores["decode"]
