@@ -118,8 +118,12 @@ class RoleScheduler:
 
     def step(self) -> list:
         out, sampled = self.core.step()
-        self.stalled = not out.chunks and not sampled and not self.core.step_in_flight
+        self.note_step(out, sampled)
         return self.postprocess(out, sampled)
+
+    def note_step(self, out: SchedulerOutput, sampled: list[Request]) -> None:
+        """Whether that step stalled: it ran nothing, gave nothing, and none is in flight."""
+        self.stalled = not out.chunks and not sampled and not self.core.step_in_flight
 
     def postprocess(self, out: SchedulerOutput, sampled: list[Request]) -> list:
         """A step's outcome as messages: each sampled request's new token (the stop rules ended

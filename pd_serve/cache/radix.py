@@ -148,7 +148,7 @@ class PrefixCache:
             last_used, _, node = heapq.heappop(self._leaves)
             if node.parent is None or node.children or node.last_used != last_used \
                     or refcount(node.page_id) != 1:
-                continue  # stale, or in use (pushed again when its user inserts its path)
+                continue  # stale, or in use (pushed again when only the cache holds it)
             parent, node.parent = node.parent, None
             del parent.children[node.key]
             del self._node_of[node.page_id]

@@ -303,9 +303,9 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
         raise ApiError("'stop' must be a string or a list of strings", "stop")
     if stop is not None and len(stop) > MAX_STOP:
         raise ApiError(f"{len(stop)} stop strings; at most {MAX_STOP}", "stop")
-    if stop is not None and max(map(len, stop), default=0) > MAX_STOP_CHARS:
-        raise ApiError(f"a stop string of {max(map(len, stop))} characters; at most "
-                       f"{MAX_STOP_CHARS}", "stop")
+    longest = max(map(len, stop or ()), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(f"a stop string of {longest} characters; at most {MAX_STOP_CHARS}", "stop")
     kwargs["stop"] = stop
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)):

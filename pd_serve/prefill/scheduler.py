@@ -117,7 +117,7 @@ class PrefillScheduler(RoleScheduler):
     def step(self) -> list:
         start = time.monotonic()
         out, sampled = self.core.step(kv_sends=self._sends, on_layer=self.connector.send_layers)
-        self.stalled = not out.chunks and not sampled
+        self.note_step(out, sampled)
         for request in sampled:
             self.jobs[request.request_id].step_s = time.monotonic() - start
         return self.postprocess(out, sampled)
