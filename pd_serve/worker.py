@@ -125,6 +125,10 @@ class Worker:
         finally:
             self._stop = True  # (the heartbeat thread stops watching the TP followers)
             self._say_exit()
+            if self.connector is not None:
+                # The KV I/O threads stop and their sockets close before the interpreter goes:
+                # a send still in flight then referenced freed memory and libzmq aborted
+                self.connector.close()
             self.core.close()  # a TP group's followers
 
     def _on_sigterm(self, *_) -> None:

@@ -104,3 +104,38 @@ def test_drain_timeout_fails_what_is_left_and_exits():
         assert health(cluster.base_url)["workers"] == {}
     finally:
         cluster.stop()
+
+
+def test_a_prefill_worker_ended_by_its_drain_timeout_exits_cleanly():
+    """A prefill worker whose drain timeout ends requests in the middle of prefills and KV sends
+    still exits with status 0 (its KV sender stopped before the interpreter goes: exiting with
+    the sender's I/O thread live aborted the process in libzmq), and the decode side frees
+    every page those requests reserved."""
+    cluster = start_cluster(1, 1, extra=("--drain-timeout", "1"),
+                            gateway_args=("--worker-timeout", "30", "--step-timeout", "60"))
+    try:
+        client = client_for(cluster)
+        model = client.models.list().data[0].id
+        errors = []
+
+        def long_prompt(i):
+            try:
+                client.completions.create(model=model, prompt=f"{i} " + "word " * 1500,
+                                          max_tokens=50, temperature=0)
+            except openai.APIError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=long_prompt, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        prefill = dict(cluster.procs)["prefill-0"]
+        wait_for(lambda: health(cluster.base_url)["workers"]["prefill-0"]["inflight"] >= 4, 120,
+                 "prefills in flight")
+        os.kill(prefill.pid, signal.SIGTERM)
+        assert prefill.wait(timeout=60) == 0
+        for t in threads:
+            t.join(timeout=120)
+        assert errors, "the drain timeout ended none of the requests: make them longer"
+        assert all(used == 0 for used, _ in wait_idle(cluster).values())
+    finally:
+        cluster.stop()
