@@ -62,8 +62,7 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.scheduler = ROLE_SCHEDULERS[role](self.core, self.worker_id, self.connector, self.metrics)
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        self._sock = self._ctx.socket(zmq.DEALER)  # (its routing id: the gateway's to pick)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
         self._sock.connect(config.gateway)
@@ -225,7 +224,6 @@ class Worker:
         collective until the group's timeout), so when one has died the process ends at once
         (status 1) and the gateway and the prefill side see a dead worker, not a zombie."""
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}/heartbeat".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.config.gateway)
         beat = self.codec.encode(Heartbeat(self.worker_id, self.incarnation))

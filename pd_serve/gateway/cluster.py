@@ -80,6 +80,10 @@ class Cluster(TokenSource):
         self.gateway_id = secrets.token_hex(8)  # this incarnation; workers drop what others sent
         self.codec = protocol.Codec(config.cluster_key)
         self.workers: dict[str, WorkerState] = {}
+        # incarnations (process runs) that a newer one under the same worker id replaced: a
+        # replaced process that wakes up (it hung) is refused, not taken for another restart
+        self._superseded: dict[str, set[str]] = {}
+        self._routes: dict[bytes, str] = {}  # control connection -> the worker registered on it
         balance = (config.balance_abs_threshold, config.balance_rel_threshold)
         self.routers = {"prefill": Router(config.prefill_policy, "prefill", *balance),
                         "decode": Router(config.decode_policy, "decode", *balance),
@@ -132,6 +136,10 @@ class Cluster(TokenSource):
     def max_model_len(self) -> int | None:
         lens = [w.status.max_model_len for w in self.workers.values()]
         return min(lens) if lens else None
+
+    def max_choices(self) -> int:
+        """Each choice queues and flies as a request of its own."""
+        return min(self.config.max_queued_requests, self.config.max_outstanding_requests)
 
     def pool(self, role: str) -> list[WorkerState]:
         """The role's workers that take new requests (a draining one finishes what it has)."""
@@ -367,9 +375,13 @@ class Cluster(TokenSource):
 
     # ---- control socket ----------------------------------------------------------------------
     def _send(self, worker_id: str, msg) -> None:
-        """Send without waiting. An asyncio socket reports a failed send (an unroutable
-        identity: the worker is gone) on the future it returns, never by raising."""
-        sent = self._sock.send_multipart([worker_id.encode(), self.codec.encode(msg)], flags=zmq.NOBLOCK)
+        """Send without waiting, on the worker's control connection (a worker no longer
+        registered gets nothing). An asyncio socket reports a failed send (an unroutable
+        connection: the worker is gone) on the future it returns, never by raising."""
+        state = self.workers.get(worker_id)
+        if state is None:
+            return
+        sent = self._sock.send_multipart([state.route, self.codec.encode(msg)], flags=zmq.NOBLOCK)
         sent.add_done_callback(lambda future: self._sent(worker_id, future))
 
     def _sent(self, worker_id: str, future: asyncio.Future) -> None:
@@ -388,40 +400,63 @@ class Cluster(TokenSource):
                 protocol.refused("control", f"a message whose handling failed: {e!r}")
 
     def _on_frames(self, frames: list[bytes]) -> None:
+        """One message from a worker. Which worker it speaks for comes from the message
+        (authenticated by the cluster key) or, for replies that carry no worker id, from the
+        connection it registered on: the ROUTER's routing ids are its own, per connection, so
+        a peer cannot squat a worker id and keep the worker out. A registration from another
+        connection moves the worker there (a reconnect, or a restart under the same id)."""
         if len(frames) != 2:
             protocol.refused("control", f"a message of {len(frames)} frames")
             return
-        identity, data = frames
-        try:
-            sender = identity.decode()
-        except UnicodeDecodeError:
-            protocol.refused("control", f"a message from a non-UTF-8 identity {identity[:32]!r}")
-            return
-        msg = self.codec.receive(data, "control", sender)
+        route, data = frames
+        msg = self.codec.receive(data, "control", f"connection {route.hex()}")
         if msg is None:
             return
-        worker_id = sender.removesuffix("/heartbeat") if isinstance(msg, Heartbeat) else sender
-        if getattr(msg, "worker_id", worker_id) != worker_id:
-            protocol.refused("control", f"{type(msg).__name__} of {msg.worker_id!r} from {sender!r}")
+        state = self._worker_on(route)
+        worker_id = getattr(msg, "worker_id", None) or (state.worker_id if state else None)
+        if worker_id is None:
+            protocol.refused("control", f"a {type(msg).__name__} from a connection no worker "
+                                        "registered on")
+            return
+        if state is not None and state.worker_id != worker_id:
+            protocol.refused("control", f"{type(msg).__name__} of {worker_id!r} on the "
+                                        f"connection of {state.worker_id!r}")
             return
         state = self.workers.get(worker_id)
         incarnation = getattr(msg, "incarnation", None)
+        if incarnation is not None and incarnation in self._superseded.get(worker_id, ()):
+            protocol.refused("control", f"{type(msg).__name__} of {worker_id!r} from an "
+                                        "incarnation a newer process replaced")
+            return
         if state is not None and incarnation is not None and incarnation != state.status.incarnation:
+            if not isinstance(msg, WorkerStatus):  # (a restart shows itself by registering)
+                return
+            self._superseded.setdefault(worker_id, set()).add(state.status.incarnation)
             self._drop(worker_id, f"worker {worker_id} restarted")
             state = None
+        if state is not None and not isinstance(msg, (Heartbeat, WorkerStatus)) \
+                and route != state.route:
+            protocol.refused("control", f"a {type(msg).__name__} of {worker_id!r} from a "
+                                        "connection other than its own")
+            return
         if isinstance(msg, WorkerStatus):
             if state is None:
                 if error := status_error(msg):
                     protocol.refused("control", f"registration of {worker_id}: {error}")
                     return
                 logger.info("registered %s worker %s (tp %d)", msg.role, worker_id, msg.tp)
-                self.workers[worker_id] = state = WorkerState(msg)
+                self.workers[worker_id] = state = WorkerState(msg, route=route)
+                self._routes[route] = worker_id
                 self._check_pairs(msg)
             elif msg.role != state.status.role or msg.layout != state.status.layout:
                 self._drop(worker_id, f"worker {worker_id} changed its role or KV layout")
                 return
             elif msg.draining and not state.status.draining:
                 logger.info("worker %s is draining: no new requests go to it", worker_id)
+            if route != state.route:
+                logger.info("worker %s reconnected", worker_id)
+                self._routes.pop(state.route, None)
+                state.route, self._routes[route] = route, worker_id
             state.status = msg
             self._capacity.set()
         if state is None:
@@ -437,6 +472,11 @@ class Cluster(TokenSource):
                 self._deliver(row.request_id, row, worker_id)
         elif isinstance(msg, (AdmitReply, PrefillDone)):
             self._deliver(msg.request_id, msg, worker_id)
+
+    def _worker_on(self, route: bytes) -> WorkerState | None:
+        """The registered worker whose control connection this is, if any."""
+        state = self.workers.get(self._routes.get(route, ""))
+        return state if state is not None and state.route == route else None
 
     def _check_pairs(self, status: WorkerStatus) -> None:
         """At registration: say which workers of the other phase this one cannot pair with."""
@@ -478,6 +518,7 @@ class Cluster(TokenSource):
         state = self.workers.pop(worker_id, None)
         if state is None:
             return
+        self._routes.pop(state.route, None)
         logger.warning("%s; failing its %d requests", reason, len(state.inflight))
         for rid in state.inflight:
             flight = self._flights.get(rid)

@@ -144,9 +144,14 @@ class OpenAIServer:
             parsed = await asyncio.to_thread(parse, body, info)
         except ApiError as e:
             return error_response(e)
+        choices = parsed.choices()
+        limit = self.source.max_choices()
+        if limit is not None and len(choices) > limit:
+            return error_response(ApiError(
+                f"this request has {len(choices)} choices (n x prompts); the gateway takes at "
+                f"most {limit} at once (--max-queued-requests / --max-outstanding-requests)", "n"))
         request_id = self.new_request_id(id_prefix)
         shape = shape_cls(request_id, info.name, self.tokenizer)
-        choices = parsed.choices()
         if isinstance(shape, _ChatShape):
             shape.outputs = [self._chat_output(parsed) for _ in choices]
         specs = [GenerateSpec(request_id if len(choices) == 1 else f"{request_id}-{i}", ids,

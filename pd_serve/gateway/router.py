@@ -34,6 +34,9 @@ PREFILL_QUEUE_STEPS = 4
 @dataclass
 class WorkerState:
     status: WorkerStatus
+    # the ZMQ routing id of the worker's control connection (the gateway's ROUTER assigns one
+    # per connection; a worker never picks its own, so no other peer can take it)
+    route: bytes = b""
     last_seen: float = field(default_factory=time.monotonic)  # any message, heartbeats too
     # a message from the worker's loop (it sends its status between steps): it is not stuck
     last_progress: float = field(default_factory=time.monotonic)

@@ -57,6 +57,11 @@ class TokenSource(ABC):
     def max_model_len(self) -> int | None:
         return None
 
+    def max_choices(self) -> int | None:
+        """The most choices (n x prompts) one request may have: what could never all be taken
+        at once is a 400, not a 429 to retry forever. None: no limit."""
+        return None
+
 
 class EngineSource(TokenSource):
     """A colocated AsyncEngine in the gateway's own process (tests and single-process serving)."""

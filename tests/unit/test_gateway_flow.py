@@ -35,8 +35,7 @@ class FakeWorker:
         self.role, self.worker_id, self.incarnation = role, worker_id, incarnation
         self.max_running, self.num_pages = max_running, num_pages
         self.codec = protocol.Codec(key)
-        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)  # (routing id: the gateway's)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(cluster.control_address)
         self.received: list = []
@@ -324,7 +323,6 @@ def _hostile_messages(key: bytes) -> list[tuple[bytes, list[bytes]]]:
         (b"evil", [b"\x00" * 8]),
         (b"evil", [b"a", b"b"]),
         (b"evil", [b""]),
-        (b"\xff\xfe", [keyed.encode(WorkerStatus(**status))]),  # not UTF-8
         (b"evil", [plain.encode(WorkerStatus(**status))]),  # without the key
         (b"evil", [keyed.encode(WorkerStatus(**{**status, "role": ["decode"]}))]),
         (b"evil", [keyed.encode(WorkerStatus(**{**status, "layout": {"num_layers": "x"}}))]),
@@ -334,9 +332,65 @@ def _hostile_messages(key: bytes) -> list[tuple[bytes, list[bytes]]]:
         (b"evil", [keyed.encode(TokenBatch("evil", [[["r"], [1], None, True, None, ""]]))]),
         (b"evil", [keyed.encode(AdmitReply({"id": 1}, True))]),
         (b"evil", [keyed.encode(PrefillDone(["r"], True))]),
-        (b"evil", [keyed.encode(WorkerStatus(**{**status, "worker_id": "d"}))]),  # another's id
+        (b"evil", [plain.encode(WorkerStatus(**{**status, "worker_id": "d"}))]),  # another's id
+        # a registered worker's messages from a connection not its own
         (b"evil", [keyed.encode(TokenBatch("d", [TokenDelta("r", [1], None, True)]))]),
+        (b"d", [keyed.encode(TokenBatch("d", [TokenDelta("r", [1], None, True)]))]),
     ]
+
+
+@with_gateway(max_queued_requests=3, max_outstanding_requests=5)
+async def test_a_request_has_at_most_as_many_choices_as_the_queue_holds(cluster, add):
+    assert cluster.max_choices() == 3  # (each choice queues as a request of its own)
+
+
+@with_gateway()
+async def test_a_peer_squatting_a_worker_id_cannot_keep_the_worker_out(cluster, add):
+    """A peer without the key connects first under a worker's id as its ZMQ identity (the
+    gateway routed by worker id, so the worker's own connection was never heard, for good);
+    the gateway's routing ids are its own, so the worker registers and serves."""
+    before = _errors("control")
+    squatter = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    squatter.setsockopt(zmq.IDENTITY, b"d")
+    squatter.setsockopt(zmq.LINGER, 0)
+    squatter.connect(cluster.control_address)
+    await squatter.send(b"junk")
+    await until(lambda: _errors("control") > before)
+    try:
+        await one_pair(cluster, add)
+        assert not (await collect(cluster, spec("r")))[-1].error
+    finally:
+        squatter.close()
+
+
+@with_gateway()
+async def test_a_worker_restarted_under_its_id_takes_over_from_a_hung_one(cluster, add):
+    """A replacement under the same worker id (a new incarnation) registers while the old
+    process, hung, still holds its connection; when the old one wakes, its messages are
+    refused, and requests go to the new one."""
+    old, _ = await one_pair(cluster, add)
+    old._task.cancel()  # hung: silent, its connection open
+    new = add("decode", "d", incarnation="two")
+    await until(lambda: "d" in cluster.workers and cluster.workers["d"].status.incarnation == "two")
+    before = _errors("control")
+    old.send(old.status())  # the old process wakes up, on its own connection
+    await until(lambda: _errors("control") > before)
+    assert cluster.workers["d"].status.incarnation == "two"
+    assert not (await collect(cluster, spec("r")))[-1].error
+    assert new.of(StartDecode) and not old.of(StartDecode)
+
+
+@with_gateway()
+async def test_a_worker_on_a_new_connection_is_served_there(cluster, add):
+    """The same process (incarnation) registering from a new connection, as after a reconnect,
+    moves the worker to it."""
+    first, _ = await one_pair(cluster, add)
+    first._task.cancel()  # its old connection stays open, silent
+    route = cluster.workers["d"].route
+    second = add("decode", "d")
+    await until(lambda: cluster.workers["d"].route != route)
+    assert not (await collect(cluster, spec("r")))[-1].error
+    assert second.of(StartDecode) and not first.of(StartDecode)
 
 
 @with_gateway()

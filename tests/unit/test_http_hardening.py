@@ -25,9 +25,13 @@ KEY = "sk-test-key"
 class ScriptedSource(TokenSource):
     """Plays `script` (a list of TokenEvents) to every request; `specs` records what came in."""
 
-    def __init__(self, script: list[TokenEvent]):
+    def __init__(self, script: list[TokenEvent], max_choices: int | None = None):
         self.script = script
         self.specs: list[GenerateSpec] = []
+        self._max_choices = max_choices
+
+    def max_choices(self) -> int | None:
+        return self._max_choices
 
     def model_name(self) -> str:
         return MODEL
@@ -57,8 +61,8 @@ def done(token: int) -> list[TokenEvent]:
 
 
 @contextlib.asynccontextmanager
-async def serving(tokenizer, script: list[TokenEvent], **kwargs):
-    app = build_app(ScriptedSource(script), tokenizer, **kwargs)
+async def serving(tokenizer, script: list[TokenEvent], max_choices: int | None = None, **kwargs):
+    app = build_app(ScriptedSource(script, max_choices), tokenizer, **kwargs)
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -91,6 +95,24 @@ def assert_error(status, body, want_status, param=None, message="", type=None):
     assert set(error) == {"message", "type", "param", "code"}
     assert message in error["message"] and error["param"] == param
     assert error["type"] == (type or "invalid_request_error")
+
+
+# ---- choices past what the gateway takes at once -----------------------------------------------
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", completion(n=9)),
+    ("/v1/completions", completion(prompt=["a", "b", "c"], n=3)),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "n": 9}),
+])
+def test_more_choices_than_the_gateway_takes_is_a_400(tokenizer, token, path, body):
+    """n x prompts past the source's max_choices (a cluster's queue) can never all be taken:
+    a 400 at once, not a 429 that a client would retry forever."""
+    status, _, out = post(tokenizer, done(token), body, path, max_choices=8)
+    assert_error(status, out, 400, "n", "9 choices")
+    prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+    ok = body | {"n": 8 // prompts}  # 8 or 6 choices: taken
+    status, _, out = post(tokenizer, done(token), ok, path, max_choices=8)
+    assert status == 200 and len(out["choices"]) == 8 // prompts * prompts, out
 
 
 # ---- the API key ---------------------------------------------------------------------------
