@@ -209,7 +209,8 @@ class KVReceiver:
         except zmq.Again:
             return
         identity = bytes(identity)
-        sender_id = identity.decode(errors="replace")
+        text = identity.decode(errors="replace")
+        sender_id = text.rpartition("/")[0] or text  # "<sender id>/<random>" (sender.py)
         try:
             self._handle(identity, sender_id, header.bytes, frames)
         except Exception as e:  # what no check foresaw

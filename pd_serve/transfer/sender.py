@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import socket
 import threading
 import uuid
@@ -321,7 +322,10 @@ class KVSender:
         if address in self._socks:
             return
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.sender_id.encode())
+        # "<sender id>/<random>": a receiver knows the sender by the part before the slash, and
+        # no peer can take the identity first (a ROUTER refuses a second connection under one
+        # identity: a guessable one let a peer without the key stall our transfers)
+        sock.setsockopt(zmq.IDENTITY, f"{self.sender_id}/{secrets.token_hex(8)}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX_BYTES)
         sock.connect(address)

@@ -98,6 +98,23 @@ def chunks(*rows: KVChunk) -> list[bytes]:
 
 # ---- the receiver -------------------------------------------------------------------------
 
+def test_a_peer_squatting_a_senders_id_cannot_stall_its_transfers():
+    """A peer without the key connects first under the sender's id as its ZMQ identity (a
+    ROUTER refuses a second connection under one identity: the sender's handshake went
+    unanswered while the peer stayed); the sender's identity has a random part of its own."""
+    rec, snd = receiver(KEY), sender(KEY)
+    squatter = dealer(rec.address, snd.sender_id.encode())
+    before = errors("kv-receiver")
+    try:
+        squatter.send(b"junk")
+        wait_for(lambda: errors("kv-receiver") > before, "the junk refused")
+        lands(rec, snd, "r", [1], [2])
+    finally:
+        squatter.close()
+        rec.close()
+        snd.close()
+
+
 def test_crafted_messages_are_refused_and_the_receiver_keeps_serving():
     rec = receiver()
     rec.expect("bait", [3])  # a chunk for other pages fails it
