@@ -156,7 +156,8 @@ def _kernel(triton):
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
         rows = rn.to(tl.int64)[:, None] * K  # [BN, 1] weight row starts
-        up_rows = rows + N.to(tl.int64) * K  # GLU's up rows
+        # GLU's up rows (N + rn, in int64 from a tensor: N may come as the constant 1)
+        up_rows = (rn.to(tl.int64) + N)[:, None] * K
         # ROWSUM: sum the products over K every step into [BN] (few registers, a cross-thread
         # sum a step); else keep them in a [BN, BK] tile summed once at the end
         if ROWSUM:

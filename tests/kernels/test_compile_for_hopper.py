@@ -81,6 +81,9 @@ def _cases():
     for k_dim in (4096, 14336):
         yield f"gemv K={k_dim}", lambda kd=k_dim: gemv.gemv(_t(1, kd), _t(64, kd), bias=_t(64))
     yield "gemv + silu_and_mul", lambda: gemv.gemv(_t(1, 4096), _t(128, 4096), silu_and_mul=True)
+    # one output channel (Qwen2-MoE's shared-expert gate): Triton passes an int argument of 1
+    # as a constant, not a tensor
+    yield "gemv N=1", lambda: gemv.gemv(_t(1, 2048), _t(1, 2048))
     w8, s8 = _t(128, 4096, dtype=e4m3), _t(128, dtype=f32)
     yield "gemv fp8", lambda: gemv.gemv(_t(1, 4096), w8, s8)
     yield "gemv fp8 + silu_and_mul", lambda: gemv.gemv(_t(1, 4096), w8, s8, silu_and_mul=True)
@@ -122,7 +125,8 @@ def _compile(fn, args: tuple, kwargs: dict) -> None:
     signature, constexprs = {}, {}
     for i, param in enumerate(fn.params):
         value = bound.arguments[param.name]
-        if param.is_constexpr:
+        # an int argument equal to 1 is a constant, as Triton's launch specializes it
+        if param.is_constexpr or mangle_type(value, not param.do_not_specialize) == "constexpr":
             signature[param.name] = "constexpr"
             constexprs[(i,)] = value
         else:
