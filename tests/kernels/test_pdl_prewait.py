@@ -23,6 +23,8 @@ PREWAIT_READS = {
     "route_kernel": {"w_ptr", "norm_w_ptr"},
     "expert_gate_up_gemv_kernel": set(),
     "expert_down_gemv_kernel": set(),
+    "fp8_gemm_kernel": {"w_ptr", "s_ptr"},
+    "split_k_reduce_kernel": set(),
 }
 
 
