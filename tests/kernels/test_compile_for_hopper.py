@@ -144,8 +144,10 @@ def _compile(fn, args: tuple, kwargs: dict) -> None:
 def _with_pdl():
     """The cases whose kernels take programmatic dependent launch (kernels/_triton.py), again
     with it on, as a Hopper GPU has them (unless PD_SERVE_PDL=0)."""
-    from kernels import fp8_gemm, gemv, kv_store, moe_batch1, moe_routing, norm, paged_attention
-    pdl_modules = (fp8_gemm, gemv, kv_store, moe_batch1, moe_routing, norm, paged_attention)
+    from kernels import (fp8_gemm, fp8_quant, gemv, kv_store, moe_batch1, moe_routing, norm,
+                         paged_attention)
+    pdl_modules = (fp8_gemm, fp8_quant, gemv, kv_store, moe_batch1, moe_routing, norm,
+                   paged_attention)
     for name, call in _cases():
         def with_pdl(call=call):
             saved = [m.pdl for m in pdl_modules]
@@ -157,7 +159,7 @@ def _with_pdl():
                 for m, f in zip(pdl_modules, saved):
                     m.pdl = f
         if name.split()[0] in ("rms_norm", "rope_store_kv", "decode", "prefill", "gemv", "moe",
-                                   "fp8_gemm"):
+                                   "fp8_gemm", "fp8"):
             yield f"{name}, PDL", with_pdl
 
 

@@ -24,6 +24,7 @@ PREWAIT_READS = {
     "expert_gate_up_gemv_kernel": set(),
     "expert_down_gemv_kernel": set(),
     "fp8_gemm_kernel": {"w_ptr", "s_ptr"},
+    "fp8_quant_kernel": set(),
     "split_k_reduce_kernel": set(),
 }
 
