@@ -7,11 +7,10 @@
 
 Per (layer, M): `triton_us` and `scaled_mm_us` time the GEMM alone on the same quantized
 activations (the activation quantization, shared by both, is `quant_us`); `weight_only_us`
-the kernel on the bf16 activations as they are (no quantization); `bf16_us` is torch.matmul
-of the dequantized weight, `bf16_triton_us` the kernel on that bf16 weight. GB/s = weight
-bytes / time (the weight is the read that matters at few rows). Each timed call reads
-another copy of the weight (copies beyond the L2 cache), so no weight is read from L2. GPU
-calls are timed in CUDA graphs.
+the kernel on the bf16 activations as they are (no quantization); `bf16_us` is
+torch.matmul of the dequantized weight. GB/s = weight bytes / time (the weight is the read that
+matters at few rows). Each timed call reads another copy of the weight (copies beyond the L2
+cache), so no weight is read from L2. GPU calls are timed in CUDA graphs.
 `--sweep` times every block configuration of SWEEP for the layer and M as well (both modes).
 """
 
@@ -79,8 +78,6 @@ def run_layer(name: str, n: int, k: int, args) -> list[dict]:
               for _ in range(-(-L2_BYTES // (n * k)) if on_gpu else 1)]
     dense = fp8.dequantize_weight(weight, scale, dtype).t().contiguous().to(dev)  # [K, N]
     dense = [dense.clone() for _ in range(-(-L2_BYTES // (2 * n * k)) if on_gpu else 1)]
-    dense_nk = [d.t().contiguous() for d in dense]  # [N, K] for the kernel
-    ones = torch.ones(n, device=dev)
     rows = []
     for m in args.m:
         x = torch.randn(m, k, generator=g).to(dev, dtype)
@@ -94,14 +91,12 @@ def run_layer(name: str, n: int, k: int, args) -> list[dict]:
                "triton_us": time(cycling(lambda c: fg.fp8_gemm(q, a, *c, dtype), copies)),
                "weight_only_us": time(cycling(lambda c: fg.fp8_gemm(x, None, *c, dtype), copies)),
                "quant_us": time(lambda: quantize_per_token(x, None)),
-               "bf16_us": time(cycling(lambda d: x @ d, dense)),
-               "bf16_triton_us": time(cycling(lambda d: fg.fp8_gemm(x, None, d, ones, dtype),
-                                              dense_nk))}
+               "bf16_us": time(cycling(lambda d: x @ d, dense))}
         if fp8.scaled_mm_supported(dev, dtype):
             row["scaled_mm_us"] = time(cycling(lambda c: torch._scaled_mm(
                 q, c[0].t(), scale_a=a, scale_b=c[1].reshape(1, -1), out_dtype=dtype), copies))
         for key in [key for key in row if key.endswith("_us") and key != "quant_us"]:
-            weight_bytes = n * k * (2 if key.startswith("bf16") else 1)
+            weight_bytes = n * k * (2 if key == "bf16_us" else 1)
             row[key.replace("_us", "_gbps")] = weight_bytes / row[key] / 1e3
         for mode, (xs, scales) in (("", (q, a)), ("weight_only_", (x, None))):
             if not (args.sweep and on_gpu):
@@ -123,7 +118,7 @@ def run_layer(name: str, n: int, k: int, args) -> list[dict]:
         print(f"{name:13s} M={m:3d}  triton {row['triton_us']:7.1f} us "
               f"({row['triton_gbps']:5.0f} GB/s)  weight-only {row['weight_only_us']:7.1f}  "
               f"scaled_mm {row.get('scaled_mm_us', 0):7.1f}  "
-              f"bf16 {row['bf16_us']:7.1f} (triton {row['bf16_triton_us']:7.1f})  quant {row['quant_us']:5.1f}"
+              f"bf16 {row['bf16_us']:7.1f}  quant {row['quant_us']:5.1f}"
               + (f"  best {row['best_us']:7.1f} {row['best_config']}  weight-only "
                  f"{row['weight_only_best_us']:7.1f} {row['weight_only_best_config']}"
                  if "best_us" in row else "")

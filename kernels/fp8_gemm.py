@@ -54,8 +54,7 @@ def fp8_gemm(x: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
     """The Triton GEMM: weight float8 [N, K] (contiguous) with scales weight_scale [N] times
     x [M, K] (M <= MAX_ROWS) -> [M, N] in out_dtype. x is FP8 with per-row scales a_scale
     [M, 1] or [M] (FP8 dots), or, with a_scale None, activations in a float dtype taken as
-    they are (weight-only: the weight tile is widened to x's dtype for the dot; a weight in
-    x's dtype is taken too, which bench/fp8_gemm.py times against cuBLAS's bf16 GEMM).
+    they are (weight-only: the weight tile is widened to x's dtype for the dot).
 
     config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), BLOCK_M >= M (0:
     the power of two from 16 that holds M); None: `block_config`'s."""
@@ -69,10 +68,10 @@ def fp8_gemm(x: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
         raise ValueError(f"fp8_gemm shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"weight_scale {tuple(weight_scale.shape)}, a_scale "
                          f"{None if weight_only else tuple(a_scale.shape)}")
-    if ((x.dtype == FP8_DTYPE) == weight_only or not weight.is_contiguous()
-            or weight.dtype not in (FP8_DTYPE, x.dtype if weight_only else FP8_DTYPE)):
+    if ((x.dtype == FP8_DTYPE) == weight_only or weight.dtype != FP8_DTYPE
+            or not weight.is_contiguous()):
         raise ValueError("fp8_gemm takes FP8 x with a_scale (or float x without) and a "
-                         "contiguous float8_e4m3fn weight (or, weight-only, one in x's dtype)")
+                         "contiguous float8_e4m3fn weight")
     kernels = _kernel.load()
     x = x if x.stride(-1) == 1 else x.contiguous()
     a_scale = x if weight_only else a_scale.float().reshape(m).contiguous()
