@@ -6,12 +6,11 @@
     PD_SERVE_TRITON_CPU=1 TRITON_INTERPRET=1 python bench/fp8_gemm.py --device cpu --quick
 
 Per (layer, M): `triton_us` and `scaled_mm_us` time the GEMM alone on the same quantized
-activations (the activation quantization, shared by both, is `quant_us`); `weight_only_us`
-the kernel on the bf16 activations as they are (no quantization); `bf16_us` is
+activations (the activation quantization, shared by both, is `quant_us`); `bf16_us` is
 torch.matmul of the dequantized weight. GB/s = weight bytes / time (the weight is the read that
 matters at few rows). Each timed call reads another copy of the weight (copies beyond the L2
 cache), so no weight is read from L2. GPU calls are timed in CUDA graphs.
-`--sweep` times every block configuration of SWEEP for the layer and M as well (both modes).
+`--sweep` times every block configuration of SWEEP for the layer and M as well.
 """
 
 from __future__ import annotations
@@ -89,7 +88,6 @@ def run_layer(name: str, n: int, k: int, args) -> list[dict]:
         row = {"layer": name, "N": n, "K": k, "M": m, "rel_error_vs_ref": error,
                "config": list(fg.block_config(m, n, k, dev)),
                "triton_us": time(cycling(lambda c: fg.fp8_gemm(q, a, *c, dtype), copies)),
-               "weight_only_us": time(cycling(lambda c: fg.fp8_gemm(x, None, *c, dtype), copies)),
                "quant_us": time(lambda: quantize_per_token(x, None)),
                "bf16_us": time(cycling(lambda d: x @ d, dense))}
         if fp8.scaled_mm_supported(dev, dtype):
@@ -98,30 +96,25 @@ def run_layer(name: str, n: int, k: int, args) -> list[dict]:
         for key in [key for key in row if key.endswith("_us") and key != "quant_us"]:
             weight_bytes = n * k * (2 if key == "bf16_us" else 1)
             row[key.replace("_us", "_gbps")] = weight_bytes / row[key] / 1e3
-        for mode, (xs, scales) in (("", (q, a)), ("weight_only_", (x, None))):
-            if not (args.sweep and on_gpu):
-                break
-            sweep = row[mode + "sweep"] = []
+        if args.sweep and on_gpu:
+            row["sweep"] = []
             for config in SWEEP:
                 if config[0] and config[0] < m:
                     continue
                 try:
-                    us = time(cycling(lambda c, cfg=config: fg.fp8_gemm(xs, scales, *c, dtype, cfg),
+                    us = time(cycling(lambda c, cfg=config: fg.fp8_gemm(q, a, *c, dtype, cfg),
                                       copies))
                 except Exception as e:  # a configuration past the shared memory, for one
-                    sweep.append({"config": list(config), "error": type(e).__name__})
+                    row["sweep"].append({"config": list(config), "error": type(e).__name__})
                     continue
-                sweep.append({"config": list(config), "us": us, "gbps": n * k / us / 1e3})
-            best = min((r for r in sweep if "us" in r), key=lambda r: r["us"])
-            row[mode + "best_config"], row[mode + "best_us"] = best["config"], best["us"]
+                row["sweep"].append({"config": list(config), "us": us, "gbps": n * k / us / 1e3})
+            best = min((r for r in row["sweep"] if "us" in r), key=lambda r: r["us"])
+            row["best_config"], row["best_us"] = best["config"], best["us"]
         rows.append(row)
         print(f"{name:13s} M={m:3d}  triton {row['triton_us']:7.1f} us "
-              f"({row['triton_gbps']:5.0f} GB/s)  weight-only {row['weight_only_us']:7.1f}  "
-              f"scaled_mm {row.get('scaled_mm_us', 0):7.1f}  "
+              f"({row['triton_gbps']:5.0f} GB/s)  scaled_mm {row.get('scaled_mm_us', 0):7.1f}  "
               f"bf16 {row['bf16_us']:7.1f}  quant {row['quant_us']:5.1f}"
-              + (f"  best {row['best_us']:7.1f} {row['best_config']}  weight-only "
-                 f"{row['weight_only_best_us']:7.1f} {row['weight_only_best_config']}"
-                 if "best_us" in row else "")
+              + (f"  best {row['best_us']:7.1f} {row['best_config']}" if "best_us" in row else "")
               + f"  err {error:.1e}", flush=True)
     return rows
 

@@ -1,12 +1,10 @@
 """Per-channel FP8 GEMM for a few rows: the linear layers of a decode step at batch 2-64.
 
-    weight   float8_e4m3fn [N, K]   channel n scaled by s[n]              (s: float32 [N])
     q        float8_e4m3fn [M, K]   activations, token t scaled by a[t]   (a: float32 [M, 1])
+    weight   float8_e4m3fn [N, K]   channel n scaled by s[n]              (s: float32 [N])
     y[t, n] = a[t] * s[n] * sum_k q[t, k] * weight[n, k]
 
-the product `torch._scaled_mm` computes with row-wise scales (pd_serve/model/fp8.py), or
-weight-only (W8A16, as kernels/gemv.py at one row): x [M, K] as it is, the weight tile widened
-to x's dtype for the dot, y[t, n] = s[n] * sum_k x[t, k] * weight[n, k]. At a few
+the product `torch._scaled_mm` computes with row-wise scales (pd_serve/model/fp8.py). At a few
 rows the layer is a read of the weight, and cuBLAS's FP8 tiles read it at about 2 TB/s on an
 H200 at 64 rows (its bf16 GEMM at 3.5-4.3). Here a program owns BLOCK_N output channels and all
 M rows in one tile (BLOCK_M >= M), so each weight byte is read once, and walks its share of K
@@ -16,7 +14,7 @@ weights: each writes its float32 partial sum [SPLIT_K, M, N] and a second launch
 split order and rounds (deterministic, no atomics).
 
 Before the PDL wait (kernels/_triton.py) a program loads its channels' scales and first weight
-tile: the kernel before (the activation quantization, or the norm) writes x and a, never these.
+tile: the kernel before (the activation quantization) writes q and a, never these.
 
 `fp8_gemm` runs on CUDA tensors (or CPU ones under PD_SERVE_TRITON_CPU=1, Triton's interpreter,
 where the FP8 dot is taken in float32: the tests); `fp8_gemm_ref` is the torch reference.
@@ -38,69 +36,59 @@ triton_launches = 0  # the tests read it to confirm the Triton path ran
 tl = None  # triton.language, bound when _kernel is first built
 
 
-def fp8_gemm_ref(x: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor,
+def fp8_gemm_ref(q: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
                  weight_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Torch reference of `fp8_gemm`: the float32 product, scaled, in out_dtype."""
-    acc = x.float() @ weight.float().t()  # [M, N]
-    scales = weight_scale.float().reshape(1, -1)
-    if a_scale is not None:
-        scales = a_scale.float().reshape(-1, 1) * scales
+    """Torch reference: the float32 product of the FP8 values, scaled, in out_dtype."""
+    acc = q.float() @ weight.float().t()  # [M, N]
+    scales = a_scale.float().reshape(-1, 1) * weight_scale.float().reshape(1, -1)
     return (acc * scales).to(out_dtype)
 
 
-def fp8_gemm(x: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor,
+def fp8_gemm(q: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
              weight_scale: torch.Tensor, out_dtype: torch.dtype,
              config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
-    """The Triton GEMM: weight float8 [N, K] (contiguous) with scales weight_scale [N] times
-    x [M, K] (M <= MAX_ROWS) -> [M, N] in out_dtype. x is FP8 with per-row scales a_scale
-    [M, 1] or [M] (FP8 dots), or, with a_scale None, activations in a float dtype taken as
-    they are (weight-only: the weight tile is widened to x's dtype for the dot).
+    """The Triton GEMM: q float8 [M, K] (M <= MAX_ROWS) with scales a_scale [M, 1] or [M],
+    weight float8 [N, K] (contiguous) with scales weight_scale [N] -> [M, N] in out_dtype.
 
     config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), BLOCK_M >= M (0:
     the power of two from 16 that holds M); None: `block_config`'s."""
     global triton_launches
-    (m, k), n = x.shape, weight.shape[0]
-    weight_only = a_scale is None
+    (m, k), n = q.shape, weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"fp8_gemm takes 1 to {MAX_ROWS} rows, got {m}")
-    if weight.shape[1] != k or weight_scale.numel() != n or (
-            not weight_only and a_scale.numel() != m):
-        raise ValueError(f"fp8_gemm shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"weight_scale {tuple(weight_scale.shape)}, a_scale "
-                         f"{None if weight_only else tuple(a_scale.shape)}")
-    if ((x.dtype == FP8_DTYPE) == weight_only or weight.dtype != FP8_DTYPE
-            or not weight.is_contiguous()):
-        raise ValueError("fp8_gemm takes FP8 x with a_scale (or float x without) and a "
-                         "contiguous float8_e4m3fn weight")
+    if weight.shape[1] != k or weight_scale.numel() != n or a_scale.numel() != m:
+        raise ValueError(f"fp8_gemm shapes: q {tuple(q.shape)}, a_scale {tuple(a_scale.shape)}, "
+                         f"weight {tuple(weight.shape)}, weight_scale {tuple(weight_scale.shape)}")
+    if q.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or not weight.is_contiguous():
+        raise ValueError("fp8_gemm takes float8_e4m3fn q and a contiguous float8_e4m3fn weight")
     kernels = _kernel.load()
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    a_scale = x if weight_only else a_scale.float().reshape(m).contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    a_scale = a_scale.float().reshape(m).contiguous()
     weight_scale = weight_scale.float().reshape(n).contiguous()
     block_m, block_n, block_k, split_k, num_warps, num_stages = (
-        config or block_config(m, n, k, x.device))
+        config or block_config(m, n, k, q.device))
     block_m = block_m or max(16, _next_pow2(m))
     if block_m < m:
         raise ValueError(f"BLOCK_M {block_m} < {m} rows")
     k_per_split, split_k = splits(k, block_k, split_k)
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=q.device)
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32,
-                                                  device=x.device)
+                                                  device=q.device)
     gemm, reduce = kernels
-    on_gpu = x.is_cuda
-    # The dots in FP8 (or x's dtype) everywhere but in Triton's interpreter (float32 there: it
-    # has no FP8 dot): a compile for the GPU
+    on_gpu = q.is_cuda
+    # FP8 dots everywhere but in Triton's interpreter (which has none): a compile for the GPU
     # from CPU tensors (tests/kernels/test_compile_for_hopper.py) builds the GPU's kernel
     interpreted = not on_gpu and os.environ.get("TRITON_INTERPRET", "0") == "1"
     gemm[(-(-n // block_n), split_k)](
-        x, a_scale, weight, weight_scale, partial, m, n, k, x.stride(0), k_per_split,
+        q, a_scale, weight, weight_scale, partial, m, n, k, q.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        EVEN_N=n % block_n == 0, WEIGHT_ONLY=weight_only, UPCAST=interpreted,
-        num_warps=num_warps, num_stages=num_stages if on_gpu else 1, **launch_options(pdl(x)))
+        EVEN_N=n % block_n == 0, UPCAST=interpreted, num_warps=num_warps,
+        num_stages=num_stages if on_gpu else 1, **launch_options(pdl(q)))
     triton_launches += 1
     if split_k > 1:
         block = 1024
         reduce[(-(-(m * n) // block),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=block,
-                                       num_warps=4, **launch_options(pdl(x)))
+                                       num_warps=4, **launch_options(pdl(q)))
         triton_launches += 1
     return out
 
@@ -141,8 +129,8 @@ def _kernel(triton):
     @triton.jit
     def fp8_gemm_kernel(q_ptr, a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, q_stride, K_PER_SPLIT,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, WEIGHT_ONLY: tl.constexpr,
-                        UPCAST: tl.constexpr, PDL: tl.constexpr):
+                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, UPCAST: tl.constexpr,
+                        PDL: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
@@ -169,8 +157,6 @@ def _kernel(triton):
                         mask=row_ok[:, None] & (k_start + ks < k_end)[None, :], other=0.0)
         if UPCAST:  # the interpreter has no FP8 dot
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32))
-        elif WEIGHT_ONLY:  # the weight widened to x's dtype
-            acc = tl.dot(a, w.to(a.dtype))
         else:
             acc = tl.dot(a, w)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -186,13 +172,10 @@ def _kernel(triton):
                             other=0.0)
             if UPCAST:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
-            elif WEIGHT_ONLY:
-                acc += tl.dot(a, w.to(a.dtype))
             else:
                 acc += tl.dot(a, w)
-        y = acc * w_scale[None, :]
-        if not WEIGHT_ONLY:
-            y *= tl.load(a_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        a_scale = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+        y = acc * a_scale[:, None] * w_scale[None, :]
         out = out_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -190,7 +190,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         out = gemv(x2, weight, weight_scale, bias, silu_and_mul=silu_and_mul)
     else:
         if dense is None and _use_few_rows_gemm(x2, weight):  # a decode batch of 2-64
-            out = few_rows_linear(x2, weight, weight_scale, input_scale, bias)
+            q, a_scale = quantize_activation(x2, input_scale)
+            out = fp8_gemm.fp8_gemm(q, a_scale, weight, weight_scale, x2.dtype)
+            out = out if bias is None else out + bias
         elif dense is None and _use_scaled_mm(x2, weight):
             out = fp8_linear_scaled_mm(x2, weight, weight_scale, input_scale, bias)
         else:
@@ -198,22 +200,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         if silu_and_mul:
             out = activation.silu_and_mul(out)
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-FEW_ROWS_WEIGHT_ONLY = False  # few rows weight-only (W8A16) rather than on FP8 dots
-
-
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    input_scale: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (T <= 64) @ W.T on kernels/fp8_gemm.py: x quantized per token (or statically)
-    for FP8 dots, or weight-only, x as it is (FEW_ROWS_WEIGHT_ONLY)."""
-    if FEW_ROWS_WEIGHT_ONLY:
-        out = fp8_gemm.fp8_gemm(x, None, weight, weight_scale, x.dtype)
-    else:
-        out = fp8_gemm.fp8_gemm(*quantize_activation(x, input_scale), weight, weight_scale,
-                                x.dtype)
-    return out if bias is None else out + bias
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

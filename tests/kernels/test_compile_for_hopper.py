@@ -93,8 +93,6 @@ def _cases():
         yield f"fp8_gemm {m}x{n}x{k_dim}", lambda s=(m, n, k_dim): fp8_gemm.fp8_gemm(
             _t(s[0], s[2], dtype=e4m3), _t(s[0], 1, dtype=f32), _t(s[1], s[2], dtype=e4m3),
             _t(s[1], dtype=f32), bf16)
-        yield f"fp8_gemm weight-only {m}x{n}x{k_dim}", lambda s=(m, n, k_dim): fp8_gemm.fp8_gemm(
-            _t(s[0], s[2]), None, _t(s[1], s[2], dtype=e4m3), _t(s[1], dtype=f32), bf16)
     for dtype in (f32, bf16):
         yield f"argmax {dtype}", lambda d=dtype: argmax.argmax(_t(3, 128256, dtype=d),
                                                               out=_t(3, dtype=i64))
