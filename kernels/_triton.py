@@ -14,7 +14,8 @@ Triton is imported when a kernel is first needed, so importing a kernels module 
     kernel = _kernel.load()         # the jitted kernel, or a RuntimeError
 
 Programmatic dependent launch (PDL, Hopper and later), on by default (PD_SERVE_PDL=0 turns it
-off): the GEMV, RMSNorm, RoPE + KV store, paged-attention, MoE routing and batch-1 MoE kernels
+off): the GEMV, FP8 GEMM and activation quantization, RMSNorm, RoPE + KV store,
+paged-attention, MoE routing and batch-1 MoE kernels
 launch with `launch_pdl` where `pdl(x)` says so (the batch-1 decode path is made of them). Such
 a kernel may be scheduled while the kernel before it in the stream is finishing; it calls
 `gdc_wait()` (the previous kernel done and its writes visible) before it reads what that kernel

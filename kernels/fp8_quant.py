@@ -10,7 +10,8 @@ torch reference's (`quantize_per_token_ref`). The reference takes about seven ke
 layer (a float32 copy of x, the max, the scale, the divide, the clamp, the cast; counted from
 the code, not timed); on Llama-3.1-8B's 128 linear layers that is ~900 launches per decode
 step and, in prefill, several passes over float32 copies of the activations. Here a program owns one row: a first pass over it finds the max, a second
-writes q (the row is read twice, the second time mostly from L2).
+writes q (the row is read twice, the second time mostly from L2). It launches with
+programmatic dependent launch (kernels/_triton.py) where the GPU has it.
 
 `quantize_per_token` runs the kernel on CUDA tensors, or on CPU tensors when
 PD_SERVE_TRITON_CPU=1 (Triton's interpreter; how the tests exercise it); otherwise the
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import lazy_kernel
+from kernels._triton import launch_options, lazy_kernel, pdl
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -72,7 +73,7 @@ def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None)
         _kernel.load()[(num_rows,)](
             x, q, scale, input_scale if input_scale is not None else scale, k, x.stride(0),
             STATIC=input_scale is not None, BLOCK=min(_BLOCK, 1 << max(k - 1, 0).bit_length()),
-            num_warps=4)
+            num_warps=4, **launch_options(pdl(x)))
         triton_launches += 1
     return q, scale
 
@@ -82,7 +83,10 @@ def _kernel(triton):
     """The jitted quantization kernel."""
     @triton.jit
     def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, in_scale_ptr, K, x_row_stride,
-                         STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                         STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # (kernels/_triton.py) x is the kernel before's output: nothing to read early
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         x_row = x_ptr + row * x_row_stride

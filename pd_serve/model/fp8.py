@@ -14,10 +14,11 @@ statically, by the checkpoint's `input_scale`. Then
     y[t, n] = s_t * weight_scale[n] * sum_k q[t, k] * weight[n, k]
 
 `fp8_linear` runs one row on CUDA GPUs as kernels/gemv.py's GEMV when asked (gemv_one_row:
---enable-batch1-kernels): weight-only, x not rounded to FP8 (the GEMV's docstring says why);
-else
-`torch._scaled_mm` (row-wise scales, float32 accumulation) on CUDA GPUs with FP8 tensor cores
-(compute capability 8.9+, bf16 activations, K and N multiples of 16); everywhere else it runs
+--enable-batch1-kernels): weight-only, x not rounded to FP8 (the GEMV's docstring says why).
+On CUDA GPUs with FP8 tensor cores (compute capability 8.9+, bf16 activations) up to 64 rows
+(a decode batch) run kernels/fp8_gemm.py, which reads the weight faster than cuBLAS there, and
+more rows `torch._scaled_mm` (row-wise scales, float32 accumulation; K and N multiples of 16):
+the same product, summed in another order. Everywhere else it runs
 `fp8_linear_ref`: x quantized and dequantized per token, times the dequantized weight, so CPU
 numbers carry the FP8 error of weights and activations alike.
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import activation, fp8_quant
+from kernels import activation, fp8_gemm, fp8_quant
 from kernels.fp8_quant import quantize_per_token
 from kernels.gemv import gemv
 
@@ -188,7 +189,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # weight-only: no input scale
         out = gemv(x2, weight, weight_scale, bias, silu_and_mul=silu_and_mul)
     else:
-        if dense is None and _use_scaled_mm(x2, weight):
+        if dense is None and _use_few_rows_gemm(x2, weight):  # a decode batch of 2-64
+            q, a_scale = quantize_activation(x2, input_scale)
+            out = fp8_gemm.fp8_gemm(q, a_scale, weight, weight_scale, x2.dtype)
+            out = out if bias is None else out + bias
+        elif dense is None and _use_scaled_mm(x2, weight):
             out = fp8_linear_scaled_mm(x2, weight, weight_scale, input_scale, bias)
         else:
             out = fp8_linear_ref(x2, weight, weight_scale, input_scale, bias, dense=dense)
@@ -229,6 +234,12 @@ def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     CUDA, compute capability 8.9+, bf16 (row-wise scaled _scaled_mm writes bf16)."""
     return (device.type == "cuda" and dtype == torch.bfloat16
             and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def _use_few_rows_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """kernels/fp8_gemm.py for up to its MAX_ROWS rows on a GPU with FP8 tensor cores."""
+    return (x.shape[0] <= fp8_gemm.MAX_ROWS and weight.is_contiguous()
+            and scaled_mm_supported(x.device, x.dtype))
 
 
 def _use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -33,8 +33,8 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def _cases():
     """(name, call): each call launches the kernel(s) of one configuration."""
-    from kernels import (activation, argmax, fp8_quant, fused_moe, gemv, kv_copy, kv_store,
-                         moe_routing, norm, paged_attention, pending, w4a16)
+    from kernels import (activation, argmax, fp8_gemm, fp8_quant, fused_moe, gemv, kv_copy,
+                         kv_store, moe_routing, norm, paged_attention, pending, w4a16)
     bf16, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     e4m3 = torch.float8_e4m3fn
     yield "rms_norm", lambda: norm.rms_norm(_t(3, 4096), _t(4096), 1e-5)
@@ -89,6 +89,10 @@ def _cases():
     yield "gemv fp8 + silu_and_mul", lambda: gemv.gemv(_t(1, 4096), w8, s8, silu_and_mul=True)
     yield "gemv fp8 K=14336", lambda: gemv.gemv(_t(1, 14336), _t(64, 14336, dtype=e4m3),
                                                 _t(64, dtype=f32))
+    for m, n, k_dim in ((2, 6144, 4096), (16, 4096, 14336), (64, 28672, 4096), (64, 200, 300)):
+        yield f"fp8_gemm {m}x{n}x{k_dim}", lambda s=(m, n, k_dim): fp8_gemm.fp8_gemm(
+            _t(s[0], s[2], dtype=e4m3), _t(s[0], 1, dtype=f32), _t(s[1], s[2], dtype=e4m3),
+            _t(s[1], dtype=f32), bf16)
     for dtype in (f32, bf16):
         yield f"argmax {dtype}", lambda d=dtype: argmax.argmax(_t(3, 128256, dtype=d),
                                                               out=_t(3, dtype=i64))
@@ -138,8 +142,10 @@ def _compile(fn, args: tuple, kwargs: dict) -> None:
 def _with_pdl():
     """The cases whose kernels take programmatic dependent launch (kernels/_triton.py), again
     with it on, as a Hopper GPU has them (unless PD_SERVE_PDL=0)."""
-    from kernels import gemv, kv_store, moe_batch1, moe_routing, norm, paged_attention
-    pdl_modules = (gemv, kv_store, moe_batch1, moe_routing, norm, paged_attention)
+    from kernels import (fp8_gemm, fp8_quant, gemv, kv_store, moe_batch1, moe_routing, norm,
+                         paged_attention)
+    pdl_modules = (fp8_gemm, fp8_quant, gemv, kv_store, moe_batch1, moe_routing, norm,
+                   paged_attention)
     for name, call in _cases():
         def with_pdl(call=call):
             saved = [m.pdl for m in pdl_modules]
@@ -150,7 +156,8 @@ def _with_pdl():
             finally:
                 for m, f in zip(pdl_modules, saved):
                     m.pdl = f
-        if name.split()[0] in ("rms_norm", "rope_store_kv", "decode", "prefill", "gemv", "moe"):
+        if name.split()[0] in ("rms_norm", "rope_store_kv", "decode", "prefill", "gemv", "moe",
+                                   "fp8_gemm", "fp8"):
             yield f"{name}, PDL", with_pdl
 
 

@@ -23,6 +23,9 @@ PREWAIT_READS = {
     "route_kernel": {"w_ptr", "norm_w_ptr"},
     "expert_gate_up_gemv_kernel": set(),
     "expert_down_gemv_kernel": set(),
+    "fp8_gemm_kernel": {"w_ptr", "s_ptr"},
+    "fp8_quant_kernel": set(),
+    "split_k_reduce_kernel": set(),
 }
 
 
