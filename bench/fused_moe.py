@@ -43,11 +43,13 @@ from pd_serve.model.fp8 import quantize_experts  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden=2048, inter=768, experts=128, top_k=8)
 QUICK = dict(hidden=64, inter=32, experts=8, top_k=2)
-# kernels/moe_batch1.py block configurations for --batch1-sweep: (BLOCK_N, BLOCK_K, warps, stages)
+# kernels/moe_batch1.py block configurations for --batch1-sweep: gate/up (SLOTS, BLOCK_N,
+# BLOCK_K, warps, stages), down (BLOCK_N, BLOCK_K, warps, stages)
 BATCH1_SWEEP = [{"gate_up": g, "down": d}
-                for g in [(1, 1024, 4, 2), (2, 1024, 4, 2), (4, 1024, 4, 2), (4, 2048, 8, 1)]
-                for d in [(1, 1024, 4, 1), (2, 256, 4, 2), (2, 1024, 4, 1), (4, 256, 4, 2),
-                          (4, 1024, 8, 1)]]
+                for g in [(1, 1, 1024, 4, 2), (1, 2, 1024, 4, 2), (2, 1, 1024, 4, 2),
+                          (4, 1, 1024, 8, 2), (8, 1, 512, 8, 2), (8, 1, 1024, 8, 1)]
+                for d in [(1, 1024, 4, 1), (1, 1024, 8, 1), (2, 1024, 8, 1), (2, 256, 4, 1),
+                          (4, 1024, 8, 1), (4, 256, 8, 1)]]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

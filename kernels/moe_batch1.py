@@ -8,18 +8,24 @@ kernels/fused_moe.py's kernels serve any number of tokens: an alignment launch s
 16 at batch 1), and a third launch sums each token's K rows. At batch 1 the K experts are
 distinct, so none of that is needed: two launches read the K experts' weights as
 kernels/gemv.py reads a linear layer's (a program owns BLOCK_N output channels and walks the
-whole input in BLOCK_K steps, products kept in a [BLOCK_N, BLOCK_K] float32 tile):
-  1. gate/up: grid (I / BLOCK_N, K), program (n, k) reads expert e_k's gate and up rows of its
-     channels and writes h[k] = silu(gate) * up -> [K, I];
-  2. down: grid (H / BLOCK_N), each program loops over the K experts for its channels and sums
-     their outputs times the routing weights in float32 in top-k order, rounded once -> [1, H].
+whole input in BLOCK_K steps, products kept in a float32 tile):
+  1. gate/up: grid (I / BLOCK_N, K / SLOTS), a program reads SLOTS experts' gate and up rows
+     of its channels in one [SLOTS, BLOCK_N, BLOCK_K] tile and writes
+     h[k] = silu(gate) * up -> [K, I];
+  2. down: grid (H / BLOCK_N), a program reads all K experts' rows of its channels in one
+     tile, so the K experts' loads are in flight together, and sums their outputs times the
+     routing weights in float32 in top-k order, rounded once -> [1, H].
 The rounding is fused_moe's (gate/up and down outputs to the dtype, the weighted sum in
 float32 in top-k order), but the GEMVs sum over the input in another order than its GEMMs, so
 a token computed here may differ from a batched one in the last bit (as kernels/gemv.py's rows
 differ from cuBLAS's): the model uses it on the batch-1 path only. FP8 experts
 (per-channel scales) widen the weight tile to float32 and scale the channel's sum, as
-fused_moe does. Both kernels launch with programmatic dependent launch (kernels/_triton.py)
-and read nothing before the wait: the expert ids come from the routing launch before them.
+fused_moe does.
+Both kernels launch with programmatic dependent launch (kernels/_triton.py). Gate/up reads
+nothing before its wait: the expert ids come from the routing launch just before it. Down
+reads the ids and its first weight tile before its wait: the routing is two launches back,
+and gate/up's programs let down start only after their own wait on the routing has returned,
+so the ids are final by then; only h, gate/up's output, waits.
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ tl = None  # triton.language, bound when _kernels is first built
 
 
 def block_config(fp8: bool) -> dict:
-    """Block sizes of the two kernels, (BLOCK_N output channels, BLOCK_K inputs a step, warps,
-    stages): the fastest of bench/fused_moe.py --batch1-sweep on an H200 at Qwen3-30B-A3B's
-    layer (bench/results/fused-moe-batch1-sweep-h200.json; bf16 29.2 us, FP8 20.5 us a layer)."""
-    return {"gate_up": (2 if fp8 else 1, 1024, 4, 2), "down": (2, 1024, 4, 1)}
+    """Block sizes of the two kernels: gate/up (SLOTS experts, BLOCK_N output channels,
+    BLOCK_K inputs a step, warps, stages), down (BLOCK_N, BLOCK_K, warps, stages): the fastest
+    of bench/fused_moe.py --batch1-sweep on an H200 at Qwen3-30B-A3B's layer
+    (bench/results/fused-moe-batch1-sweep-h200.json)."""
+    return {"gate_up": (1, 2 if fp8 else 1, 1024, 4, 2), "down": (2, 1024, 4, 1)}
 
 
 def runs_on(x: torch.Tensor) -> bool:
@@ -63,16 +70,19 @@ def moe_batch1(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         w13_scale = w2_scale = topk_weights
     opts = launch_options(pdl(x))
     h = x.new_empty(top_k, inter)  # [K, I]
-    block_n, block_k, warps, stages = cfg["gate_up"]
-    gate_up_kernel[(-(-inter // block_n), top_k)](
-        x, w13, w13_scale.contiguous(), h, ids, hidden, inter, BLOCK_N=block_n,
-        BLOCK_K=min(block_k, _pow2(hidden)), W_FP8=fp8, num_warps=warps, num_stages=stages, **opts)
+    slots, block_n, block_k, warps, stages = cfg["gate_up"]
+    slots = min(slots, _pow2(top_k))
+    gate_up_kernel[(-(-inter // block_n), -(-top_k // slots))](
+        x, w13, w13_scale.contiguous(), h, ids, hidden, inter, top_k, SLOTS=slots,
+        BLOCK_N=block_n, BLOCK_K=min(block_k, _pow2(hidden)), W_FP8=fp8, num_warps=warps,
+        num_stages=stages, **opts)
     out = x.new_empty(1, hidden)
     block_n, block_k, warps, stages = cfg["down"]
     down_kernel[(-(-hidden // block_n),)](
         h, w2, w2_scale.contiguous(), out, topk_weights.reshape(-1).float().contiguous(), ids,
-        hidden, inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, _pow2(inter)),
-        W_FP8=fp8, num_warps=warps, num_stages=stages, **opts)
+        hidden, inter, TOP_K=top_k, SLOTS=_pow2(top_k), BLOCK_N=block_n,
+        BLOCK_K=min(block_k, _pow2(inter)), W_FP8=fp8, num_warps=warps, num_stages=stages,
+        **opts)
     triton_launches += 2
     return out
 
@@ -85,72 +95,80 @@ def _pow2(n: int) -> int:
 def _kernels(triton):
     """(gate/up + SiLU-and-mul kernel, down + weighted sum over the top k)."""
     @triton.jit
-    def expert_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, h_ptr, ids_ptr, hidden, inter,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                   W_FP8: tl.constexpr, PDL: tl.constexpr):
-        slot = tl.program_id(1)
+    def expert_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, h_ptr, ids_ptr, hidden, inter, top_k,
+                                   SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr):
+        slots = tl.program_id(1) * SLOTS + tl.arange(0, SLOTS)  # [S] of K
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of I
-        col_ok = cols < inter
+        ok = (slots < top_k)[:, None] & (cols < inter)[None, :]  # [S, BN]
         rk = tl.arange(0, BLOCK_K)
         if PDL:  # see kernels/_triton.py: the routing done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
-        gate_rows = (expert * 2 * inter + cols.to(tl.int64))[:, None] * hidden  # [BN, 1]
+        experts = tl.load(ids_ptr + slots, mask=slots < top_k, other=0).to(tl.int64)
+        gate_at = (experts * 2 * inter)[:, None] + cols[None, :]  # [S, BN]: w13's row
+        gate_rows = (gate_at * hidden)[:, :, None]  # [S, BN, 1]
         up_rows = gate_rows + inter * hidden
-        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_gate = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + rk
             k_ok = ks < hidden
-            xs = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            mask = col_ok[:, None] & k_ok[None, :]
-            w_gate = tl.load(w_ptr + gate_rows + ks[None, :], mask=mask, other=0.0)
-            w_up = tl.load(w_ptr + up_rows + ks[None, :], mask=mask, other=0.0)
+            xs = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, None, :]
+            mask = ok[:, :, None] & k_ok[None, None, :]
+            w_gate = tl.load(w_ptr + gate_rows + ks[None, None, :], mask=mask, other=0.0)
+            w_up = tl.load(w_ptr + up_rows + ks[None, None, :], mask=mask, other=0.0)
             acc_gate += w_gate.to(tl.float32) * xs
             acc_up += w_up.to(tl.float32) * xs
         # tl.reduce with the add combiner, not tl.sum (kernels/norm.py: the interpreter)
-        gate = tl.reduce(acc_gate, 1, tl.standard._sum_combine)  # [BN]
-        up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
+        gate = tl.reduce(acc_gate, 2, tl.standard._sum_combine)  # [S, BN]
+        up = tl.reduce(acc_up, 2, tl.standard._sum_combine)
         if W_FP8:  # the channels' scales on the float32 sums
-            s_base = scale_ptr + expert * 2 * inter
-            gate = gate * tl.load(s_base + cols, mask=col_ok, other=0.0)
-            up = up * tl.load(s_base + inter + cols, mask=col_ok, other=0.0)
+            gate = gate * tl.load(scale_ptr + gate_at, mask=ok, other=0.0)
+            up = up * tl.load(scale_ptr + gate_at + inter, mask=ok, other=0.0)
         dtype = h_ptr.dtype.element_ty
         gate = gate.to(dtype).to(tl.float32)  # the GEMV's output rounds to the dtype ...
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # ... then silu_and_mul's arithmetic
         out = (act.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(h_ptr + slot * inter + cols, out, mask=col_ok)
+        tl.store(h_ptr + slots[:, None] * inter + cols[None, :], out, mask=ok)
 
     @triton.jit
     def expert_down_gemv_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, ids_ptr, hidden,
-                                inter, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr):
+                                inter, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                W_FP8: tl.constexpr, PDL: tl.constexpr):
+        slots = tl.arange(0, SLOTS)  # [S]: the top k, padded to a power of two
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
-        col_ok = cols < hidden
+        ok = (slots < TOP_K)[:, None] & (cols < hidden)[None, :]  # [S, BN]
         rk = tl.arange(0, BLOCK_K)
+        # the ids and the first weight tile ahead of the wait (module docstring: the routing
+        # is two launches back)
+        experts = tl.load(ids_ptr + slots, mask=slots < TOP_K, other=0).to(tl.int64)
+        row_at = (experts * hidden)[:, None] + cols[None, :]  # [S, BN]: w2's row
+        rows = (row_at * inter)[:, :, None]  # [S, BN, 1]
+        w = tl.load(w_ptr + rows + rk[None, None, :],
+                    mask=ok[:, :, None] & (rk < inter)[None, None, :], other=0.0)
         if PDL:  # see kernels/_triton.py: gate/up done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + rk
+            hs = tl.load(h_ptr + slots[:, None] * inter + ks[None, :],
+                         mask=(slots < TOP_K)[:, None] & (ks < inter)[None, :], other=0.0)
+            acc += w.to(tl.float32) * hs.to(tl.float32)[:, None, :]
+            ks = ks + BLOCK_K  # the next step's tile (masked off after the last)
+            w = tl.load(w_ptr + rows + ks[None, None, :],
+                        mask=ok[:, :, None] & (ks < inter)[None, None, :], other=0.0)
+        y = tl.reduce(acc, 2, tl.standard._sum_combine)  # [S, BN]
+        if W_FP8:
+            y = y * tl.load(scale_ptr + row_at, mask=ok, other=0.0)
+        y = y.to(h_ptr.dtype.element_ty).to(tl.float32)  # each pair's output, rounded
+        y = y * tl.load(weights_ptr + slots, mask=slots < TOP_K, other=0.0)[:, None]
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        # in top-k order, as the reference's sum; unrolled, so one expert's weight loads need
-        # not wait for the previous expert's sum
-        for slot in tl.static_range(TOP_K):
-            expert = tl.load(ids_ptr + slot).to(tl.int64)
-            rows = (expert * hidden + cols.to(tl.int64))[:, None] * inter  # [BN, 1]
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                ks = k0 + rk
-                k_ok = ks < inter
-                hs = tl.load(h_ptr + slot * inter + ks, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                acc += w.to(tl.float32) * hs[None, :]
-            y = tl.reduce(acc, 1, tl.standard._sum_combine)  # [BN]
-            if W_FP8:
-                y = y * tl.load(scale_ptr + expert * hidden + cols, mask=col_ok, other=0.0)
-            y = y.to(h_ptr.dtype.element_ty).to(tl.float32)  # the pair's output, rounded
-            total += y * tl.load(weights_ptr + slot)
-        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+        for slot in tl.static_range(TOP_K):  # in top-k order, as the reference's sum
+            total += tl.reduce(tl.where(slots[:, None] == slot, y, 0.0), 0,
+                               tl.standard._sum_combine)
+        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < hidden)
 
     return expert_gate_up_gemv_kernel, expert_down_gemv_kernel

@@ -211,13 +211,14 @@ def test_fp8_experts_are_checked():
 
 
 # kernels/moe_batch1.py's block sizes: its defaults, and small ones that take the input in
-# several steps and leave channels of the last block masked (hidden 40, intermediate 24)
-BATCH1_CONFIGS = [None, {"gate_up": (4, 16, 1, 1), "down": (8, 16, 1, 1)}]
+# several steps, leave channels of the last block masked (hidden 40, intermediate 24) and give
+# a gate/up program two experts (the last one's second masked at top 3)
+BATCH1_CONFIGS = [None, {"gate_up": (2, 4, 16, 1, 1), "down": (8, 16, 1, 1)}]
 
 
 @needs_triton
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("shape", [(1, 64, 32, 8, 2), (1, 40, 24, 16, 4)],
+@pytest.mark.parametrize("shape", [(1, 64, 32, 8, 2), (1, 40, 24, 16, 4), (1, 40, 24, 16, 3)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("config", BATCH1_CONFIGS, ids=["default-blocks", "small-blocks"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])

@@ -22,7 +22,9 @@ PREWAIT_READS = {
     "attention_kernel": set(),
     "route_kernel": {"w_ptr", "norm_w_ptr"},
     "expert_gate_up_gemv_kernel": set(),
-    "expert_down_gemv_kernel": set(),
+    # the expert ids: written by the routing two launches back, which the kernel between
+    # (gate/up) waits on before it lets this one start (kernels/moe_batch1.py)
+    "expert_down_gemv_kernel": {"ids_ptr", "w_ptr"},
     "fp8_gemm_kernel": {"w_ptr", "s_ptr"},
     "fp8_quant_kernel": set(),
     "split_k_reduce_kernel": set(),
