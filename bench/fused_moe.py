@@ -18,7 +18,7 @@ side reads them at (the floor at small batches: only the hit experts' weights ar
 kernels/fused_moe.py), against the reference of the same FP8 weights; its weight bytes are one
 per weight plus the float32 scales.
 --batch1 adds a row per 1-token case with the batch-1 kernels (kernels/moe_batch1.py, what
-the batch-1 path runs), --batch1-sweep one per block configuration of theirs.
+--enable-batch1-kernels runs), --batch1-sweep one per block configuration of theirs.
 On the CPU the fused side is the reference too, and the figures only show that the script runs.
 """
 

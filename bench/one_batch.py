@@ -181,8 +181,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="decode steps wait for their tokens before the next is planned")
-    p.add_argument("--disable-batch1-kernels", action="store_true",
-                   help="batch-1 decode on the batched kernels too (the engine flag)")
+    p.add_argument("--enable-batch1-kernels", action="store_true",
+                   help="batch-1 decode on Triton GEMVs and Triton attention (the engine flag)")
     p.add_argument("--batch-sizes", type=_ints, help="decode batch sizes (comma list); default "
                    "1,8,32,64,128,256 on GPU, 1,8,32 on CPU")
     p.add_argument("--contexts", type=_ints, help="decode contexts; default 1024,4096 on GPU, "
@@ -454,7 +454,7 @@ def build_core(args, model_dir: Path, cfg: ModelConfig, device: torch.device,
         model=str(model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
         load_format="dummy", seed=args.seed, attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph, disable_overlap_schedule=args.disable_overlap_schedule,
-        disable_batch1_kernels=args.disable_batch1_kernels,
+        enable_batch1_kernels=args.enable_batch1_kernels,
         # every decode case replays a graph, as a server started with --cuda-graph-max-bs would
         cuda_graph_max_bs=max(EngineConfig.cuda_graph_max_bs, max_batch),
         context_length=args.context_length or min(cfg.max_position_embeddings, longest + page_size),

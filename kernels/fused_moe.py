@@ -34,7 +34,7 @@ moe_align_block_size), so every block of rows reads one expert's weights:
 Nothing syncs with the host (the padded length is read on the device, the grid is sized for
 the worst case), so CUDA graphs capture it. With batch1 set, one token takes
 kernels/moe_batch1.py's two GEMV-form launches instead of the alignment and these three
-(the batch-1 path). It runs on CUDA tensors, or on CPU tensors when
+(--enable-batch1-kernels). It runs on CUDA tensors, or on CPU tensors when
 PD_SERVE_TRITON_CPU=1 (Triton's interpreter); otherwise the reference.
 """
 

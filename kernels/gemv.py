@@ -38,7 +38,7 @@ up half, rounds both to x's dtype (what the separate GEMV would store) and write
 `silu(gate) * up` with kernels/activation.py's arithmetic, so it is bit for bit that GEMV
 followed by `silu_and_mul`, with one launch fewer and no [1, 2I] intermediate.
 
-The model's layers call it only on the batch-1 path (pd_serve/model/llama.py's
+The model's layers call it only under --enable-batch1-kernels (pd_serve/model/llama.py's
 use_batch1_kernels): a row computed here rounds differently from the same row in a cuBLAS
 GEMM, so with it a request's greedy output can depend on whether it decoded alone.
 

@@ -18,7 +18,7 @@ whole input in BLOCK_K steps, products kept in a float32 tile):
 The rounding is fused_moe's (gate/up and down outputs to the dtype, the weighted sum in
 float32 in top-k order), but the GEMVs sum over the input in another order than its GEMMs, so
 a token computed here may differ from a batched one in the last bit (as kernels/gemv.py's rows
-differ from cuBLAS's): the model uses it on the batch-1 path only. FP8 experts
+differ from cuBLAS's): the model uses it under --enable-batch1-kernels only. FP8 experts
 (per-channel scales) widen the weight tile to float32 and scale the channel's sum, as
 fused_moe does.
 Both kernels launch with programmatic dependent launch (kernels/_triton.py). Gate/up reads

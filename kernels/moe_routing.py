@@ -18,7 +18,7 @@ One program per token, all E <= MAX_EXPERTS experts in registers, K passes of ma
 index; no host sync, so CUDA graphs capture it. It launches with programmatic dependent launch
 (kernels/_triton.py) and reads nothing before the wait: the logits are the router's output.
 
-`route_one_row` serves one token (decode at batch 1, the batch-1 path) from the layer's
+`route_one_row` serves one token (decode at batch 1, --enable-batch1-kernels) from the layer's
 hidden state before its post-attention RMSNorm: one launch does that norm (the residual add in
 front, as kernels/norm.py's `rms_norm(x, w, eps, residual)` rounds it), the router's logits and
 the routing, where three launches did. Each of E programs normalises the row (a few KB from

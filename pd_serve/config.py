@@ -94,12 +94,11 @@ class EngineConfig:
         "no CUDA graphs); auto: triton on GPU, torch on CPU", choices=MOE_RUNNER_BACKENDS)
     cuda_graph_max_bs: int = _opt(256, "largest decode batch replayed through a CUDA graph")
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
-    disable_batch1_kernels: bool = _opt(
-        False, "GPU: decode steps of one request run the batched kernels too. By default they "
-        "run a Triton GEMV for each linear layer, Triton paged attention and, in MoE models, "
-        "one-token expert kernels: faster at batch 1 and never slower at 2-8 measured, but such "
-        "a step rounds differently from a batched one, so a request's greedy output can depend "
-        "on whether it decoded alone. Off under --tp and --ep-size")
+    enable_batch1_kernels: bool = _opt(
+        False, "GPU: decode steps of one request run a Triton GEMV for each linear layer, "
+        "Triton paged attention and, in MoE models, one-token expert kernels (faster at batch "
+        "1, but such a step rounds differently from a "
+        "batched one, so a request's greedy output can depend on whether it decoded alone)")
     tp: int = _opt(1, "tensor parallel size: this engine's ranks, one process and one GPU each "
                    "(cuda:0..tp-1 of the visible ones)")
     ep_size: int = _opt(1, "expert parallel size: an MoE model's experts partitioned over N "

@@ -30,7 +30,7 @@
 # and a 1P(TP2)-1D(TP1) cluster sharing GPU 0, with its transfer rate); e2e
 # (default: tests onebatch e2e, in that order). Carry .whl and .gpu-model.
 # TRANSFER_ARGS adds flags to the transfer benchmark (e.g. --sizes-mib 8,64).
-# ONEBATCH_ARGS adds flags to the one-batch and fp8 runs (e.g. --profile, --disable-batch1-kernels).
+# ONEBATCH_ARGS adds flags to the one-batch and fp8 runs (e.g. --profile, --enable-batch1-kernels).
 # PROFILE: the profile the phase-ratio steps take their rates from (default: this run's, from the
 # profile step); PR_TIMEOUT: seconds per phase-ratio step (default 570). burst: 1000 x (2048 in,
 # 128 out) at request rate inf against 1P1D on one GPU over ipc, then colocated x1 (the
@@ -205,7 +205,7 @@ for s in $steps; do
           --model "$big" --load-format dummy --output "$OUT/tp-handoff-2xh200.json" ;;
     pdl) for v in ${PDL_VALUES:-0 1}; do  # programmatic dependent launch off / on (kernels/_triton.py)
            PD_SERVE_PDL=$v step onebatch-pdl$v 300 python3 -m bench.one_batch --preset llama3-8b \
-             --batch-sizes 1,64 --contexts 1024 --prefill-grid 1x512 \
+             --enable-batch1-kernels --batch-sizes 1,64 --contexts 1024 --prefill-grid 1x512 \
              --no-hf --profile --output "$OUT/one-batch-h200-llama3-8b-pdl$v.json"
          done ;;
     e2e) e2e ;;

@@ -12,17 +12,17 @@ overlap with its neighbours): the most that fusing it away could save.
     --skip lm_head     the LM head GEMV and the cast to float32: the logits are zeros
                        (one fill kernel), the argmax still runs
     --skip gemv        every GEMV of kernels/gemv.py (the decoder's linear layers under
-                       the batch-1 path, and the LM head): an uninitialised output
+                       --enable-batch1-kernels, and the LM head): an uninitialised output
 
 `--set MODULE.NAME=INT,...` changes integer module constants first, as a kernel's block sizes:
 `--set kernels.paged_attention._DECODE_BLOCK_N=32` times the step with 32-key decode tiles.
 
     PYTHONPATH=. python3 bench/probes/step_ablation.py --skip norm,rope_store -- \\
-        --preset llama3-8b --quantization fp8 --batch-sizes 1 \\
+        --preset llama3-8b --quantization fp8 --enable-batch1-kernels --batch-sizes 1 \\
         --contexts 1024 --no-hf --output /tmp/ablation.json
 
 The attention patch reaches the Triton decode kernel only (flashinfer hands one-row decode to it
-on the batch-1 path).
+under --enable-batch1-kernels).
 """
 
 import argparse

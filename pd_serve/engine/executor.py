@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kernels._triton import interpret_requested
 from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
 from pd_serve.cache.pool import KVLayout, KVPool, pages_for
 from pd_serve.config import CacheConfig, EngineConfig
@@ -79,21 +80,11 @@ class CachedRequest:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-def batch1_kernels_on(config: EngineConfig, device: torch.device) -> bool:
-    """Whether one-request decode steps run the batch-1 kernels: on one GPU unless
-    --disable-batch1-kernels. Not on CPU, where they would run in Triton's interpreter (tests
-    ask for that through llama.use_batch1_kernels), nor under --tp / --ep-size, where they
-    have not yet run on two GPUs."""
-    return (device.type == "cuda" and not config.disable_batch1_kernels and config.tp == 1
-            and config.ep_size == 1)
-
-
 class Executor:
     def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int, device: torch.device,
                  tp: TPGroup | None = None, samples: bool = True):
         """device: this rank's; tp: its tensor-parallel group (joined); samples: rank 0's."""
         self.config, self.device, self.tp = config, device, tp
-        self.batch1_kernels = batch1_kernels_on(config, device)
         self.dtype = resolve_dtype(config.dtype, device.type)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.requests: dict[str, CachedRequest] = {}
@@ -140,10 +131,13 @@ class Executor:
                                                           self.dtype, mc.head_dim, mc.layer_windows)
             attn = create_backend(self.attention_backend, self.kv_pool, mc.num_heads, mc.head_dim,
                                   mc.head_dim ** -0.5, self.dtype,
-                                  batch1_kernels=self.batch1_kernels,
+                                  batch1_kernels=cfg.enable_batch1_kernels,
                                   layer_windows=mc.layer_windows)
-        if self.batch1_kernels:
+        if cfg.enable_batch1_kernels:
             use_batch1_kernels(self.model)
+            if self.device.type != "cuda" and not interpret_requested():
+                logger.warning("--enable-batch1-kernels has no effect on %s: its kernels run on "
+                               "GPUs", self.device)
         if self.device.type == "cpu" and (packed := pack_cpu_weights(self.model)):
             logger.info("CPU: linear weights packed for oneDNN as well, %.2f GiB more", packed / 2**30)
         sampler = Sampler(cfg.seed) if samples else None

@@ -14,7 +14,7 @@ statically, by the checkpoint's `input_scale`. Then
     y[t, n] = s_t * weight_scale[n] * sum_k q[t, k] * weight[n, k]
 
 `fp8_linear` runs one row on CUDA GPUs as kernels/gemv.py's GEMV when asked (gemv_one_row:
-the batch-1 path): weight-only, x not rounded to FP8 (the GEMV's docstring says why).
+--enable-batch1-kernels): weight-only, x not rounded to FP8 (the GEMV's docstring says why).
 On CUDA GPUs with FP8 tensor cores (compute capability 8.9+, bf16 activations) up to 64 rows
 (a decode batch) run kernels/fp8_gemm.py, which reads the weight faster than cuBLAS there, and
 more rows `torch._scaled_mm` (row-wise scales, float32 accumulation; K and N multiples of 16):
@@ -173,7 +173,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x : [..., K] in the model dtype.
     weight : float8_e4m3fn [N, K]; weight_scale float32 [N]; input_scale float32 [1] or None.
     bias : [N] in the model dtype, or None.
-    gemv_one_row : run a one-row x on CUDA through kernels/gemv.py (the batch-1 path),
+    gemv_one_row : run a one-row x on CUDA through kernels/gemv.py (--enable-batch1-kernels),
         weight-only (x is not quantized there).
     dense : the layer's dequantized weight [N, K] in x's dtype, if the caller keeps one (the
         CPU does): the reference then skips dequantizing the weight on every call.

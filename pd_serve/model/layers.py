@@ -1,6 +1,6 @@
 """The decoder's leaf layers, shared by llama.py's attention and MLP and mla.py's latent
 attention: RMSNorm (kernels/norm.py, the residual add fused) and Linear (cuBLAS, or
-kernels/gemv.py's GEMV for one-row calls on the batch-1 path; on CPU, MKL or oneDNN
+kernels/gemv.py's GEMV for one-row calls under --enable-batch1-kernels; on CPU, MKL or oneDNN
 on a packed copy of the weight: cpu_linear)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Parameter names follow Hugging Face, except that q/k/v and gate/up are fused (se
 Norms and SiLU-and-mul call kernels/: Triton on GPU, their torch references on CPU (which
 reproduce Hugging Face's arithmetic); RoPE is the attention backend's, applied as it stores K
 and V (kernels/kv_store.py's rope_store_kv). Linear layers run cuBLAS on GPU;
-`use_batch1_kernels` (the batch-1 path) gives one-row inputs (decode at batch 1)
+`use_batch1_kernels` (--enable-batch1-kernels) gives one-row inputs (decode at batch 1)
 kernels/gemv.py's GEMV, the MLP's activation in its gate/up GEMV's epilogue. On CPU,
 `pack_cpu_weights` gives decode's few-row calls oneDNN on packed weights (layers.cpu_linear).
 The residual stream is carried beside the hidden states so the residual add fuses into the

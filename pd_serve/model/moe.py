@@ -102,7 +102,7 @@ class SparseMoeBlock(nn.Module):
         return self._experts(x, topk_weights, topk_ids)
 
     def takes_one_row(self, x: torch.Tensor) -> bool:
-        """Whether `forward_one_row` serves x: one token, the batch-1 path, the Triton
+        """Whether `forward_one_row` serves x: one token, --enable-batch1-kernels, the Triton
         backend, softmax routing."""
         return (self.batch1_kernels and self.backend == "triton" and x.shape[0] == 1
                 and self.grouped_cfg is None)

@@ -1,7 +1,7 @@
 """The flashinfer backend against the torch backend on the same pool (skipped without CUDA or
 flashinfer): batches that mix decode rows with prompt chunks run flashinfer's FA2 prefill
 kernels, prompt-only batches its default ones, decode batches its decode wrapper, and a single
-decode row our Triton kernel on the batch-1 path (flashinfer_backend.py says why);
+decode row our Triton kernel under --enable-batch1-kernels (flashinfer_backend.py says why);
 each with full attention and with a sliding window."""
 
 from __future__ import annotations

@@ -313,7 +313,7 @@ def fp8_weights_(model: CausalLM, seed: int) -> None:
 
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
 def test_batch1_kernels_decode_matches_cublas(quantization, tmp_path):
-    """The batch-1 path: one prompt at a time through CUDA graphs, every decode step's
+    """--enable-batch1-kernels: one prompt at a time through CUDA graphs, every decode step's
     linear layers on kernels/gemv.py (FP8 layers in its row-sum form, bf16 ones tiled), against
     the engine on cuBLAS with the same weights: FP8 ones as their bf16 dequantized copy, since
     cuBLAS's FP8 path also rounds x to FP8. The same greedy tokens, parting only at near-ties."""
@@ -330,7 +330,7 @@ def test_batch1_kernels_decode_matches_cublas(quantization, tmp_path):
         launches = gemv.triton_launches
         core = EngineCore(EngineConfig(
             model=str(tmp_path), load_format="dummy", device=DEVICE, dtype="bfloat16",
-            attention_backend=backend, disable_batch1_kernels=not batch1, cuda_graph_max_bs=4,
+            attention_backend=backend, enable_batch1_kernels=batch1, cuda_graph_max_bs=4,
             quantization=quantization if batch1 else None, context_length=1024,
             cache=CacheConfig(max_total_tokens=2048)))
         assert core.runner.graphs

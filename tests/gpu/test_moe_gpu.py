@@ -31,7 +31,7 @@ def test_graphs_with_the_fused_moe_equal_the_eager_reference(tiny_moe_checkpoint
 
 
 def test_batch1_kernels_keep_the_eager_references_tokens(tiny_moe_checkpoints):
-    """The batch-1 path on Qwen3-MoE, one prompt at a time through CUDA graphs: the
+    """--enable-batch1-kernels on Qwen3-MoE, one prompt at a time through CUDA graphs: the
     experts on kernels/moe_batch1.py and the q/k norms inside the RoPE + KV store kernel give
     the eager torch-MoE engine's greedy tokens (float32: the two differ in summation order;
     so the Triton attention backend, as flashinfer runs bf16 / fp16 only)."""
@@ -46,7 +46,7 @@ def test_batch1_kernels_keep_the_eager_references_tokens(tiny_moe_checkpoints):
         experts, stores = moe_batch1.triton_launches, kv_store.triton_launches
         engine = Engine(tiny_moe_checkpoints["qwen3_moe"], device="cuda", dtype="float32",
                         max_total_tokens=4096, moe_runner_backend="triton" if batch1 else "torch",
-                        attention_backend="triton", disable_batch1_kernels=not batch1,
+                        attention_backend="triton", enable_batch1_kernels=batch1,
                         disable_cuda_graph=not batch1)
         outs[batch1] = [engine.generate([p], params)[0].token_ids for p in prompts]
         assert (moe_batch1.triton_launches > experts) == batch1

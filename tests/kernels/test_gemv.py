@@ -199,7 +199,7 @@ def test_cuda_fp8(device, n, k, form):
 
 
 def test_model_switch_turns_the_gemv_on():
-    """Linear layers run F.linear until llama.use_batch1_kernels (the batch-1 path)."""
+    """Linear layers run F.linear until llama.use_batch1_kernels (--enable-batch1-kernels)."""
     from torch import nn
 
     from pd_serve.model.llama import Linear, use_batch1_kernels

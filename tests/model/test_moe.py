@@ -134,14 +134,13 @@ def test_triton_moe_backend_generates_the_torch_backends_tokens(tiny_moe_checkpo
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_batch1_kernels_keep_the_torch_backends_tokens(tiny_moe_checkpoints, monkeypatch, kind):
-    """The batch-1 kernels (one GPU's default) on Qwen3-MoE and Qwen2-MoE (a shared expert), in Triton's
+    """--enable-batch1-kernels on Qwen3-MoE and Qwen2-MoE (a shared expert), in Triton's
     interpreter: one-token steps run the post-attention norm, router and routing as one launch
     (kernels/moe_routing.py's route_one_row), the experts on kernels/moe_batch1.py, and Qwen3's
     q/k norms inside the RoPE + KV store kernel (Triton attention backend); in float32 the
     greedy tokens stay the torch backends'."""
     from kernels import gemv, kv_store, moe_batch1, moe_routing
     from pd_serve import Engine, SamplingParams
-    from pd_serve.model.llama import use_batch1_kernels
 
     model_dir = tiny_moe_checkpoints[kind]
     prompt = [torch.randint(3, 49152, (11,), generator=torch.Generator().manual_seed(5)).tolist()]
@@ -154,8 +153,7 @@ def test_batch1_kernels_keep_the_torch_backends_tokens(tiny_moe_checkpoints, mon
     block_config = gemv._block_config
     monkeypatch.setattr(gemv, "_block_config", lambda n, k, fp8: (64, *block_config(n, k, fp8)[1:]))
     engine = Engine(model_dir, device="cpu", max_total_tokens=512, moe_runner_backend="triton",
-                    attention_backend="triton")
-    use_batch1_kernels(engine.model)
+                    attention_backend="triton", enable_batch1_kernels=True)
     experts, stores = moe_batch1.triton_launches, kv_store.triton_launches
     monkeypatch.setattr(moe_routing, "_counters", {})  # route_one_row makes its counter anew
     got = engine.generate(prompt, params)[0].token_ids

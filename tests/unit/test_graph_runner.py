@@ -14,10 +14,7 @@ from helpers import assert_pages_settled
 from kernels import argmax
 from pd_serve import Engine, SamplingParams
 from pd_serve.cli import build_parser, engine_config_from_args
-from pd_serve.config import EngineConfig
-from pd_serve.engine.executor import batch1_kernels_on
 from pd_serve.engine.runner import ModelRunner, graph_batch_sizes
-from pd_serve.model.llama import use_batch1_kernels
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
@@ -106,10 +103,9 @@ def test_graph_steps_resolve_tokens_from_every_kind_of_step(monkeypatch, tiny_ch
             assert [lp.logprob for lp in ours] == pytest.approx([lp.logprob for lp in ref], abs=1e-4)
 
 
-def test_batch1_kernels_run_the_gemv_and_keep_greedy_tokens(monkeypatch, tiny_checkpoints):
-    """The batch-1 kernels (what one GPU runs by default): one-row decode steps go through
-    kernels/gemv.py (Triton's interpreter here), and in float32 the greedy tokens stay those of
-    cuBLAS-style F.linear."""
+def test_batch1_kernels_flag_runs_the_gemv_and_keeps_greedy_tokens(monkeypatch, tiny_checkpoints):
+    """--enable-batch1-kernels: one-row decode steps go through kernels/gemv.py (Triton's
+    interpreter here), and in float32 the greedy tokens stay those of cuBLAS-style F.linear."""
     from kernels import gemv
     monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
     # The interpreter runs one program at a time: 64 rows a program, not 2, take the LM head
@@ -121,24 +117,19 @@ def test_batch1_kernels_run_the_gemv_and_keep_greedy_tokens(monkeypatch, tiny_ch
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = [list(range(7, 25))]
     want = Engine(model, device="cpu", attention_backend="torch", max_total_tokens=1024)
-    fast = Engine(model, device="cpu", attention_backend="torch", max_total_tokens=1024)
-    use_batch1_kernels(fast.model)
+    args = build_parser().parse_args(["chat", "hi", "--enable-batch1-kernels"])
+    assert engine_config_from_args(args).enable_batch1_kernels
+    fast = Engine(model, device="cpu", attention_backend="torch", max_total_tokens=1024,
+                  enable_batch1_kernels=True)
     before = gemv.triton_launches
     got = fast.generate(prompt, params)[0].token_ids
     assert gemv.triton_launches - before >= params.max_tokens - 1  # each decode step's layers
     assert got == want.generate(prompt, params)[0].token_ids
 
 
-def test_batch1_kernels_are_on_for_one_gpu_unless_disabled():
-    """On by default on one GPU; off with --disable-batch1-kernels, on CPU, and under --tp or
-    --ep-size."""
-    args = build_parser().parse_args(["chat", "hi"])
-    assert not engine_config_from_args(args).disable_batch1_kernels
-    args = build_parser().parse_args(["chat", "hi", "--disable-batch1-kernels"])
-    assert engine_config_from_args(args).disable_batch1_kernels
-    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert batch1_kernels_on(EngineConfig(), gpu)
-    assert not batch1_kernels_on(EngineConfig(disable_batch1_kernels=True), gpu)
-    assert not batch1_kernels_on(EngineConfig(), cpu)
-    assert not batch1_kernels_on(EngineConfig(tp=2), gpu)
-    assert not batch1_kernels_on(EngineConfig(ep_size=2), gpu)
+def test_batch1_kernels_flag_on_cpu_says_it_does_nothing(monkeypatch, tiny_checkpoints, caplog):
+    monkeypatch.delenv("PD_SERVE_TRITON_CPU", raising=False)
+    with caplog.at_level("WARNING"):
+        Engine(tiny_checkpoints["llama3"], device="cpu", max_total_tokens=256,
+               enable_batch1_kernels=True)
+    assert "--enable-batch1-kernels has no effect on cpu" in caplog.text

@@ -62,7 +62,7 @@ def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int, scale
                    layer_windows: tuple[int, ...] = ()) -> AttentionBackend:
     """Instantiate a resolved backend name (see resolve_backend_name); dtype: the activations'
     (default the pool's; pass it when the KV cache is FP8); batch1_kernels: flashinfer hands
-    one-row decode to the Triton kernel (the batch-1 path); layer_windows: each layer's
+    one-row decode to the Triton kernel (--enable-batch1-kernels); layer_windows: each layer's
     sliding window, 0 for full attention (ModelConfig.layer_windows; AttentionBackend)."""
     if name == "flashinfer":
         from pd_serve.engine.attention.flashinfer_backend import FlashInferAttentionBackend

@@ -15,7 +15,7 @@ faster.
 CUDA graphs use one decode wrapper per captured batch size, each in flashinfer's CUDA-graph
 mode over fixed page-table buffers shared by all sizes; plan_cuda_graph() refills them.
 
-With batch1_kernels (the batch-1 path), decode of a single row runs our Triton kernel
+With batch1_kernels (--enable-batch1-kernels), decode of a single row runs our Triton kernel
 instead (kernels/paged_attention.py, through a TritonAttentionBackend over the same pool),
 which rounds differently from flashinfer's batched decode. On an H200 with Llama-3.1-8B's
 heads, per layer under a CUDA graph: 8.5 / 12.1 / 15.7 us at 1k / 4k / 8k context against
