@@ -1,7 +1,10 @@
 """What every benchmark records next to its numbers (the commit, the devices, the JSON file:
-pd_serve/planner/provenance.py, which `pd-serve profile` uses too), and a device sync."""
+pd_serve/planner/provenance.py, which `pd-serve profile` uses too), a device sync, and the
+options the GEMM benchmarks share."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -13,3 +16,26 @@ def sync(*devices: torch.device) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def gemm_parser(doc: str, m: str, calls: int) -> argparse.ArgumentParser:
+    """The GEMM benchmarks' shared options (--device, --m, --calls, --repeats, --quick,
+    --output); a benchmark adds its own, then `parse_gemm_args`."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--m", default=m, help="token counts, comma-separated")
+    p.add_argument("--calls", type=int, default=calls, help="calls per timed CUDA graph")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="one small layer (smoke run)")
+    p.add_argument("--output", default=None, help="write the JSON here")
+    return p
+
+
+def parse_gemm_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parse; --m as a list of ints, --device as a torch.device (a clear error without CUDA)."""
+    args = p.parse_args(argv)
+    args.m = [int(m) for m in args.m.split(",")]
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here (use --device cpu)")
+    return args

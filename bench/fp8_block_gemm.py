@@ -14,7 +14,6 @@ over time. GPU calls are timed in CUDA graphs (bench/w4a16.py's seconds_per_call
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ if __package__ in (None, ""):  # `python bench/fp8_block_gemm.py` from a checkou
 
 import torch  # noqa: E402
 
+from bench._common import gemm_parser, parse_gemm_args  # noqa: E402
 from bench.w4a16 import seconds_per_call  # noqa: E402
 from kernels import fp8_block_gemm as bg  # noqa: E402
 
@@ -41,19 +41,7 @@ SHAPES = {
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--m", default="1,64,2048", help="token counts, comma-separated")
-    p.add_argument("--calls", type=int, default=20, help="calls per timed CUDA graph")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--quick", action="store_true", help="one small layer per model (smoke run)")
-    p.add_argument("--output", default=None, help="write the JSON here")
-    args = p.parse_args(argv)
-    args.m = [int(m) for m in args.m.split(",")]
-    args.device = torch.device(args.device)
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA GPU here (use --device cpu)")
-    return args
+    return parse_gemm_args(gemm_parser(__doc__, m="1,64,2048", calls=20), argv)
 
 
 def run_layer(model: str, name: str, n: int, k: int, m: int, args) -> dict:

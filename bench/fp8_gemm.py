@@ -15,7 +15,6 @@ cache), so no weight is read from L2. GPU calls are timed in CUDA graphs.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -26,6 +25,7 @@ if __package__ in (None, ""):  # `python bench/fp8_gemm.py` from a checkout
 
 import torch  # noqa: E402
 
+from bench._common import gemm_parser, parse_gemm_args  # noqa: E402
 from bench.w4a16 import seconds_per_call  # noqa: E402
 from kernels import fp8_gemm as fg  # noqa: E402
 from kernels.fp8_quant import quantize_per_token  # noqa: E402
@@ -41,20 +41,9 @@ L2_BYTES = 128 * 2**20  # weight bytes to cycle through: more than an H100's / H
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--m", default="2,8,16,32,64", help="row counts, comma-separated")
-    p.add_argument("--calls", type=int, default=24, help="calls per timed CUDA graph")
-    p.add_argument("--repeats", type=int, default=10)
+    p = gemm_parser(__doc__, m="2,8,16,32,64", calls=24)
     p.add_argument("--sweep", action="store_true", help="time SWEEP's block configurations too")
-    p.add_argument("--quick", action="store_true", help="one small layer (smoke run)")
-    p.add_argument("--output", default=None, help="write the JSON here")
-    args = p.parse_args(argv)
-    args.m = [int(m) for m in args.m.split(",")]
-    args.device = torch.device(args.device)
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA GPU here (use --device cpu)")
-    return args
+    return parse_gemm_args(p, argv)
 
 
 def cycling(fn, copies: list):

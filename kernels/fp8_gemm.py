@@ -11,7 +11,7 @@ M rows in one tile (BLOCK_M >= M), so each weight byte is read once, and walks i
 on FP8 tensor cores with float32 accumulation; the scales apply once, after the sum. A layer
 of long rows splits K over SPLIT_K programs as well, so that more SMs stream weights: each
 writes its float32 partial sum [SPLIT_K, M, N] and a second launch adds them in split order and
-rounds (deterministic, no atomics). On an H100 at Llama-3.1-8B's layers this takes 0.58-0.95x
+rounds (deterministic, no atomics). On an H100 at Llama-3.1-8B's layers this takes 0.49-0.91x
 _scaled_mm's time at 2-64 rows, and an FP8 decode step at batch 64 from 8.97 to 7.95 ms
 (docs/performance.md).
 
@@ -117,7 +117,7 @@ def block_config(m: int, n: int, k: int,
     rows it is as fast as a 16-row tile or faster), K in steps of 256, the widest of 128 / 64 /
     32 channels a program that still gives two thirds of the SMs a program, and K split in
     two from 8192 up. Chosen from `python bench/fp8_gemm.py --sweep` on an H100 at
-    Llama-3.1-8B's layers (bench/results/fp8-gemm-sweep-h100.json): within 4 % of the best
+    Llama-3.1-8B's layers (bench/results/fp8-gemm-sweep-h100.json): within 2 % of the best
     configuration of each layer at 2, 16 and 64 rows."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 132  # (CPU: an H100's)
     block_n = next((bn for bn in (128, 64) if -(-n // bn) >= sms * 2 // 3), 32)

@@ -434,8 +434,8 @@ class Cluster(TokenSource):
             self._superseded.setdefault(worker_id, set()).add(state.status.incarnation)
             self._drop(worker_id, f"worker {worker_id} restarted")
             state = None
-        if state is not None and not isinstance(msg, (Heartbeat, WorkerStatus)) \
-                and route != state.route:
+        if (state is not None and not isinstance(msg, (Heartbeat, WorkerStatus))
+                and route != state.route):
             protocol.refused("control", f"a {type(msg).__name__} of {worker_id!r} from a "
                                         "connection other than its own")
             return
