@@ -43,28 +43,38 @@ class OutputTracker:
                                                                 params.skip_special_tokens)
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
         self.text = ""
+        self.stopped = False  # a stop string ended the text
         self.num_tokens_sent = 0
         self.num_chars_sent = 0
 
     def on_token(self, token_id: int) -> FinishReason | None:
         """Account for one sampled token (already appended); return why it ends the request."""
-        request, params = self.request, self.request.sampling_params
+        request = self.request
         if self.detokenizer is None:
             return token_stop_reason(request, self.eos_token_ids, self.max_model_len)
-        delta = self.detokenizer.step([token_id])
-        if params.stop and delta:
-            window = len(self.text) - self.holdback
-            self.text = self.detokenizer.text
-            hits = [i for i in (self.text.find(s, max(0, window)) for s in params.stop) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                return FinishReason.STOP
-        else:
-            self.text = self.detokenizer.text
+        self.detokenizer.step([token_id])
+        if self._took_text():
+            return FinishReason.STOP
         return token_stop_reason(request, self.eos_token_ids, self.max_model_len)
+
+    def _took_text(self) -> bool:
+        """Take the detokenizer's new text; True if a stop string ends in it (`text` is then
+        cut before the stop string)."""
+        stop = self.request.sampling_params.stop
+        window = max(0, len(self.text) - self.holdback)  # where a stop string could start
+        self.text = self.detokenizer.text
+        hits = [i for i in (self.text.find(s, window) for s in stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+        return self.stopped
 
     def make_output(self) -> RequestOutput:
         request = self.request
+        if request.finished and self.detokenizer and not self.stopped:
+            # tokens that end inside a character: their text, U+FFFD as tokenizer.decode gives it
+            self.detokenizer.flush()
+            self._took_text()
         visible = self.text if request.finished else self.text[:len(self.text) - self.holdback]
         new_text = visible[self.num_chars_sent:]
         self.num_chars_sent = max(self.num_chars_sent, len(visible))

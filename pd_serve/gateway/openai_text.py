@@ -43,19 +43,30 @@ class OutputText:
             if hide_last and i == len(token_ids) - 1:
                 break
             self._detokenizer.step([token_id])
-            self.text = self._detokenizer.text
-            if self._stop and len(self.text) > start:
-                # A stop string ending in the new text starts at most holdback chars before it.
-                window = max(0, start - self._holdback)
-                hits = [j for j in (self.text.find(s, window) for s in self._stop) if j >= 0]
-                if hits:
-                    self.text = self.text[:min(hits)]
-                    self.stopped = True
-                    return i + 1
+            if self._took_text(start):
+                return i + 1
         return len(token_ids)
 
+    def _took_text(self, start: int) -> bool:
+        """The detokenizer's text grew from `start`: update `text`; True if a stop string ends
+        in the new text (`text` is then cut before it)."""
+        self.text = self._detokenizer.text
+        if self._stop and len(self.text) > start:
+            # A stop string ending in the new text starts at most holdback chars before it.
+            window = max(0, start - self._holdback)
+            hits = [j for j in (self.text.find(s, window) for s in self._stop) if j >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+        return self.stopped
+
     def take_delta(self, finished: bool) -> str:
-        """Text not handed out yet; all of it once finished, else all but the hold-back."""
+        """Text not handed out yet; all of it once finished (with the text of tokens that end
+        inside a character, U+FFFD, as tokenizer.decode gives it), else all but the hold-back."""
+        if finished and not self.stopped:
+            start = len(self._detokenizer.text)
+            self._detokenizer.flush()
+            self._took_text(start)
         end = len(self.text) if finished or self.stopped else len(self.text) - self._holdback
         if end <= self._num_chars_sent:
             return ""

@@ -115,7 +115,8 @@ class IncrementalDetokenizer:
     Only a small window of ids is decoded per step: ids[prefix_offset:read_offset] is text
     already emitted (kept as context, since a token's text can depend on its neighbours) and
     ids[read_offset:] is not emitted yet. A step whose text ends in U+FFFD (an incomplete
-    multi-byte character) emits "" and waits for the next token.
+    multi-byte character) emits "" and waits for the next token; flush() emits that text with
+    its U+FFFD when the output ends there (as tokenizer.decode of the whole output gives it).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
@@ -131,10 +132,18 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: list[int]) -> str:
         """Append generated ids and return the text they complete (possibly "")."""
         self._ids.extend(new_token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The output ended: the text of ids not emitted yet (it ends inside a character, so in
+        U+FFFD), or "" when there are none."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         window = self._ids[self._prefix_offset:]
         prefix_text = self._decode(window[:self._read_offset - self._prefix_offset])
         new_text = self._decode(window)
-        if new_text.endswith("\ufffd"):
+        if new_text.endswith("\ufffd") and not final:
             return ""
         delta = new_text[len(prefix_text):]
         self._prefix_offset = self._read_offset

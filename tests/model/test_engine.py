@@ -128,6 +128,19 @@ def test_stop_string_cuts_output_exactly(smol, prompts):
     assert full.token_ids[:len(cut.token_ids)] == cut.token_ids
 
 
+def test_an_output_ending_inside_a_character_keeps_its_text(smol, prompts):
+    """max_tokens ends the output on a token that carries part of a UTF-8 character: the text is
+    tokenizer.decode of the output (with U+FFFD), streamed or not."""
+    tok = smol.tokenizer
+    first = tok.encode("🙂")[0]
+    assert tok.decode([first]).endswith("\ufffd"), "pick a character split over tokens"
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logit_bias={first: 100.0})
+    out = smol.generate([prompts[0]], params)[0]
+    assert out.token_ids == [first] and out.text == tok.decode([first])
+    streamed = list(smol.stream(prompts[0], params))
+    assert "".join(o.new_text for o in streamed) == out.text
+
+
 def test_stop_token_ids_and_max_tokens_and_eos(smol, prompts):
     full = smol.generate([prompts[1]], GREEDY)[0]
     stopped = smol.generate([prompts[1]], SamplingParams(

@@ -144,3 +144,34 @@ def test_incremental_detokenizer_window_stays_small(tok):
     detok, deltas = _stream(tok, [], ids)
     assert "".join(deltas) == tok.decode(ids)
     assert len(detok._ids) <= 4  # decoding work per step does not grow with the output
+
+
+def _ends_inside_a_character(tok) -> list[int]:
+    """Ids of MULTIBYTE up to a token that carries only part of a character."""
+    ids = tok.encode(MULTIBYTE)
+    k = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    return ids[:k]
+
+
+def test_an_output_that_ends_inside_a_character_is_flushed_as_decode_gives_it(tok):
+    ids = _ends_inside_a_character(tok)
+    detok, deltas = _stream(tok, tok.encode("Say something: "), ids)
+    assert deltas[-1] == ""  # held back while more bytes could come
+    tail = detok.flush()
+    assert tail.endswith("\ufffd")
+    assert "".join(deltas) + tail == detok.text == tok.decode(ids)
+    assert detok.flush() == ""
+
+
+def test_output_text_hands_out_the_tail_when_the_output_ends(tok):
+    from pd_serve.gateway.openai_text import OutputText
+
+    ids = _ends_inside_a_character(tok)
+    for stop in ([], ["\x00never"]):
+        out = OutputText(tok, [], stop)
+        assert out.add(ids) == len(ids)
+        running = out.take_delta(finished=False)
+        assert running + out.take_delta(finished=True) == out.text == tok.decode(ids)
+    stopped = OutputText(tok, [], [tok.decode(ids[:1])])  # a stop string cuts first: no tail
+    stopped.add(ids)
+    assert stopped.stopped and stopped.take_delta(finished=True) == ""
