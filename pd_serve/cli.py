@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from dataclasses import fields
 
 from pd_serve.config import (CacheConfig, EngineConfig, GatewayConfig, SchedulerConfig,
-                             WorkerConfig, add_config_args, config_kwargs, engine_config_from_args)
+                             WorkerConfig, add_config_args, config_flag, config_kwargs,
+                             engine_config_from_args)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +64,6 @@ def add_cluster_key_arg(group) -> None:
 
 def cluster_key(path: str | None) -> bytes:
     """The cluster secret: --cluster-key-file, else $PD_SERVE_CLUSTER_KEY, else none (warned)."""
-    import os
 
     if path:
         try:
@@ -115,7 +116,6 @@ def cmd_gateway(args: argparse.Namespace) -> None:
         raise ValueError(f"--model {model_dir}: no tokenizer.json there")
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if not args.model
                                       else Path(args.model).name)
-    import os
 
     config = GatewayConfig(**config_kwargs(GatewayConfig, args) | {
         "served_model_name": name, "api_key": args.api_key or os.environ.get("PD_SERVE_API_KEY", ""),
@@ -130,9 +130,10 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
     gpu_ids = launch_gpu_ids(passthrough, args.gpu_ids.split(",") if args.gpu_ids else None)
     passthrough += launch_transfer_args(passthrough) + launch_drain_args(passthrough)
     gateway_args = ["--model", args.model] if args.model else []
-    for flag, value in (("--tool-call-parser", args.tool_call_parser),
-                        ("--reasoning-parser", args.reasoning_parser)):
-        gateway_args += [flag, value] if value else []
+    for f in fields(GatewayConfig):  # the gateway's flags that were given, passed to it
+        value = getattr(args, f.name, None) if f.name not in _LAUNCH_OWNS else None
+        if value is not None and value is not False:
+            gateway_args += [config_flag(f)] + ([] if value is True else [str(value)])
     return LocalCluster(port=args.port, num_prefill=args.prefill, num_decode=args.decode,
                         num_colocated=args.colocated, engine_args=passthrough,
                         gateway_args=gateway_args, control_port=args.control_port,
@@ -173,7 +174,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     with _cluster_from_args(args, log_level="warning") as cluster:
         cluster.wait_ready()
-        client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="pd-serve")
+        client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key=(
+            args.api_key or os.environ.get("PD_SERVE_API_KEY") or "pd-serve"))
         model = client.models.list().data[0].id
         print(f"> {args.message}")
         reply = client.chat.completions.create(
@@ -186,6 +188,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
         print(f"tokens: {reply.usage.prompt_tokens} prompt, {reply.usage.completion_tokens} completion")
 
 
+_LAUNCH_OWNS = ("control_host", "control_port", "cluster_key")  # launch sets these itself
+
+
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
@@ -195,10 +200,9 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     parser.add_argument("--control-port", type=int, default=0, help="gateway control port (0: any)")
     parser.add_argument("--model", default=None)
-    for name in ("tool_call_parser", "reasoning_parser"):  # the gateway's flags, passed to it
-        spec = next(f for f in fields(GatewayConfig) if f.name == name)
-        parser.add_argument("--" + name.replace("_", "-"), default=None,
-                            choices=spec.metadata["choices"], help=spec.metadata["help"])
+    # the gateway's own flags (--api-key, --max-queued-requests, --tool-call-parser, ...): to it
+    add_config_args(parser.add_argument_group("gateway"), GatewayConfig, skip=_LAUNCH_OWNS,
+                    **{f.name: None for f in fields(GatewayConfig)})
     parser.add_argument("--prefill-tp", type=int, default=None,
                         help="--tp of the prefill workers (default: the --tp given to all workers)")
     parser.add_argument("--decode-tp", type=int, default=None,

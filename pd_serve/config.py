@@ -254,12 +254,17 @@ class GatewayConfig:
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def add_config_args(group, cls, **defaults) -> None:
-    """One flag per field of `cls` that has one; `defaults` overrides a field's default on the CLI
-    (the flag's value still lands under the field's name)."""
+def config_flag(f) -> str | None:
+    """The CLI flag of a config field (None: it has none)."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def add_config_args(group, cls, skip: tuple[str, ...] = (), **defaults) -> None:
+    """One flag per field of `cls` that has one, but those named in `skip`; `defaults` overrides
+    a field's default on the CLI (the flag's value still lands under the field's name)."""
     for f in fields(cls):
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        if flag is None:
+        flag = config_flag(f)
+        if flag is None or f.name in skip:
             continue
         kind = f.type.removesuffix(" | None")
         help_text = f.metadata.get("help")

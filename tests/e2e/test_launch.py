@@ -9,6 +9,7 @@ import sys
 import time
 
 import openai
+import pytest
 
 from cluster_helpers import health
 from helpers import TEST_DEVICE, TEST_TRANSFER
@@ -31,7 +32,7 @@ def _alive(pid: int) -> bool:
 def test_launch_serves_openai_and_ctrl_c_stops_every_child():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pd_serve.cli", "--log-level", "warning", "launch",
-                             "--prefill", "1", "--decode", "1", "--port", str(port),
+                             "--prefill", "1", "--decode", "1", "--port", str(port), "--api-key", "k1",
                              "--device", TEST_DEVICE, "--max-total-tokens", "4096", *TEST_TRANSFER]
                             + (["--model", os.environ["PD_SERVE_TEST_MODEL"]] if os.environ.get("PD_SERVE_TEST_MODEL") else []))
     base = f"http://127.0.0.1:{port}"
@@ -43,7 +44,9 @@ def test_launch_serves_openai_and_ctrl_c_stops_every_child():
             time.sleep(0.5)
         children = _children(proc.pid)
         assert len(children) == 3  # gateway, prefill, decode
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        with pytest.raises(openai.AuthenticationError):  # --api-key reached the gateway
+            openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="k1", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=16, temperature=0)

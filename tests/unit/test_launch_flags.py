@@ -1,0 +1,47 @@
+"""Which process `pd-serve launch` hands each flag to. It stops its gateway with its workers, so
+its workers drain for 0 s on SIGTERM unless --drain-timeout is given; the gateway's own flags
+(--api-key, the limits, ...) go to the gateway alone. The processes are not started:
+LocalCluster._start records what it would run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_serve import cli
+from pd_serve.launch import LocalCluster, flag_value
+
+
+@pytest.mark.parametrize("argv,want", [([], "0"), (["--drain-timeout", "45"], "45")])
+def test_launch_workers_drain_timeout(monkeypatch, argv, want):
+    started = []
+    monkeypatch.setattr(LocalCluster, "_start",
+                        lambda self, name, args, log_level, gpu=None: started.append((name, args)))
+    args, rest = cli.build_parser().parse_known_args(["launch", "--device", "cpu", *argv])
+    args.engine_argv = rest
+    cli._cluster_from_args(args)
+    workers = {name: flag_value(a, "--drain-timeout", None) for name, a in started if name != "gateway"}
+    assert workers == {"prefill-0": want, "decode-1": want}
+    assert all("--drain-timeout" not in a for name, a in started if name == "gateway")
+
+
+def test_launch_passes_the_gateways_flags_to_the_gateway_only(monkeypatch):
+    """Every gateway flag launch takes reaches the gateway's command and no worker's, and each
+    process's command parses as its own subcommand's."""
+    started = []
+    monkeypatch.setattr(LocalCluster, "_start",
+                        lambda self, name, args, log_level, gpu=None: started.append((name, args)))
+    given = ["--api-key", "k1", "--max-queued-requests", "3", "--max-outstanding-requests", "5",
+             "--admit-timeout", "7.5", "--served-model-name", "m", "--prefill-policy", "round_robin",
+             "--tool-call-parser", "hermes"]
+    args, rest = cli.build_parser().parse_known_args(["launch", "--device", "cpu", *given])
+    args.engine_argv = rest
+    assert rest == ["--device", "cpu"]
+    cli._cluster_from_args(args)
+    commands = dict(started)
+    gateway = cli.build_parser().parse_args(commands.pop("gateway"))
+    assert (gateway.api_key, gateway.max_queued_requests, gateway.max_outstanding_requests,
+            gateway.admit_timeout_s, gateway.served_model_name, gateway.prefill_policy,
+            gateway.tool_call_parser) == ("k1", 3, 5, 7.5, "m", "round_robin", "hermes")
+    for name, command in commands.items():
+        assert not set(given[::2]) & set(command), name
+        cli.build_parser().parse_args(command)  # a worker's flags are all its own
