@@ -226,6 +226,9 @@ class GatewayConfig:
         4096, "requests waiting in the gateway's queue; beyond this, 429 with Retry-After")
     max_outstanding_requests: int = _opt(
         8192, "requests queued or running; beyond this, 429 with Retry-After")
+    retry_max_retries: int = _opt(
+        2, "times a request whose worker was lost (died, unreachable, restarted) before its "
+        "first token goes back to the queue for another pair (0: it fails at once)")
     api_key: str = _opt("", "clients must send 'Authorization: Bearer KEY' on /v1/* (default: "
                         "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
     body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",
@@ -248,6 +251,8 @@ class GatewayConfig:
         for name in ("max_queued_requests", "max_outstanding_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.retry_max_retries < 0:
+            raise ValueError("--retry-max-retries must be >= 0")
 
 
 # ---- CLI flags from the fields ----------------------------------------------------------------

@@ -15,7 +15,7 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import zmq
@@ -41,11 +41,13 @@ SILENCE_CHECK_S = 5.0  # how often a waiting request looks whether its workers s
 class ClusterError(Exception):
     """A request the cluster cannot serve, with the HTTP status it maps to: 400 (it can never
     fit), 429 (the queue is full), 503 (no workers or no capacity in time), 500 (a worker
-    failed)."""
+    failed). worker_lost: a worker of the request left the cluster (the request may go again
+    on others)."""
 
-    def __init__(self, message: str, status: int = 500, retry_after: float | None = None):
+    def __init__(self, message: str, status: int = 500, retry_after: float | None = None,
+                 worker_lost: bool = False):
         super().__init__(message)
-        self.status, self.retry_after = status, retry_after
+        self.status, self.retry_after, self.worker_lost = status, retry_after, worker_lost
 
 
 @dataclass
@@ -163,20 +165,44 @@ class Cluster(TokenSource):
                                               asyncio.current_task())
         timer = RequestTimer(self.metrics)
         completed = False  # a worker finished it: nothing to abort
+        started = False  # a token went out: from here a failure is the client's to see
         try:
-            run = self._disaggregated if self.pool("prefill") and self.pool("decode") else self._colocated
-            async for event in run(spec, flight, timer):
-                if event.finished:
-                    completed = True
-                    event.timings = timer.timings()
-                    self.metrics.finished(event.finish_reason or "abort")
-                yield event
+            for attempt in itertools.count(1):
+                try:
+                    run = (self._disaggregated if self.pool("prefill") and self.pool("decode")
+                           else self._colocated)
+                    async for event in run(spec, flight, timer):
+                        started = True
+                        if event.finished:
+                            completed = True
+                            event.timings = timer.timings()
+                            self.metrics.finished(event.finish_reason or "abort")
+                        yield event
+                    return
+                except ClusterError as e:
+                    if started or not e.worker_lost or attempt > self.config.retry_max_retries:
+                        raise
+                    logger.warning("request %s: %s before its first token; to the queue again "
+                                   "(retry %d of %d)", rid, e, attempt, self.config.retry_max_retries)
+                    self.metrics.retried.inc()
+                    spec = self._again(spec, flight, f"{rid}~retry{attempt}")
         except ClusterError as e:
             self.metrics.finished("error")
             yield TokenEvent([], finished=True, error=str(e), status=e.status,
                              retry_after=e.retry_after)
         finally:
-            self._end(rid, flight, abort=not completed)
+            self._end(spec.request_id, flight, abort=not completed)
+
+    def _again(self, spec: GenerateSpec, flight: _Flight, rid: str) -> GenerateSpec:
+        """The request lost a worker before its first token: abort it on the workers that still
+        hold it, and send it again under a new id, so that a late message of the failed attempt
+        (a surviving worker's) cannot pass for one of the new attempt."""
+        self._end(spec.request_id, flight, abort=True)
+        flight.error = None
+        while not flight.queue.empty():
+            flight.queue.get_nowait()
+        self._flights[rid] = flight
+        return replace(spec, request_id=rid)
 
     def _end(self, rid: str, flight: _Flight, abort: bool) -> None:
         """The request is over at the gateway: forget it on every worker, and abort it on those
@@ -525,7 +551,7 @@ class Cluster(TokenSource):
             if flight is not None:
                 if worker_id in flight.workers:
                     flight.workers.remove(worker_id)
-                flight.fail(ClusterError(reason))
+                flight.fail(ClusterError(reason, worker_lost=True))
         if not (self.pool("prefill") and self.pool("decode")):
             self._fail_queued(ClusterError(f"no prefill+decode pair is left ({reason})", 503,
                                            self.config.worker_timeout_s))

@@ -39,6 +39,8 @@ class GatewayMetrics:
                             "queue for a prefill+decode pair", registry=r)
         self.rejected = Counter("pd_serve:requests_rejected", "requests refused before they ran, "
                                 "by why (queue_full, outstanding, admit_timeout)", ["reason"], registry=r)
+        self.retried = Counter("pd_serve:request_retries", "requests sent back to the queue "
+                               "because their worker was lost before their first token", registry=r)
         self.num_workers = Gauge("pd_serve:num_workers", "registered workers", ["role"], registry=r)
 
     def finished(self, reason: str) -> None:

@@ -319,6 +319,37 @@ def test_kill_decode_mid_stream_errors_and_survivor_serves():
         cluster.stop()
 
 
+def test_requests_on_a_lost_prefill_worker_are_served_by_the_other(reference):
+    """2P1D, round robin: one prefill worker freezes (SIGSTOP) as requests arrive, so about half
+    land on it; the gateway drops it after --worker-timeout and sends those requests again to
+    the other one. Every client gets the colocated engine's greedy text."""
+    cluster = start_cluster(2, 1, gateway_args=("--worker-timeout", "4", "--step-timeout", "60",
+                                                "--prefill-policy", "round_robin"))
+    try:
+        client = client_for(cluster)
+        model = client.models.list().data[0].id
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
+        expected = [greedy_text(reference, p, 8)[0] for p in prompts]
+        victim = next(p for name, p in cluster.procs if name.startswith("prefill"))
+        os.kill(victim.pid, signal.SIGSTOP)
+
+        async def main():
+            aclient = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="x",
+                                         max_retries=0, timeout=120)
+            outs = await asyncio.gather(*(aclient.completions.create(
+                model=model, prompt=p, max_tokens=8, temperature=0) for p in prompts))
+            return [o.choices[0].text for o in outs]
+
+        try:
+            assert asyncio.run(main()) == expected
+        finally:
+            os.kill(victim.pid, signal.SIGKILL)
+        assert metrics(cluster.base_url)[("pd_serve:request_retries_total", "")] >= 1
+        assert all(used == 0 for used, _ in wait_idle(cluster).values())
+    finally:
+        cluster.stop()
+
+
 def test_kill_prefill_fails_inflight_and_gateway_restart_reregisters():
     cluster = start_cluster(1, 1, gateway_args=("--worker-timeout", "2", "--step-timeout", "20"))
     try:

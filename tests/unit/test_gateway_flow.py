@@ -267,6 +267,41 @@ async def test_queued_requests_get_503_when_no_pair_is_left(cluster, add):
     await asyncio.gather(tasks[0], return_exceptions=True)
 
 
+async def lose_prefill_mid_request(cluster, add) -> tuple[FakeWorker, asyncio.Task]:
+    """Request "r" on prefill "p1", which then goes silent (dropped after the worker timeout)
+    while "p2" is registered: the decode worker and the request's collector task."""
+    decode, p1 = add("decode", "d"), add("prefill", "p1")
+    await ready(cluster, 2)
+    p1.answer_prefill = False
+    task = asyncio.create_task(collect(cluster, spec("r")))
+    await until(lambda: p1.of(Prefill))
+    add("prefill", "p2")
+    await ready(cluster, 3)
+    await p1.close()
+    return decode, task
+
+
+@with_gateway(worker_timeout_s=1.0)
+async def test_a_request_that_lost_its_worker_before_its_first_token_goes_again(cluster, add):
+    """Its prefill worker died: the request is aborted where it still was (decode's pages) and
+    served by the other prefill worker under a new id; the client sees only its tokens."""
+    decode, task = await lose_prefill_mid_request(cluster, add)
+    events = await asyncio.wait_for(task, 20)
+    assert [e.new_token_ids for e in events] == [[7], [8]] and not events[-1].error
+    assert [m.request_id for m in decode.of(Admit)] == ["r", "r~retry1"]
+    assert [m.request_id for m in decode.of(AbortRequest)] == ["r"]
+    assert cluster.metrics.retried._value.get() == 1
+    assert not cluster._flights and all(not w.inflight for w in cluster.workers.values())
+
+
+@with_gateway(worker_timeout_s=1.0, retry_max_retries=0)
+async def test_with_no_retries_a_lost_worker_fails_the_request(cluster, add):
+    decode, task = await lose_prefill_mid_request(cluster, add)
+    events = await asyncio.wait_for(task, 20)
+    assert events[-1].status == 500 and "worker p1" in events[-1].error  # (unreachable or silent)
+    assert [m.request_id for m in decode.of(Admit)] == ["r"]
+
+
 @with_gateway(worker_timeout_s=60.0)
 async def test_a_send_to_a_disconnected_worker_drops_it_at_once(cluster, add):
     """zmq reports an unroutable worker on the send's future: the gateway's next message to
