@@ -323,6 +323,42 @@ def _bound_strings(node) -> None:
         _bound_strings(value)
 
 
+# JSON-schema keywords that xgrammar 0.2.9 compiles but does not enforce: its grammar then admits
+# instances the schema refuses (tried on a valid and an invalid instance of each). allOf is
+# enforced only as one subschema with nothing but annotations beside it (pydantic's
+# {"allOf": [{"$ref": ...}], "description": ...}).
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+               "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedProperties")
+_ANNOTATIONS_AND_ALLOF = {"title", "description", "default", "examples", "$comment", "deprecated",
+                "readOnly", "writeOnly", "allOf"}
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedItems",
+              "propertyNames", "contains", "not", "if", "then", "else", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def unenforced_keyword(schema, path: str = "$") -> str | None:
+    """The first keyword of a JSON schema that the grammar does not enforce, as "'name' at
+    path", or None. Walks the schema's keywords, not its data (const, enum, default)."""
+    if not isinstance(schema, dict):
+        return None
+    for key in _UNENFORCED:
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            return f"{key!r} at {path}"
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and (len(all_of) > 1 or set(schema) - _ANNOTATIONS_AND_ALLOF):
+        return f"'allOf' at {path}"
+    children = [(f"{path}.{key}", schema[key]) for key in _SUBSCHEMA if key in schema]
+    children += [(f"{path}.{key}[{i}]", sub) for key in _SUBSCHEMA_LISTS
+                 if isinstance(schema.get(key), list) for i, sub in enumerate(schema[key])]
+    children += [(f"{path}.{key}.{name}", sub) for key in _NAMED_SUBSCHEMAS
+                 if isinstance(schema.get(key), dict) for name, sub in schema[key].items()]
+    for where, sub in children:
+        if found := unenforced_keyword(sub, where):
+            return found
+    return None
+
+
 @functools.cache
 def _grammar_thread() -> ThreadPoolExecutor:
     """The one thread advance_grammars queues on (one: a state's jobs stay in order)."""

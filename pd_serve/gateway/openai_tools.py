@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pd_serve.engine.grammar import canonical_json, check_grammar
+from pd_serve.engine.grammar import canonical_json, check_grammar, unenforced_keyword
 from pd_serve.engine.sampling_params import Grammar
 
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
@@ -110,6 +110,10 @@ def _tool_schemas(tools: list) -> dict[str, dict]:
             raise ToolsError(f"{where}.function.parameters must be a JSON schema object, got "
                            f"{type(schema).__name__}", f"{where}.function.parameters")
         _checked(schema, f"{where}.function.parameters")
+        if function.get("strict") is True and (found := unenforced_keyword(schema)):
+            raise ToolsError(f"{where}.function.parameters: {found} is not enforced by the grammar "
+                             "engine; remove it, or leave out \"strict\": true",
+                             f"{where}.function.parameters")
         schemas[name] = schema
     return schemas
 
