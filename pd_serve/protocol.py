@@ -160,6 +160,9 @@ class WorkerStatus:
     max_model_len: int = 0
     draining: bool = False  # after SIGTERM: finishing what it holds; the gateway sends it no more
     metrics: str = ""
+    # counts up with each status of an incarnation: the gateway takes only a newer one, so a
+    # status recorded off the wire and sent again (from another connection) moves nothing
+    seq: int = 0
 
 
 @dataclass
@@ -593,8 +596,8 @@ def _check_logprob(row: Logprob) -> str:
 def _check_status(msg: WorkerStatus) -> str:
     if msg.role not in ROLES:
         return f"role {_short(msg.role)} is not one of {', '.join(ROLES)}"
-    if msg.tp < 1 or msg.num_pages < 0 or msg.num_free_pages < 0:
-        return f"tp {msg.tp}, pages {msg.num_free_pages}/{msg.num_pages}"
+    if msg.tp < 1 or msg.num_pages < 0 or msg.num_free_pages < 0 or msg.seq < 0:
+        return f"tp {msg.tp}, pages {msg.num_free_pages}/{msg.num_pages}, seq {msg.seq}"
     return ""
 
 

@@ -52,6 +52,7 @@ class Worker:
         self.role = role
         self.worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
         self.incarnation = secrets.token_hex(8)  # a restart under the same id is a new worker
+        self._status_seq = 0  # WorkerStatus.seq of the last status sent
         self.codec = protocol.Codec(config.cluster_key)
         transfer = self.transfer_config()
         self.core = EngineCore(config.engine, tp_follower_io=None if transfer is None
@@ -253,8 +254,9 @@ class Worker:
         transfer = {} if self.connector is None else {"transfer_backend": self.transfer_backend}
         if self.role == "decode":
             transfer["transfer_addresses"] = self.connector.addresses
+        self._status_seq += 1
         return WorkerStatus(
-            worker_id=self.worker_id, role=self.role, model=str(core.model_dir),
+            worker_id=self.worker_id, role=self.role, model=str(core.model_dir), seq=self._status_seq,
             incarnation=self.incarnation, layout=dataclasses.asdict(model_layout(core)),
             tp=core.config.tp, num_pages=alloc.num_pages, num_free_pages=available,
             num_running=running, num_waiting=waiting,

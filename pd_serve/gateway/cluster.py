@@ -466,6 +466,10 @@ class Cluster(TokenSource):
                                         "connection other than its own")
             return
         if isinstance(msg, WorkerStatus):
+            if state is not None and msg.seq <= state.status.seq:
+                protocol.refused("control", f"a status of {worker_id!r} no newer than the last "
+                                            "(one sent again)")
+                return
             if state is None:
                 if error := status_error(msg):
                     protocol.refused("control", f"registration of {worker_id}: {error}")

@@ -44,10 +44,12 @@ class FakeWorker:
         self.prefill_ok = True
         self.answer_prefill = True  # prefill: answer a Prefill at once (else never)
         self.stuck = False  # heartbeats only: alive, but its loop never comes round
+        self.seq = 0  # WorkerStatus.seq of the last status
         self._task = asyncio.create_task(self._serve())
 
     def status(self) -> WorkerStatus:
-        return WorkerStatus(worker_id=self.worker_id, role=self.role, model="m",
+        self.seq += 1
+        return WorkerStatus(worker_id=self.worker_id, role=self.role, model="m", seq=self.seq,
                             incarnation=self.incarnation, transfer_backend="tcp",
                             transfer_addresses=["tcp://127.0.0.1:1"] if self.role == "decode" else [],
                             layout=LAYOUT, num_pages=self.num_pages, num_free_pages=self.num_pages,
@@ -55,7 +57,10 @@ class FakeWorker:
                             max_model_len=4096)
 
     def send(self, msg) -> None:
-        self.sock.send(self.codec.encode(msg))
+        data = self.codec.encode(msg)
+        if isinstance(msg, WorkerStatus):
+            self.last_status = data  # what a peer on the wire could record
+        self.sock.send(data)
 
     def of(self, kind) -> list:
         return [m for m in self.received if isinstance(m, kind)]
@@ -380,6 +385,25 @@ async def test_a_request_has_at_most_as_many_choices_as_the_queue_holds(cluster,
 
 
 @with_gateway()
+async def test_a_status_sent_again_from_another_connection_moves_nothing(cluster, add):
+    """A peer that recorded a worker's keyed status off the wire sends it from a connection of
+    its own: it is no newer than the last, so it is refused, not taken for a reconnect (which
+    would route the worker's requests to the peer); the worker serves on."""
+    decode, _ = await one_pair(cluster, add)
+    route, before = cluster.workers["d"].route, _errors("control")
+    peer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(cluster.control_address)
+    try:
+        await peer.send(decode.last_status)
+        await until(lambda: _errors("control") > before)
+        assert cluster.workers["d"].route == route
+        assert not (await collect(cluster, spec("r")))[-1].error and decode.of(StartDecode)
+    finally:
+        peer.close()
+
+
+@with_gateway()
 async def test_a_peer_squatting_a_worker_id_cannot_keep_the_worker_out(cluster, add):
     """A peer without the key connects first under a worker's id as its ZMQ identity (the
     gateway routed by worker id, so the worker's own connection was never heard, for good);
@@ -423,6 +447,7 @@ async def test_a_worker_on_a_new_connection_is_served_there(cluster, add):
     first._task.cancel()  # its old connection stays open, silent
     route = cluster.workers["d"].route
     second = add("decode", "d")
+    second.seq = first.seq + 1  # the same process: its statuses count on
     await until(lambda: cluster.workers["d"].route != route)
     assert not (await collect(cluster, spec("r")))[-1].error
     assert second.of(StartDecode) and not first.of(StartDecode)
