@@ -58,6 +58,7 @@ class _Flight:
     task: asyncio.Task | None
     workers: list[str] = field(default_factory=list)
     error: ClusterError | None = None  # a worker it was on failed
+    arrival: int | None = None  # its place among equal priorities in the queue, kept by a retry
 
     def fail(self, error: ClusterError) -> None:
         self.error = error
@@ -196,7 +197,8 @@ class Cluster(TokenSource):
     def _again(self, spec: GenerateSpec, flight: _Flight, rid: str) -> GenerateSpec:
         """The request lost a worker before its first token: abort it on the workers that still
         hold it, and send it again under a new id, so that a late message of the failed attempt
-        (a surviving worker's) cannot pass for one of the new attempt."""
+        (a surviving worker's) cannot pass for one of the new attempt. It keeps its place in
+        the queue (flight.arrival)."""
         self._end(spec.request_id, flight, abort=True)
         flight.error = None
         while not flight.queue.empty():
@@ -262,7 +264,9 @@ class Cluster(TokenSource):
             raise ClusterError(f"the gateway's queue is full (--max-queued-requests "
                                f"{self.config.max_queued_requests}); retry later", 429, 1)
         deadline = time.monotonic() + self.config.admit_timeout_s
-        entry = _Waiting(spec.priority, next(self._seq), spec, None)
+        if flight.arrival is None:
+            flight.arrival = next(self._seq)
+        entry = _Waiting(spec.priority, flight.arrival, spec, None)
         while True:
             entry.pair = asyncio.get_running_loop().create_future()
             heapq.heappush(self._queue, entry)

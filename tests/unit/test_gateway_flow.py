@@ -299,6 +299,24 @@ async def test_a_request_that_lost_its_worker_before_its_first_token_goes_again(
     assert not cluster._flights and all(not w.inflight for w in cluster.workers.values())
 
 
+@with_gateway(worker_timeout_s=1.0)
+async def test_a_retried_request_keeps_its_place_in_the_queue(cluster, add):
+    """"q" arrived after "r" and waits for decode's only slot, which "r" holds; "r" loses its
+    prefill worker and queues again, ahead of "q"."""
+    decode, p1 = add("decode", "d", max_running=1), add("prefill", "p1")
+    await ready(cluster, 2)
+    p1.answer_prefill = False
+    first = asyncio.create_task(collect(cluster, spec("r")))
+    await until(lambda: p1.of(Prefill))
+    later = await queued(cluster, [spec("q")])
+    add("prefill", "p2")
+    await ready(cluster, 3)
+    await p1.close()
+    events = await asyncio.wait_for(asyncio.gather(first, *later), 20)
+    assert all(not e[-1].error for e in events)
+    assert [m.request_id for m in decode.of(Admit)] == ["r", "r~retry1", "q"]
+
+
 @with_gateway(worker_timeout_s=1.0, retry_max_retries=0)
 async def test_with_no_retries_a_lost_worker_fails_the_request(cluster, add):
     decode, task = await lose_prefill_mid_request(cluster, add)
