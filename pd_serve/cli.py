@@ -130,8 +130,10 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
     gpu_ids = launch_gpu_ids(passthrough, args.gpu_ids.split(",") if args.gpu_ids else None)
     passthrough += launch_transfer_args(passthrough) + launch_drain_args(passthrough)
     gateway_args = ["--model", args.model] if args.model else []
+    if args.api_key:  # to the gateway in its environment: a command line is visible in ps
+        os.environ["PD_SERVE_API_KEY"] = args.api_key
     for f in fields(GatewayConfig):  # the gateway's flags that were given, passed to it
-        value = getattr(args, f.name, None) if f.name not in _LAUNCH_OWNS else None
+        value = getattr(args, f.name, None) if f.name not in _LAUNCH_OWNS + ("api_key",) else None
         if value is not None and value is not False:
             gateway_args += [config_flag(f)] + ([] if value is True else [str(value)])
     return LocalCluster(port=args.port, num_prefill=args.prefill, num_decode=args.decode,

@@ -324,13 +324,12 @@ def _bound_strings(node) -> None:
 
 
 # JSON-schema keywords that xgrammar 0.2.9 compiles but does not enforce: its grammar then admits
-# instances the schema refuses (tried on a valid and an invalid instance of each). allOf is
-# enforced only as one subschema with nothing but annotations beside it (pydantic's
-# {"allOf": [{"$ref": ...}], "description": ...}).
+# instances the schema refuses (tried on a valid and an invalid instance of each). It also drops
+# what sits beside allOf, $ref, anyOf or oneOf (but annotations), and takes allOf as one subschema.
 _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
                "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedProperties")
-_ANNOTATIONS_AND_ALLOF = {"title", "description", "default", "examples", "$comment", "deprecated",
-                "readOnly", "writeOnly", "allOf"}
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$defs", "definitions", "$schema", "$id"}
 _NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "unevaluatedItems",
               "propertyNames", "contains", "not", "if", "then", "else", "unevaluatedProperties")
@@ -338,16 +337,25 @@ _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
 def unenforced_keyword(schema, path: str = "$") -> str | None:
-    """The first keyword of a JSON schema that the grammar does not enforce, as "'name' at
-    path", or None. Walks the schema's keywords, not its data (const, enum, default)."""
+    """What of a JSON schema the grammar does not enforce, first found, as "'keyword' at
+    path" (with why, where it is not the keyword itself), or None. Walks the schema's
+    keywords, not its data (const, enum, default) or property names."""
     if not isinstance(schema, dict):
         return None
     for key in _UNENFORCED:
         if key in schema and not (key == "uniqueItems" and schema[key] is False):
             return f"{key!r} at {path}"
-    all_of = schema.get("allOf")
-    if isinstance(all_of, list) and (len(all_of) > 1 or set(schema) - _ANNOTATIONS_AND_ALLOF):
-        return f"'allOf' at {path}"
+    for key in ("allOf", "$ref", "anyOf", "oneOf"):
+        if key in schema and (beside := sorted(set(schema) - _ANNOTATIONS - {key})):
+            return f"{key!r} at {path} (with {', '.join(beside)} beside it)"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"'allOf' at {path} (of more than one schema)"
+    if isinstance(schema.get("$ref"), str) and not schema["$ref"].startswith("#"):
+        return f"'$ref' at {path} (to another document)"
+    names = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if isinstance(schema.get("required"), list) and (missing := [
+            n for n in schema["required"] if n not in names]):
+        return f"'required' at {path} ({missing[0]!r} is not among its properties)"
     children = [(f"{path}.{key}", schema[key]) for key in _SUBSCHEMA if key in schema]
     children += [(f"{path}.{key}[{i}]", sub) for key in _SUBSCHEMA_LISTS
                  if isinstance(schema.get(key), list) for i, sub in enumerate(schema[key])]

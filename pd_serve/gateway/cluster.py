@@ -462,7 +462,8 @@ class Cluster(TokenSource):
             if not isinstance(msg, WorkerStatus):  # (a restart shows itself by registering)
                 return
             self._superseded.setdefault(worker_id, set()).add(state.status.incarnation)
-            self._drop(worker_id, f"worker {worker_id} restarted")
+            # (the queue waits: the new process registers below, in this same call)
+            self._drop(worker_id, f"worker {worker_id} restarted", fail_queued=False)
             state = None
         if (state is not None and not isinstance(msg, (Heartbeat, WorkerStatus))
                 and route != state.route):
@@ -477,6 +478,10 @@ class Cluster(TokenSource):
             if state is None:
                 if error := status_error(msg):
                     protocol.refused("control", f"registration of {worker_id}: {error}")
+                    if not (self.pool("prefill") and self.pool("decode")):  # (after a restart)
+                        self._fail_queued(ClusterError(
+                            f"no prefill+decode pair is left ({worker_id} restarted and was "
+                            f"refused: {error})", 503, self.config.worker_timeout_s))
                     return
                 logger.info("registered %s worker %s (tp %d)", msg.role, worker_id, msg.tp)
                 self.workers[worker_id] = state = WorkerState(msg, route=route)
@@ -548,7 +553,7 @@ class Cluster(TokenSource):
                 self._send(worker_id, GatewayPing(self.gateway_id, list(state.inflight),
                                                   self.config.worker_timeout_s))
 
-    def _drop(self, worker_id: str, reason: str) -> None:
+    def _drop(self, worker_id: str, reason: str, fail_queued: bool = True) -> None:
         state = self.workers.pop(worker_id, None)
         if state is None:
             return
@@ -560,7 +565,7 @@ class Cluster(TokenSource):
                 if worker_id in flight.workers:
                     flight.workers.remove(worker_id)
                 flight.fail(ClusterError(reason, worker_lost=True))
-        if not (self.pool("prefill") and self.pool("decode")):
+        if fail_queued and not (self.pool("prefill") and self.pool("decode")):
             self._fail_queued(ClusterError(f"no prefill+decode pair is left ({reason})", 503,
                                            self.config.worker_timeout_s))
         self._capacity.set()

@@ -414,6 +414,9 @@ def _response_format(value) -> Grammar | None:
     if not isinstance(schema, dict):
         raise ApiError(f"response_format.json_schema.schema must be a JSON schema object, got "
                        f"{_json_type(schema)}", f"{param}.json_schema.schema")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise ApiError(f"response_format.json_schema.strict must be a boolean, got "
+                       f"{_json_type(spec['strict'])}", f"{param}.json_schema.strict")
     if spec.get("strict") is True:  # without it the output follows the schema where it can
         _check_enforced(schema, f"{param}.json_schema.schema")
     return Grammar("json_schema", canonical_json(schema))

@@ -110,6 +110,9 @@ def _tool_schemas(tools: list) -> dict[str, dict]:
             raise ToolsError(f"{where}.function.parameters must be a JSON schema object, got "
                            f"{type(schema).__name__}", f"{where}.function.parameters")
         _checked(schema, f"{where}.function.parameters")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise ToolsError(f"{where}.function.strict must be a boolean, got "
+                             f"{type(function['strict']).__name__}", f"{where}.function.strict")
         if function.get("strict") is True and (found := unenforced_keyword(schema)):
             raise ToolsError(f"{where}.function.parameters: {found} is not enforced by the grammar "
                              "engine; remove it, or leave out \"strict\": true",

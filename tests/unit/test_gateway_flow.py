@@ -347,6 +347,24 @@ async def test_a_restarted_worker_fails_its_old_requests_at_once(cluster, add):
 
 
 @with_gateway()
+async def test_queued_requests_wait_through_a_worker_restart(cluster, add):
+    """The only prefill worker restarts (a new incarnation under its id) while requests wait
+    in the queue: they wait on and the new process serves them (no 503 for the instant the
+    pool was empty)."""
+    decode, prefill, held = await held_request(cluster, add, max_running=1)
+    waiting = await queued(cluster, [spec("r1"), spec("r2")])
+    prefill.incarnation, prefill.seq = "two", 0
+    prefill.send(prefill.status())
+    await until(lambda: cluster.workers["p"].status.incarnation == "two")
+    decode.finish = True
+    held.cancel()  # "r" frees decode's only slot
+    await asyncio.gather(held, return_exceptions=True)
+    events = await asyncio.wait_for(asyncio.gather(*waiting), 20)
+    assert all(not e[-1].error for e in events), [e[-1].error for e in events]
+    assert [m.request_id for m in prefill.of(Prefill)] == ["r", "r1", "r2"]
+
+
+@with_gateway()
 async def test_pings_list_each_workers_requests(cluster, add):
     decode, _ = await one_pair(cluster, add)
     decode.finish = False

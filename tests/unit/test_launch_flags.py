@@ -5,6 +5,8 @@ LocalCluster._start records what it would run."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pd_serve import cli
@@ -25,6 +27,7 @@ def test_launch_workers_drain_timeout(monkeypatch, argv, want):
 
 
 def test_launch_passes_the_gateways_flags_to_the_gateway_only(monkeypatch):
+    monkeypatch.setenv("PD_SERVE_API_KEY", "")  # (launch sets it; undone after the test)
     """Every gateway flag launch takes reaches the gateway's command and no worker's, and each
     process's command parses as its own subcommand's."""
     started = []
@@ -39,9 +42,10 @@ def test_launch_passes_the_gateways_flags_to_the_gateway_only(monkeypatch):
     cli._cluster_from_args(args)
     commands = dict(started)
     gateway = cli.build_parser().parse_args(commands.pop("gateway"))
-    assert (gateway.api_key, gateway.max_queued_requests, gateway.max_outstanding_requests,
+    assert (gateway.max_queued_requests, gateway.max_outstanding_requests,
             gateway.admit_timeout_s, gateway.served_model_name, gateway.prefill_policy,
-            gateway.tool_call_parser) == ("k1", 3, 5, 7.5, "m", "round_robin", "hermes")
+            gateway.tool_call_parser) == (3, 5, 7.5, "m", "round_robin", "hermes")
+    assert not gateway.api_key and os.environ["PD_SERVE_API_KEY"] == "k1"  # not in ps
     for name, command in commands.items():
-        assert not set(given[::2]) & set(command), name
+        assert not set(given[::2]) & set(command) and "k1" not in command, name
         cli.build_parser().parse_args(command)  # a worker's flags are all its own
