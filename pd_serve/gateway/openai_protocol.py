@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from pd_serve.engine.grammar import canonical_json, check_grammar, unenforced_keyword
+from pd_serve.engine.grammar import canonical_json, check_grammar
 from pd_serve.engine.sampling_params import Grammar, SamplingParams
-from pd_serve.gateway.openai_tools import ToolChoice, ToolsError, parse_tools
+from pd_serve.gateway.openai_tools import (ToolChoice, ToolsError, parse_tools,
+                                           strict_schema_problem)
 from pd_serve.gateway.reasoning import prompt_opens_reasoning
 from pd_serve.gateway.tool_parsers import make_parser
 from pd_serve.model.tokenizer import Tokenizer
@@ -388,7 +389,8 @@ def _grammar_field(body: dict, name: str) -> Grammar | None:
                 raise ApiError(f"guided_json is not valid JSON: {e}", name) from None
         if not isinstance(value, dict):
             raise ApiError(f"'{name}' must be a JSON schema object, got {_json_type(value)}", name)
-        _check_enforced(value, name)
+        if problem := strict_schema_problem(None, value, name):
+            raise ApiError(*problem)
         return Grammar(kind, canonical_json(value))
     if not isinstance(value, str) or not value:
         raise ApiError(f"'{name}' must be a non-empty string, got {_json_type(value)}", name)
@@ -414,22 +416,10 @@ def _response_format(value) -> Grammar | None:
     if not isinstance(schema, dict):
         raise ApiError(f"response_format.json_schema.schema must be a JSON schema object, got "
                        f"{_json_type(schema)}", f"{param}.json_schema.schema")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise ApiError(f"response_format.json_schema.strict must be a boolean, got "
-                       f"{_json_type(spec['strict'])}", f"{param}.json_schema.strict")
-    if spec.get("strict") is True:  # without it the output follows the schema where it can
-        _check_enforced(schema, f"{param}.json_schema.schema")
+    # (without strict the output follows the schema where the grammar can)
+    if problem := strict_schema_problem(spec, schema, f"{param}.json_schema", "schema"):
+        raise ApiError(*problem)
     return Grammar("json_schema", canonical_json(schema))
-
-
-def _check_enforced(schema: dict, param: str) -> None:
-    """A schema the output must follow (strict, or vLLM's guided_json) may use only keywords
-    the grammar enforces: the output could break the others, so they are a 400 (as OpenAI's
-    strict mode refuses keywords it does not support)."""
-    if found := unenforced_keyword(schema):
-        raise ApiError(f"{param}: {found} is not enforced by the grammar engine; remove it (or, "
-                       "in response_format, leave out \"strict\": true to have the rest enforced)",
-                       param)
 
 
 def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,

@@ -110,15 +110,26 @@ def _tool_schemas(tools: list) -> dict[str, dict]:
             raise ToolsError(f"{where}.function.parameters must be a JSON schema object, got "
                            f"{type(schema).__name__}", f"{where}.function.parameters")
         _checked(schema, f"{where}.function.parameters")
-        if function.get("strict") is not None and not isinstance(function["strict"], bool):
-            raise ToolsError(f"{where}.function.strict must be a boolean, got "
-                             f"{type(function['strict']).__name__}", f"{where}.function.strict")
-        if function.get("strict") is True and (found := unenforced_keyword(schema)):
-            raise ToolsError(f"{where}.function.parameters: {found} is not enforced by the grammar "
-                             "engine; remove it, or leave out \"strict\": true",
-                             f"{where}.function.parameters")
+        if problem := strict_schema_problem(function, schema, f"{where}.function"):
+            raise ToolsError(*problem)
         schemas[name] = schema
     return schemas
+
+
+def strict_schema_problem(owner: dict | None, schema: dict, where: str,
+                          schema_param: str = "parameters") -> tuple[str, str] | None:
+    """(message, param) of a 400, or None. owner["strict"] (a tool's function, response_format's
+    json_schema) must be a boolean if given; a schema the output must follow (strict true, or
+    owner None: vLLM's guided_json) may use only what the grammar enforces, as OpenAI's strict
+    mode refuses keywords it does not support."""
+    strict = True if owner is None else owner.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        return f"{where}.strict must be a boolean, got {type(strict).__name__}", f"{where}.strict"
+    param = f"{where}.{schema_param}" if owner is not None else where
+    if strict and (found := unenforced_keyword(schema)):
+        hint = ', or leave out "strict": true' if owner is not None else ""
+        return f"{param}: {found} is not enforced by the grammar engine; remove it{hint}", param
+    return None
 
 
 def _named_choice(choice) -> str:
