@@ -74,6 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
             self.decode_masks = {w: ((k_pos < lens) & ((k_pos >= lens - w) if w else True))
                                  [:, None, None, :] for w in windows}  # [B, 1, 1, Lmax] each
             self.decode_index = torch.tensor(self.decode_token_ids, device=device)
+        self.decode_only = not self.prefill_rows  # every row one new token, in order
 
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rope: Rope | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
@@ -93,15 +94,21 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         window = self.windows[layer_id]
         if self.decode_token_ids:
-            qd = q[self.decode_index].unsqueeze(2)  # [B, Hq, 1, D]
             batch = self.decode_pages.shape[0]
+            # A KV head's query heads as its queries: [B, Hkv, Hq / Hkv, D] (GQA without
+            # SDPA repeating K and V per query head).
+            qd = (q if self.decode_only else q[self.decode_index]).reshape(
+                batch, num_kv_heads, -1, self.head_dim)
             pages = self.decode_pages.flatten()
             kd, vd = (rows_of_pages(cache, pages).view(batch, -1, num_kv_heads, self.head_dim)
                       .transpose(1, 2).to(q.dtype)
                       for cache in (k_cache, v_cache))  # [B, Hkv, Lmax, D]
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_masks[window],
-                                                scale=scale, enable_gqa=True)
-            out[self.decode_index] = od.squeeze(2) if v_scale == 1.0 else od.squeeze(2) * v_scale
+                                                scale=scale).view(batch, -1, self.head_dim)
+            od = od if v_scale == 1.0 else od * v_scale
+            if self.decode_only:
+                return od
+            out[self.decode_index] = od
         for row in self.prefill_rows:
             end = row.start + row.num_new
             # 4-D [1, H, n, D]: SDPA takes its math fallback for 3-D inputs, at twice the time.
