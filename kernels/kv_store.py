@@ -69,10 +69,23 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Torch reference of `store_kv`: an index_copy_ of the rows with a slot (host sync)."""
     _check(k, v, k_cache, v_cache, slot_mapping)
+    store_rows_ref(k, v, k_cache, v_cache, *slotted_rows(slot_mapping), k_scale, v_scale)
+
+
+def slotted_rows(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the tokens that have a slot, as a [T] mask, or None when all do; their slots, int64):
+    what `store_rows_ref` takes, so every layer of one forward can share them (host sync)."""
     valid = slot_mapping >= 0  # [T]
     slots = slot_mapping[valid].long()
+    return (None if slots.shape[0] == slot_mapping.shape[0] else valid), slots
+
+
+def store_rows_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, valid: torch.Tensor | None, slots: torch.Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """`store_kv_ref` given `slotted_rows(slot_mapping)`."""
     for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        rows = quantize_ref(new[valid], cache.dtype, scale)  # [n, H, D]
+        rows = quantize_ref(new if valid is None else new[valid], cache.dtype, scale)  # [n, H, D]
         flat = cache.view(-1, *cache.shape[2:])  # [P * S, H, D]
         if cache.element_size() == 1:  # index_copy_ has no fp8 CPU kernel; copy the bits
             flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)

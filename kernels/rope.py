@@ -26,8 +26,19 @@ def apply_rope_ref_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, c
                     sin: torch.Tensor) -> None:
     """RoPE on q and k in place: float32 math, one rounding, copied back."""
     check(positions, q, k, cos, sin)
-    cos_t = cos[positions].unsqueeze(1)  # [T, 1, D] float32
-    sin_t = sin[positions].unsqueeze(1)
+    rotate_ref_(q, k, *rope_rows(positions, cos, sin))
+
+
+def rope_rows(positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' rows of the tokens' positions, [T, 1, D] each (float32): what
+    `rotate_ref_` takes, so every layer of one forward can share them."""
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def rotate_ref_(q: torch.Tensor, k: torch.Tensor, cos_t: torch.Tensor,
+                sin_t: torch.Tensor) -> None:
+    """`apply_rope_ref_` given the position's rows of the tables (`rope_rows`)."""
     half = q.shape[-1] // 2
     for x in (q, k):
         xf = x.float()  # [T, H, D]

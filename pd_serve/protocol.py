@@ -278,10 +278,21 @@ class GatewayPing:
     timeout_s: float
 
 
+@dataclass
+class Replaced:
+    """Gateway -> worker, in answer to a status of a process that a newer one registered under
+    the same worker id replaced (the old one hung, then woke): it exits, instead of sending
+    statuses the gateway refuses for as long as it lives."""
+
+    worker_id: str
+    incarnation: str
+
+
 MESSAGES = {cls.__name__: cls for cls in (
     TransferHello, TransferWelcome, KVChunks, TransferAbort, TransferAcks, WorkerStatus, WorkerExit, Heartbeat,
     Admit,
-    AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest, GatewayPing)}
+    AdmitReply, Prefill, PrefillDone, StartDecode, Generate, TokenBatch, AbortRequest, GatewayPing,
+    Replaced)}
 
 # Counted wherever a received message is refused (undecodable, ill-typed, or its cluster-key tag
 # does not verify); every process exposes it beside its own metrics.

@@ -33,7 +33,7 @@ from pd_serve.config import TransferConfig, WorkerConfig
 from pd_serve.decode.scheduler import DecodeScheduler
 from pd_serve.engine.core import EngineCore
 from pd_serve.prefill.scheduler import PrefillScheduler
-from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Heartbeat, WorkerExit,
+from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Heartbeat, Replaced, WorkerExit,
                                WorkerStatus)
 from pd_serve.role import ColocatedScheduler, WorkerMetrics
 from pd_serve.transfer import connector
@@ -112,6 +112,8 @@ class Worker:
                         self._link.heard()
                         if isinstance(msg, GatewayPing):
                             self._reconcile(msg)
+                        elif isinstance(msg, Replaced):
+                            self._replaced(msg)
                         elif msg is not None:
                             self.send_all(self.scheduler.handle(msg))
                 if time.monotonic() > self._gateway_deadline:
@@ -201,6 +203,14 @@ class Worker:
         dropped, self._dropped = self._dropped, set()
         for request_id in sorted(dropped & set(ping.request_ids)):
             self.send_all(self.scheduler.fail(request_id, self._dropped_why))
+
+    def _replaced(self, msg: Replaced) -> None:
+        """A newer process registered under this worker id while this one was silent (hung,
+        stopped): the gateway has dropped this one's requests and refuses its messages."""
+        if msg.worker_id == self.worker_id and msg.incarnation == self.incarnation:
+            logger.error("worker %s was replaced by a newer process under its id: exiting",
+                         self.worker_id)
+            self._stop, self._exit_reason = True, "replaced by a newer process"
 
     def _gateway_stuck(self) -> None:
         logger.warning("the gateway took no message for %.0f s: dropping its requests, and "

@@ -28,8 +28,8 @@ from pd_serve.gateway.metrics import GatewayMetrics, RequestTimer
 from pd_serve.gateway.router import Router, WorkerState, pair_error, status_error
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
-                               Prefill, PrefillDone, StartDecode, TokenBatch, TokenDelta, WorkerExit,
-                               WorkerStatus)
+                               Prefill, PrefillDone, Replaced, StartDecode, TokenBatch, TokenDelta,
+                               WorkerExit, WorkerStatus)
 
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
@@ -457,6 +457,10 @@ class Cluster(TokenSource):
         if incarnation is not None and incarnation in self._superseded.get(worker_id, ()):
             protocol.refused("control", f"{type(msg).__name__} of {worker_id!r} from an "
                                         "incarnation a newer process replaced")
+            if isinstance(msg, WorkerStatus):  # its main loop's connection: it exits
+                sent = self._sock.send_multipart(
+                    [route, self.codec.encode(Replaced(worker_id, incarnation))], flags=zmq.NOBLOCK)
+                sent.add_done_callback(lambda future: future.cancelled() or future.exception())
             return
         if state is not None and incarnation is not None and incarnation != state.status.incarnation:
             if not isinstance(msg, WorkerStatus):  # (a restart shows itself by registering)

@@ -350,6 +350,32 @@ def test_requests_on_a_lost_prefill_worker_are_served_by_the_other(reference):
         cluster.stop()
 
 
+def test_a_hung_worker_replaced_under_its_id_exits_when_it_wakes():
+    """A worker hangs (SIGSTOP) and a new process starts under its --worker-id, registers and
+    serves. When the old one wakes (SIGCONT), the gateway tells it it was replaced and it
+    exits, rather than living on with every message it sends refused. (The timeouts outlast
+    the new process's start: the request sent to the hung one is retried on the new one when
+    it registers, rather than failed by an empty pool.)"""
+    cluster = start_cluster(0, 0, 1, gateway_args=("--worker-timeout", "300", "--step-timeout", "300"))
+    try:
+        client = client_for(cluster)
+        model = client.models.list().data[0].id
+        name, old = cluster.procs[-1]
+        os.kill(old.pid, signal.SIGSTOP)
+        level_at = old.args.index("--log-level")
+        cluster._start(f"{name}-new", old.args[level_at + 2:], old.args[level_at + 1])
+        new = cluster.procs[-1][1]
+        answer = client.completions.create(model=model, prompt="Hello", max_tokens=4, timeout=120)
+        assert answer.choices[0].text
+        os.kill(old.pid, signal.SIGCONT)
+        assert old.wait(timeout=120) == 0
+        assert new.poll() is None
+        answer = client.completions.create(model=model, prompt="Hello", max_tokens=4, timeout=120)
+        assert answer.choices[0].text
+    finally:
+        cluster.stop()
+
+
 def test_kill_prefill_fails_inflight_and_gateway_restart_reregisters():
     cluster = start_cluster(1, 1, gateway_args=("--worker-timeout", "2", "--step-timeout", "20"))
     try:

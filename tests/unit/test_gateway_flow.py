@@ -21,7 +21,8 @@ from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.gateway.cluster import Cluster
 from pd_serve.gateway.source import GenerateSpec
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Heartbeat, Prefill,
-                               PrefillDone, StartDecode, TokenBatch, TokenDelta, WorkerStatus)
+                               PrefillDone, Replaced, StartDecode, TokenBatch, TokenDelta,
+                               WorkerStatus)
 
 KEY = b"test-cluster-key"
 LAYOUT = asdict(KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=8, dtype="float32"))
@@ -462,7 +463,7 @@ async def test_a_peer_squatting_a_worker_id_cannot_keep_the_worker_out(cluster, 
 async def test_a_worker_restarted_under_its_id_takes_over_from_a_hung_one(cluster, add):
     """A replacement under the same worker id (a new incarnation) registers while the old
     process, hung, still holds its connection; when the old one wakes, its messages are
-    refused, and requests go to the new one."""
+    refused and it is told it was replaced (so it exits), and requests go to the new one."""
     old, _ = await one_pair(cluster, add)
     old._task.cancel()  # hung: silent, its connection open
     new = add("decode", "d", incarnation="two")
@@ -471,6 +472,12 @@ async def test_a_worker_restarted_under_its_id_takes_over_from_a_hung_one(cluste
     old.send(old.status())  # the old process wakes up, on its own connection
     await until(lambda: _errors("control") > before)
     assert cluster.workers["d"].status.incarnation == "two"
+    told = None
+    while told is None:  # past what the gateway sent it before it hung
+        msg = old.codec.receive(await asyncio.wait_for(old.sock.recv(), 20), "control", "gateway")
+        told = msg if isinstance(msg, Replaced) else None
+    assert (told.worker_id, told.incarnation) == ("d", "one")
+    assert not new.of(Replaced)
     assert not (await collect(cluster, spec("r")))[-1].error
     assert new.of(StartDecode) and not old.of(StartDecode)
 

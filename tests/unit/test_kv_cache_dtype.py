@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kernels.kv_store import quantize_ref, store_kv_ref
+from kernels.kv_store import quantize_ref, slotted_rows, store_kv_ref
 from pd_serve.cache.kv_quant import kv_cache_dtype, load_kv_scales
 from pd_serve.cache.pool import KVLayout, KVPool
 from pd_serve.cli import build_parser, engine_config_from_args
@@ -173,7 +173,7 @@ def test_torch_backend_fp8_close_to_fp32_and_equal_to_its_dequantised_pool(dtype
     for layer in range(NUM_LAYERS):
         q = torch.randn(10, NUM_HEADS, HEAD_DIM, generator=g)
         torch.randn(20, NUM_KV_HEADS, HEAD_DIM, generator=g)  # k, v: stored already
-        again.slot_mapping = torch.empty(0, dtype=torch.int64)  # store nothing
+        again.slotted = slotted_rows(torch.empty(0, dtype=torch.int64))  # store nothing
         k = v = torch.empty(0, NUM_KV_HEADS, HEAD_DIM)
         torch.testing.assert_close(again.run(layer, q, k, v), ours[layer], rtol=1e-5, atol=1e-5)
 

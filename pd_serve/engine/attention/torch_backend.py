@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_store import store_kv_ref
+from kernels.kv_store import slotted_rows, store_rows_ref
 from kernels.norm import rms_norm
-from kernels.rope import apply_rope_ref_
+from kernels.rope import check as check_rope
+from kernels.rope import rope_rows, rotate_ref_
 from pd_serve.cache.pool import pages_for
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata, QKNorm, Rope
 
@@ -46,6 +47,8 @@ class TorchAttentionBackend(AttentionBackend):
         device = self.pool.buffer.device
         page_size = self.pool.layout.page_size
         self.slot_mapping = meta.slot_mapping
+        self.slotted = slotted_rows(meta.slot_mapping)  # the step's, for every layer
+        self.rope_rows = None  # (positions, cos rows, sin rows) of the step's forward
         self.decode_token_ids: list[int] = []
         decode_pages: list[torch.Tensor] = []
         decode_lens: list[int] = []
@@ -86,9 +89,12 @@ class TorchAttentionBackend(AttentionBackend):
             q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         if rope is not None:  # q in place, k on a copy (as rope_store_kv leaves k)
             k = k.clone()
-            apply_rope_ref_(rope[0], q, k, rope[1], rope[2])
-        store_kv_ref(k, v, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
-                     self.slot_mapping, k_scale, v_scale)
+            if self.rope_rows is None or self.rope_rows[0] is not rope[0]:  # first layer
+                check_rope(rope[0], q, k, rope[1], rope[2])
+                self.rope_rows = (rope[0], *rope_rows(*rope))  # one gather for every layer
+            rotate_ref_(q, k, *self.rope_rows[1:])
+        store_rows_ref(k, v, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
+                       *self.slotted, k_scale, v_scale)
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)  # [P, S, H, D]
         scale = self.scale * k_scale  # softmax(q . (k_stored * k_scale) * scale)
         out = torch.empty_like(q)
