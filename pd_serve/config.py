@@ -228,7 +228,8 @@ class GatewayConfig:
         8192, "requests queued or running; beyond this, 429 with Retry-After")
     retry_max_retries: int = _opt(
         2, "times a request whose worker was lost (died, unreachable, restarted) before its "
-        "first token goes back to the queue for another pair (0: it fails at once)")
+        "client saw output (its first token; a non-streamed request's whole answer) goes back "
+        "to the queue for another pair (0: it fails at once)")
     api_key: str = _opt("", "clients must send 'Authorization: Bearer KEY' on /v1/* (default: "
                         "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
     body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",

@@ -166,7 +166,8 @@ class Cluster(TokenSource):
                                               asyncio.current_task())
         timer = RequestTimer(self.metrics)
         completed = False  # a worker finished it: nothing to abort
-        started = False  # a token went out: from here a failure is the client's to see
+        started = False  # a token went out: from here a failure is the client's to see,
+        # unless the request is whole (its client sees nothing before the end)
         try:
             for attempt in itertools.count(1):
                 try:
@@ -181,12 +182,17 @@ class Cluster(TokenSource):
                         yield event
                     return
                 except ClusterError as e:
-                    if started or not e.worker_lost or attempt > self.config.retry_max_retries:
+                    if ((started and not spec.whole) or not e.worker_lost
+                            or attempt > self.config.retry_max_retries):
                         raise
-                    logger.warning("request %s: %s before its first token; to the queue again "
-                                   "(retry %d of %d)", rid, e, attempt, self.config.retry_max_retries)
+                    logger.warning("request %s: %s before its %s; to the queue again (retry %d "
+                                   "of %d)", rid, e, "output was sent" if started else "first token",
+                                   attempt, self.config.retry_max_retries)
                     self.metrics.retried.inc()
                     spec = self._again(spec, flight, f"{rid}~retry{attempt}")
+                    if started:
+                        yield TokenEvent([], restart=True)
+                        started = False
         except ClusterError as e:
             self.metrics.finished("error")
             yield TokenEvent([], finished=True, error=str(e), status=e.status,

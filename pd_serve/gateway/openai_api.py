@@ -63,6 +63,7 @@ class _Delta:
     finish_reason: str | None
     timings: dict  # phase timings (s) from the cluster, on the final delta
     cached_tokens: int = 0  # with token 1: prompt tokens whose KV a prefix cache held
+    restart: bool = False  # the choice's deltas so far are void (a whole request started over)
 
 
 class OpenAIServer:
@@ -155,7 +156,8 @@ class OpenAIServer:
         if isinstance(shape, _ChatShape):
             shape.outputs = [self._chat_output(parsed) for _ in choices]
         specs = [GenerateSpec(request_id if len(choices) == 1 else f"{request_id}-{i}", ids,
-                              params, parsed.priority) for i, (ids, params) in enumerate(choices)]
+                              params, parsed.priority, whole=not parsed.stream)
+                 for i, (ids, params) in enumerate(choices)]
         echoes = [parsed.echo_texts[i // parsed.n] if parsed.echo_texts else ""
                   for i in range(len(specs))]
         deltas = _merged([self._run(spec, parsed, echo) for spec, echo in zip(specs, echoes)])
@@ -166,13 +168,19 @@ class OpenAIServer:
     async def _run(self, spec: GenerateSpec, parsed: ParsedRequest, echo: str = "") -> AsyncIterator[_Delta]:
         """The source's events as text deltas; ends at the first finish (stop string included).
         echo: text put in front of the first delta (completions' echo: the prompt)."""
-        out = OutputText(self.tokenizer, spec.prompt_token_ids, spec.params.stop,
-                         spec.params.skip_special_tokens)
+        def output() -> OutputText:
+            return OutputText(self.tokenizer, spec.prompt_token_ids, spec.params.stop,
+                              spec.params.skip_special_tokens)
+        out, first_echo = output(), echo
         events = self.source.generate(spec)
         try:
             async for event in events:
                 if event.error:
                     raise SourceError(event.error, event.status, event.retry_after)
+                if event.restart:  # the text so far is void: it starts over
+                    out, echo = output(), first_echo
+                    yield _Delta("", [], None, [], None, {}, restart=True)
+                    continue
                 ids = event.new_token_ids
                 eos = (event.finished and event.finish_reason == "stop" and not spec.params.ignore_eos
                        and bool(ids) and ids[-1] in self.tokenizer.eos_token_ids)
@@ -198,7 +206,10 @@ class OpenAIServer:
         try:
             async with aclosing(deltas):
                 async for i, d in deltas:
-                    received[i].append(d)
+                    if d.restart:
+                        received[i].clear()
+                    else:
+                        received[i].append(d)
                     if _client_gone(request):
                         logger.info("%s: client gone; request aborted", shape.id)
                         return web.Response(status=499)

@@ -25,6 +25,9 @@ class GenerateSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    # The client gets the output only once it is whole (not streamed): a request that loses
+    # a worker after tokens came may then start over (a TokenEvent with restart first).
+    whole: bool = False
 
 
 @dataclass
@@ -43,6 +46,7 @@ class TokenEvent:
     # how many seconds a client should wait before retrying (a Retry-After header), if known.
     status: int = 500
     retry_after: float | None = None
+    restart: bool = False  # a whole request's tokens so far are void: it starts over
 
 
 class TokenSource(ABC):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -315,6 +316,37 @@ def test_kill_decode_mid_stream_errors_and_survivor_serves():
         for prompt in PROMPTS[:3]:  # the survivor takes new requests
             out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
             assert out.choices[0].finish_reason == "length"
+    finally:
+        cluster.stop()
+
+
+def test_a_whole_request_that_lost_its_decode_worker_mid_output_starts_over(reference):
+    """1P2D: the decode worker of a non-streamed request is killed after tokens have come;
+    its client has seen nothing, so the gateway sends it again, and the client gets the
+    colocated engine's greedy text, once."""
+    cluster = start_cluster(1, 2, gateway_args=("--worker-timeout", "2", "--step-timeout", "60",
+                                                "--decode-policy", "round_robin"))
+    try:
+        client = client_for(cluster)
+        model = client.models.list().data[0].id
+        prompt, n = PROMPTS[0], 48
+        expected = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n,
+                                                               ignore_eos=True))[0].text
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.completions.create, model=model, prompt=prompt,
+                                 max_tokens=n, temperature=0, extra_body={"ignore_eos": True},
+                                 timeout=120)
+            deadline = time.monotonic() + 60
+            while (metrics(cluster.base_url).get(("pd_serve:inter_token_latency_seconds_count", ""), 0) < 3
+                   and not answer.done() and time.monotonic() < deadline):
+                time.sleep(0.02)  # until decode tokens have reached the gateway
+            busy = [w for w, info in health(cluster.base_url)["workers"].items()
+                    if w.startswith("decode") and info["inflight"]]
+            assert busy and not answer.done(), "the request was not caught mid-output"
+            os.kill(dict(cluster.procs)[busy[0]].pid, signal.SIGKILL)
+            out = answer.result()
+        assert out.choices[0].text == expected and out.usage.completion_tokens == n
+        assert metrics(cluster.base_url)[("pd_serve:request_retries_total", "")] == 1
     finally:
         cluster.stop()
 

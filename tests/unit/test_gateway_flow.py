@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import zmq
@@ -316,6 +316,40 @@ async def test_a_retried_request_keeps_its_place_in_the_queue(cluster, add):
     events = await asyncio.wait_for(asyncio.gather(first, *later), 20)
     assert all(not e[-1].error for e in events)
     assert [m.request_id for m in decode.of(Admit)] == ["r", "r~retry1", "q"]
+
+
+async def lose_decode_mid_request(cluster, add, whole: bool) -> list:
+    """Request "r" (`whole` or streamed) gets its first token from prefill, then its decode
+    worker "d1" goes silent (dropped after the worker timeout) while "d2" is registered: the
+    request's events."""
+    d1, _ = await one_pair(cluster, add)
+    d1.finish = False
+    task = asyncio.create_task(collect(cluster, replace(spec("r"), whole=whole)))
+    await until(lambda: d1.of(StartDecode))
+    d2 = add("decode", "d2")
+    await ready(cluster, 3)
+    await d1.close()
+    events = await asyncio.wait_for(task, 20)
+    assert [m.request_id for m in d2.of(StartDecode)] == (["r~retry1"] if whole else [])
+    return events
+
+
+@with_gateway(worker_timeout_s=1.0)
+async def test_a_whole_request_that_lost_its_worker_after_tokens_starts_over(cluster, add):
+    """Not streamed, its client has seen nothing: it starts over on the other decode worker,
+    and the tokens of the lost attempt are void (a restart event)."""
+    events = await lose_decode_mid_request(cluster, add, whole=True)
+    assert [(e.new_token_ids, e.restart) for e in events] == [([7], False), ([], True),
+                                                               ([7], False), ([8], False)]
+    assert not events[-1].error and events[-1].finished
+    assert cluster.metrics.retried._value.get() == 1
+
+
+@with_gateway(worker_timeout_s=1.0)
+async def test_a_streamed_request_that_lost_its_worker_after_tokens_fails(cluster, add):
+    events = await lose_decode_mid_request(cluster, add, whole=False)
+    assert [e.new_token_ids for e in events[:-1]] == [[7]] and not any(e.restart for e in events)
+    assert events[-1].status == 500 and "worker d" in events[-1].error
 
 
 @with_gateway(worker_timeout_s=1.0, retry_max_retries=0)
