@@ -510,19 +510,32 @@ def _messages(messages) -> list[dict]:
             raise ApiError(f"{where}.content must be a string or a list of text parts, "
                            f"got {_json_type(content)}", f"{where}.content")
         clean = {"role": role, "content": content}
-        clean.update({k: message[k] for k in _MESSAGE_EXTRA_KEYS if k in message})
-        if isinstance(clean.get("tool_calls"), list):
-            clean["tool_calls"] = [_template_tool_call(c) for c in clean["tool_calls"]]
+        clean.update({k: message[k] for k in _MESSAGE_EXTRA_KEYS if message.get(k) is not None})
+        for key in ("name", "tool_call_id"):
+            if key in clean and not isinstance(clean[key], str):
+                raise ApiError(f"{where}.{key} must be a string, got {_json_type(clean[key])}",
+                               f"{where}.{key}")
+        if "tool_calls" in clean:
+            calls = clean["tool_calls"]
+            if role != "assistant" or not isinstance(calls, list):
+                raise ApiError(f"{where}.tool_calls must be a list, in an assistant message",
+                               f"{where}.tool_calls")
+            clean["tool_calls"] = [_template_tool_call(c, f"{where}.tool_calls[{j}]")
+                                   for j, c in enumerate(calls)]
         out.append(clean)
     return out
 
 
-def _template_tool_call(call):
-    """An assistant message's tool call as chat templates read it: arguments as an object (the
-    API sends a JSON string), as transformers expects; other shapes pass through."""
+def _template_tool_call(call, where: str) -> dict:
+    """An assistant message's earlier tool call, checked ({"id": str, "type": "function",
+    "function": {"name": str, "arguments": str}}, id and type optional), as chat templates
+    read it: arguments as an object where the string parses as JSON, as transformers expects."""
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
+    if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+            or not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function"):
+        raise ApiError(f"{where} must be {{\"id\": string, \"type\": \"function\", \"function\": "
+                       f"{{\"name\": string, \"arguments\": string}}}}", where)
     try:
         arguments = json.loads(function["arguments"])
     except ValueError:

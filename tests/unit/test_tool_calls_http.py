@@ -189,6 +189,47 @@ def test_earlier_calls_reach_the_template_with_object_arguments(tokenizer):
     assert "CALL add 7" in tokenizer.decode(source.specs[0].prompt_token_ids)
 
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "assistant", "content": None, "tool_calls": "add"}, "messages[1].tool_calls"),
+    ({"role": "user", "content": "x", "tool_calls": [CALL]}, "messages[1].tool_calls"),
+    ({"role": "assistant", "tool_calls": [{"id": "call_1"}]}, "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [CALL, {**CALL, "function": {"name": "add"}}]},
+     "messages[1].tool_calls[1]"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": 5, "arguments": "{}"}}]},
+     "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "add",
+                                                                 "arguments": {"a": 1}}}]},
+     "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "type": "retrieval"}]}, "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "id": 7}]}, "messages[1].tool_calls[0]"),
+    ({"role": "tool", "tool_call_id": ["call_1"], "content": "8"}, "messages[1].tool_call_id"),
+    ({"role": "user", "name": {"first": "a"}, "content": "x"}, "messages[1].name"),
+])
+def test_malformed_messages_with_tool_calls_are_400(tokenizer, message, param):
+    """Earlier turns' tool calls are checked as OpenAI checks them, not handed to the chat
+    template in any shape."""
+    status, out, source = chat(tokenizer, "x", {"messages": [{"role": "user", "content": "add"},
+                                                             message]})
+    assert status == 400, out
+    assert out["error"]["param"] == param, out
+    assert out["error"]["type"] == "invalid_request_error" and not source.specs
+
+
+def test_a_tool_call_with_arguments_that_are_not_json_reaches_the_template_as_given(tokenizer):
+    messages = [{"role": "user", "content": "add"},
+                {"role": "assistant", "tool_calls": [{**CALL, "function": {
+                    "name": "add", "arguments": "not json"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "8"}]
+    status, out, _ = chat(tokenizer, "8", {"messages": messages})
+    assert status == 200, out
+    nulls = {"role": "assistant", "content": "hi", "tool_calls": None, "name": None}  # as absent
+    status, out, _ = chat(tokenizer, "8", {"messages": [messages[0], nulls]})
+    assert status == 200, out
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("parser", ["deepseek-r1", "qwen3"])
 def test_reasoning_parser(tokenizer, parser, stream):
