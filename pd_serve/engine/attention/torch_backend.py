@@ -77,7 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
             self.decode_masks = {w: ((k_pos < lens) & ((k_pos >= lens - w) if w else True))
                                  [:, None, None, :] for w in windows}  # [B, 1, 1, Lmax] each
             self.decode_index = torch.tensor(self.decode_token_ids, device=device)
-        self.decode_only = not self.prefill_rows  # every row one new token, in order
+        self.decode_only = not self.prefill_rows  # every row one new token, in row order
 
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rope: Rope | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
@@ -101,9 +101,10 @@ class TorchAttentionBackend(AttentionBackend):
         window = self.windows[layer_id]
         if self.decode_token_ids:
             batch = self.decode_pages.shape[0]
+            direct = self.decode_only and q.shape[0] == batch  # q's rows are the batch's
             # A KV head's query heads as its queries: [B, Hkv, Hq / Hkv, D] (GQA without
             # SDPA repeating K and V per query head).
-            qd = (q if self.decode_only else q[self.decode_index]).reshape(
+            qd = (q if direct else q[self.decode_index]).reshape(
                 batch, num_kv_heads, -1, self.head_dim)
             pages = self.decode_pages.flatten()
             kd, vd = (rows_of_pages(cache, pages).view(batch, -1, num_kv_heads, self.head_dim)
@@ -112,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_masks[window],
                                                 scale=scale).view(batch, -1, self.head_dim)
             od = od if v_scale == 1.0 else od * v_scale
-            if self.decode_only:
+            if direct:
                 return od
             out[self.decode_index] = od
         for row in self.prefill_rows:
