@@ -86,6 +86,7 @@ class Cluster(TokenSource):
         # incarnations (process runs) that a newer one under the same worker id replaced: a
         # replaced process that wakes up (it hung) is refused, not taken for another restart
         self._superseded: dict[str, set[str]] = {}
+        self._incarnations: dict[str, str] = {}  # worker id -> its last registered incarnation
         self._routes: dict[bytes, str] = {}  # control connection -> the worker registered on it
         balance = (config.balance_abs_threshold, config.balance_rel_threshold)
         self.routers = {"prefill": Router(config.prefill_policy, "prefill", *balance),
@@ -493,6 +494,10 @@ class Cluster(TokenSource):
                             f"no prefill+decode pair is left ({worker_id} restarted and was "
                             f"refused: {error})", 503, self.config.worker_timeout_s))
                     return
+                previous = self._incarnations.get(worker_id)
+                if previous is not None and previous != msg.incarnation:  # (dropped since)
+                    self._superseded.setdefault(worker_id, set()).add(previous)
+                self._incarnations[worker_id] = msg.incarnation
                 logger.info("registered %s worker %s (tp %d)", msg.role, worker_id, msg.tp)
                 self.workers[worker_id] = state = WorkerState(msg, route=route)
                 self._routes[route] = worker_id

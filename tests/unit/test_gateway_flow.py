@@ -516,6 +516,26 @@ async def test_a_worker_restarted_under_its_id_takes_over_from_a_hung_one(cluste
     assert new.of(StartDecode) and not old.of(StartDecode)
 
 
+@with_gateway(worker_timeout_s=1.0)
+async def test_a_hung_worker_dropped_before_its_replacement_came_cannot_take_over(cluster, add):
+    """The old process hangs past the worker timeout (dropped), then the replacement registers
+    under its id; when the old one wakes it is refused and told it was replaced, and the new
+    one keeps the id (not taken for a restart of the new one)."""
+    old, _ = await one_pair(cluster, add)
+    old._task.cancel()  # hung: silent, its connection open
+    await until(lambda: "d" not in cluster.workers)
+    new = add("decode", "d", incarnation="two")
+    await until(lambda: "d" in cluster.workers)
+    old.send(old.status())  # the old process wakes up
+    told = None
+    while told is None:
+        msg = old.codec.receive(await asyncio.wait_for(old.sock.recv(), 20), "control", "gateway")
+        told = msg if isinstance(msg, Replaced) else None
+    assert cluster.workers["d"].status.incarnation == "two" and not new.of(Replaced)
+    assert not (await collect(cluster, spec("r")))[-1].error
+    assert new.of(StartDecode)
+
+
 @with_gateway()
 async def test_a_worker_on_a_new_connection_is_served_there(cluster, add):
     """The same process (incarnation) registering from a new connection, as after a reconnect,
