@@ -210,6 +210,8 @@ class KVReceiver:
             return
         identity = bytes(identity)
         text = identity.decode(errors="replace")
+        if not text.isprintable():  # a peer that set no identity: ZMQ's binary one, in hex
+            text = identity.hex()
         sender_id = text.rpartition("/")[0] or text  # "<sender id>/<random>" (sender.py)
         try:
             self._handle(identity, sender_id, header.bytes, frames)
