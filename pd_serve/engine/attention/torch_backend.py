@@ -111,7 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
                       .transpose(1, 2).to(q.dtype)
                       for cache in (k_cache, v_cache))  # [B, Hkv, Lmax, D]
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_masks[window],
-                                                scale=scale).view(batch, -1, self.head_dim)
+                                                scale=scale).reshape(batch, -1, self.head_dim)
             od = od if v_scale == 1.0 else od * v_scale
             if direct:
                 return od
