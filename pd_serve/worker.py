@@ -33,8 +33,8 @@ from pd_serve.config import TransferConfig, WorkerConfig
 from pd_serve.decode.scheduler import DecodeScheduler
 from pd_serve.engine.core import EngineCore
 from pd_serve.prefill.scheduler import PrefillScheduler
-from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Heartbeat, Replaced, WorkerExit,
-                               WorkerStatus)
+from pd_serve.protocol import (ERRORS_REGISTRY, AbortRequest, GatewayPing, Heartbeat, Replaced,
+                               WorkerExit, WorkerStatus)
 from pd_serve.role import ColocatedScheduler, WorkerMetrics
 from pd_serve.transfer import connector
 from pd_serve.transfer.connector import model_layout

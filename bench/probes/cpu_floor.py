@@ -53,16 +53,13 @@ def main() -> None:
     read_gbps = big.numel() * 4 / seconds(big.sum) / 1e9
     x, w = torch.randn(2048, h), torch.randn(2 * inter, h)
     matmul_gflops = 2 * x.shape[0] * h * 2 * inter / seconds(lambda: x @ w.t()) / 1e9
-    packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), PROMPTS)
-              for n, k in shapes for _ in range(layers)] + [
-        torch.ops.mkldnn._reorder_linear_weight(torch.randn(cfg.vocab_size, h), PROMPTS)]
-    rows = {k: torch.randn(PROMPTS, k) for k in {k for _, k in shapes}}
-    rows[h] = torch.randn(PROMPTS, h)
+    # each linear layer of every layer, then the LM head: (16 rows of its input, packed weight)
+    calls = [(torch.randn(PROMPTS, k), torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), PROMPTS))
+             for n, k in shapes * layers + [(cfg.vocab_size, h)]]
 
     def decode_linears():
-        for i, weight in enumerate(packed):
-            k = shapes[i // layers][1] if i < len(shapes) * layers else h
-            torch.ops.mkldnn._linear_pointwise(rows[k], weight, None, "none", [], "")
+        for rows, weight in calls:
+            torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
     linear_s = seconds(decode_linears, 5)
     library_gbps = weight_bytes / linear_s / 1e9
 

@@ -101,6 +101,14 @@ async def collect(cluster: Cluster, s: GenerateSpec) -> list:
     return [e async for e in cluster.generate(s)]
 
 
+async def replaced_told(worker: FakeWorker) -> Replaced:
+    """The Replaced message the gateway sent a worker, past what it sent before (it hung)."""
+    while True:
+        msg = worker.codec.receive(await asyncio.wait_for(worker.sock.recv(), 20), "control", "gateway")
+        if isinstance(msg, Replaced):
+            return msg
+
+
 async def until(predicate, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -506,10 +514,7 @@ async def test_a_worker_restarted_under_its_id_takes_over_from_a_hung_one(cluste
     old.send(old.status())  # the old process wakes up, on its own connection
     await until(lambda: _errors("control") > before)
     assert cluster.workers["d"].status.incarnation == "two"
-    told = None
-    while told is None:  # past what the gateway sent it before it hung
-        msg = old.codec.receive(await asyncio.wait_for(old.sock.recv(), 20), "control", "gateway")
-        told = msg if isinstance(msg, Replaced) else None
+    told = await replaced_told(old)
     assert (told.worker_id, told.incarnation) == ("d", "one")
     assert not new.of(Replaced)
     assert not (await collect(cluster, spec("r")))[-1].error
@@ -527,10 +532,7 @@ async def test_a_hung_worker_dropped_before_its_replacement_came_cannot_take_ove
     new = add("decode", "d", incarnation="two")
     await until(lambda: "d" in cluster.workers)
     old.send(old.status())  # the old process wakes up
-    told = None
-    while told is None:
-        msg = old.codec.receive(await asyncio.wait_for(old.sock.recv(), 20), "control", "gateway")
-        told = msg if isinstance(msg, Replaced) else None
+    told = await replaced_told(old)
     assert cluster.workers["d"].status.incarnation == "two" and not new.of(Replaced)
     assert not (await collect(cluster, spec("r")))[-1].error
     assert new.of(StartDecode)

@@ -77,7 +77,6 @@ class TorchAttentionBackend(AttentionBackend):
             self.decode_masks = {w: ((k_pos < lens) & ((k_pos >= lens - w) if w else True))
                                  [:, None, None, :] for w in windows}  # [B, 1, 1, Lmax] each
             self.decode_index = torch.tensor(self.decode_token_ids, device=device)
-        self.decode_only = not self.prefill_rows  # every row one new token, in row order
 
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rope: Rope | None = None, qk_norm: QKNorm | None = None) -> torch.Tensor:
@@ -101,7 +100,7 @@ class TorchAttentionBackend(AttentionBackend):
         window = self.windows[layer_id]
         if self.decode_token_ids:
             batch = self.decode_pages.shape[0]
-            direct = self.decode_only and q.shape[0] == batch  # q's rows are the batch's
+            direct = not self.prefill_rows and q.shape[0] == batch  # q's rows: the batch's
             # A KV head's query heads as its queries: [B, Hkv, Hq / Hkv, D] (GQA without
             # SDPA repeating K and V per query head).
             qd = (q if direct else q[self.decode_index]).reshape(
