@@ -18,13 +18,17 @@ side reads them at (the floor at small batches: only the hit experts' weights ar
 kernels/fused_moe.py), against the reference of the same FP8 weights; its weight bytes are one
 per weight plus the float32 scales.
 --batch1 adds a row per 1-token case with the batch-1 kernels (kernels/moe_batch1.py, what
---enable-batch1-kernels runs), --batch1-sweep one per block configuration of theirs.
+--enable-batch1-kernels runs), --batch1-sweep one per block configuration of theirs,
+--batch1-down-sweep one per configuration of the down kernel (gate/up at its default).
+Each call in the graph routes the tokens anew (--calls routings), so at one token each call
+reads other experts' weights, as a model's layers do, not weights left in L2 by the call before.
 On the CPU the fused side is the reference too, and the figures only show that the script runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -43,13 +47,19 @@ from pd_serve.model.fp8 import quantize_experts  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden=2048, inter=768, experts=128, top_k=8)
 QUICK = dict(hidden=64, inter=32, experts=8, top_k=2)
-# kernels/moe_batch1.py block configurations for --batch1-sweep: gate/up (SLOTS, BLOCK_N,
-# BLOCK_K, warps, stages), down (BLOCK_N, BLOCK_K, warps, stages)
+# kernels/moe_batch1.py block configurations for --batch1-sweep: gate/up and down (SLOTS,
+# BLOCK_N, BLOCK_K, warps, stages); down with SLOTS < 8 splits the top k over programs
 BATCH1_SWEEP = [{"gate_up": g, "down": d}
                 for g in [(1, 1, 1024, 4, 2), (1, 2, 1024, 4, 2), (2, 1, 1024, 4, 2),
                           (4, 1, 1024, 8, 2), (8, 1, 512, 8, 2), (8, 1, 1024, 8, 1)]
-                for d in [(1, 1024, 4, 1), (1, 1024, 8, 1), (2, 1024, 8, 1), (2, 256, 4, 1),
-                          (4, 1024, 8, 1), (4, 256, 8, 1)]]
+                for d in [(8, 1, 1024, 4, 1), (8, 1, 1024, 8, 1), (8, 2, 1024, 8, 1),
+                          (8, 2, 256, 4, 1), (8, 4, 1024, 8, 1), (8, 4, 256, 8, 1)]]
+# --batch1-down-sweep: gate/up at its default, down over SLOTS 1..8
+BATCH1_DOWN_SWEEP = [{"gate_up": (1, 1, 1024, 4, 2), "down": d}
+                     for d in [(8, 4, 256, 8, 1), (8, 2, 256, 4, 1), (4, 4, 256, 4, 1),
+                               (4, 2, 256, 4, 1), (2, 4, 256, 4, 1), (2, 8, 256, 4, 1),
+                               (2, 2, 1024, 4, 1), (1, 4, 256, 4, 1), (1, 8, 256, 4, 1),
+                               (1, 2, 1024, 4, 1), (1, 4, 1024, 4, 1), (1, 16, 256, 4, 1)]]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="1-token cases also on the batch-1 kernels (kernels/moe_batch1.py)")
     p.add_argument("--batch1-sweep", action="store_true",
                    help="1-token cases on every batch-1 block configuration in BATCH1_SWEEP")
+    p.add_argument("--batch1-down-sweep", action="store_true",
+                   help="1-token cases on the down kernel's configurations in BATCH1_DOWN_SWEEP")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write a JSON result here")
     args = p.parse_args(argv)
@@ -103,17 +115,21 @@ def run(shape: dict, tokens: int, args: argparse.Namespace, dtype: torch.dtype,
     x = torch.randn(tokens, hidden, generator=gen, device=args.device).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen, device=args.device) * 0.02).to(**cast)
     w2 = (torch.randn(experts, hidden, inter, generator=gen, device=args.device) * 0.02).to(**cast)
-    logits = torch.randn(tokens, experts, generator=gen, device=args.device)
-    weights, ids = select_experts(logits, top_k, renormalize=True)
+    # a routing per call of the graph, so at small token counts each call reads other experts'
+    # weights (as each layer of a model does), not what the call before left in L2
+    routings = [select_experts(torch.randn(tokens, experts, generator=gen, device=args.device),
+                               top_k, renormalize=True) for _ in range(args.calls)]
+    weights, ids = routings[0]
     scales = {}
     if fp8:
         (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
-    fused = lambda: fused_moe(x, w13, w2, weights, ids, **scales)  # noqa: E731
+    turn = itertools.cycle(routings)
+    fused = lambda: fused_moe(x, w13, w2, *next(turn), **scales)  # noqa: E731
     if batch1 is not None:
-        fused = lambda: moe_batch1(x, w13, w2, weights, ids, **scales,  # noqa: E731
+        fused = lambda: moe_batch1(x, w13, w2, *next(turn), **scales,  # noqa: E731
                                    config=batch1 or None)
     ref = lambda: fused_moe_ref(x, w13, w2, weights, ids, **scales)  # noqa: E731
-    got, want = fused(), ref()
+    got, want = fused(), ref()  # the first routing's
     rel_err = float((got.float() - want.float()).norm() / want.float().norm())
     t_fused = seconds_per_call(fused, args.device, args.calls, args.repeats)
     t_ref = eager_seconds(ref, args.device, args.repeats)
@@ -135,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     shape = QUICK if args.quick else QWEN3_30B_A3B
-    batch1 = [{}] * args.batch1 + BATCH1_SWEEP * args.batch1_sweep
+    batch1 = ([{}] * args.batch1 + BATCH1_SWEEP * args.batch1_sweep
+              + BATCH1_DOWN_SWEEP * args.batch1_down_sweep)
     rows = [run(shape, tokens, args, dtype, fp8, config)
             for fp8 in [False] + [True] * args.fp8 for tokens in args.tokens
             for config in [None] + (batch1 if tokens == 1 and args.device.type == "cuda" else [])]

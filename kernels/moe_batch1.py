@@ -12,9 +12,14 @@ whole input in BLOCK_K steps, products kept in a float32 tile):
   1. gate/up: grid (I / BLOCK_N, K / SLOTS), a program reads SLOTS experts' gate and up rows
      of its channels in one [SLOTS, BLOCK_N, BLOCK_K] tile and writes
      h[k] = silu(gate) * up -> [K, I];
-  2. down: grid (H / BLOCK_N), a program reads all K experts' rows of its channels in one
-     tile, so the K experts' loads are in flight together, and sums their outputs times the
-     routing weights in float32 in top-k order, rounded once -> [1, H].
+  2. down: grid (H / BLOCK_N, K / SLOTS), a program reads SLOTS experts' rows of its channels
+     in one tile, so their loads are in flight together, and the block's outputs times the
+     routing weights are summed in float32 in top-k order, rounded once -> [1, H]. With
+     SLOTS < K the programs store their slots' float32 products and the block's last program
+     (an acquire-release atomic on a per-block counter after a barrier over the stores, as
+     kernels/moe_routing.py's route_one_row) sums all K in that order and zeroes the counter:
+     more, smaller programs with the same sum, bit for bit. Launches sharing a device must not
+     overlap (one stream per device).
 The rounding is fused_moe's (gate/up and down outputs to the dtype, the weighted sum in
 float32 in top-k order), but the GEMVs sum over the input in another order than its GEMMs, so
 a token computed here may differ from a batched one in the last bit (as kernels/gemv.py's rows
@@ -36,18 +41,19 @@ from kernels._triton import launch_options, lazy_kernel, pdl
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
+_counter_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32, zero between launches
 
 tl = None  # triton.language, bound when _kernels is first built
 
 
 def block_config(fp8: bool) -> dict:
-    """Block sizes of the two kernels: gate/up (SLOTS experts, BLOCK_N output channels,
-    BLOCK_K inputs a step, warps, stages), down (BLOCK_N, BLOCK_K, warps, stages): the fastest
+    """Block sizes of the two kernels: gate/up and down (SLOTS experts, BLOCK_N output
+    channels, BLOCK_K inputs a step, warps, stages): the fastest
     of bench/fused_moe.py --batch1-sweep on an H100 at Qwen3-30B-A3B's layer
     (bench/results/fused-moe-batch1-sweep-h100.json: 35.6 us bf16, 21.2 us FP8)."""
     if fp8:
-        return {"gate_up": (1, 2, 1024, 4, 2), "down": (2, 256, 4, 1)}
-    return {"gate_up": (1, 1, 1024, 4, 2), "down": (4, 256, 8, 1)}
+        return {"gate_up": (1, 2, 1024, 4, 2), "down": (8, 2, 256, 4, 1)}
+    return {"gate_up": (1, 1, 1024, 4, 2), "down": (8, 4, 256, 8, 1)}
 
 
 def runs_on(x: torch.Tensor) -> bool:
@@ -79,10 +85,14 @@ def moe_batch1(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         BLOCK_N=block_n, BLOCK_K=min(block_k, _pow2(hidden)), W_FP8=fp8, num_warps=warps,
         num_stages=stages, **opts)
     out = x.new_empty(1, hidden)
-    block_n, block_k, warps, stages = cfg["down"]
-    down_kernel[(-(-hidden // block_n),)](
+    slots, block_n, block_k, warps, stages = cfg["down"]
+    slots = min(slots, _pow2(top_k))
+    blocks, groups = -(-hidden // block_n), -(-top_k // slots)
+    partial = x.new_empty(top_k, hidden, dtype=torch.float32) if groups > 1 else out
+    down_kernel[(blocks, groups)](
         h, w2, w2_scale.contiguous(), out, topk_weights.reshape(-1).float().contiguous(), ids,
-        hidden, inter, TOP_K=top_k, SLOTS=_pow2(top_k), BLOCK_N=block_n,
+        partial, _counters(x.device, blocks), hidden, inter, TOP_K=top_k, SLOTS=slots,
+        ALL_SLOTS=_pow2(top_k), GROUPS=groups, BLOCK_N=block_n,
         BLOCK_K=min(block_k, _pow2(inter)), W_FP8=fp8, num_warps=warps, num_stages=stages,
         **opts)
     triton_launches += 2
@@ -91,6 +101,20 @@ def moe_batch1(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def _counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """The device's zeroed down-kernel counters, one per channel block (at least `blocks`;
+    made on first use, outside any capture: the engine runs each graph's forward eagerly
+    before capturing it)."""
+    have = _counter_buffers.get(device)
+    if have is None or have.numel() < blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_batch1's counters must exist before a CUDA graph capture: "
+                               "call it eagerly first")
+        have = _counter_buffers[device] = torch.zeros(max(blocks, 1024), dtype=torch.int32,
+                                                      device=device)
+    return have
 
 
 @lazy_kernel("the batch-1 MoE")
@@ -135,12 +159,14 @@ def _kernels(triton):
         tl.store(h_ptr + slots[:, None] * inter + cols[None, :], out, mask=ok)
 
     @triton.jit
-    def expert_down_gemv_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, ids_ptr, hidden,
-                                inter, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                W_FP8: tl.constexpr, PDL: tl.constexpr):
-        slots = tl.arange(0, SLOTS)  # [S]: the top k, padded to a power of two
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
+    def expert_down_gemv_kernel(h_ptr, w_ptr, scale_ptr, out_ptr, weights_ptr, ids_ptr,
+                                partial_ptr, counter_ptr, hidden, inter, TOP_K: tl.constexpr,
+                                SLOTS: tl.constexpr, ALL_SLOTS: tl.constexpr,
+                                GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr):
+        slots = tl.program_id(1) * SLOTS + tl.arange(0, SLOTS)  # [S] of the top k
+        block = tl.program_id(0)
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
         ok = (slots < TOP_K)[:, None] & (cols < hidden)[None, :]  # [S, BN]
         rk = tl.arange(0, BLOCK_K)
         # the ids and the first weight tile ahead of the wait (module docstring: the routing
@@ -167,6 +193,16 @@ def _kernels(triton):
             y = y * tl.load(scale_ptr + row_at, mask=ok, other=0.0)
         y = y.to(h_ptr.dtype.element_ty).to(tl.float32)  # each pair's output, rounded
         y = y * tl.load(weights_ptr + slots, mask=slots < TOP_K, other=0.0)[:, None]
+        if GROUPS > 1:  # the last of the block's programs sums all K (module docstring)
+            tl.store(partial_ptr + slots[:, None] * hidden + cols[None, :], y, mask=ok)
+            tl.debug_barrier()  # the stores before the release below
+            if tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu") != GROUPS - 1:
+                return
+            tl.store(counter_ptr + block, 0)  # zero again for the next launch
+            slots = tl.arange(0, ALL_SLOTS)
+            y = tl.load(partial_ptr + slots[:, None] * hidden + cols[None, :],
+                        mask=(slots < TOP_K)[:, None] & (cols < hidden)[None, :], other=0.0,
+                        cache_modifier=".cg")  # [K, BN], from L2
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for slot in tl.static_range(TOP_K):  # in top-k order, as the reference's sum
             total += tl.reduce(tl.where(slots[:, None] == slot, y, 0.0), 0,

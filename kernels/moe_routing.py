@@ -15,7 +15,8 @@ reference as a set of equal weights, not id for id. Real routers tie only on row
 (CUDA-graph padding), whose output is discarded.
 
 One program per token, all E <= MAX_EXPERTS experts in registers, K passes of max-then-lowest-
-index; no host sync, so CUDA graphs capture it. It launches with programmatic dependent launch
+index (one warp, so each pass's reductions are warp shuffles); no host sync, so CUDA graphs
+capture it. It launches with programmatic dependent launch
 (kernels/_triton.py) and reads nothing before the wait: the logits are the router's output.
 
 `route_one_row` serves one token (decode at batch 1, --enable-batch1-kernels) from the layer's
@@ -27,6 +28,9 @@ program 0 stores the normalised row and the sum for the experts and the next lay
 program that counts last on a per-device counter (an acquire-release atomic after a barrier
 over the logit stores, as kernels/paged_attention.py merges its splits) routes the logits and
 zeroes the counter, so launches sharing a device must not overlap (one stream per device).
+That program has four warps, where each reduction crosses warps through shared memory, so it
+ranks the experts in one: an expert's rank is the number of experts before it (a higher logit,
+or an equal one at a lower id), and the experts of rank < K are stored at their rank.
 Before the PDL wait a program loads its router row and the norm weight (no kernel writes them).
 The row's sum of squares is one reduction over the whole row here, another order than
 `rms_norm`'s, so the normalised row may differ from it in the last bit.
@@ -189,6 +193,17 @@ def _kernel(triton):
         else:
             exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
             scores = exps / tl.sum(exps, axis=0)
+        if ONE_ROW:  # each expert's rank in one reduction (module docstring), NaN as -inf
+            key = tl.where(logits == logits, logits, float("-inf"))
+            before = ((key[None, :] > key[:, None])
+                      | ((key[None, :] == key[:, None]) & (experts[None, :] < experts[:, None])))
+            rank = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)  # [EXPERTS]
+            chosen = valid & (rank < TOP_K)
+            if RENORMALIZE:
+                scores = scores / tl.sum(tl.where(chosen, scores, 0.0), axis=0)
+            tl.store(ids_ptr + rank, experts, mask=chosen)
+            tl.store(weights_ptr + rank, scores, mask=chosen)
+            return
         slots = tl.arange(0, SLOTS)
         top_ids = tl.zeros((SLOTS,), dtype=tl.int32)
         top_weights = tl.zeros((SLOTS,), dtype=tl.float32)

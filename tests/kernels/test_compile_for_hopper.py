@@ -34,7 +34,7 @@ def _t(*shape, dtype=torch.bfloat16):
 def _cases():
     """(name, call): each call launches the kernel(s) of one configuration."""
     from kernels import (activation, argmax, fp8_gemm, fp8_quant, fused_moe, gemv, kv_copy,
-                         kv_store, moe_routing, norm, paged_attention, pending, w4a16)
+                         kv_store, moe_batch1, moe_routing, norm, paged_attention, pending, w4a16)
     bf16, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
     e4m3 = torch.float8_e4m3fn
     yield "rms_norm", lambda: norm.rms_norm(_t(3, 4096), _t(4096), 1e-5)
@@ -66,6 +66,9 @@ def _cases():
         scales = dict(w13_scale=_t(8, 2 * 768, dtype=f32), w2_scale=_t(8, 2048, dtype=f32)) if fp8 else {}
         yield f"moe batch1{' fp8' if fp8 else ''}", lambda a=(w13, w2), sc=scales: fused_moe.fused_moe(
             _t(1, 2048), *a, _t(1, 8, dtype=f32), ids1, **sc, batch1=True)
+        yield f"moe batch1{' fp8' if fp8 else ''}, down split", lambda a=(w13, w2), sc=scales: (
+            moe_batch1.moe_batch1(_t(1, 2048), *a, _t(1, 8, dtype=f32), ids1, **sc,
+                                  config={"gate_up": (1, 1, 1024, 4, 2), "down": (2, 4, 256, 4, 1)}))
     pages = torch.tensor([0, 3, 4, 8], dtype=i32), torch.zeros(8, dtype=i32)  # kv_indptr, kv_indices
     lens = torch.tensor([40, 1, 64], dtype=i32)
     for splits in (1, 3):

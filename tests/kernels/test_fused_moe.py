@@ -212,15 +212,18 @@ def test_fp8_experts_are_checked():
 
 # kernels/moe_batch1.py's block sizes: its defaults, and small ones that take the input in
 # several steps, leave channels of the last block masked (hidden 40, intermediate 24) and give
-# a gate/up program two experts (the last one's second masked at top 3)
-BATCH1_CONFIGS = [None, {"gate_up": (2, 4, 16, 1, 1), "down": (8, 16, 1, 1)}]
+# a gate/up program two experts (the last one's second masked at top 3); down with all K
+# slots in a program, or split over programs (one or two slots each) whose last one sums
+BATCH1_CONFIGS = [None, *({"gate_up": (2, 4, 16, 1, 1), "down": (slots, 16, 8, 1, 1)}
+                          for slots in (16, 2, 1))]
 
 
 @needs_triton
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("shape", [(1, 64, 32, 8, 2), (1, 40, 24, 16, 4), (1, 40, 24, 16, 3)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("config", BATCH1_CONFIGS, ids=["default-blocks", "small-blocks"])
+@pytest.mark.parametrize("config", BATCH1_CONFIGS,
+                         ids=["default-blocks", "small-blocks", "down-split-2", "down-split-1"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
 def test_batch1_experts_equal_the_reference(device, dtype, shape, config, fp8):
     """One token through kernels/moe_batch1.py (two launches, no alignment) against the
@@ -245,6 +248,28 @@ def test_batch1_experts_equal_the_reference(device, dtype, shape, config, fp8):
     rtol, atol = TOLERANCE[dtype]
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@needs_triton
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8"])
+def test_batch1_down_split_sums_bit_for_bit(device, dtype, fp8):
+    """The down kernel's top k split over programs gives the one-program sum's bits (the last
+    program sums the stored products in top-k order), and leaves its counters zero."""
+    from kernels import moe_batch1
+    from pd_serve.model.fp8 import quantize_experts
+
+    x, w13, w2, weights, ids = _inputs((1, 40, 24, 16, 4), device, torch.float32)
+    scales = {}
+    if fp8:
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = quantize_experts(w13), quantize_experts(w2)
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    outs = [moe_batch1.moe_batch1(x.to(dtype), w13, w2, weights, ids, **scales,
+                                  config={"gate_up": (2, 4, 16, 1, 1), "down": (slots, 8, 8, 1, 1)})
+            for slots in (4, 2, 1)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert int(moe_batch1._counter_buffers[x.device].count_nonzero()) == 0
 
 
 def test_batch1_only_takes_one_token_on_one_rank():

@@ -136,6 +136,25 @@ def test_one_row_routing_equals_norm_router_then_select_experts(device, dtype, e
         torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("experts,top_k,hidden", [(8, 2, 64), (128, 8, 2048)])
+def test_one_row_routing_ties_and_nan(device, dtype, experts, top_k, hidden):
+    """The one-row kernel ranks the experts itself: router rows equal in pairs give equal
+    logits, taken lowest id first with the reference's weights; a NaN in the row (every logit
+    NaN) still fills all K slots with distinct valid ids, the lowest (NaN counts as -inf)."""
+    x, residual, norm_weight, weight = _one_row_case(experts, hidden, dtype, device, 1)
+    weight = weight[torch.arange(experts, device=weight.device) // 2 * 2].contiguous()
+    normed, _, weights, ids = mr.route_one_row(x, residual, norm_weight, 1e-6, weight, top_k, True)
+    logits = (normed.float() @ weight.float().T).to(dtype)
+    assert torch.equal(ids.long(), _lowest_id_first(logits, top_k))
+    want_weights, _ = select_experts(logits, top_k, True)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    x[0, 0] = float("nan")
+    _, _, weights, ids = mr.route_one_row(x, residual, norm_weight, 1e-6, weight, top_k, True)
+    assert ids.tolist() == [list(range(top_k))] and bool(weights.isnan().all())
+    assert int(mr._counters[x.device][0]) == 0
+
+
 def test_one_row_routing_checks_its_arguments():
     x, norm_weight, weight = torch.zeros(1, 16), torch.ones(16), torch.zeros(8, 16)
     with pytest.raises(ValueError, match="want \\[1, H\\]"):
