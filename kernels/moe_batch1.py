@@ -48,12 +48,14 @@ tl = None  # triton.language, bound when _kernels is first built
 
 def block_config(fp8: bool) -> dict:
     """Block sizes of the two kernels: gate/up and down (SLOTS experts, BLOCK_N output
-    channels, BLOCK_K inputs a step, warps, stages): the fastest
-    of bench/fused_moe.py --batch1-sweep on an H100 at Qwen3-30B-A3B's layer
-    (bench/results/fused-moe-batch1-sweep-h100.json: 35.6 us bf16, 21.2 us FP8)."""
+    channels, BLOCK_K inputs a step, warps, stages). Gate/up's: the fastest of
+    bench/fused_moe.py --batch1-sweep on an H100 (fused-moe-batch1-sweep-h100.json); down's:
+    the fastest of its --batch1-down-sweep there (fused-moe-batch1-down-sweep-h100.json, each
+    graph call on other experts: 35.0 us bf16 and 23.9 us FP8 for the layer's two launches,
+    against 35.8 and 24.8 with all K slots in one program)."""
     if fp8:
-        return {"gate_up": (1, 2, 1024, 4, 2), "down": (8, 2, 256, 4, 1)}
-    return {"gate_up": (1, 1, 1024, 4, 2), "down": (8, 4, 256, 8, 1)}
+        return {"gate_up": (1, 2, 1024, 4, 2), "down": (4, 4, 256, 4, 1)}
+    return {"gate_up": (1, 1, 1024, 4, 2), "down": (2, 4, 256, 4, 1)}
 
 
 def runs_on(x: torch.Tensor) -> bool:

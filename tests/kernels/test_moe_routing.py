@@ -74,6 +74,19 @@ def test_ties_go_to_the_lowest_id(device, dtype, experts, top_k):
     _check(logits, top_k, weights, ids, *select_experts(logits, top_k, renormalize=True))
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_nan_logits_still_choose_valid_experts(device, dtype):
+    """A NaN logit counts as -inf for the choice: a row with NaNs takes its finite top K, an
+    all-NaN row the lowest ids; no slot is left without a valid expert."""
+    logits = _logits(2, 60, dtype, device, seed=5)
+    logits[0, logits[0].topk(3).indices] = float("nan")
+    logits[1] = float("nan")
+    _, ids = mr.route(logits, 4, renormalize=True)
+    finite = logits[0].float().nan_to_num(float("-inf"))
+    assert ids[0].tolist() == _lowest_id_first(finite[None], 4)[0].tolist()
+    assert ids[1].tolist() == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("device,dtype", CASES[:2])
 def test_sigmoid_scores_and_strided_logits(device, dtype):
     """Sigmoid scoring (DeepSeek-V3 without groups), and logits that are a column slice of a
@@ -139,9 +152,9 @@ def test_one_row_routing_equals_norm_router_then_select_experts(device, dtype, e
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("experts,top_k,hidden", [(8, 2, 64), (128, 8, 2048)])
 def test_one_row_routing_ties_and_nan(device, dtype, experts, top_k, hidden):
-    """The one-row kernel ranks the experts itself: router rows equal in pairs give equal
-    logits, taken lowest id first with the reference's weights; a NaN in the row (every logit
-    NaN) still fills all K slots with distinct valid ids, the lowest (NaN counts as -inf)."""
+    """Router rows equal in pairs give equal logits, taken lowest id first with the
+    reference's weights; a NaN in the row (every logit NaN) still fills all K slots with
+    distinct valid ids, the lowest (for the choice NaN counts as -inf), and NaN weights."""
     x, residual, norm_weight, weight = _one_row_case(experts, hidden, dtype, device, 1)
     weight = weight[torch.arange(experts, device=weight.device) // 2 * 2].contiguous()
     normed, _, weights, ids = mr.route_one_row(x, residual, norm_weight, 1e-6, weight, top_k, True)
