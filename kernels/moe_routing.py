@@ -22,13 +22,13 @@ no host sync, so CUDA graphs capture it. It launches with programmatic dependent
 `route_one_row` serves one token (decode at batch 1, --enable-batch1-kernels) from the layer's
 hidden state before its post-attention RMSNorm: one launch does that norm (the residual add in
 front, as kernels/norm.py's `rms_norm(x, w, eps, residual)` rounds it), the router's logits and
-the routing, where three launches did. Each of E / ONE_ROW_EXPERTS programs normalises the row
-(a few KB from L2) and computes ONE_ROW_EXPERTS logits, rounded to x's dtype as the router's
-linear layer rounds them; program 0 stores the normalised row and the sum for the experts and
-the next layer. The program that counts last on a per-device counter (an acquire-release atomic after a barrier
+the routing, where three launches did. Each of E programs normalises the row (a few KB from
+L2) and computes one logit, rounded to x's dtype as the router's linear layer rounds it;
+program 0 stores the normalised row and the sum for the experts and the next layer. The
+program that counts last on a per-device counter (an acquire-release atomic after a barrier
 over the logit stores, as kernels/paged_attention.py merges its splits) routes the logits and
 zeroes the counter, so launches sharing a device must not overlap (one stream per device).
-Before the PDL wait a program loads its router rows and the norm weight (no kernel writes them).
+Before the PDL wait a program loads its router row and the norm weight (no kernel writes them).
 The row's sum of squares is one reduction over the whole row here, another order than
 `rms_norm`'s, so the normalised row may differ from it in the last bit.
 It runs on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1 (Triton's interpreter);
@@ -45,8 +45,6 @@ MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 SCORING_FUNCS = ("softmax", "sigmoid")
 MAX_ONE_ROW_HIDDEN = 8192  # route_one_row holds the row in registers
-ONE_ROW_EXPERTS = 8  # route_one_row's logits a program: fewer programs count on the counter
-ONE_ROW_WARPS = 4
 _counters: dict[torch.device, torch.Tensor] = {}  # device -> int32 [1], zero between launches
 tl = None  # triton.language, bound when _kernel is first built
 
@@ -95,8 +93,7 @@ def route_one_row(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     weights, ids = _outputs(1, top_k, x.device)
     normed, summed = torch.empty_like(x), torch.empty_like(x)
     logits = x.new_empty(num_experts)  # [E], the programs' stores, read by the last one
-    _launch(-(-num_experts // ONE_ROW_EXPERTS), logits, weights, ids, num_experts, 0, top_k,
-            scoring_func, renormalize,
+    _launch(num_experts, logits, weights, ids, num_experts, 0, top_k, scoring_func, renormalize,
             one_row=(x.contiguous(), residual.contiguous(), norm_weight.contiguous(), eps,
                      weight.contiguous(), normed, summed, _counter(x.device)))
     return normed, summed, weights, ids
@@ -139,8 +136,7 @@ def _launch(programs, logits, weights, ids, num_experts, stride, top_k, scoring_
                         num_experts, stride, hidden, eps, EXPERTS=_pow2(num_experts), TOP_K=top_k,
                         SLOTS=_pow2(top_k), SIGMOID=scoring_func == "sigmoid",
                         RENORMALIZE=renormalize, ONE_ROW=with_row, BLOCK_H=_pow2(hidden),
-                        ROWS=ONE_ROW_EXPERTS if with_row else 1,
-                        num_warps=ONE_ROW_WARPS if with_row else 4 if num_experts > 256 else 1,
+                        num_warps=4 if with_row or num_experts > 256 else 1,
                         **launch_options(pdl(logits)))
 
 
@@ -155,17 +151,13 @@ def _kernel(triton):
                      normed_ptr, sum_ptr, counter_ptr, num_experts, stride, hidden, eps,
                      EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                      SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, ONE_ROW: tl.constexpr,
-                     BLOCK_H: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
-        # Grid: one program per token; ONE_ROW: one per ROWS experts (one token), the last one
-        # routes.
+                     BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        # Grid: one program per token; ONE_ROW: one per expert (one token), the last one routes.
         token = tl.program_id(0).to(tl.int64)
-        if ONE_ROW:  # this program's router rows and the norm weight: no kernel writes them
+        if ONE_ROW:  # this program's router row and the norm weight: no kernel writes them
             cols = tl.arange(0, BLOCK_H)
             col_ok = cols < hidden
-            rows = token * ROWS + tl.arange(0, ROWS)  # [ROWS] of the experts
-            row_ok = rows < num_experts
-            w_rows = tl.load(w_ptr + rows[:, None] * hidden + cols[None, :],
-                             mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            w_row = tl.load(w_ptr + token * hidden + cols, mask=col_ok, other=0.0)
             norm_w = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0)
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
@@ -181,12 +173,11 @@ def _kernel(triton):
             if token == 0:
                 tl.store(normed_ptr + cols, xn, mask=col_ok)
                 tl.store(sum_ptr + cols, s, mask=col_ok)
-            logit = tl.reduce(w_rows.to(tl.float32) * xn.to(tl.float32)[None, :], 1,
-                              tl.standard._sum_combine)  # [ROWS]
-            tl.store(logits_ptr + rows, logit.to(logits_ptr.dtype.element_ty), mask=row_ok)
+            logit = tl.reduce(w_row.to(tl.float32) * xn.to(tl.float32), 0,
+                              tl.standard._sum_combine)
+            tl.store(logits_ptr + token, logit.to(logits_ptr.dtype.element_ty))
             tl.debug_barrier()  # the stores before the release below
-            if (tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-                    != tl.num_programs(0) - 1):
+            if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") != num_experts - 1:
                 return
             tl.store(counter_ptr, 0)  # zero again for the next launch
             token = token * 0  # the one row
@@ -194,7 +185,6 @@ def _kernel(triton):
         valid = experts < num_experts
         logits = tl.load(logits_ptr + token * stride + experts, mask=valid, other=float("-inf"),
                          cache_modifier=".cg").to(tl.float32)  # [EXPERTS], from L2
-        logits = tl.where(logits == logits, logits, float("-inf"))  # NaN as -inf
         if SIGMOID:
             scores = 1.0 / (1.0 + tl.exp(-logits))
         else:
