@@ -41,6 +41,7 @@ from kernels._triton import launch_options, lazy_kernel, pdl
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
+_COUNTERS = 1 << 14  # down-kernel counters per device: channel blocks of one launch
 _counter_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32, zero between launches
 
 tl = None  # triton.language, bound when _kernels is first built
@@ -106,17 +107,17 @@ def _pow2(n: int) -> int:
 
 
 def _counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """The device's zeroed down-kernel counters, one per channel block (at least `blocks`;
-    made on first use, outside any capture: the engine runs each graph's forward eagerly
-    before capturing it)."""
-    have = _counter_buffers.get(device)
-    if have is None or have.numel() < blocks:
+    """The device's zeroed down-kernel counters, one per channel block (made on first use,
+    outside any capture: the engine runs each graph's forward eagerly before capturing it).
+    A fixed size, never regrown, so a captured graph's pointer stays valid."""
+    if blocks > _COUNTERS:
+        raise ValueError(f"{blocks} channel blocks exceed the down kernel's {_COUNTERS} counters")
+    if device not in _counter_buffers:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moe_batch1's counters must exist before a CUDA graph capture: "
                                "call it eagerly first")
-        have = _counter_buffers[device] = torch.zeros(max(blocks, 1024), dtype=torch.int32,
-                                                      device=device)
-    return have
+        _counter_buffers[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return _counter_buffers[device]
 
 
 @lazy_kernel("the batch-1 MoE")
