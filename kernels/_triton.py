@@ -63,6 +63,19 @@ def launch_options(use_pdl: bool) -> dict:
     return {"PDL": use_pdl, **({"launch_pdl": True} if use_pdl else {})}
 
 
+def device_counters(counters: dict, device: torch.device, size: int, what: str) -> torch.Tensor:
+    """counters[device]: a zeroed int32 [size] buffer that a kernel's last program resets after
+    counting (split merges, route_one_row, the batch-1 down sum). Made on first use and never
+    replaced, as a captured CUDA graph keeps its address; so it must be made outside any
+    capture (the engine runs each graph's forward eagerly before capturing it)."""
+    if device not in counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what} must exist before a CUDA graph capture: "
+                               "call the kernel eagerly first")
+        counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters[device]
+
+
 def interpret_requested() -> bool:
     """PD_SERVE_TRITON_CPU=1: run the kernels on CPU tensors in Triton's interpreter (tests).
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import launch_options, lazy_kernel, pdl
+from kernels._triton import device_counters, launch_options, lazy_kernel, pdl
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -107,17 +107,10 @@ def _pow2(n: int) -> int:
 
 
 def _counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """The device's zeroed down-kernel counters, one per channel block (made on first use,
-    outside any capture: the engine runs each graph's forward eagerly before capturing it).
-    A fixed size, never regrown, so a captured graph's pointer stays valid."""
+    """The device's down-kernel counters, one per channel block (kernels/_triton.py)."""
     if blocks > _COUNTERS:
         raise ValueError(f"{blocks} channel blocks exceed the down kernel's {_COUNTERS} counters")
-    if device not in _counter_buffers:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_batch1's counters must exist before a CUDA graph capture: "
-                               "call it eagerly first")
-        _counter_buffers[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counter_buffers[device]
+    return device_counters(_counter_buffers, device, _COUNTERS, "moe_batch1's counters")
 
 
 @lazy_kernel("the batch-1 MoE")

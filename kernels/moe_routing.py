@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import launch_options, lazy_kernel, pdl
+from kernels._triton import device_counters, launch_options, lazy_kernel, pdl
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
@@ -95,7 +95,8 @@ def route_one_row(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     logits = x.new_empty(num_experts)  # [E], the programs' stores, read by the last one
     _launch(num_experts, logits, weights, ids, num_experts, 0, top_k, scoring_func, renormalize,
             one_row=(x.contiguous(), residual.contiguous(), norm_weight.contiguous(), eps,
-                     weight.contiguous(), normed, summed, _counter(x.device)))
+                     weight.contiguous(), normed, summed,
+                     device_counters(_counters, x.device, 1, "route_one_row's counter")))
     return normed, summed, weights, ids
 
 
@@ -109,17 +110,6 @@ def _check(num_experts: int, top_k: int, scoring_func: str) -> None:
 def _outputs(num_tokens: int, top_k: int, device: torch.device):
     return (torch.empty(num_tokens, top_k, dtype=torch.float32, device=device),
             torch.empty(num_tokens, top_k, dtype=torch.int32, device=device))
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The device's zeroed route_one_row counter (made on first use, outside any capture: the
-    engine runs each graph's forward eagerly before capturing it)."""
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("route_one_row's counter must exist before a CUDA graph capture: "
-                               "call it eagerly first")
-        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def _launch(programs, logits, weights, ids, num_experts, stride, top_k, scoring_func, renormalize,

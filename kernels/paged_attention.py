@@ -68,7 +68,7 @@ import functools
 
 import torch
 
-from kernels._triton import launch_options, lazy_kernel, pdl
+from kernels._triton import device_counters, launch_options, lazy_kernel, pdl
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -471,12 +471,7 @@ def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
     if needed > _COUNTERS:
         raise ValueError(f"a decode launch of {needed} (row, KV head) pairs exceeds the "
                          f"{_COUNTERS} split counters")
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split counters must exist before a CUDA graph capture: run "
-                               "one decode attention call eagerly first")
-        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
+    return device_counters(_counters, device, _COUNTERS, "the split counters")
 
 
 def _pow2(n: int) -> int:

@@ -214,7 +214,7 @@ def test_fp8_experts_are_checked():
 # several steps, leave channels of the last block masked (hidden 40, intermediate 24) and give
 # a gate/up program two experts (the last one's second masked at top 3); down with all K
 # slots in a program, or split over programs (one or two slots each) whose last one sums
-BATCH1_CONFIGS = [None, *({"gate_up": (2, 4, 16, 1, 1), "down": (slots, 16, 8, 1, 1)}
+BATCH1_CONFIGS = [None, *({"gate_up": (2, 4, 16, 1, 1), "down": (slots, 8, 16, 1, 1)}
                           for slots in (16, 2, 1))]
 
 
