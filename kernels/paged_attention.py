@@ -34,7 +34,9 @@ the SM count), never from tensor values: no host sync, and a CUDA graph captured
 replays for another of the same shape, whatever its lengths and pages. A row's own split count
 matters because that bound is loose: a server's graphs are sized for its context length
 (131,072 for Llama-3.1), and a short row would otherwise read and merge dozens of empty splits.
-Decode reads nothing before the PDL wait: loading a split's first K/V tile there is slower, at
+Before the PDL wait a program reads only what the host staged for the step (the query blocks,
+seq_lens, the page lists): its bounds and its first tile's pages, so the first K/V load leaves
+right after the wait. The K/V tile itself loads after it: loaded before, it was slower, at
 batch 1 and at large batches alike.
 
 The page lists are ragged, not a dense [B, max_pages] table: a CUDA graph's table would have to
@@ -285,9 +287,6 @@ def _kernels(triton):
             BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
             SPLIT_BLOCK: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
             F16: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         # Grid: decode (1, rows, KV heads x splits); prefill (query blocks, 1, KV heads), the
         # (row, block) of program i at q_blocks[i] (prefill_blocks: most keys first).
         kv_head = tl.program_id(2) // NUM_SPLITS
@@ -323,6 +322,15 @@ def _kernels(triton):
         lo = kv_start + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
 
+        # The row's pages and the first tile's, ahead of the wait like all of the above: the
+        # host stages them (module docstring); then the loop loads each next tile's pages.
+        table = kv_indices_ptr + tl.load(kv_indptr_ptr + row).to(tl.int64)
+        t = lo + tl.arange(0, BLOCK_N)
+        page = tl.load(table + t // PAGE_SIZE, mask=t < hi, other=0).to(tl.int64)
+        if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
         # Query rows r = token * GROUP_PAD + head; rows past BLOCK_Q * GROUP_PAD pad tl.dot to 16.
         r = tl.arange(0, BLOCK_M)
         tok = q_block * BLOCK_Q + r // GROUP_PAD  # [M] query index within the row
@@ -340,11 +348,9 @@ def _kernels(triton):
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 logits)
         l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        table = kv_indices_ptr + tl.load(kv_indptr_ptr + row).to(tl.int64)  # the row's pages
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)  # [N] key positions
             t_ok = t < hi
-            page = tl.load(table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
             kv_mask = t_ok[:, None] & d_ok[None, :]
             k_off = page * k_stride_p + (t % PAGE_SIZE) * k_stride_s + kv_head * k_stride_h
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -363,6 +369,8 @@ def _kernels(triton):
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                                 input_precision=PRECISION)
             m = m_new
+            t = t + BLOCK_N  # the next tile's pages
+            page = tl.load(table + t // PAGE_SIZE, mask=t < hi, other=0).to(tl.int64)
 
         out_mask = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:  # (padding rows may see no key inside a window: l = 0)

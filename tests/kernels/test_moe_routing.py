@@ -87,6 +87,23 @@ def test_nan_logits_still_choose_valid_experts(device, dtype):
     assert ids[1].tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("top_k", [3, 6])
+def test_signed_zeros_minus_infinity_and_a_top_k_below_its_power_of_two(device, dtype, top_k):
+    """The choice orders negative logits, -0.0 equal to 0.0 (a tie: lowest id first) and -inf
+    as the floats do; a top k of 3 or 6 (DeepSeek-V2's) renormalises over its own
+    k slots only."""
+    logits = _logits(3, 64, dtype, device, seed=11)
+    logits[0, :8] = torch.tensor([-0.0, 0.0, -0.0, -1.5, -1e-3, 0.0, -0.0, -1.5])
+    logits[0, 8:] = -2.0 - logits[0, 8:].abs()  # the row's top k among the eight above
+    logits[1, [4, 9]] = 60.0
+    logits[1, [2, 30, 31]] = float("-inf")
+    logits[2] = -logits[2].abs()  # all negative
+    weights, ids = mr.route(logits, top_k, renormalize=True)
+    _check(logits, top_k, weights, ids, *select_experts(logits, top_k, renormalize=True))
+    assert ids[0].tolist() == [0, 1, 2, 5, 6, 4][:top_k]
+
+
 @pytest.mark.parametrize("device,dtype", CASES[:2])
 def test_sigmoid_scores_and_strided_logits(device, dtype):
     """Sigmoid scoring (DeepSeek-V3 without groups), and logits that are a column slice of a

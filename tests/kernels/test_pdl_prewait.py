@@ -19,7 +19,9 @@ PREWAIT_READS = {
     "rms_norm_kernel": {"w_ptr"},
     "rope_store_kv_kernel": {"pos_ptr", "slot_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr",
                              "k_norm_ptr"},
-    "attention_kernel": set(),
+    # the step's query blocks, lengths and page lists, which the host stages
+    "attention_kernel": {"q_blocks_ptr", "qo_indptr_ptr", "seq_lens_ptr", "kv_indptr_ptr",
+                         "kv_indices_ptr"},
     "route_kernel": {"w_ptr", "norm_w_ptr"},
     "expert_gate_up_gemv_kernel": set(),
     # the expert ids: written by the routing two launches back, which the kernel between
