@@ -3,9 +3,9 @@ vLLM's /tokenize and /detokenize (openai_tokenize).
 
 A request is parsed (openai_protocol), handed to a TokenSource as one GenerateSpec per choice
 (n choices per prompt; a /v1/completions batch has several prompts), and its TokenEvents become
-text (openai_text: detokenization and stop strings) and OpenAI JSON (chat: reasoning and tool
-calls read out of the text by openai_message, with the server's parsers); the choices run side by
-side, their chunks interleaved as they come. Every exit path closes the source iterators, which
+text (model/output_text: detokenization and stop strings) and OpenAI JSON (chat: reasoning and
+tool calls read out of the text by openai_message, with the server's parsers); the choices run
+side by side, their chunks interleaved as they come. Every exit path closes the source iterators, which
 aborts the requests wherever they run: a stop string (that choice alone), a client gone
 mid-stream (a failed write or a cancelled handler), an error (every choice).
 
@@ -30,7 +30,7 @@ from aiohttp import web
 from pd_serve.gateway.openai_message import ChatOutput
 from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest, decode_body,
                                               parse_chat, parse_completion)
-from pd_serve.gateway.openai_text import OutputText
+from pd_serve.model.output_text import OutputText
 from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, ToolParser, make_parser

@@ -154,6 +154,23 @@ def test_stop_token_ids_and_max_tokens_and_eos(smol, prompts):
     assert ended.finish_reason == "stop" and ended.token_ids[-1] in smol.tokenizer.eos_token_ids
 
 
+def test_eos_adds_no_text_and_a_stream_never_shows_a_stop_strings_start(smol, prompts):
+    """With special tokens kept, the EOS that ends an output adds no text (as the gateway and
+    vLLM do); a streamed output holds back what could begin a stop string, so its deltas add
+    up to the cut text and no output along the way shows text past the cut."""
+    chat = smol.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    kept = smol.generate(chat, SamplingParams(temperature=0.0, max_tokens=200,
+                                              skip_special_tokens=False))[0]
+    assert kept.finish_reason == "stop" and kept.token_ids[-1] in smol.tokenizer.eos_token_ids
+    assert kept.text == smol.tokenizer.decode(kept.token_ids[:-1], skip_special_tokens=False)
+    text = smol.generate([prompts[3]], GREEDY)[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    streamed = list(smol.stream(prompts[3], params))
+    assert "".join(o.new_text for o in streamed) == streamed[-1].text == text[:text.index(stop)]
+    assert all(streamed[-1].text.startswith(o.text) for o in streamed)  # nothing past the cut
+
+
 def test_logprobs_are_raw_log_softmax_with_sorted_alternatives(smol, prompts):
     out = smol.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0]
     assert len(out.logprobs) == len(out.token_ids) == 4

@@ -164,7 +164,7 @@ def test_an_output_that_ends_inside_a_character_is_flushed_as_decode_gives_it(to
 
 
 def test_output_text_hands_out_the_tail_when_the_output_ends(tok):
-    from pd_serve.gateway.openai_text import OutputText
+    from pd_serve.model.output_text import OutputText
 
     ids = _ends_inside_a_character(tok)
     for stop in ([], ["\x00never"]):

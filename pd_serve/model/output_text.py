@@ -1,4 +1,5 @@
-"""Output text of one request: incremental detokenization, stop strings, and stream hold-back.
+"""Output text of one request: incremental detokenization, stop strings, and stream hold-back,
+for the gateway's OpenAI handlers and the engine's RequestOutput alike.
 
 The token source enforces EOS, stop token ids and max_tokens; stop strings need text, so they
 are found here. While a request runs, the last len(longest stop string) - 1 characters are held
@@ -21,6 +22,8 @@ class OutputText:
         A stop string was found; tokens after the one that completed it are not taken.
     token_offsets : list[int]
         Per taken token, where its text starts in `text` (OpenAI's text_offset).
+    shown : str
+        The text handed out by `take_delta` so far.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
@@ -72,3 +75,7 @@ class OutputText:
             return ""
         delta, self._num_chars_sent = self.text[self._num_chars_sent:end], end
         return delta
+
+    @property
+    def shown(self) -> str:
+        return self.text[:self._num_chars_sent]
