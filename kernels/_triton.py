@@ -24,9 +24,10 @@ gap between kernels shrinks. CUDA graphs keep it. Before the wait a kernel reads
 kernel of the forward writes (weights and their scales, RoPE's cos / sin tables) or what the
 host staged for the batch before it (positions, KV slots, attention's page lists): RMSNorm's
 weight, the RoPE + KV store's rows, attention's bounds and first pages and the FP8 GEMV's first
-weight tile and scales load there, under the tail of the kernel before. tests/kernels/test_pdl_prewait.py holds each kernel to its list of such reads. On
-one H200 (Llama-3.1-8B shape, --enable-batch1-kernels) PDL takes a decode step at 1k context
-from 4.42 to 4.26 ms at batch 1 and from 7.59 to 7.33 ms at batch 64.
+weight tile and scales load there, under the tail of the kernel before.
+tests/kernels/test_pdl_prewait.py holds each kernel to its list of such reads. On one H200
+(Llama-3.1-8B shape, --enable-batch1-kernels) PDL takes a decode step at 1k context from 4.42
+to 4.26 ms at batch 1 and from 7.59 to 7.33 ms at batch 64.
 """
 
 from __future__ import annotations

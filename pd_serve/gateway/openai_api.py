@@ -5,9 +5,9 @@ A request is parsed (openai_protocol), handed to a TokenSource as one GenerateSp
 (n choices per prompt; a /v1/completions batch has several prompts), and its TokenEvents become
 text (model/output_text: detokenization and stop strings) and OpenAI JSON (chat: reasoning and
 tool calls read out of the text by openai_message, with the server's parsers); the choices run
-side by side, their chunks interleaved as they come. Every exit path closes the source iterators, which
-aborts the requests wherever they run: a stop string (that choice alone), a client gone
-mid-stream (a failed write or a cancelled handler), an error (every choice).
+side by side, their chunks interleaved as they come. Every exit path closes the source
+iterators, which aborts the requests wherever they run: a stop string (that choice alone), a
+client gone mid-stream (a failed write or a cancelled handler), an error (every choice).
 
 Failures carry their HTTP status: a bad request 400, a full queue 429, no capacity 503 (with
 Retry-After where the source gives one). A stream starts only once its first token is there,
