@@ -50,13 +50,15 @@ tl = None  # triton.language, bound when _kernels is first built
 def block_config(fp8: bool) -> dict:
     """Block sizes of the two kernels: gate/up and down (SLOTS experts, BLOCK_N output
     channels, BLOCK_K inputs a step, warps, stages). Gate/up's: the fastest of
-    bench/fused_moe.py --batch1-sweep on an H100 (fused-moe-batch1-sweep-h100.json); down's:
-    the fastest of its --batch1-down-sweep there (fused-moe-batch1-down-sweep-h100.json, each
-    graph call on other experts: 35.0 us bf16 and 23.9 us FP8 for the layer's two launches,
-    against 35.8 and 24.8 with all K slots in one program)."""
+    bench/fused_moe.py --batch1-sweep on an H100 (fused-moe-batch1-sweep-h100.json). Down's:
+    the fastest in the model's step (bench/probes/step_configs.py, Qwen3-30B-A3B at batch 1
+    on an H100, moe-batch1-down-step-h100.json): all K experts in one program, two channels,
+    128 inputs a step: 2.959 ms a step against 3.001 with two experts of four channels and 256
+    inputs (bf16), 2.302 against 2.375 (FP8)."""
+    down = (8, 2, 128, 4, 1)
     if fp8:
-        return {"gate_up": (1, 2, 1024, 4, 2), "down": (4, 4, 256, 4, 1)}
-    return {"gate_up": (1, 1, 1024, 4, 2), "down": (2, 4, 256, 4, 1)}
+        return {"gate_up": (1, 2, 1024, 4, 2), "down": down}
+    return {"gate_up": (1, 1, 1024, 4, 2), "down": down}
 
 
 def runs_on(x: torch.Tensor) -> bool:

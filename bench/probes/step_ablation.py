@@ -39,8 +39,8 @@ KINDS = ("norm", "rope_store", "attention", "lm_head", "gemv")
 def skip(kind: str) -> None:
     """Replace one kind of kernel by nothing, where the model and backends look it up."""
     if kind == "norm":
-        from pd_serve.model import llama
-        llama.rms_norm = lambda x, weight, eps, residual=None: (
+        from pd_serve.model import layers
+        layers.rms_norm = lambda x, weight, eps, residual=None: (
             x if residual is None else (x, residual))
     elif kind == "rope_store":
         from pd_serve.engine.attention import base
