@@ -51,10 +51,10 @@ def block_config(fp8: bool) -> dict:
     """Block sizes of the two kernels: gate/up and down (SLOTS experts, BLOCK_N output
     channels, BLOCK_K inputs a step, warps, stages). Gate/up's: the fastest of
     bench/fused_moe.py --batch1-sweep on an H100 (fused-moe-batch1-sweep-h100.json). Down's:
-    the fastest in the model's step (bench/probes/step_configs.py, Qwen3-30B-A3B at batch 1
-    on an H100, moe-batch1-down-step-h100.json): all K experts in one program, two channels,
-    128 inputs a step: 2.959 ms a step against 3.001 with two experts of four channels and 256
-    inputs (bf16), 2.302 against 2.375 (FP8)."""
+    the fastest in the model's step (bench/probes/step_configs.py --set down, Qwen3-30B-A3B
+    at batch 1 on an H100, one-batch-qwen3-30b-a3b-bs1-step-configs-h100.json): all K
+    experts in one program, two channels, 128 inputs a step, 2.959 ms a step against 3.001
+    with two experts of four channels and 256 inputs (bf16), 2.302 against 2.375 (FP8)."""
     down = (8, 2, 128, 4, 1)
     if fp8:
         return {"gate_up": (1, 2, 1024, 4, 2), "down": down}
