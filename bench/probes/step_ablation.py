@@ -44,8 +44,10 @@ def skip(kind: str) -> None:
             x if residual is None else (x, residual))
     elif kind == "rope_store":
         from pd_serve.engine.attention import base
-        base.rope_store_kv = lambda positions, q, *args, **kwargs: (
-            q if args[-1] is None else args[-1])  # q_out, the last positional argument
+        def no_rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                          k_scale=1.0, v_scale=1.0, q_out=None, qk_norm=None):
+            return q if q_out is None else q_out
+        base.rope_store_kv = no_rope_store
     elif kind == "attention":
         from pd_serve.engine.attention import triton_backend
         triton_backend.paged_decode_attention = lambda q, *args, **kwargs: q
