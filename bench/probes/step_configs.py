@@ -1,17 +1,19 @@
-"""Probe (GPU): a batch-1 decode step of Qwen3-30B-A3B's shape under kernel block-size variants.
+"""Probe (GPU): a batch-1 decode step (Qwen3-30B-A3B's shape by default) under kernel variants.
 
 One engine (bench/one_batch.py's, random weights, --enable-batch1-kernels, 1k context); per
 variant the block sizes are patched (kernels/moe_batch1.py's block_config, kernels/gemv.py's
-_block_config, or an integer module constant), the batch-1 CUDA graph is captured again and the
+_block_config, or a module or class attribute), the batch-1 CUDA graph is captured again and the
 step timed (bench/one_batch.py's run_decode: 48 steps, then the graph replayed alone). Rounds
 visit every variant, alternately in and against list order, so drift falls on all alike.
 
     PYTHONPATH=. python3 bench/probes/step_configs.py --set down OUT.json [--quantization fp8]
 
 --set down: the experts' down kernel (SLOTS, BLOCK_N, BLOCK_K, warps, stages); gate_up: the
-experts' gate/up kernel; gemv: the q/k/v, o and LM-head GEMVs (bf16); constants: decode
-attention, RoPE + KV store and argmax constants. Writes each variant's step and replay times
-(ms, one per round); bench/results/one-batch-qwen3-30b-a3b-bs1-step-configs-h100.json.
+experts' gate/up kernel; gemv: Qwen3-30B-A3B's q/k/v, o and LM-head GEMVs (bf16); constants:
+decode attention, RoPE + KV store and argmax constants; norm_fold: the decoder's norms as their
+own launches, not folded into the next GEMV (layers.norm_then; any --preset). Writes each
+variant's step and replay times (ms, one per round);
+bench/results/one-batch-qwen3-30b-a3b-bs1-step-configs-h100.json.
 """
 import argparse
 import importlib
@@ -53,6 +55,9 @@ SETS = {  # name -> [(label, {"moe": {...}, "gemv": {(n, k): config}, "const": {
         (PA + "_MIN_TILES_PER_SPLIT", 2), (PA + "_MERGE_ELEMENTS", 4096),
         (PA + "_MERGE_ELEMENTS", 65536), (RS + "_ROPE_BLOCK_ELEMENTS", 512),
         (RS + "_ROPE_BLOCK_ELEMENTS", 2048), (AM + "_BLOCK", 2048), (AM + "_BLOCK", 8192)]],
+    "norm_fold": [("norms unfolded", {"const": {
+        "pd_serve.model.layers.Linear.folds_norm": False,
+        "pd_serve.model.quant.Fp8Linear.folds_norm": False}})],
 }
 
 
@@ -60,6 +65,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("output")
     p.add_argument("--set", choices=sorted(SETS), default="down")
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(one_batch.PRESETS))
     p.add_argument("--quantization", choices=["fp8"], default=None)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--limit", type=float, default=400, help="stop starting variants after S s")
@@ -71,7 +77,7 @@ class Patches:
 
     def __init__(self):
         self.moe, self.gemv = moe_batch1.block_config, gemv._block_config
-        self.constants: dict[str, int] = {}  # the originals of constants ever set
+        self.constants: dict = {}  # the originals of attributes ever set
 
     def apply(self, variant: dict) -> None:
         for key, value in self.constants.items():
@@ -83,18 +89,23 @@ class Patches:
         gemv._block_config = lambda n, k, fp8: shapes.get((n, k), self.gemv(n, k, fp8))
 
     @staticmethod
-    def _set(key: str, value: int) -> int:
-        module_name, _, name = key.rpartition(".")
-        module = importlib.import_module(module_name)
-        old = getattr(module, name)
-        setattr(module, name, value)
+    def _set(key: str, value):
+        """Set MODULE.NAME or MODULE.CLASS.NAME; returns the old value."""
+        path, _, name = key.rpartition(".")
+        try:
+            owner = importlib.import_module(path)
+        except ModuleNotFoundError:
+            module_name, _, class_name = path.rpartition(".")
+            owner = getattr(importlib.import_module(module_name), class_name)
+        old = getattr(owner, name)
+        setattr(owner, name, value)
         return old
 
 
 def main() -> int:
     args = parse_args()
     start = time.time()
-    argv = ["--preset", "qwen3-30b-a3b", "--enable-batch1-kernels", "--batch-sizes", "1",
+    argv = ["--preset", args.preset, "--enable-batch1-kernels", "--batch-sizes", "1",
             "--contexts", "1024", "--prefill-grid", "1x256", "--no-hf", "--decode-steps",
             str(STEPS)] + (["--quantization", args.quantization] if args.quantization else [])
     bench_args = one_batch.parse_args(argv)
@@ -129,7 +140,7 @@ def main() -> int:
             for label, variant in variants if times[label]]
     Path(args.output).write_text(json.dumps({
         "probe": "step_configs", "set": args.set, "quantization": args.quantization,
-        "preset": "qwen3-30b-a3b", "batch": 1, "context": 1024, "steps": STEPS,
+        "preset": args.preset, "batch": 1, "context": 1024, "steps": STEPS,
         "device": device_name(device), "git_commit": git_commit(), "rows": rows}, indent=1))
     for row in sorted(rows, key=lambda row: row["median_replay_ms"]):
         print(f"{row['variant']:28s} median replay {row['median_replay_ms']:.4f} ms")
