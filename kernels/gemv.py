@@ -38,16 +38,6 @@ up half, rounds both to x's dtype (what the separate GEMV would store) and write
 `silu(gate) * up` with kernels/activation.py's arithmetic, so it is bit for bit that GEMV
 followed by `silu_and_mul`, with one launch fewer and no [1, 2I] intermediate.
 
-With `norm` (residual, norm_weight, eps) the GEMV takes the layer's input RMSNorm too: x is
-the residual stream's new part, and each program reads x and the residual whole (a few KB from
-L2), sums the row's squares, then normalises each BLOCK_K of x as it goes, rounded as
-kernels/norm.py's `rms_norm(x, norm_weight, eps, residual)` rounds it; program 0 stores
-x + residual, the next residual stream. That is one launch, and one step of the PDL chain,
-fewer a norm: the decoder folds its input norm into the q/k/v GEMV and a dense MLP's
-post-attention norm into its gate/up GEMV. The sum of squares is one reduction over the whole
-row, another order than `rms_norm`'s, so the normalised row may differ from it in the last bit
-(as kernels/moe_routing.py's `route_one_row`, which folds the post-attention norm likewise).
-
 The model's layers call it only under --enable-batch1-kernels (pd_serve/model/llama.py's
 use_batch1_kernels): a row computed here rounds differently from the same row in a cuBLAS
 GEMM, so with it a request's greedy output can depend on whether it decoded alone.
@@ -64,7 +54,6 @@ import torch.nn.functional as F
 
 from kernels._triton import launch_options, lazy_kernel, pdl
 from kernels import activation
-from kernels.norm import rms_norm
 
 # Kernel launches so far; the tests read it to confirm the Triton path really ran.
 triton_launches = 0
@@ -73,8 +62,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 tl = None  # triton.language, bound when _kernel is first built
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           norm: tuple | None = None):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; one-row inputs [1, K] on the GPU run the GEMV kernel.
 
     Parameters
@@ -82,45 +70,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x : [T, K] (or [K]) float16/bfloat16/float32.
     weight : [N, K] in x's dtype.
     bias : [N] in x's dtype, or None.
-    norm : (residual, norm_weight, eps), or None: the layer's input is
-        `rms_norm(x, norm_weight, eps, residual)` (kernels/norm.py), in the GEMV at one row.
 
     Returns
     -------
-    [T, N] (or [N]) in x's dtype; with norm, the pair (that, x + residual).
+    [T, N] (or [N]) in x's dtype.
     """
-    if _one_row(x, weight):
-        return gemv(x, weight, bias=bias, norm=norm)
-    if norm is None:
-        return F.linear(x, weight, bias)
-    normed, summed = rms_norm(x, norm[1], norm[2], norm[0])
-    return F.linear(normed, weight, bias), summed
+    if (x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype and x.dtype in _DTYPES
+            and _kernel.runs_on(x)):
+        return gemv(x, weight, bias=bias)
+    return F.linear(x, weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, norm: tuple | None = None):
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight))` for a fused [gate | up] weight [2I, K]; one-row
-    inputs [1, K] on the GPU run the GEMV with the activation in its epilogue. norm: as
-    `linear`'s.
+    inputs [1, K] on the GPU run the GEMV with the activation in its epilogue.
 
     Returns
     -------
-    [T, I] in x's dtype; with norm, the pair (that, x + residual).
+    [T, I] in x's dtype.
     """
-    if _one_row(x, weight):
-        return gemv(x, weight, silu_and_mul=True, norm=norm)
-    if norm is None:
-        return activation.silu_and_mul(F.linear(x, weight))
-    normed, summed = rms_norm(x, norm[1], norm[2], norm[0])
-    return activation.silu_and_mul(F.linear(normed, weight)), summed
-
-
-def _one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype and x.dtype in _DTYPES
-            and _kernel.runs_on(x))
+    if (x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype and x.dtype in _DTYPES
+            and _kernel.runs_on(x)):
+        return gemv(x, weight, silu_and_mul=True)
+    return activation.silu_and_mul(F.linear(x, weight))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, silu_and_mul: bool = False, norm: tuple | None = None):
+         bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """One row through a linear layer, on the Triton kernel.
 
     Parameters
@@ -130,23 +106,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     weight_scale : float32 [N] for an FP8 weight (W[n] = weight[n] * weight_scale[n]); else None.
     bias : [N] in x's dtype, or None.
     silu_and_mul : weight is [gate | up] (N = 2I): return silu(gate) * up, [1, I] (no bias).
-    norm : (residual [1, K] in x's dtype, norm_weight [K], eps), or None: the GEMV's input is
-        `rms_norm(x, norm_weight, eps, residual)`, computed in the kernel (module docstring).
 
     Returns
     -------
-    [1, N] (or [1, N / 2] with silu_and_mul), new and contiguous, in x's dtype; with norm, the
-    pair (that, x + residual [1, K]).
+    [1, N] (or [1, N / 2] with silu_and_mul), new and contiguous, in x's dtype.
     """
     _check(x, weight, weight_scale, bias, silu_and_mul)
-    if norm is not None:
-        residual, norm_weight, eps = norm
-        _check_norm(x, residual, norm_weight)
-        summed = torch.empty_like(x, memory_format=torch.contiguous_format)
-        residual, norm_weight = residual.contiguous(), norm_weight.contiguous()
-    else:  # unread (NORM False): any pointers
-        residual = norm_weight = summed = x
-        eps = 0.0
     global triton_launches
     kernel = _kernel.load()
     x = x.contiguous()
@@ -159,13 +124,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     if silu_and_mul:  # the same weight rows a program: half of them gate, half up
         block_n = max(1, block_n // 2)
     kernel[(-(-n // block_n),)](
-        x, weight, out, weight_scale if fp8 else weight, bias if bias is not None else x,
-        residual, norm_weight, summed, n, k, eps, FP8=fp8, HAS_BIAS=bias is not None,
-        GLU=silu_and_mul, ROWSUM=rowsum, NORM=norm is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, BLOCK_ROW=1 << (k - 1).bit_length(), num_warps=num_warps,
-        num_stages=num_stages, **launch_options(pdl(x)))
+        x, weight, out, weight_scale if fp8 else weight, bias if bias is not None else x, n, k,
+        FP8=fp8, HAS_BIAS=bias is not None, GLU=silu_and_mul, ROWSUM=rowsum, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl(x)))
     triton_launches += 1
-    return out if norm is None else (out, summed)
+    return out
 
 
 def _block_config(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, bool]:
@@ -185,12 +148,10 @@ def _block_config(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, bool]:
 def _kernel(triton):
     """The jitted GEMV kernel."""
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, bias_ptr, res_ptr, norm_w_ptr, sum_ptr,
-                    N, K, eps, FP8: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                    ROWSUM: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, PDL: tl.constexpr):
+    def gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, bias_ptr, N, K, FP8: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, ROWSUM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # N: output channels (with GLU, the gate rows; the up rows are N further down).
-        dtype = out_ptr.dtype.element_ty
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
         rk = tl.arange(0, BLOCK_K)
         n_mask = rn < N
@@ -222,22 +183,8 @@ def _kernel(triton):
         if PDL:  # see kernels/_triton.py: the kernel before done, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        inv_rms = 1.0
-        if NORM:  # the whole row: x + residual (program 0 stores it) and its 1 / rms
-            cols = tl.arange(0, BLOCK_ROW)
-            row = (tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-                   + tl.load(res_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)).to(dtype)
-            if tl.program_id(0) == 0:
-                tl.store(sum_ptr + cols, row, mask=cols < K)
-            row = row.to(tl.float32)
-            inv_rms = tl.math.rsqrt(tl.reduce(row * row, 0, tl.standard._sum_combine) / K + eps)
         if FP8:  # the first tile's products start the sums
             xs = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            if NORM:  # rms_norm's output for these inputs, rounded as kernels/norm.py does
-                s = (xs + tl.load(res_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)).to(dtype)
-                xs = ((s.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
-                      * tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(dtype).to(tl.float32)
-                      ).to(dtype).to(tl.float32)
             acc = w.to(tl.float32) * xs[None, :]
             if GLU:
                 acc_up = w_up.to(tl.float32) * xs[None, :]
@@ -249,28 +196,25 @@ def _kernel(triton):
         for k0 in range(BLOCK_K if FP8 else 0, K, BLOCK_K):
             kk = k0 + rk
             k_mask = kk < K
-            w_mask = n_mask[:, None] & k_mask[None, :]
             if ROWSUM:  # weight loads (gate and up) go out before x's, as timed (module docstring)
+                w_mask = n_mask[:, None] & k_mask[None, :]
                 w = tl.load(w_ptr + rows + rk[None, :] + k0, mask=w_mask, other=0.0)
                 w_up = w
                 if GLU:
                     w_up = tl.load(w_ptr + up_rows + rk[None, :] + k0, mask=w_mask, other=0.0)
-            xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            if NORM:  # as for the first FP8 tile above
-                s = (xs + tl.load(res_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)).to(dtype)
-                xs = ((s.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)
-                      * tl.load(norm_w_ptr + kk, mask=k_mask, other=0.0).to(dtype).to(tl.float32)
-                      ).to(dtype).to(tl.float32)
-            if ROWSUM:
+                xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
                 acc += tl.reduce(w.to(tl.float32) * xs[None, :], 1, tl.standard._sum_combine)
                 if GLU:
                     acc_up += tl.reduce(w_up.to(tl.float32) * xs[None, :], 1,
                                         tl.standard._sum_combine)
             else:
-                w = tl.load(w_ptr + rows + kk[None, :], mask=w_mask, other=0.0)
+                xs = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                            other=0.0)
                 acc += w.to(tl.float32) * xs[None, :]
                 if GLU:
-                    w = tl.load(w_ptr + up_rows + kk[None, :], mask=w_mask, other=0.0)
+                    w = tl.load(w_ptr + up_rows + kk[None, :],
+                                mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                     acc_up += w.to(tl.float32) * xs[None, :]
         y = acc  # [BN]
         up = acc_up
@@ -293,15 +237,6 @@ def _kernel(triton):
         tl.store(out_ptr + rn, y, mask=n_mask)
 
     return gemv_kernel
-
-
-def _check_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> None:
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(f"residual must be {x.dtype} {tuple(x.shape)} on {x.device}, got "
-                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
-    if norm_weight.shape != x.shape[1:] or norm_weight.device != x.device:
-        raise ValueError(f"norm_weight must be [{x.shape[1]}] on {x.device}, got "
-                         f"{tuple(norm_weight.shape)} on {norm_weight.device}")
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,

@@ -1,8 +1,8 @@
-"""Probe (GPU): a batch-1 decode step (Qwen3-30B-A3B's shape by default) under kernel variants.
+"""Probe (GPU): a batch-1 decode step (Qwen3-30B-A3B's shape by default) under block-size variants.
 
 One engine (bench/one_batch.py's, random weights, --enable-batch1-kernels, 1k context); per
 variant the block sizes are patched (kernels/moe_batch1.py's block_config, kernels/gemv.py's
-_block_config, or a module or class attribute), the batch-1 CUDA graph is captured again and the
+_block_config, or an integer module constant), the batch-1 CUDA graph is captured again and the
 step timed (bench/one_batch.py's run_decode: 48 steps, then the graph replayed alone). Rounds
 visit every variant, alternately in and against list order, so drift falls on all alike.
 
@@ -10,10 +10,9 @@ visit every variant, alternately in and against list order, so drift falls on al
 
 --set down: the experts' down kernel (SLOTS, BLOCK_N, BLOCK_K, warps, stages); gate_up: the
 experts' gate/up kernel; gemv: Qwen3-30B-A3B's q/k/v, o and LM-head GEMVs (bf16); constants:
-decode attention, RoPE + KV store and argmax constants; norm_fold: the decoder's norms as their
-own launches, not folded into the next GEMV (layers.norm_then; any --preset). Writes each
-variant's step and replay times (ms, one per round);
-bench/results/one-batch-qwen3-30b-a3b-bs1-step-configs-h100.json.
+decode attention, RoPE + KV store and argmax constants. --preset: another bench/one_batch.py
+preset (down and gate_up need an MoE one). Writes each variant's step and replay times (ms,
+one per round); bench/results/one-batch-qwen3-30b-a3b-bs1-step-configs-h100.json.
 """
 import argparse
 import importlib
@@ -55,9 +54,6 @@ SETS = {  # name -> [(label, {"moe": {...}, "gemv": {(n, k): config}, "const": {
         (PA + "_MIN_TILES_PER_SPLIT", 2), (PA + "_MERGE_ELEMENTS", 4096),
         (PA + "_MERGE_ELEMENTS", 65536), (RS + "_ROPE_BLOCK_ELEMENTS", 512),
         (RS + "_ROPE_BLOCK_ELEMENTS", 2048), (AM + "_BLOCK", 2048), (AM + "_BLOCK", 8192)]],
-    "norm_fold": [("norms unfolded", {"const": {
-        "pd_serve.model.layers.Linear.folds_norm": False,
-        "pd_serve.model.quant.Fp8Linear.folds_norm": False}})],
 }
 
 
@@ -77,7 +73,7 @@ class Patches:
 
     def __init__(self):
         self.moe, self.gemv = moe_batch1.block_config, gemv._block_config
-        self.constants: dict = {}  # the originals of attributes ever set
+        self.constants: dict[str, int] = {}  # the originals of constants ever set
 
     def apply(self, variant: dict) -> None:
         for key, value in self.constants.items():
@@ -89,16 +85,11 @@ class Patches:
         gemv._block_config = lambda n, k, fp8: shapes.get((n, k), self.gemv(n, k, fp8))
 
     @staticmethod
-    def _set(key: str, value):
-        """Set MODULE.NAME or MODULE.CLASS.NAME; returns the old value."""
-        path, _, name = key.rpartition(".")
-        try:
-            owner = importlib.import_module(path)
-        except ModuleNotFoundError:
-            module_name, _, class_name = path.rpartition(".")
-            owner = getattr(importlib.import_module(module_name), class_name)
-        old = getattr(owner, name)
-        setattr(owner, name, value)
+    def _set(key: str, value: int) -> int:
+        module_name, _, name = key.rpartition(".")
+        module = importlib.import_module(module_name)
+        old = getattr(module, name)
+        setattr(module, name, value)
         return old
 
 

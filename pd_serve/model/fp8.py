@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import activation, fp8_gemm, fp8_quant
-from kernels.norm import rms_norm
 from kernels.fp8_quant import quantize_per_token
 from kernels.gemv import gemv
 
@@ -166,7 +165,7 @@ def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
                dense: torch.Tensor | None = None, gemv_one_row: bool = False,
-               silu_and_mul: bool = False, norm: tuple | None = None):
+               silu_and_mul: bool = False) -> torch.Tensor:
     """`x @ W.T + bias` for an FP8 layer, with x quantized to FP8 per token (or statically).
 
     Parameters
@@ -180,24 +179,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         CPU does): the reference then skips dequantizing the weight on every call.
     silu_and_mul : the layer is the MLP's [gate | up] (N = 2I, no bias): return
         silu(gate) * up, [..., I]; the one-row GEMV computes it in its epilogue.
-    norm : (residual, norm weight, eps), or None: the layer's input is
-        `rms_norm(x, norm weight, eps, residual)`, in the one-row GEMV (kernels/gemv.py).
 
     Returns
     -------
-    [..., N] (or [..., N / 2] with silu_and_mul) in x's dtype; with norm, the pair (that,
-    x + residual).
+    [..., N] (or [..., N / 2] with silu_and_mul) in x's dtype.
     """
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
     if gemv_one_row and dense is None and x2.shape[0] == 1 and x2.is_cuda:  # decode at batch 1
         # weight-only: no input scale
-        out = gemv(x2, weight, weight_scale, bias, silu_and_mul=silu_and_mul, norm=norm)
-        if norm is not None:
-            return out[0].reshape(*x.shape[:-1], -1), out[1].reshape(x.shape)
-    elif norm is not None:
-        x, summed = rms_norm(x, norm[1], norm[2], norm[0])
-        return fp8_linear(x, weight, weight_scale, input_scale, bias, dense=dense,
-                          silu_and_mul=silu_and_mul), summed
+        out = gemv(x2, weight, weight_scale, bias, silu_and_mul=silu_and_mul)
     else:
         if dense is None and _use_few_rows_gemm(x2, weight):  # a decode batch of 2-64
             q, a_scale = quantize_activation(x2, input_scale)

@@ -53,35 +53,18 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
-def norm_then(layer: nn.Module, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor,
-              **kwargs):
-    """`norm(x, residual)`, then `layer` on the normed row: (the layer's output, x + residual).
-    A layer that `folds_norm` (Linear, Fp8Linear) takes the norm into its one-row GEMV
-    (kernels/gemv.py's norm): one launch where there were two."""
-    if getattr(layer, "folds_norm", False):
-        return layer(x, norm=(residual, norm.weight, norm.eps), **kwargs)
-    x, residual = norm(x, residual)
-    return layer(x, **kwargs), residual
-
-
 class Linear(nn.Linear):
     """nn.Linear; with batch1_kernels set, one-row calls run the GEMV kernel on GPU; with
     cpu_packed set (llama.pack_cpu_weights), CPU calls go through cpu_linear."""
 
     batch1_kernels = False
-    folds_norm = True  # see norm_then
     cpu_packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, silu_and_mul: bool = False, norm: tuple | None = None):
+    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
         """The layer on x; silu_and_mul: a [gate | up] layer (no bias) with its activation, in
-        the GEMV's epilogue for one-row calls. norm: (residual, norm weight, eps): the layer
-        runs on `rms_norm(x, weight, eps, residual)` (in the GEMV for one-row calls) and
-        returns (output, x + residual)."""
+        the GEMV's epilogue for one-row calls."""
         if self.batch1_kernels:
-            return (linear_silu_and_mul(x, self.weight, norm) if silu_and_mul
-                    else linear(x, self.weight, self.bias, norm))
-        if norm is not None:
-            x, summed = rms_norm(x, norm[1], norm[2], norm[0])
-            return self.forward(x, silu_and_mul), summed
+            return (linear_silu_and_mul(x, self.weight) if silu_and_mul
+                    else linear(x, self.weight, self.bias))
         y = cpu_linear(x, self.weight, self.bias, self.cpu_packed)
         return activation.silu_and_mul(y) if silu_and_mul else y

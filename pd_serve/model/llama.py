@@ -27,7 +27,7 @@ from kernels.activation import silu_and_mul
 from kernels.gemv import linear
 from pd_serve.engine.attention.base import AttentionBackend
 from pd_serve.model.config import ModelConfig
-from pd_serve.model.layers import Linear, RMSNorm, cpu_linear, norm_then, pack_cpu_weight
+from pd_serve.model.layers import Linear, RMSNorm, cpu_linear, pack_cpu_weight
 from pd_serve.model.moe import SparseMoeBlock
 from pd_serve.model.rope import RotaryEmbedding
 
@@ -45,13 +45,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions, rope, attn)
-
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-               attn: AttentionBackend) -> torch.Tensor:
-        """The layer from its q/k/v projection's output on."""
         cfg = self.cfg
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -96,24 +91,14 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(cfg, MLP(cfg, shared) if shared else None)
 
     def forward(self, x, residual, positions, rope, attn):
-        """(x, residual) -> (mlp output, residual stream); residual None at the first layer.
-        The norms go into the projection after them where it takes them (layers.norm_then:
-        one GEMV launch at batch 1 under --enable-batch1-kernels)."""
+        """(x, residual) -> (mlp output, residual stream); residual None at the first layer."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
-            x = self.self_attn(x, positions, rope, attn)
-        elif isinstance(self.self_attn, Attention):
-            qkv, residual = norm_then(self.self_attn.qkv_proj, self.input_layernorm, x, residual)
-            x = self.self_attn.attend(qkv, positions, rope, attn)
         else:
             x, residual = self.input_layernorm(x, residual)
-            x = self.self_attn(x, positions, rope, attn)
+        x = self.self_attn(x, positions, rope, attn)
         if isinstance(self.mlp, SparseMoeBlock) and self.mlp.takes_one_row(x):
             return self.mlp.forward_one_row(x, residual, self.post_attention_layernorm)
-        if isinstance(self.mlp, MLP) and getattr(self.mlp.gate_up_proj, "folds_norm", False):
-            h, residual = norm_then(self.mlp.gate_up_proj, self.post_attention_layernorm, x,
-                                    residual, silu_and_mul=True)
-            return self.mlp.down_proj(h), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

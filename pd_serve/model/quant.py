@@ -282,7 +282,6 @@ class Fp8Linear(QuantLinear):
 
     required = ("weight", "weight_scale")
     batch1_kernels = False  # one-row calls on the GEMV kernel (llama.use_batch1_kernels)
-    folds_norm = True  # layers.norm_then
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
                  config: fp8.Fp8Config):
@@ -330,12 +329,11 @@ class Fp8Linear(QuantLinear):
             logger.warning("FP8 layers run the dequantized reference on this GPU (slow): "
                            "_scaled_mm needs compute capability 8.9+ and --dtype bfloat16")
 
-    def forward(self, x: torch.Tensor, silu_and_mul: bool = False, norm: tuple | None = None):
-        """The layer on x; silu_and_mul: a [gate | up] layer's activation too; norm: its input
-        RMSNorm too, returning (output, x + residual) (fp8_linear)."""
+    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
+        """The layer on x; silu_and_mul: a [gate | up] layer's activation too (fp8_linear)."""
         return fp8.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias,
                               dense=self.dense, gemv_one_row=self.batch1_kernels,
-                              silu_and_mul=silu_and_mul, norm=norm)
+                              silu_and_mul=silu_and_mul)
 
     @torch.no_grad()
     def shard(self, rows: list[int] | None = None,

@@ -138,62 +138,6 @@ def test_silu_and_mul_epilogue(dtype, inner, k, fp8_weight, form):
     run_silu_and_mul("cpu", dtype, inner, k, fp8_weight)
 
 
-def run_norm(device, dtype, n, k, fp8_weight, silu_and_mul):
-    """With norm, one launch gives x + residual exactly and the GEMV of rms_norm's output
-    (which it may differ from in the last bit of the normalised row: another sum order)."""
-    from kernels.norm import rms_norm_ref
-    x, residual = random((1, k), dtype, device, 1), random((1, k), dtype, device, 4)
-    norm_weight = 1 + random((k,), dtype, device, 5, 0.1)
-    rows = 2 * n if silu_and_mul else n
-    scale = None
-    if fp8_weight:
-        w, scale = fp8.quantize_weight(random((rows, k), torch.float32, device, 2, 0.05))
-    else:
-        w = random((rows, k), dtype, device, 2, 0.05)
-    kept = residual.clone()
-    with expect_launches(1):
-        out, summed = gemv.gemv(x, w, scale, silu_and_mul=silu_and_mul,
-                                norm=(residual, norm_weight, 1e-6))
-    normed, want_sum = rms_norm_ref(x, norm_weight, 1e-6, residual)
-    assert torch.equal(summed, want_sum) and summed.is_contiguous()
-    assert torch.equal(residual, kept)
-    with expect_launches(1):
-        want = gemv.gemv(normed, w, scale, silu_and_mul=silu_and_mul)
-    assert_close(out, want, dtype)
-
-
-@needs_triton
-@pytest.mark.parametrize("silu_and_mul", [False, True], ids=["linear", "silu_and_mul"])
-@pytest.mark.parametrize("fp8_weight", [False, True], ids=["dense", "fp8"])
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_input_norm_in_the_gemv(dtype, n, k, fp8_weight, silu_and_mul, form):
-    run_norm("cpu", dtype, n, k, fp8_weight, silu_and_mul)
-
-
-@needs_triton
-def test_norm_folds_into_one_row_only():
-    """linear / linear_silu_and_mul with norm: one row is one launch; two rows are
-    kernels/norm.py's rms_norm and then the plain layer, exactly."""
-    from kernels.norm import rms_norm
-    w = random((64, 256), torch.float32, "cpu", 2, 0.05)
-    norm_weight = random((256,), torch.float32, "cpu", 5)
-    for rows, launches in ((1, 1), (2, 0)):
-        x, residual = (random((rows, 256), torch.float32, "cpu", seed) for seed in (1, 4))
-        normed, want_sum = rms_norm(x, norm_weight, 1e-5, residual)
-        with expect_launches(launches):
-            y, summed = gemv.linear(x, w, norm=(residual, norm_weight, 1e-5))
-        with expect_launches(launches):
-            act, summed_act = gemv.linear_silu_and_mul(x, w, norm=(residual, norm_weight, 1e-5))
-        assert torch.equal(summed, want_sum) and torch.equal(summed_act, want_sum)
-        if rows == 2:
-            assert torch.equal(y, F.linear(normed, w))
-            assert torch.equal(act, activation.silu_and_mul(F.linear(normed, w)))
-        else:
-            assert_close(y, F.linear(normed, w), torch.float32)
-            assert_close(act, activation.silu_and_mul_ref(F.linear(normed, w)), torch.float32)
-
-
 @needs_triton
 def test_linear_silu_and_mul_takes_the_gemv_for_one_row_only():
     w = random((64, 256), torch.float32, "cpu", 2, 0.05)
@@ -285,36 +229,6 @@ def test_model_mlp_runs_its_activation_in_the_gemv():
         gated = activation.silu_and_mul(gemv.gemv(x, mlp.gate_up_proj.weight))
         assert torch.equal(fused, gemv.gemv(gated, mlp.down_proj.weight))
     assert_close(fused, separate, torch.float32)
-
-
-def test_norm_then_folds_the_norm_into_a_one_row_gemv():
-    """layers.norm_then (the decoder's input norm before q/k/v, a dense MLP's before gate/up):
-    under use_batch1_kernels one GEMV launch and no norm launch for one row; a layer that does
-    not fold norms gets the norm kernel, then the layer."""
-    from kernels import norm as norm_kernel
-    from pd_serve.model.layers import Linear, RMSNorm, norm_then
-    from pd_serve.model.llama import use_batch1_kernels
-    layer, rms = Linear(256, 64), RMSNorm(256, 1e-5)
-    with torch.no_grad():
-        rms.weight.copy_(1 + random((256,), torch.float32, "cpu", 5, 0.1))
-    x, residual = (random((1, 256), torch.float32, "cpu", seed) for seed in (1, 4))
-    with torch.no_grad():
-        norms = norm_kernel.triton_launches
-        normed, want_sum = rms(x, residual)
-        assert norm_kernel.triton_launches == norms + 1  # the kernel runs here (interpreter)
-        want = F.linear(normed, layer.weight, layer.bias)
-        y, summed = norm_then(layer, rms, x, residual)  # F.linear after the norm kernel
-        assert torch.equal(y, want) and torch.equal(summed, want_sum)
-        use_batch1_kernels(layer)
-        norms = norm_kernel.triton_launches
-        with expect_launches(1):
-            y, summed = norm_then(layer, rms, x, residual)
-        assert norm_kernel.triton_launches == norms and torch.equal(summed, want_sum)
-        assert_close(y, want, torch.float32)
-        plain = torch.nn.Linear(256, 64)  # no folds_norm
-        with expect_launches(0):
-            y, summed = norm_then(plain, rms, x, residual)
-        assert torch.equal(y, plain(normed)) and torch.equal(summed, want_sum)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
