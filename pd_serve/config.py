@@ -234,6 +234,10 @@ class GatewayConfig:
                         "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
     body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",
                                  flag="--body-timeout")
+    timeout_keep_alive_s: float = _opt(
+        5.0, "seconds a client connection stays open with no request running: after it opens "
+        "or its last response (a request's headers must arrive within them)",
+        flag="--timeout-keep-alive")
     tool_call_parser: str | None = _opt(
         None, "read tool calls out of chat output for tool_choice auto, in the model's format: "
         "llama3_json (Llama 3.x), hermes (Hermes, Qwen2.5/3 <tool_call>), mistral ([TOOL_CALLS]); "
@@ -246,7 +250,8 @@ class GatewayConfig:
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control message (empty: none)
 
     def __post_init__(self) -> None:
-        for name in ("worker_timeout_s", "admit_timeout_s", "step_timeout_s", "body_timeout_s"):
+        for name in ("worker_timeout_s", "admit_timeout_s", "step_timeout_s", "body_timeout_s",
+                     "timeout_keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0")
         for name in ("max_queued_requests", "max_outstanding_requests"):

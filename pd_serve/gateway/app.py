@@ -104,13 +104,16 @@ def require_api_key(api_key: str):
     return check
 
 
-async def start_server(app: web.Application, host: str, port: int) -> web.AppRunner:
+async def start_server(app: web.Application, host: str, port: int,
+                       keep_alive_s: float = 5.0) -> web.AppRunner:
     """Serve `app` on host:port from the running event loop; `await runner.cleanup()` stops it.
 
     Handlers are cancelled when their client disconnects, so a request whose client left
-    during a long prefill is aborted at once rather than at its next token.
+    during a long prefill is aborted at once rather than at its next token. A connection with
+    no request running is closed `keep_alive_s` after it opened or its last response ended,
+    headers half sent or not (aiohttp's own default, an hour, let idle sockets pile up).
     """
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=keep_alive_s)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

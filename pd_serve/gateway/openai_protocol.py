@@ -393,7 +393,8 @@ def _grammar_field(body: dict, name: str) -> Grammar | None:
             raise ApiError(*problem)
         return Grammar(kind, canonical_json(value))
     if not isinstance(value, str) or not value:
-        raise ApiError(f"'{name}' must be a non-empty string, got {_json_type(value)}", name)
+        got = "an empty string" if value == "" else _json_type(value)
+        raise ApiError(f"'{name}' must be a non-empty string, got {got}", name)
     return Grammar(kind, value)
 
 

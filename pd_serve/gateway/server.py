@@ -45,7 +45,7 @@ async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) ->
                     body_timeout_s=config.body_timeout_s,
                     tool_call_parser=config.tool_call_parser or None,
                     reasoning_parser=config.reasoning_parser or None)
-    runner = await start_server(app, host, port)
+    runner = await start_server(app, host, port, config.timeout_keep_alive_s)
     logger.info("gateway: http://%s:%d (model %s), workers register at %s", host, port,
                 config.served_model_name, cluster.control_address)
     stop = asyncio.Event()

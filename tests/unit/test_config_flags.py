@@ -39,8 +39,12 @@ def test_worker_flags_with_other_names(monkeypatch):
 def test_gateway_flags_and_cli_defaults():
     parser = argparse.ArgumentParser()
     add_config_args(parser, GatewayConfig, control_port=8100)
-    kwargs = config_kwargs(GatewayConfig, parser.parse_args(["--worker-timeout", "3"]))
-    assert GatewayConfig(**kwargs) == GatewayConfig(control_port=8100, worker_timeout_s=3.0)
+    kwargs = config_kwargs(GatewayConfig, parser.parse_args(["--worker-timeout", "3",
+                                                             "--timeout-keep-alive", "2.5"]))
+    assert GatewayConfig(**kwargs) == GatewayConfig(control_port=8100, worker_timeout_s=3.0,
+                                                    timeout_keep_alive_s=2.5)
+    with pytest.raises(ValueError, match="--timeout-keep-alive must be > 0"):
+        GatewayConfig(timeout_keep_alive_s=0)
 
 
 def test_choices_come_from_config():

@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from pd_serve.gateway.app import build_app
+from pd_serve.gateway.app import build_app, start_server
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
 from pd_serve.model.tokenizer import Tokenizer
 
@@ -231,6 +232,53 @@ def test_stalled_bodies_time_out_with_408(tokenizer, token):
     assert ok == 200
 
 
+class SlowSource(ScriptedSource):
+    """ScriptedSource with `delay_s` before each event."""
+
+    def __init__(self, script: list[TokenEvent], delay_s: float):
+        super().__init__(script)
+        self.delay_s = delay_s
+
+    async def generate(self, spec: GenerateSpec):
+        async for event in super().generate(spec):
+            await asyncio.sleep(self.delay_s)
+            yield event
+
+
+def test_idle_and_half_sent_connections_are_closed(tokenizer, token):
+    """start_server closes a connection with no request running keep_alive_s after it opened
+    or after its last response: one that never sends, one that sends half its headers and
+    stalls (slowloris), and a kept-alive one after its answer. A request that runs longer than
+    keep_alive_s is answered in full."""
+    request = json.dumps(completion()).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(request))
+
+    async def until_closed(port: int, sent: bytes) -> bytes:
+        """All the server sends until it closes the connection (EOF)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(sent)
+        await writer.drain()
+        received = await asyncio.wait_for(reader.read(), 60)
+        writer.close()
+        return received
+
+    async def go():
+        app = build_app(SlowSource(done(token), delay_s=1.5), tokenizer)
+        runner = await start_server(app, "127.0.0.1", 0, keep_alive_s=0.5)
+        port = runner.addresses[0][1]
+        try:
+            return await asyncio.gather(
+                until_closed(port, b""), until_closed(port, b"POST /v1/completions HTTP/1.1\r\n"),
+                until_closed(port, head + request))
+        finally:
+            await runner.cleanup()
+    idle, half, answered = asyncio.run(go())
+    assert idle == b"" and half == b""
+    assert answered.startswith(b"HTTP/1.1 200"), answered[:200]
+    assert json.loads(answered.split(b"\r\n\r\n", 1)[1])["choices"][0]["finish_reason"] == "length"
+
+
 # ---- hostile JSON --------------------------------------------------------------------------
 def test_deep_nesting_is_400(tokenizer, token):
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -258,14 +306,17 @@ def test_body_must_be_utf8(tokenizer, token):
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
-def test_a_body_its_content_encoding_does_not_decode_is_400(tokenizer, token, encoding):
-    """gzip fails as the handler reads the body (our 400); deflate and br fail in aiohttp's
-    parser, which answers 400 itself, in plain text."""
-    status, _, body = post(tokenizer, done(token), b"abcd",
-                           headers={"Content-Encoding": encoding, "Content-Type": "application/json"})
+def test_a_body_its_content_encoding_does_not_decode_is_400(tokenizer, token, encoding, caplog):
+    """gzip fails as the handler reads the body (our 400, and the connection closed after it,
+    with no traceback in the log: a client must not be able to flood it); deflate and br fail
+    in aiohttp's parser, which answers 400 itself, in plain text."""
+    with caplog.at_level(logging.ERROR):
+        status, _, body = post(tokenizer, done(token), b"abcd", headers={
+            "Content-Encoding": encoding, "Content-Type": "application/json"})
     assert status == 400, body
     if encoding == "gzip":
         assert "could not be read" in body["error"]["message"], body
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_surrogate_pair_is_fine(tokenizer, token):
