@@ -264,8 +264,8 @@ def test_idle_and_half_sent_connections_are_closed(tokenizer, token):
         return received
 
     async def go():
-        app = build_app(SlowSource(done(token), delay_s=1.5), tokenizer)
-        runner = await start_server(app, "127.0.0.1", 0, keep_alive_s=0.5)
+        app = build_app(SlowSource(done(token), delay_s=3.0), tokenizer)
+        runner = await start_server(app, "127.0.0.1", 0, keep_alive_s=2.0)
         port = runner.addresses[0][1]
         try:
             return await asyncio.gather(
