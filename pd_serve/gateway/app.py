@@ -29,6 +29,19 @@ APP_KEY_OPENAI = web.AppKey("openai", OpenAIServer)
 OPEN_PATHS = ("/health", "/metrics")  # served without the API key (probes, scrapers)
 
 
+class _QuietUndecodableBodies(logging.Filter):
+    """Drops aiohttp's "Unhandled exception" record for a body its Content-Encoding does not
+    decode. aiohttp reads what a handler left of the body after the answer (a 401, a 404, our
+    400 for that very body), hits the decode error again, logs it with its traceback at
+    ERROR and closes the connection: one record per request of any client, key or none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], web.RequestPayloadError))
+
+
+logging.getLogger("aiohttp.server").addFilter(_QuietUndecodableBodies())
+
+
 def request_id_generator() -> Callable[[str], str]:
     """`new_id("cmpl")` -> "cmpl-<32 hex>": a random per-process part, then a counter.
 

@@ -399,10 +399,6 @@ async def _read_json(request: web.Request, timeout_s: float):
     except web.HTTPRequestEntityTooLarge as e:
         raise ApiError(f"request body too large: {e.text}", status=413) from None
     except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode by
-        # The rest cannot be read either: close the connection after the answer, and end the
-        # payload, so aiohttp does not drain it and log the same error as unhandled.
-        request.protocol.close()
-        request.content.feed_eof()
         raise ApiError(f"the request body could not be read: {e}") from None
     return await asyncio.to_thread(decode_body, raw) if len(raw) > 2**20 else decode_body(raw)
 
