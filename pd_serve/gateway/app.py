@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 from aiohttp import web
 
+from pd_serve.config import GatewayConfig
 from pd_serve.gateway.openai_api import OpenAIServer, error_response
 from pd_serve.gateway.openai_protocol import ApiError
 from pd_serve.gateway.source import TokenSource
@@ -118,7 +119,7 @@ def require_api_key(api_key: str):
 
 
 async def start_server(app: web.Application, host: str, port: int,
-                       keep_alive_s: float = 5.0) -> web.AppRunner:
+                       keep_alive_s: float = GatewayConfig.timeout_keep_alive_s) -> web.AppRunner:
     """Serve `app` on host:port from the running event loop; `await runner.cleanup()` stops it.
 
     Handlers are cancelled when their client disconnects, so a request whose client left

@@ -30,10 +30,10 @@ from aiohttp import web
 from pd_serve.gateway.openai_message import ChatOutput
 from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest, decode_body,
                                               parse_chat, parse_completion)
-from pd_serve.model.output_text import OutputText
 from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, ToolParser, make_parser
+from pd_serve.model.output_text import OutputText
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.protocol import Logprob
 
