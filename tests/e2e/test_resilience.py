@@ -423,12 +423,17 @@ def test_gateway_paused_past_the_workers_patience(cluster, model):
     the workers drop those requests. When the gateway runs again, either it finds the workers
     silent for too long and fails their requests, or it hears them first and each worker fails
     the requests it dropped at the gateway's next ping (the path
-    tests/unit/test_role_schedulers.py pins down). Every client has its answer (an error, no
-    stream left hanging) within 2x --worker-timeout of the resume, and the cluster serves on."""
+    tests/unit/test_role_schedulers.py pins down). In the first case a prompt that had no
+    token yet goes to the queue again (the gateway's retry before a first token) and may be
+    answered in full. Every stream past its first token has an error, every other client an
+    error or its whole answer, none left hanging: each error within 2x --worker-timeout of the
+    resume. Then the cluster serves on."""
     _, proc = worker(cluster, "gateway")
     resumed, replies = kill_under_load(cluster, model, proc.pid, 3, stream_long=True,
                                        pause_s=1.5 * WORKER_TIMEOUT_S + 2)
-    for reply in replies:
+    for i, reply in enumerate(replies):
+        if i >= 3 and reply.complete(2000):  # a long prompt, retried
+            continue
         assert reply.error or reply.status >= 500, reply
         assert reply.ended - resumed < HANG_S, (reply.ended - resumed, reply)
     assert proc.poll() is None
