@@ -234,6 +234,9 @@ class GatewayConfig:
                         "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
     body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",
                                  flag="--body-timeout")
+    send_timeout_s: float = _opt(
+        30.0, "seconds a streamed response waits for its client to read (then the connection "
+        "closes and the request is aborted, as when the client leaves)", flag="--send-timeout")
     timeout_keep_alive_s: float = _opt(
         5.0, "seconds a client connection stays open with no request running: after it opens "
         "or its last response (a request's headers must arrive within them)",
@@ -251,7 +254,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         for name in ("worker_timeout_s", "admit_timeout_s", "step_timeout_s", "body_timeout_s",
-                     "timeout_keep_alive_s"):
+                     "send_timeout_s", "timeout_keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0")
         for name in ("max_queued_requests", "max_outstanding_requests"):

@@ -55,20 +55,22 @@ def request_id_generator() -> Callable[[str], str]:
 
 def build_app(source: TokenSource, tokenizer: Tokenizer,
               extra_routes: Iterable[web.RouteDef] | None = None, *, api_key: str = "",
-              body_timeout_s: float = 30.0, tool_call_parser: str | None = None,
+              body_timeout_s: float = 30.0, send_timeout_s: float = 30.0,
+              tool_call_parser: str | None = None,
               reasoning_parser: str | None = None) -> web.Application:
     """An application serving the OpenAI API from `source`.
 
     `extra_routes` are added first and win: a route of theirs with the same method and path
     replaces the built-in one (a cluster gateway's own /health, for example). `api_key`, when
     set, is required of every request outside OPEN_PATHS; a body slower than `body_timeout_s`
-    is a 408. `tool_call_parser` / `reasoning_parser`: read tool calls (tool_choice auto) and
+    is a 408; a stream its client leaves unread for `send_timeout_s` is closed and aborted.
+    `tool_call_parser` / `reasoning_parser`: read tool calls (tool_choice auto) and
     reasoning out of chat output (gateway/tool_parsers.py, gateway/reasoning.py; None: off).
     """
     middlewares = [json_errors] + ([require_api_key(api_key)] if api_key else [])
     app = web.Application(client_max_size=CLIENT_MAX_SIZE, middlewares=middlewares)
     server = OpenAIServer(source, tokenizer, request_id_generator(), body_timeout_s,
-                          tool_call_parser, reasoning_parser)
+                          tool_call_parser, reasoning_parser, send_timeout_s)
     app[APP_KEY_OPENAI] = server
     extra = list(extra_routes or [])
     taken = {(r.method, r.path) for r in extra}

@@ -550,6 +550,10 @@ class Cluster(TokenSource):
             flight.queue.put_nowait(msg)
         except asyncio.QueueFull:
             logger.warning("request %s: mailbox full, dropping a message", rid)
+        if isinstance(msg, TokenDelta) and msg.finished:
+            # The worker holds nothing of it now: its slot is free at once, not when the
+            # client has read the answer (a client that never reads holds only its socket).
+            self._leave(flight, self.workers[worker_id], rid)
 
     async def _reap(self) -> None:
         """Drop silent workers, end flights whose consumer is gone, and ping every worker with

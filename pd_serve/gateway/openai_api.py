@@ -68,16 +68,19 @@ class _Delta:
 
 class OpenAIServer:
     """The OpenAI routes over one TokenSource. `new_request_id(prefix)` names each request;
-    a request body that takes longer than `body_timeout_s` to arrive is a 408.
+    a request body that takes longer than `body_timeout_s` to arrive is a 408, and a stream
+    whose client reads nothing for `send_timeout_s` is closed (its request aborted).
     tool_call_parser / reasoning_parser: --tool-call-parser / --reasoning-parser (None: off)."""
 
     def __init__(self, source: TokenSource, tokenizer: Tokenizer,
                  new_request_id: Callable[[str], str], body_timeout_s: float = 30.0,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 send_timeout_s: float = 30.0):
         self.source = source
         self.tokenizer = tokenizer
         self.new_request_id = new_request_id
         self.body_timeout_s = body_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.created = int(time.time())
         if tool_call_parser is not None:
             make_parser(tool_call_parser)  # an unknown name fails here, not per request
@@ -245,7 +248,7 @@ class OpenAIServer:
                 try:
                     for i in range(num_choices):
                         for chunk in shape.opening_chunks(i):
-                            await _send(response, chunk | extra)
+                            await _send(response, self.send_timeout_s, chunk | extra)
                     while item is not None:
                         i, d = item
                         num_tokens += len(d.token_ids)
@@ -257,19 +260,22 @@ class OpenAIServer:
                             if chunks and d.finish_reason and d.timings:  # pd-serve's extension,
                                 chunks[-1]["timings"] = d.timings       # as in a whole reply
                             for chunk in chunks:
-                                await _send(response, chunk | extra)
+                                await _send(response, self.send_timeout_s, chunk | extra)
                         item = await anext(deltas, None)
                     if parsed.include_usage:
                         usage = _usage(sum(map(len, parsed.prompts)), num_tokens,
                                        _cached_tokens(cached, parsed.n))
-                        await _send(response, shape.usage_chunk(usage))
+                        await _send(response, self.send_timeout_s, shape.usage_chunk(usage))
                 except ConnectionResetError:
                     raise
                 except Exception as e:
-                    await _send(response, _api_error(e, shape.id).body())
-                await response.write(b"data: [DONE]\n\n")
-            except ConnectionResetError:  # the client left; closing `deltas` aborts the request
-                logger.info("%s: client gone mid-stream; request aborted", shape.id)
+                    await _send(response, self.send_timeout_s, _api_error(e, shape.id).body())
+                await _write(response, b"data: [DONE]\n\n", self.send_timeout_s)
+            except ConnectionResetError as e:  # the client left or reads nothing: closing
+                # `deltas` aborts the request; the connection is dropped with what it buffers
+                logger.info("%s: %s; request aborted", shape.id, e or "client gone mid-stream")
+                if request.transport is not None:
+                    request.transport.abort()
         return response
 
 
@@ -403,8 +409,19 @@ async def _read_json(request: web.Request, timeout_s: float):
     return await asyncio.to_thread(decode_body, raw) if len(raw) > 2**20 else decode_body(raw)
 
 
-async def _send(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+async def _send(response: web.StreamResponse, timeout_s: float, payload: dict) -> None:
+    await _write(response, b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n",
+                 timeout_s)
+
+
+async def _write(response: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """One SSE event out. A client that has read none of what is buffered for timeout_s is
+    taken as gone (ConnectionResetError, as when it leaves): it holds no request for longer."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.write(data)
+    except TimeoutError:
+        raise ConnectionResetError(f"the client read nothing for {timeout_s:g} s") from None
 
 
 def _client_gone(request: web.Request) -> bool:

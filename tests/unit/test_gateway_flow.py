@@ -196,6 +196,18 @@ async def test_requests_complete_and_leave_nothing_behind(cluster, add):
 
 
 @with_gateway()
+async def test_a_finished_request_frees_its_worker_before_its_client_reads_the_end(cluster, add):
+    """The decode worker's last row of a request frees its slot there at once: a client that
+    has not read its answer yet (or never will) holds no worker's room."""
+    await one_pair(cluster, add, max_running=1)
+    stream = cluster.generate(spec("r"))
+    await stream.__anext__()  # token 1 (from prefill); then it reads nothing
+    await until(lambda: not cluster.workers["d"].inflight)
+    assert not (await collect(cluster, spec("r2")))[-1].error  # on the only slot
+    await stream.aclose()
+
+
+@with_gateway()
 async def test_queue_serves_by_priority_then_arrival(cluster, add):
     decode, _, first = await held_request(cluster, add, max_running=1)  # the only slot
     rest = await queued(cluster, [spec(rid, priority=p) for rid, p in

@@ -10,9 +10,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 
+import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from pd_serve.gateway.app import build_app, start_server
@@ -277,6 +280,71 @@ def test_idle_and_half_sent_connections_are_closed(tokenizer, token):
     assert idle == b"" and half == b""
     assert answered.startswith(b"HTTP/1.1 200"), answered[:200]
     assert json.loads(answered.split(b"\r\n\r\n", 1)[1])["choices"][0]["finish_reason"] == "length"
+
+
+class FloodSource(ScriptedSource):
+    """To its first request: `count` events of 1,000 tokens each, as fast as they are taken,
+    then the end; `left` is set when its consumer closes it before the end (the request
+    aborted). Later requests get one token."""
+
+    def __init__(self, token: int, count: int):
+        super().__init__(done(token))
+        self.token, self.count, self.taken = token, count, 0
+        self.left = asyncio.Event()
+
+    async def generate(self, spec: GenerateSpec):
+        if self.specs:
+            async for event in super().generate(spec):
+                yield event
+            return
+        self.specs.append(spec)
+        try:
+            for _ in range(self.count):
+                await asyncio.sleep(0)
+                yield TokenEvent([self.token] * 1000)
+                self.taken += 1
+            yield TokenEvent([self.token], finished=True, finish_reason="length")
+        except GeneratorExit:
+            self.left.set()
+            raise
+
+
+def test_a_stream_its_client_does_not_read_is_closed_and_aborted(tokenizer, token):
+    """A client that opens a stream and never reads it (its receive buffer full): once the
+    server has waited send_timeout_s on a write, the connection is dropped and the request is
+    aborted (its source closed, far from the end), and the server serves others meanwhile."""
+    request = json.dumps(completion(stream=True, max_tokens=1000)).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(request))
+    source = FloodSource(token, count=2000)  # 2k events of ~6 KB: 12 MB
+
+    @web.middleware
+    async def small_send_buffer(request, handler):  # (so that little fills it)
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                              4096)
+        return await handler(request)
+
+    async def go():
+        app = build_app(source, tokenizer, send_timeout_s=0.5)
+        app.middlewares.append(small_send_buffer)
+        runner = await start_server(app, "127.0.0.1", 0)
+        port = runner.addresses[0][1]
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            await asyncio.get_running_loop().sock_sendall(sock, head + request)
+            await asyncio.wait_for(source.left.wait(), 120)  # reading nothing meanwhile
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"http://127.0.0.1:{port}/v1/completions",
+                                       json=completion()) as other:
+                    return other.status
+        finally:
+            sock.close()
+            await runner.cleanup()
+    assert asyncio.run(go()) == 200
+    assert source.taken < source.count
 
 
 # ---- hostile JSON --------------------------------------------------------------------------
