@@ -2,7 +2,9 @@
 
 Lifecycle of a request here: Admit (pages reserved, receiver told to expect them) -> the KV
 arrives (transfer result) and StartDecode brings token 1 -> running in the batch -> finished.
-Abort or a failed transfer at any point frees the pages exactly once.
+Abort or a failed transfer at any point frees the pages exactly once. A request with a grammar
+also waits for its compile (started at Admit, on the grammar thread: seconds for a large
+schema), so that the running batch never waits for it.
 
 Decode-side reuse: with the prefix cache on (the default; --disable-radix-cache), a finished
 request's pages (prompt and output) stay cached here, and an admitted prompt starts on the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pd_serve.engine.core import GRAMMAR_POLL_S
 from pd_serve.engine.request import Request
 from pd_serve.protocol import AbortRequest, Admit, AdmitReply, StartDecode
 from pd_serve.role import RoleScheduler, end_row
@@ -38,6 +41,7 @@ class DecodeScheduler(RoleScheduler):
     def __init__(self, core, worker_id: str, connector, metrics=None):
         super().__init__(core, worker_id, connector, metrics)
         self.pending: dict[str, _Pending] = {}  # admitted, not yet in the batch
+        self._compiling = False  # a pending request has its KV and token 1, not its grammar
 
     def handle(self, msg) -> list:
         if isinstance(msg, Admit):
@@ -68,6 +72,7 @@ class DecodeScheduler(RoleScheduler):
         if not self.scheduler.reserve_prompt(request):
             return AdmitReply(msg.request_id, ok=False, error="decode KV cache full", retryable=True)
         self.pending[msg.request_id] = _Pending(request)
+        self.core.grammar_ready(request)  # its compile starts now, while the KV comes
         # Only the pages after the cached prefix are sent. No deadline until the KV starts to
         # arrive: the prompt may wait its turn on prefill, while the gateway's pings keep the
         # reservation (or drop it: the worker's reconcile).
@@ -91,10 +96,12 @@ class DecodeScheduler(RoleScheduler):
         return self._start_ready()
 
     def _start_ready(self) -> list:
-        """Requests with both their KV and token 1 join the running batch. The gateway has token
-        1 already (from prefill): a token 1 that ends the request (EOS, max_tokens=1) is told
-        as an end without a token."""
-        ready = [p for p in self.pending.values() if p.kv_arrived and p.first_token is not None]
+        """Requests with their KV, token 1 and compiled grammar join the running batch. The
+        gateway has token 1 already (from prefill): a token 1 that ends the request (EOS,
+        max_tokens=1) is told as an end without a token."""
+        arrived = [p for p in self.pending.values() if p.kv_arrived and p.first_token is not None]
+        ready = [p for p in arrived if self.core.grammar_ready(p.request)]
+        self._compiling = len(ready) < len(arrived)
         for p in ready:
             request, first = p.request, p.first_token
             del self.pending[request.request_id]
@@ -105,6 +112,19 @@ class DecodeScheduler(RoleScheduler):
         ended = [(r, reason) for r, reason in self.core.apply_stops([p.request for p in ready])
                  if reason is not None]
         return self.token_batch([end_row(r.request_id, reason) for r, reason in ended])
+
+    def has_work(self) -> bool:
+        return super().has_work() or self._compiling
+
+    def step(self) -> list:
+        """One engine step, after the requests whose grammar has compiled since join it; with
+        nothing else to run, a short wait for a compile (not a busy loop)."""
+        started = self._start_ready() if self._compiling else []
+        if not super().has_work():
+            if self._compiling:
+                self.core.executor.wait_for_grammars(GRAMMAR_POLL_S)
+            return started
+        return started + super().step()
 
     def poll_ms(self) -> int:
         """Requests whose token 1 is here wait only for their KV: look again soon (1 ms)."""

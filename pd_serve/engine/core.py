@@ -85,7 +85,7 @@ class EngineCore:
                              if prefix_cache and not cfg.cache.disable_radix_cache else None)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, page_size, self.max_model_len,
                                    self.prefix_cache)
-        self.scheduler.ready = self._grammar_compiled
+        self.scheduler.ready = self.grammar_ready
         self.plans = PlanBuilder()
         # PD_SERVE_OVERLAP_CPU=1 turns it on for CPU too (where nothing runs asynchronously): for
         # tests of its bookkeeping in real workers.
@@ -201,7 +201,9 @@ class EngineCore:
             ended.append((request, reason))
         return ended
 
-    def _grammar_compiled(self, request: Request) -> bool:
+    def grammar_ready(self, request: Request) -> bool:
+        """Whether the request may run: it has no grammar, or its grammar is compiled (the
+        first call starts the compile, on the grammar thread)."""
         grammar = request.sampling_params.grammar
         return grammar is None or self.executor.grammar_ready(grammar)
 

@@ -7,13 +7,17 @@ would, and checks the tokens against the colocated role's."""
 
 from __future__ import annotations
 
+import re
+import threading
+
 import pytest
 
 from helpers import assert_pages_settled
 from pd_serve.config import EngineConfig
 from pd_serve.decode.scheduler import DecodeScheduler
 from pd_serve.engine.core import EngineCore
-from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.engine.sampling_params import Grammar, SamplingParams
+from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.prefill.scheduler import PrefillScheduler
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Prefill,
                                PrefillDone, StartDecode, TokenBatch)
@@ -265,12 +269,14 @@ def test_prefill_then_decode_equals_colocated(cores):
     assert_all_pages_free(cores["decode"])
 
 
-def hand_off(prefill, decode, cores, decode_core: str, request_id: str, prompt: list[int]):
+def hand_off(prefill, decode, cores, decode_core: str, request_id: str, prompt: list[int],
+             params: SamplingParams | None = None):
     """One request through Admit, Prefill, the page copies and StartDecode (the gateway's and the
     transfer layer's parts); returns (AdmitReply, PrefillDone) and leaves the request decoding."""
-    [reply] = decode.handle(Admit(request_id, prompt, greedy()))
+    params = params or greedy()
+    [reply] = decode.handle(Admit(request_id, prompt, params))
     assert reply.ok
-    prefill.handle(Prefill(request_id, prompt, greedy(), reply.transfer_addresses, reply.dst_page_ids,
+    prefill.handle(Prefill(request_id, prompt, params, reply.transfer_addresses, reply.dst_page_ids,
                            dst_cached_tokens=reply.cached_tokens))
     while prefill.has_work():
         assert prefill.step() == []
@@ -365,3 +371,41 @@ def test_requests_dropped_while_the_gateway_was_silent_fail_at_its_next_ping(cor
     assert worker.sent == []
     assert not role.has_work()
     assert_all_pages_free(role.core)
+
+
+def test_decode_runs_on_while_a_grammar_compiles(cores, monkeypatch):
+    """A request whose grammar is still compiling (held here until released) waits out of the
+    batch with its KV and token 1; the batch decodes on meanwhile, and no compile runs on the
+    step's thread. Once compiled, the request joins, keeps to its grammar, and every page
+    comes back."""
+    prefill, decode = roles(cores)
+    core = cores["decode"]
+    compiler = core.executor.grammars()
+    compile_now, release = compiler._compile, threading.Event()
+
+    def held_compile(grammar):
+        assert threading.current_thread() is not threading.main_thread(), "compiled in the step"
+        assert release.wait(120)
+        return compile_now(grammar)
+    monkeypatch.setattr(compiler, "_compile", held_compile)
+    hand_off(prefill, decode, cores, "decode", "a", PROMPTS[0])
+    constrained = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                 grammar=Grammar("regex", "[a-z]{1,41}"))
+    _, done = hand_off(prefill, decode, cores, "decode", "g", PROMPTS[1], constrained)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(50):
+        for row in rows(decode.step()):
+            tokens.setdefault(row.request_id, []).extend(row.token_ids)
+            assert row.request_id == "a"
+            if row.finished:
+                break
+        else:
+            continue
+        break
+    assert len(tokens["a"]) == 5 and decode.has_work()  # "g" waits for its grammar
+    release.set()
+    tokens = run_to_end(decode)
+    text = Tokenizer.from_dir(core.model_dir).decode([done.first_token_id] + tokens["g"])
+    assert len(tokens["g"]) == 5 and re.fullmatch("[a-z]*", text), text
+    assert_all_pages_free(core)
+    assert_all_pages_free(cores["prefill"])
