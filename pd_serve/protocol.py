@@ -177,10 +177,13 @@ class WorkerExit:
 
 @dataclass
 class Heartbeat:
-    """Worker -> gateway from the worker's own heartbeat thread: alive, even mid-step."""
+    """Worker -> gateway from the worker's own heartbeat thread: alive, even mid-step. seq counts
+    up per process: a beat no newer than the last one heard is one sent again (refused), so a
+    recorded beat cannot keep a hung worker registered."""
 
     worker_id: str
     incarnation: str = ""
+    seq: int = 0
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import secrets
@@ -237,7 +238,7 @@ class Worker:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.config.gateway)
-        beat = self.codec.encode(Heartbeat(self.worker_id, self.incarnation))
+        seq = itertools.count(1)
         while not self._stop:
             gone = self.core.exited_tp_ranks()
             dead = [] if self.connector is None or self.connector.alive else [self.connector.error or "stopped"]
@@ -246,7 +247,8 @@ class Worker:
                 logger.error("%s; %s cannot serve without it: exiting", why, self.worker_id)
                 logging.shutdown()
                 os._exit(1)
-            send_nowait(sock, beat)
+            send_nowait(sock, self.codec.encode(Heartbeat(self.worker_id, self.incarnation,
+                                                          next(seq))))
             time.sleep(self.config.heartbeat_s)
 
     def status(self) -> WorkerStatus:

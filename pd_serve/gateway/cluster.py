@@ -518,6 +518,12 @@ class Cluster(TokenSource):
         if isinstance(msg, WorkerExit):
             self._drop(worker_id, f"worker {worker_id} exited ({msg.reason})")
             return
+        if isinstance(msg, Heartbeat):
+            if msg.seq <= state.beat_seq:
+                protocol.refused("control", f"a heartbeat of {worker_id!r} no newer than the "
+                                            "last (one sent again)")
+                return
+            state.beat_seq = msg.seq
         state.last_seen = time.monotonic()
         if not isinstance(msg, Heartbeat):
             state.last_progress = state.last_seen

@@ -38,6 +38,7 @@ class WorkerState:
     # per connection; a worker never picks its own, so no other peer can take it)
     route: bytes = b""
     last_seen: float = field(default_factory=time.monotonic)  # any message, heartbeats too
+    beat_seq: int = 0  # the newest Heartbeat.seq heard
     # a message from the worker's loop (it sends its status between steps): it is not stuck
     last_progress: float = field(default_factory=time.monotonic)
     # Requests the gateway has routed here and not seen finish, with their token estimate.

@@ -46,6 +46,7 @@ class FakeWorker:
         self.answer_prefill = True  # prefill: answer a Prefill at once (else never)
         self.stuck = False  # heartbeats only: alive, but its loop never comes round
         self.seq = 0  # WorkerStatus.seq of the last status
+        self.beats = 0  # Heartbeat.seq of the last beat
         self._task = asyncio.create_task(self._serve())
 
     def status(self) -> WorkerStatus:
@@ -57,10 +58,16 @@ class FakeWorker:
                             max_running_requests=self.max_running, max_prefill_tokens=64,
                             max_model_len=4096)
 
+    def beat(self) -> Heartbeat:
+        self.beats += 1
+        return Heartbeat(self.worker_id, self.incarnation, self.beats)
+
     def send(self, msg) -> None:
         data = self.codec.encode(msg)
         if isinstance(msg, WorkerStatus):
             self.last_status = data  # what a peer on the wire could record
+        elif isinstance(msg, Heartbeat):
+            self.last_beat = data
         self.sock.send(data)
 
     def of(self, kind) -> list:
@@ -70,7 +77,7 @@ class FakeWorker:
         self.send(self.status())
         while True:
             if not await self.sock.poll(200):
-                self.send(Heartbeat(self.worker_id, self.incarnation) if self.stuck else self.status())
+                self.send(self.beat() if self.stuck else self.status())
                 continue
             msg = self.codec.decode(await self.sock.recv())
             self.received.append(msg)
@@ -490,6 +497,32 @@ async def test_a_status_sent_again_from_another_connection_moves_nothing(cluster
         await until(lambda: _errors("control") > before)
         assert cluster.workers["d"].route == route
         assert not (await collect(cluster, spec("r")))[-1].error and decode.of(StartDecode)
+    finally:
+        peer.close()
+
+
+@with_gateway(worker_timeout_s=1.0)
+async def test_a_heartbeat_sent_again_cannot_keep_a_hung_worker_registered(cluster, add):
+    """A peer that recorded a worker's keyed heartbeat off the wire sends it again and again,
+    from a connection of its own, after the worker hung: each is no newer than the last beat
+    heard, so it is refused, and the worker is dropped at --worker-timeout as if alone."""
+    decode, _ = await one_pair(cluster, add)
+    decode.stuck = True  # heartbeats only
+    await until(lambda: cluster.workers["d"].beat_seq >= 2)
+    decode._task.cancel()  # hung
+    peer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(cluster.control_address)
+    before = _errors("control")
+    try:
+        async def replay():
+            while True:
+                await peer.send(decode.last_beat)
+                await asyncio.sleep(0.1)
+        replaying = asyncio.create_task(replay())
+        await until(lambda: "d" not in cluster.workers)
+        assert _errors("control") > before
+        replaying.cancel()
     finally:
         peer.close()
 
