@@ -17,6 +17,7 @@ so a request that fails before that gets its real status; later failures are SSE
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -243,12 +244,13 @@ class OpenAIServer:
             except Exception as e:
                 return error_response(_api_error(e, shape.id))
             response = web.StreamResponse(headers=_SSE_HEADERS)
+            write = functools.partial(_write, response, timeout_s=self.send_timeout_s)
             try:
                 await response.prepare(request)
                 try:
                     for i in range(num_choices):
                         for chunk in shape.opening_chunks(i):
-                            await _send(response, self.send_timeout_s, chunk | extra)
+                            await write(_event(chunk | extra))
                     while item is not None:
                         i, d = item
                         num_tokens += len(d.token_ids)
@@ -260,17 +262,17 @@ class OpenAIServer:
                             if chunks and d.finish_reason and d.timings:  # pd-serve's extension,
                                 chunks[-1]["timings"] = d.timings       # as in a whole reply
                             for chunk in chunks:
-                                await _send(response, self.send_timeout_s, chunk | extra)
+                                await write(_event(chunk | extra))
                         item = await anext(deltas, None)
                     if parsed.include_usage:
                         usage = _usage(sum(map(len, parsed.prompts)), num_tokens,
                                        _cached_tokens(cached, parsed.n))
-                        await _send(response, self.send_timeout_s, shape.usage_chunk(usage))
+                        await write(_event(shape.usage_chunk(usage)))
                 except ConnectionResetError:
                     raise
                 except Exception as e:
-                    await _send(response, self.send_timeout_s, _api_error(e, shape.id).body())
-                await _write(response, b"data: [DONE]\n\n", self.send_timeout_s)
+                    await write(_event(_api_error(e, shape.id).body()))
+                await write(b"data: [DONE]\n\n")
             except ConnectionResetError as e:  # the client left or reads nothing: closing
                 # `deltas` aborts the request; the connection is dropped with what it buffers
                 logger.info("%s: %s; request aborted", shape.id, e or "client gone mid-stream")
@@ -409,9 +411,8 @@ async def _read_json(request: web.Request, timeout_s: float):
     return await asyncio.to_thread(decode_body, raw) if len(raw) > 2**20 else decode_body(raw)
 
 
-async def _send(response: web.StreamResponse, timeout_s: float, payload: dict) -> None:
-    await _write(response, b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n",
-                 timeout_s)
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 async def _write(response: web.StreamResponse, data: bytes, timeout_s: float) -> None:
