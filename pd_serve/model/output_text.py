@@ -14,6 +14,11 @@ from pd_serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 class OutputText:
     """Feed it token ids as they arrive; take text deltas that are safe to show.
 
+    The text is kept as the pieces handed out plus the text not handed out yet (the hold-back
+    and what came since), so a token costs its own text, never a copy of the output so far. A
+    stop string found in new text starts at most hold-back characters before it, inside the
+    text not handed out.
+
     Attributes
     ----------
     text : str
@@ -31,35 +36,43 @@ class OutputText:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._shown: list[str] = []  # the deltas take_delta handed out
         self._num_chars_sent = 0
-        self.text = ""
+        self._unsent = ""  # the text after them
         self.stopped = False
         self.token_offsets: list[int] = []
+
+    @property
+    def text(self) -> str:
+        return self.shown + self._unsent
+
+    @property
+    def shown(self) -> str:
+        if len(self._shown) > 1:
+            self._shown[:] = ["".join(self._shown)]
+        return self._shown[0] if self._shown else ""
 
     def add(self, token_ids: list[int], hide_last: bool = False) -> int:
         """Take token ids in order until one completes a stop string; return how many were taken.
         hide_last: the last token is the EOS that ended the output; it adds no text (as in vLLM,
         also when special tokens are kept)."""
         for i, token_id in enumerate(token_ids):
-            start = len(self._detokenizer.text)
-            self.token_offsets.append(start)
+            self.token_offsets.append(self._num_chars_sent + len(self._unsent))
             if hide_last and i == len(token_ids) - 1:
                 break
-            self._detokenizer.step([token_id])
-            if self._took_text(start):
+            if self._took_text(self._detokenizer.step([token_id])):
                 return i + 1
         return len(token_ids)
 
-    def _took_text(self, start: int) -> bool:
-        """The detokenizer's text grew from `start`: update `text`; True if a stop string ends
-        in the new text (`text` is then cut before it)."""
-        self.text = self._detokenizer.text
-        if self._stop and len(self.text) > start:
-            # A stop string ending in the new text starts at most holdback chars before it.
+    def _took_text(self, delta: str) -> bool:
+        """Append `delta`; True if a stop string ends in it (the text is then cut before it)."""
+        start = len(self._unsent)
+        self._unsent += delta
+        if self._stop and delta:
             window = max(0, start - self._holdback)
-            hits = [j for j in (self.text.find(s, window) for s in self._stop) if j >= 0]
+            hits = [j for j in (self._unsent.find(s, window) for s in self._stop) if j >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                self._unsent = self._unsent[:min(hits)]
                 self.stopped = True
         return self.stopped
 
@@ -67,15 +80,11 @@ class OutputText:
         """Text not handed out yet; all of it once finished (with the text of tokens that end
         inside a character, U+FFFD, as tokenizer.decode gives it), else all but the hold-back."""
         if finished and not self.stopped:
-            start = len(self._detokenizer.text)
-            self._detokenizer.flush()
-            self._took_text(start)
-        end = len(self.text) if finished or self.stopped else len(self.text) - self._holdback
-        if end <= self._num_chars_sent:
+            self._took_text(self._detokenizer.flush())
+        end = len(self._unsent) if finished or self.stopped else len(self._unsent) - self._holdback
+        if end <= 0:
             return ""
-        delta, self._num_chars_sent = self.text[self._num_chars_sent:end], end
+        delta, self._unsent = self._unsent[:end], self._unsent[end:]
+        self._shown.append(delta)
+        self._num_chars_sent += end
         return delta
-
-    @property
-    def shown(self) -> str:
-        return self.text[:self._num_chars_sent]

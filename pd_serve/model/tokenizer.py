@@ -117,6 +117,8 @@ class IncrementalDetokenizer:
     ids[read_offset:] is not emitted yet. A step whose text ends in U+FFFD (an incomplete
     multi-byte character) emits "" and waits for the next token; flush() emits that text with
     its U+FFFD when the output ends there (as tokenizer.decode of the whole output gives it).
+    It keeps no output text: callers join the deltas (a string grown on every token is copied
+    on every token, which makes a long output's text work quadratic).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
@@ -127,7 +129,6 @@ class IncrementalDetokenizer:
         self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self.text = ""  # all output text so far
 
     def step(self, new_token_ids: list[int]) -> str:
         """Append generated ids and return the text they complete (possibly "")."""
@@ -152,7 +153,6 @@ class IncrementalDetokenizer:
         del self._ids[:self._prefix_offset]
         self._read_offset -= self._prefix_offset
         self._prefix_offset = 0
-        self.text += delta
         return delta
 
     def _decode(self, ids: list[int]) -> str:

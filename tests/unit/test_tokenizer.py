@@ -125,7 +125,7 @@ def test_incremental_detokenizer_never_splits_characters(tok):
     prompt_ids = tok.encode("Say something: ")
     ids = tok.encode(MULTIBYTE)
     detok, deltas = _stream(tok, prompt_ids, ids)
-    assert "".join(deltas) == detok.text == tok.decode(ids) == MULTIBYTE
+    assert "".join(deltas) == tok.decode(ids) == MULTIBYTE
     assert not any("\ufffd" in d for d in deltas)
     assert "" in deltas  # some tokens carry only part of a character: the test exercises that
 
@@ -136,7 +136,7 @@ def test_incremental_detokenizer_multi_token_steps_and_specials(tok):
         detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
         deltas = [detok.step(ids[i:i + 3]) for i in range(0, len(ids), 3)]
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
-        assert detok.text.endswith("<|im_end|>") == (not skip)
+        assert "".join(deltas).endswith("<|im_end|>") == (not skip)
 
 
 def test_incremental_detokenizer_window_stays_small(tok):
@@ -159,7 +159,7 @@ def test_an_output_that_ends_inside_a_character_is_flushed_as_decode_gives_it(to
     assert deltas[-1] == ""  # held back while more bytes could come
     tail = detok.flush()
     assert tail.endswith("\ufffd")
-    assert "".join(deltas) + tail == detok.text == tok.decode(ids)
+    assert "".join(deltas) + tail == tok.decode(ids)
     assert detok.flush() == ""
 
 
@@ -175,3 +175,35 @@ def test_output_text_hands_out_the_tail_when_the_output_ends(tok):
     stopped = OutputText(tok, [], [tok.decode(ids[:1])])  # a stop string cuts first: no tail
     stopped.add(ids)
     assert stopped.stopped and stopped.take_delta(finished=True) == ""
+
+
+def test_output_text_cuts_at_the_first_stop_string_and_holds_only_the_hold_back(tok):
+    """Token by token with a delta taken after each: the stream is the text cut before the
+    first stop string, never shows a stop string's start, and keeps only the hold-back unsent
+    (the text so far is not copied per token)."""
+    from pd_serve.model.output_text import OutputText
+
+    text = ("The quick brown fox jumps over the lazy dog. " * 40) + MULTIBYTE + " END marker"
+    ids = tok.encode(text)
+    # (the first stop string to complete is also the one that starts first)
+    cases = [[], ["\x00never"], ["END"], ["lazy dog. The", "jumps"], ["世界", "zzz"],
+             [MULTIBYTE + " END"]]
+    for stop in cases:
+        out = OutputText(tok, [], stop)
+        holdback = max((len(s) for s in stop), default=1) - 1
+        stream, taken = [], 0
+        for i in range(0, len(ids), 3):  # three ids a step, as a worker batches them
+            taken += out.add(ids[i:i + 3])
+            stream.append(out.take_delta(finished=out.stopped))
+            assert len(out._unsent) <= holdback + 16, stop
+            if out.stopped:
+                break
+        else:
+            stream.append(out.take_delta(finished=True))
+        hits = [j for j in (text.find(s) for s in stop) if j >= 0]
+        want = text[:min(hits)] if hits else text
+        assert "".join(stream) == out.text == out.shown == want, stop
+        assert out.stopped == bool(hits)
+        assert len(out.token_offsets) == taken
+        assert out.token_offsets == sorted(out.token_offsets)
+        assert out.token_offsets[-1] < len(want) + max(map(len, stop), default=1)
