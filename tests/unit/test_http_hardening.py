@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pd_serve.gateway.app import build_app, start_server
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
 from pd_serve.model.tokenizer import Tokenizer
+from pd_serve.protocol import Logprob
 
 MODEL = "m"
 KEY = "sk-test-key"
@@ -199,6 +200,60 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, token, path):
 
 
 # ---- aiohttp's own errors ------------------------------------------------------------------
+class TickedTokenizer:
+    """The tokenizer, recording the ticker's count at every one-token decode of a logprob's
+    token string (skip_special_tokens=False, as the response shapes decode them)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer, self.ticks, self.at = tokenizer, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if len(ids) == 1 and not skip_special_tokens:
+            self.at.append(self.ticks)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_big_response_is_built_with_the_event_loop_running(tokenizer, token, path):
+    """A non-streamed response of many choices with logprobs (n=128, top 20: ~20 MB of JSON,
+    over a second of CPU) is built a choice at a time with the loop running between: a ticker
+    on the loop must tick while the choices' token strings are decoded (it cannot when the
+    whole body is built in one go). The body is whole and in order."""
+    n, tokens = 16, 8
+    ticked = TickedTokenizer(tokenizer)
+    logprobs = [Logprob(token, -0.5, [(token, -0.5), (token + 1, -2.0)]) for _ in range(tokens)]
+    script = [TokenEvent([token] * tokens, logprobs, finished=True, finish_reason="length")]
+    body = completion(n=n, max_tokens=tokens, logprobs=2) if path == "/v1/completions" else {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": n,
+        "max_tokens": tokens, "logprobs": True, "top_logprobs": 2}
+
+    async def go():
+        async def ticker():
+            while True:
+                ticked.ticks += 1
+                await asyncio.sleep(0)
+
+        async with serving(ticked, script, max_choices=n) as client:
+            tick = asyncio.create_task(ticker())
+            resp = await client.post(path, json=body)
+            text = await resp.text()
+            tick.cancel()
+            return resp.status, json.loads(text)
+
+    status, answer = asyncio.run(go())
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == list(range(n))
+    assert answer["usage"]["completion_tokens"] == n * tokens
+    for c in answer["choices"]:
+        lp = c["logprobs"]
+        assert len(lp["tokens"] if path == "/v1/completions" else lp["content"]) == tokens
+    assert len(ticked.at) >= n * tokens
+    assert len(set(ticked.at)) >= n, f"the loop ran {len(set(ticked.at))} times over {n} choices"
+
+
 def test_wrong_method_and_unknown_path_are_json(tokenizer, token):
     status, headers, body = call(tokenizer, done(token), "GET", "/v1/completions")
     assert_error(status, body, 405, message="Method Not Allowed (GET /v1/completions)")
