@@ -237,7 +237,7 @@ class OpenAIServer:
         if timings:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
             body["timings"] = timings
         # body's empty list, in its place: "choices": [] cannot occur unescaped in a JSON string
-        text = json.dumps(body).replace('"choices": []', '"choices": [' + ", ".join(choices) + "]", 1)
+        text = json.dumps(body).replace('"choices": []', f'"choices": [{", ".join(choices)}]', 1)
         return web.Response(text=text, content_type="application/json")
 
     async def _stream(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]], shape,
