@@ -399,8 +399,9 @@ class _ChatShape(_Shape):
                             for e in entries]}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        token = self._token(token_id)
-        return {"token": token, "logprob": _clamp(logprob), "bytes": list(token.encode("utf-8"))}
+        """bytes: the token's own (a piece of a character too, where `token` shows U+FFFD)."""
+        return {"token": self._token(token_id), "logprob": _clamp(logprob),
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
 
 
 # ---- helpers -------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Built on the `tokenizers` library and jinja2 only (no transformers at serving ti
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -43,6 +44,9 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._chat_template_source = chat_template
         self._chat_template = None  # compiled on first use
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        self._decoding = _decoding(json.loads(backend.to_str()).get("decoder"))
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes' answers so far
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "Tokenizer":
@@ -94,6 +98,33 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when it holds only part of a UTF-8 character
+        (which `decode` shows as U+FFFD): OpenAI's logprob `bytes`, which a client joins to
+        rebuild such characters. Byte-level BPE vocabularies (GPT-2's byte-to-character map)
+        and SentencePiece byte fallback (`<0xNN>`, `▁` for a space) are read exactly; another
+        decoder's tokens are their decoded text. Added tokens are their content."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._read_token_bytes(token_id)
+        return cached
+
+    def _read_token_bytes(self, token_id: int) -> bytes:
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode("utf-8")
+        if self._decoding == "byte_level":
+            to_byte = _unicode_to_byte()
+            if all(c in to_byte for c in piece):
+                return bytes(to_byte[c] for c in piece)
+        elif self._decoding == "byte_fallback":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:
@@ -157,6 +188,27 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+
+
+def _decoding(decoder: dict | None) -> str:
+    """How token_bytes reads a vocabulary piece, from tokenizer.json's decoder: "byte_level"
+    (a ByteLevel decoder, alone or in a sequence), "byte_fallback" (a sequence with
+    ByteFallback, SentencePiece style), else "text"."""
+    decoder = decoder or {}
+    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    types = {step.get("type") for step in steps if isinstance(step, dict)}
+    return "byte_level" if "ByteLevel" in types else (
+        "byte_fallback" if "ByteFallback" in types else "text")
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's byte-level map: printable Latin-1 bytes stand for themselves,
+    the other 68 bytes (controls, space, ...) for the characters from U+0100 on, in order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
 
 def _read_json(path: Path) -> dict:

@@ -277,7 +277,8 @@ def test_chat_logprobs(client, ref, engines):
     assert len(content) == resp.usage.completion_tokens == len(expected.token_ids)
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
     for entry in content:
-        assert entry.bytes == list(entry.token.encode("utf-8"))
+        if "\ufffd" not in entry.token:  # (a piece of a character: its own bytes)
+            assert entry.bytes == list(entry.token.encode("utf-8"))
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].token == entry.token
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)

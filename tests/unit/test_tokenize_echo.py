@@ -76,3 +76,23 @@ def test_echo_puts_the_prompt_in_front(tokenizer, token, stream):
 def test_echo_with_logprobs_is_400(tokenizer, token):
     status, _, out = post(tokenizer, [], {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1})
     assert status == 400 and out["error"]["param"] == "echo"
+
+
+def test_chat_logprob_bytes_join_to_the_content(tokenizer):
+    """A character spread over tokens: each token's `bytes` are its own (not those of the
+    U+FFFD its text shows), so the entries' bytes join to the content, as OpenAI's do."""
+    from pd_serve.protocol import Logprob
+
+    text = "héllo 世界 🙂"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    logprobs = [Logprob(i, -0.1, [(i, -0.1)]) for i in ids]
+    script = [TokenEvent(ids, logprobs, finished=True, finish_reason="length")]
+    status, _, out = post(tokenizer, script, {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": len(ids),
+        "logprobs": True, "top_logprobs": 1}, "/v1/chat/completions")
+    assert status == 200, out
+    content = out["choices"][0]["logprobs"]["content"]
+    assert out["choices"][0]["message"]["content"] == text
+    assert any(e["token"] == "\ufffd" for e in content)  # the case this is about
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode("utf-8")
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)

@@ -207,3 +207,30 @@ def test_output_text_cuts_at_the_first_stop_string_and_holds_only_the_hold_back(
         assert len(out.token_offsets) == taken
         assert out.token_offsets == sorted(out.token_offsets)
         assert out.token_offsets[-1] < len(want) + max(map(len, stop), default=1)
+
+
+@pytest.mark.parametrize("text", ["hello world", MULTIBYTE, "a\tb\nc  d<|im_end|>x", " \x00\x7f"])
+def test_token_bytes_of_a_byte_level_vocabulary_rebuild_the_text(tok, text):
+    """Byte-level BPE: the tokens' bytes join to the text's UTF-8, also where one character
+    spans tokens whose own text decode shows as U+FFFD."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    partial = [i for i in ids if tok.decode([i]) == "\ufffd"]
+    if text == MULTIBYTE:
+        assert partial and all(tok.token_bytes(i) != "\ufffd".encode() for i in partial)
+
+
+def test_token_bytes_of_a_byte_fallback_vocabulary(tmp_path):
+    """SentencePiece style (Llama 2, Mistral): <0xNN> tokens are one byte each, and ▁ a space."""
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "▁": 1, "h": 2, "i": 3, "▁hi": 4, **{f"<0x{b:02X}>": 5 + b for b in range(256)}}
+    backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    fallback = Tokenizer.from_dir(tmp_path)
+    ids = fallback.encode("hi 世界", add_special_tokens=False)
+    assert [fallback.token_bytes(i) for i in ids[-6:]] == [bytes([b]) for b in "世界".encode()]
+    assert b"".join(fallback.token_bytes(i) for i in ids) == " hi 世界".encode()
