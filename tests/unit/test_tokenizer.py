@@ -224,9 +224,11 @@ def test_token_bytes_of_a_byte_fallback_vocabulary(tmp_path):
     """SentencePiece style (Llama 2, Mistral): <0xNN> tokens are one byte each, and ▁ a space."""
     from tokenizers import Tokenizer as Backend, decoders, models, normalizers
 
-    vocab = {"<unk>": 0, "▁": 1, "h": 2, "i": 3, "▁hi": 4, **{f"<0x{b:02X}>": 5 + b for b in range(256)}}
+    vocab = {"<unk>": 0, "▁": 1, "h": 2, "i": 3, "▁hi": 4,
+             **{f"<0x{b:02X}>": 5 + b for b in range(256)}}
     backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                          decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     backend.save(str(tmp_path / "tokenizer.json"))
