@@ -12,19 +12,39 @@ from pd_serve.model.tokenizer import Tokenizer
 
 @dataclass
 class RequestOutput:
-    """A request's generated part so far. new_* hold what arrived since the previous output."""
+    """A request's generated part so far. new_* hold what arrived since the previous output.
+
+    token_ids, text and logprobs are read from the request when asked for: its first n tokens
+    (and their logprobs and shown text), which later steps only append to. So a step's outputs
+    cost what the step added; copying everything so far into every output made a long output's
+    outputs quadratic (at 1,024 running requests of 500 tokens, 8.6 ms a step on a 2-core box).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
     finished: bool
     finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
+    # (output ids, how many are this output's, logprobs or None, OutputText or None, its chars)
+    _source: tuple = field(default=((), 0, None, None, 0), repr=False, compare=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids, n = self._source[:2]
+        return ids[:n]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        logprobs, n = self._source[2], self._source[1]
+        return None if logprobs is None else logprobs[:n]
+
+    @property
+    def text(self) -> str:
+        text, chars = self._source[3:]
+        return "" if text is None else text.shown[:chars]
 
 
 class OutputTracker:
@@ -61,16 +81,16 @@ class OutputTracker:
         new_text = self.text.take_delta(request.finished) if self.text is not None else ""
         new_token_ids = request.output_token_ids[self.num_tokens_sent:]
         self.num_tokens_sent = len(request.output_token_ids)
+        logprobs = request.output_logprobs if request.sampling_params.logprobs is not None else None
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=self.text.shown if self.text is not None else "",
             finished=request.finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
             new_token_ids=new_token_ids,
             new_text=new_text,
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens,
+            _source=(request.output_token_ids, self.num_tokens_sent, logprobs, self.text,
+                     self.text.num_chars_shown if self.text is not None else 0),
         )

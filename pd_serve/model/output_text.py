@@ -47,6 +47,10 @@ class OutputText:
         return self.shown + self._unsent
 
     @property
+    def num_chars_shown(self) -> int:
+        return self._num_chars_sent
+
+    @property
     def shown(self) -> str:
         if len(self._shown) > 1:
             self._shown[:] = ["".join(self._shown)]

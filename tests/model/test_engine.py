@@ -171,6 +171,19 @@ def test_eos_adds_no_text_and_a_stream_never_shows_a_stop_strings_start(smol, pr
     assert all(streamed[-1].text.startswith(o.text) for o in streamed)  # nothing past the cut
 
 
+def test_each_streamed_output_keeps_what_it_had_when_it_was_made(smol, prompts):
+    """Outputs read their ids, logprobs and text from the request when asked: read after the
+    request ends, each still holds its own first n tokens, their logprobs and its text."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    streamed = list(smol.stream(prompts[1], params))
+    final = streamed[-1]
+    assert [len(o.token_ids) for o in streamed] == list(range(1, 13))
+    for o in streamed:
+        n = len(o.token_ids)
+        assert o.token_ids == final.token_ids[:n] and o.logprobs == final.logprobs[:n]
+        assert o.text == "".join(s.new_text for s in streamed[:n])
+
+
 def test_logprobs_are_raw_log_softmax_with_sorted_alternatives(smol, prompts):
     out = smol.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0]
     assert len(out.logprobs) == len(out.token_ids) == 4
