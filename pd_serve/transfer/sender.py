@@ -60,6 +60,17 @@ class _Outgoing:
 
 
 @dataclass
+class _Handshake:
+    """A receiver we said hello to and await the welcome of; the sends queued for it meanwhile,
+    and the connect() callers waiting on it."""
+
+    sock: zmq.Socket
+    deadline: float
+    jobs: list = field(default_factory=list)  # _SendJobs, in order
+    futures: list = field(default_factory=list)
+
+
+@dataclass
 class _SendJob:
     request_id: str
     address: str
@@ -128,6 +139,10 @@ class KVSender:
         self._socks: dict[str, zmq.Socket] = {}
         self._addresses: dict[zmq.Socket, str] = {}
         self._monitors: dict[str, zmq.Socket] = {}  # address -> its socket's disconnect events
+        # Receivers whose welcome we await: the I/O thread never blocks on one (a dead
+        # receiver's address would stall every other receiver's transfers for timeout_s)
+        self._handshakes: dict[str, _Handshake] = {}
+        self._handshake_socks: dict[zmq.Socket, str] = {}
         self._stop = threading.Event()
         # A byte on this socket pair wakes the I/O thread when work is queued while it sleeps
         # (`_sleeping`), so it can sleep in one poll over its peers' sockets and the queue.
@@ -266,6 +281,8 @@ class KVSender:
                         self._drain_wakeups()
                     elif sock in self._addresses:
                         self._take_reply(sock)
+                    elif sock in self._handshake_socks:
+                        self._on_welcome(sock, poller)
                     else:  # a monitor: the receiver's connection closed
                         self._on_disconnect(sock, poller)
                 self._sleeping = False
@@ -279,7 +296,7 @@ class KVSender:
                         sends = []
                         self._run(job, poller)
                 self._send_chunks(sends, poller)
-                self._expire()
+                self._expire(poller)
         except BaseException as e:  # a bug, not input: say so, so the worker exits (alive)
             self.error = f"{type(e).__name__}: {e}"
             logger.exception("the KV sender's I/O thread died")
@@ -287,10 +304,16 @@ class KVSender:
         finally:
             for address in list(self._socks):
                 self._drop_peer(address, poller)
+            for address in list(self._handshakes):
+                self._end_handshake(address, poller, "the KV sender closed")
 
     def _fail_all(self, error: str) -> None:
         """After a crash: waiting connects and every request sent or queued fail."""
         results = [self._result(key, False, error) for key in list(self._outgoing)]
+        for handshake in self._handshakes.values():
+            for future in handshake.futures:
+                future.set_exception(TransferError(error))
+            handshake.futures.clear()
         while self._jobs:
             job = self._jobs.popleft()
             if job[0] == "connect":
@@ -310,16 +333,22 @@ class KVSender:
         kind = job[0]
         if kind == "connect":
             _, address, future = job
-            try:
-                self._connect(address, poller)
+            if address in self._socks:
                 future.set_result(None)
+                return
+            try:
+                self._say_hello(address, poller)
             except Exception as e:
-                future.set_exception(e if isinstance(e, TransferError) else TransferError(f"{address}: {e}"))
+                future.set_exception(TransferError(f"{address}: {e}"))
+                return
+            self._handshakes[address].futures.append(future)
         elif kind == "abort":
             self._abort(job[1], job[2])
 
-    def _connect(self, address: str, poller: zmq.Poller) -> None:
-        if address in self._socks:
+    def _say_hello(self, address: str, poller: zmq.Poller) -> None:
+        """Start the handshake with a receiver (once): its welcome is taken by the poll loop
+        (_on_welcome), so the I/O thread goes on serving other receivers meanwhile."""
+        if address in self._socks or address in self._handshakes:
             return
         sock = self._ctx.socket(zmq.DEALER)
         # "<sender id>/<random>": a receiver knows the sender by the part before the slash, and
@@ -328,20 +357,59 @@ class KVSender:
         sock.setsockopt(zmq.IDENTITY, f"{self.sender_id}/{secrets.token_hex(8)}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX_BYTES)
-        sock.connect(address)
-        sock.send(self.codec.encode(TransferHello(self.sender_id, self.backend,
-                                                  dataclasses.asdict(self.model_layout),
-                                                  self.plane.hello_info())))
         try:
-            self.plane.connect(address, self._welcome(sock, address).info)
+            sock.connect(address)
+            sock.send(self.codec.encode(TransferHello(self.sender_id, self.backend,
+                                                      dataclasses.asdict(self.model_layout),
+                                                      self.plane.hello_info())), zmq.NOBLOCK)
         except Exception:
             sock.close()
             raise
+        self._handshakes[address] = _Handshake(sock, now() + self.timeout_s)
+        self._handshake_socks[sock] = address
+        poller.register(sock, zmq.POLLIN)
+
+    def _on_welcome(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
+        """A receiver's answer to our hello: paired (the sends queued for it go out), or the
+        handshake fails (and so do they)."""
+        address = self._handshake_socks[sock]
+        try:
+            welcome = self._welcome(sock, address)
+            self.plane.connect(address, welcome.info)
+        except Exception as e:
+            error = e if isinstance(e, TransferError) else TransferError(f"{address}: {e}")
+            self._end_handshake(address, poller, str(error))
+            return
+        handshake = self._end_handshake(address, poller, "", keep_socket=True)
         self._socks[address] = sock
         self._addresses[sock] = address
         poller.register(sock, zmq.POLLIN)
         self._monitors[address] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller.register(self._monitors[address], zmq.POLLIN)
+        for future in handshake.futures:
+            future.set_result(None)
+        # (a request aborted or expired meanwhile is no longer outgoing: its chunks stay here)
+        jobs = [j for j in handshake.jobs if (j.request_id, address) in self._outgoing]
+        if jobs:
+            self._send_group(address, jobs, poller)
+
+    def _end_handshake(self, address: str, poller: zmq.Poller, error: str,
+                       keep_socket: bool = False) -> _Handshake:
+        """The handshake is over; with `error`, its connect() callers and its queued requests
+        fail."""
+        handshake = self._handshakes.pop(address)
+        self._handshake_socks.pop(handshake.sock, None)
+        poller.unregister(handshake.sock)
+        if not keep_socket:
+            handshake.sock.close()
+        if error:
+            logger.warning("KV receiver %s: %s", address, error)
+            for future in handshake.futures:
+                future.set_exception(TransferError(error))
+            for request_id in dict.fromkeys(j.request_id for j in handshake.jobs):
+                if (request_id, address) in self._outgoing:
+                    self._finish((request_id, address), ok=False, error=f"send failed: {error}")
+        return handshake
 
     def _on_disconnect(self, monitor: zmq.Socket, poller: zmq.Poller) -> None:
         monitor.recv_multipart()
@@ -350,10 +418,8 @@ class KVSender:
         self._drop_peer(address, poller)
 
     def _welcome(self, sock: zmq.Socket, address: str) -> TransferWelcome:
-        """The receiver's answer to our hello, if it accepts the pair; else TransferError."""
-        if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
-            raise TransferError(f"{address}: no handshake answer within {self.timeout_s} s (is a "
-                                "KV receiver up there, started with the same cluster key?)")
+        """The receiver's answer to our hello (waiting on `sock`), if it accepts the pair; else
+        TransferError."""
         frames = sock.recv_multipart()
         try:
             if len(frames) != 1:
@@ -394,10 +460,20 @@ class KVSender:
             going.append(job)
         if not going:
             return
+        if address not in self._socks:  # they go once the receiver welcomes us
+            try:
+                self._say_hello(address, poller)
+            except Exception as e:
+                logger.warning("send to %s failed: %s", address, e)
+                for request_id in dict.fromkeys(job.request_id for job in going):
+                    if (request_id, address) in self._outgoing:
+                        self._finish((request_id, address), ok=False, error=f"send failed: {e}")
+                return
+            self._handshakes[address].jobs.extend(going)
+            return
         marks: dict[int, tuple[float, float]] = {}  # id(job) -> (prepared, header sent)
         per_message = max(1, self._outstanding[address] // MESSAGE_DEPTH)
         try:
-            self._connect(address, poller)
             if self.plane.waits_on_host:
                 # Events of one stream pass in order: waiting for each stream's newest covers
                 # the group (one host wait instead of one a chunk).
@@ -481,13 +557,17 @@ class KVSender:
             sock.send(self.codec.encode(TransferAbort(key[0], reason)))
         self._finish(key, ok=False, error=reason)
 
-    def _expire(self) -> None:
+    def _expire(self, poller: zmq.Poller) -> None:
         t = now()
         if t < self._next_expiry:
             return
         self._next_expiry = t + 0.005
         for key in self._deadlines.expired(t, self._outgoing):
             self._abort_one(key, f"no acknowledgement within {self.timeout_s} s")
+        for address in [a for a, h in self._handshakes.items() if h.deadline <= t]:
+            self._end_handshake(address, poller, f"{address}: no handshake answer within "
+                                f"{self.timeout_s} s (is a KV receiver up there, started with "
+                                "the same cluster key?)")
 
     def _drop_peer(self, address: str, poller: zmq.Poller) -> None:
         sock = self._socks.pop(address, None)

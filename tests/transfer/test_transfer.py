@@ -546,3 +546,36 @@ def test_a_receiver_started_again_at_its_address_is_paired_again(backend, peers)
         assert [r.ok for r in wait_results(receiver, 1, 10)] == [True]
         receiver.close()
         time.sleep(1.0)  # for the sender to hear that the connection closed
+
+
+def test_a_dead_receivers_address_does_not_hold_up_the_others():
+    """A decode worker killed (kill -9) while a prompt for it was being computed: the sender
+    heard its connection close, so the send says hello again to an address nobody answers.
+    The I/O thread waited there for the whole --transfer-timeout, and every transfer to every
+    other decode worker waited with it (30 s by default). Now the welcome is awaited in the
+    poll loop: the live receiver's transfer lands at once, the dead one's fails on its own."""
+    timeout_s = 6.0
+    snd = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=timeout_s)
+    dead, live = (KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10) for _ in range(2))
+    for i, rec in enumerate((dead, live)):  # both paired
+        rec.expect(f"warm{i}", [i])
+        snd.send(f"warm{i}", rec.address, [i], [i])
+    assert sorted(r.ok for r in wait_results(snd, 2, 10)) == [True, True]
+    dead_address = dead.address
+    dead.close()
+    time.sleep(1.0)  # for the sender to hear that its connection closed
+    start = time.monotonic()
+    snd.send("to-dead", dead_address, [2], [2])
+    live.expect("to-live", [3])
+    snd.send("to-live", live.address, [3], [3])
+    arrived = {}
+    while len(arrived) < 2 and time.monotonic() < start + timeout_s + 10:
+        for result in snd.poll(0.05):
+            arrived[result.request_id] = (result.ok, time.monotonic() - start)
+    assert arrived["to-live"][0] and arrived["to-live"][1] < 2.0, arrived
+    assert not arrived["to-dead"][0] and arrived["to-dead"][1] >= timeout_s - 0.5, arrived
+    assert [r.ok for r in wait_results(live, 2, 10)] == [True, True]
+    assert torch.equal(bits(live.pool.buffer[:, :, [3]]),
+                       bits(seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer[:, :, [3]]))
+    snd.close()
+    live.close()
