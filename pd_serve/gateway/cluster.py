@@ -201,6 +201,9 @@ class Cluster(TokenSource):
         finally:
             self._end(spec.request_id, flight, abort=not completed)
 
+    def closed_early(self, reason: str) -> None:
+        self.metrics.finished(reason)
+
     def _again(self, spec: GenerateSpec, flight: _Flight, rid: str) -> GenerateSpec:
         """The request lost a worker before its first token: abort it on the workers that still
         hold it, and send it again under a new id, so that a late message of the failed attempt

@@ -177,8 +177,10 @@ class OpenAIServer:
                               spec.params.skip_special_tokens)
         out, first_echo = output(), echo
         events = self.source.generate(spec)
+        ended = False  # the source sent its last event (or an error): it saw how this ended
         try:
             async for event in events:
+                ended = event.finished or bool(event.error)
                 if event.error:
                     raise SourceError(event.error, event.status, event.retry_after)
                 if event.restart:  # the text so far is void: it starts over
@@ -200,6 +202,8 @@ class OpenAIServer:
                     return
             raise SourceError("the token source ended without a final event")
         finally:  # a stop string, a closed client or an error: the source aborts the request
+            if not ended:
+                self.source.closed_early("stop" if out.stopped else "abort")
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -66,6 +66,11 @@ class TokenSource(ABC):
         at once is a 400, not a 429 to retry forever. None: no limit."""
         return None
 
+    def closed_early(self, reason: str) -> None:
+        """The HTTP layer closed a request's events before their last one: at a stop string
+        ("stop") or because its client went ("abort"). A source that counts how requests end
+        counts these here (the last event, or an error, it sees itself)."""
+
 
 class EngineSource(TokenSource):
     """A colocated AsyncEngine in the gateway's own process (tests and single-process serving)."""

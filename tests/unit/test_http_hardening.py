@@ -254,6 +254,55 @@ def test_a_big_response_is_built_with_the_event_loop_running(tokenizer, token, p
     assert len(set(ticked.at)) >= n, f"the loop ran {len(set(ticked.at))} times over {n} choices"
 
 
+class EndlessSource(ScriptedSource):
+    """One token every 20 ms until its consumer closes it; `closed` records what the HTTP
+    layer reports of requests it closed early."""
+
+    def __init__(self, token: int):
+        super().__init__([])
+        self.token, self.closed = token, []
+
+    def closed_early(self, reason: str) -> None:
+        self.closed.append(reason)
+
+    async def generate(self, spec: GenerateSpec):
+        while True:
+            await asyncio.sleep(0.02)
+            yield TokenEvent([self.token])
+
+
+def test_requests_closed_early_are_reported_to_the_source(tokenizer, token):
+    """The HTTP layer closes a request's events at a stop string, or when its client goes:
+    the source never sees those ends, so it is told (stop, abort) and its finish counts
+    (pd_serve:requests_total) miss none. Requests whose source sent the end are not reported."""
+    word = tokenizer.decode([token])
+
+    async def go():
+        source = EndlessSource(token)
+        async with TestClient(TestServer(build_app(source, tokenizer))) as client:
+            resp = await client.post("/v1/completions", json=completion(
+                max_tokens=100, stop=[(word * 3).strip()]))
+            answer = await resp.json()
+            assert resp.status == 200 and answer["choices"][0]["finish_reason"] == "stop"
+            resp = await client.post("/v1/completions",
+                                     json=completion(max_tokens=100, stream=True))
+            await resp.content.readline()  # the first event: then the client goes
+            resp.close()
+            for _ in range(500):  # the next write fails and the request ends
+                if len(source.closed) == 2:
+                    break
+                await asyncio.sleep(0.02)
+        ended = ScriptedSource(done(token))
+        ended.closed = []
+        ended.closed_early = ended.closed.append
+        async with TestClient(TestServer(build_app(ended, tokenizer))) as client:
+            assert (await client.post("/v1/completions", json=completion())).status == 200
+        return source.closed, ended.closed
+
+    early, ended = asyncio.run(go())
+    assert early == ["stop", "abort"] and ended == []
+
+
 def test_wrong_method_and_unknown_path_are_json(tokenizer, token):
     status, headers, body = call(tokenizer, done(token), "GET", "/v1/completions")
     assert_error(status, body, 405, message="Method Not Allowed (GET /v1/completions)")
