@@ -91,13 +91,14 @@ class EngineSource(TokenSource):
         params = dataclasses.replace(spec.params, stop=[])
         outputs = self.engine.generate(spec.prompt_token_ids, params, request_id=spec.request_id,
                                        priority=spec.priority)
+        sent = 0  # tokens so far
         async with contextlib.aclosing(outputs):  # closing us aborts the engine request now
             async for out in outputs:
                 n = len(out.new_token_ids)
                 logprobs = None
                 if out.logprobs is not None:
-                    logprobs = [Logprob.of(lp) for lp in out.logprobs[-n:]] if n else []
-                first = n and len(out.token_ids) == n
+                    logprobs = [Logprob.of(lp) for lp in out.logprobs[sent:sent + n]]
+                first, sent = n and not sent, sent + n
                 yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason,
                                  cached_tokens=out.num_cached_tokens if first else 0)
                 await asyncio.sleep(0)
