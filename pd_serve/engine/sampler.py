@@ -12,6 +12,7 @@ step on a GPU).
 from __future__ import annotations
 
 import threading
+from array import array
 
 import torch
 
@@ -136,24 +137,6 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     return logits
 
 
-def _with_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits [B, V] with each row's logit_bias added, as a new float32 tensor; the input itself
-    when no row has one."""
-    rows, cols, values = [], [], []
-    for i, request in enumerate(requests):
-        for token, bias in (request.sampling_params.logit_bias or {}).items():
-            rows.append(i)
-            cols.append(token)
-            values.append(float(bias))
-    if not rows:
-        return logits
-    device = logits.device
-    biased = logits.float().clone()
-    biased.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                      torch.tensor(values, device=device), accumulate=True)
-    return biased
-
-
 def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Mask to -inf what min_p, top_k and top_p drop; logits [B, V] already temperature-scaled."""
     params = [r.sampling_params for r in requests]
@@ -192,6 +175,9 @@ class Sampler:
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
+        # id(sampling params) -> (them, token ids, biases): the logit_bias of the last step's
+        # rows as tensors on the logits' device
+        self._biases: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The generator of unseeded rows on `device` (ours on CPU; one per accelerator)."""
@@ -200,6 +186,30 @@ class Sampler:
         if device not in self._device_generators:
             self._device_generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._device_generators[device]
+
+    def _with_logit_bias(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits [B, V] with each row's logit_bias added, as a new float32 tensor; the input
+        itself when no row has one. A request's bias becomes tensors on the logits' device at
+        the first step it is sampled in and is kept while it is in every step: read from its
+        dict each step, n=128 choices biasing the whole vocabulary took 3.7 s a step on 2 CPU
+        cores, for every request on the worker."""
+        kept, self._biases = self._biases, {}
+        biased = None
+        for i, request in enumerate(requests):
+            params = request.sampling_params
+            if not params.logit_bias:
+                continue
+            entry = kept.get(id(params))
+            if entry is None or entry[0] is not params or entry[1].device != logits.device:
+                bias = params.logit_bias  # (through arrays: half the time of lists)
+                entry = (params, torch.frombuffer(array("q", bias), dtype=torch.long).to(
+                    logits.device), torch.frombuffer(array("f", bias.values()),
+                                                     dtype=torch.float32).to(logits.device))
+            self._biases[id(params)] = entry
+            if biased is None:
+                biased = logits.float().clone()
+            biased[i].index_add_(0, entry[1], entry[2])
+        return logits if biased is None else biased
 
     def _exponentials(self, requests: list[Request], sampled_rows: list[int], vocab_size: int,
                       device: torch.device) -> torch.Tensor:
@@ -256,7 +266,7 @@ class Sampler:
         device = logits.device
         raw_logprobs = logits.float().log_softmax(dim=-1) if any(want_logprobs) else None  # [B, V]
         original = logits
-        logits = _with_logit_bias(logits, requests)
+        logits = self._with_logit_bias(logits, requests)
         if needs_penalties(requests):
             logits = apply_penalties(logits, requests)  # [B, V] float32
         else:

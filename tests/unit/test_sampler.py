@@ -220,6 +220,27 @@ def test_logit_bias_moves_greedy_and_sampled_tokens_but_not_logprobs():
     assert counts[1] == 0 and set(counts) <= {0, 2, 3}
 
 
+def test_a_requests_logit_bias_is_read_into_tensors_once():
+    """A request's bias (up to the whole vocabulary, for each of up to 128 choices) becomes
+    tensors at the first step that samples it and is reused while the request is in every
+    step; a step without it forgets it. Read from the dict every step, 128 full-vocabulary
+    biases took 3.7 s a step on 2 cores. The biased tokens are the same each step."""
+    vocab = 4096
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    full = {t: (-100.0 if t != 7 else 100.0) for t in range(vocab)}  # only 7 can win
+    requests = [make_request(temperature=0, logit_bias=full),
+                make_request(temperature=0),
+                make_request(temperature=1.0, seed=1, logit_bias={5: 100.0})]
+    sampler = Sampler(seed=0)
+    assert sampler(logits, requests).token_ids[::2] == [7, 5]
+    made = {k: v[1] for k, v in sampler._biases.items()}
+    assert len(made) == 2
+    assert sampler(logits, requests).token_ids[::2] == [7, 5]
+    assert all(sampler._biases[k][1] is t for k, t in made.items())  # the same tensors
+    sampler(logits[:2], requests[:2])
+    assert set(sampler._biases) == {id(requests[0].sampling_params)}
+
+
 def test_logit_bias_is_checked():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 101.0})
