@@ -241,6 +241,32 @@ def test_a_requests_logit_bias_is_read_into_tensors_once():
     assert set(sampler._biases) == {id(requests[0].sampling_params)}
 
 
+def test_penalties_over_steps_count_each_new_output_once():
+    """The Sampler keeps a row's prompt and output ids as tensors between steps and appends
+    its new outputs: step by step, with outputs growing by one or by several tokens, the
+    penalised greedy choice is the one made from the id lists afresh."""
+    logits = torch.tensor([[0.0, 0.1, 0.2, 2.0, 0.3, 1.9, 0.0, 1.2]] * 2)  # [2, 8]
+    rows = [make_request(prompt=(6,), temperature=0, frequency_penalty=0.5),
+            make_request(prompt=(7, 7), temperature=0, presence_penalty=0.4,
+                         repetition_penalty=1.3)]
+    kept, chosen = Sampler(seed=0), []
+    for step in range(8):
+        want = Sampler(seed=0)(logits, [make_request(
+            prompt=r.prompt_token_ids, output=r.output_token_ids, temperature=0,
+            frequency_penalty=r.sampling_params.frequency_penalty,
+            presence_penalty=r.sampling_params.presence_penalty,
+            repetition_penalty=r.sampling_params.repetition_penalty) for r in rows]).token_ids
+        got = kept(logits, rows).token_ids
+        assert got == want, step
+        chosen.append(got)
+        for r, token in zip(rows, got):
+            r.token_ids.extend([token] * (1 + step % 2))  # (and a step that adds two)
+        if step == 0:
+            prompt = kept._histories[id(rows[0].sampling_params)][1]
+    assert kept._histories[id(rows[0].sampling_params)][1] is prompt  # made once
+    assert len({c[0] for c in chosen}) > 2  # the penalty moved the choice, step by step
+
+
 def test_logit_bias_is_checked():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 101.0})
