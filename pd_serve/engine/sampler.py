@@ -90,6 +90,13 @@ def _ids(ids: list[int], device: torch.device) -> torch.Tensor:
         torch.zeros(0, dtype=torch.long, device=device))
 
 
+def _kept(kept: dict, params: SamplingParams, device: torch.device) -> tuple | None:
+    """A Sampler cache's entry (params, tensor, ...) of the last step for these params, if its
+    tensors are on `device` (the key is id(params); the entry holds them, so it is theirs)."""
+    entry = kept.get(id(params))
+    return entry if entry is not None and entry[0] is params and entry[1].device == device else None
+
+
 def _token_counts(rows: list[torch.Tensor], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Count each id per row (int64 id tensors on `device`): [B, V] int64. Padding goes to an
     extra column that is dropped."""
@@ -209,12 +216,10 @@ class Sampler:
             params = request.sampling_params
             if not params.logit_bias:
                 continue
-            entry = kept.get(id(params))
-            if entry is None or entry[0] is not params or entry[1].device != logits.device:
-                bias = params.logit_bias  # (through arrays: half the time of lists)
-                entry = (params, torch.frombuffer(array("q", bias), dtype=torch.long).to(
-                    logits.device), torch.frombuffer(array("f", bias.values()),
-                                                     dtype=torch.float32).to(logits.device))
+            entry = _kept(kept, params, logits.device) or (
+                params, _ids(list(params.logit_bias), logits.device),
+                torch.frombuffer(array("f", params.logit_bias.values()),
+                                 dtype=torch.float32).to(logits.device))
             self._biases[id(params)] = entry
             if biased is None:
                 biased = logits.float().clone()
@@ -232,9 +237,8 @@ class Sampler:
         for i, request in enumerate(requests):
             params, known = request.sampling_params, request.all_token_ids
             num_prompt = request.num_prompt_tokens
-            entry = kept.get(id(params))
-            if entry is None or entry[0] is not params or entry[1].device != device:
-                entry = (params, _ids(known[:num_prompt], device), _ids([], device))
+            entry = _kept(kept, params, device) or (
+                params, _ids(known[:num_prompt], device), _ids([], device))
             done = num_prompt + len(entry[2])
             if len(known) > done:
                 new_ids += known[done:]

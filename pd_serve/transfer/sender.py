@@ -406,10 +406,14 @@ class KVSender:
             logger.warning("KV receiver %s: %s", address, error)
             for future in handshake.futures:
                 future.set_exception(TransferError(error))
-            for request_id in dict.fromkeys(j.request_id for j in handshake.jobs):
-                if (request_id, address) in self._outgoing:
-                    self._finish((request_id, address), ok=False, error=f"send failed: {error}")
+            self._fail_jobs(address, handshake.jobs, error)
         return handshake
+
+    def _fail_jobs(self, address: str, jobs: list[_SendJob], error: str) -> None:
+        """The requests of these sends to `address` that are still outgoing fail."""
+        for request_id in dict.fromkeys(job.request_id for job in jobs):
+            if (request_id, address) in self._outgoing:
+                self._finish((request_id, address), ok=False, error=f"send failed: {error}")
 
     def _on_disconnect(self, monitor: zmq.Socket, poller: zmq.Poller) -> None:
         monitor.recv_multipart()
@@ -465,9 +469,7 @@ class KVSender:
                 self._say_hello(address, poller)
             except Exception as e:
                 logger.warning("send to %s failed: %s", address, e)
-                for request_id in dict.fromkeys(job.request_id for job in going):
-                    if (request_id, address) in self._outgoing:
-                        self._finish((request_id, address), ok=False, error=f"send failed: {e}")
+                self._fail_jobs(address, going, str(e))
                 return
             self._handshakes[address].jobs.extend(going)
             return
@@ -506,9 +508,7 @@ class KVSender:
         except Exception as e:
             logger.warning("send to %s failed: %s", address, e)
             self._drop_peer(address, poller)
-            for request_id in dict.fromkeys(job.request_id for job in going):
-                if (request_id, address) in self._outgoing:
-                    self._finish((request_id, address), ok=False, error=f"send failed: {e}")
+            self._fail_jobs(address, going, str(e))
             return
         for job in going:
             out = self._outgoing[(job.request_id, address)]
