@@ -127,7 +127,9 @@ class KVSender:
         self.timeout_s = timeout_s
         self.stats = stats or TransferStats("send", backend)
         self.plane = make_sender_plane(backend, pool, timeout_s)
-        self._ctx = zmq.Context.instance()
+        # A context of its own, ended by close(): tcp pages leave as zero-copy frames, and the
+        # context's end is what says libzmq no longer reads them (see close).
+        self._ctx = zmq.Context()
         self.max_queued = max_queued
         self._jobs: deque = deque()  # appended by callers, taken by the I/O thread
         self._lock = threading.Lock()
@@ -248,8 +250,16 @@ class KVSender:
         return self._thread.is_alive() and not self.error
 
     def close(self) -> None:
+        """Stop the I/O thread and end the context. Closing a socket returns before libzmq's
+        I/O thread lets go of its queued frames, so a frame could still be in the middle of
+        its write when the interpreter, exiting, freed its memory (libzmq then aborted the
+        process: "Bad address"). term() returns once every socket is gone."""
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._thread.is_alive():  # its sockets are open: term() would wait for them forever
+            logger.warning("the KV sender's I/O thread did not stop within 5 s")
+        else:
+            self._ctx.term()
         self.plane.close()
 
     def _put(self, job) -> None:
