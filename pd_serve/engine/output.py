@@ -42,6 +42,12 @@ class RequestOutput:
         return None if logprobs is None else logprobs[:n]
 
     @property
+    def new_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs of new_token_ids."""
+        logprobs, n = self._source[2], self._source[1]
+        return None if logprobs is None else logprobs[n - len(self.new_token_ids):n]
+
+    @property
     def text(self) -> str:
         text, chars = self._source[3:]
         return "" if text is None else text.shown[:chars]

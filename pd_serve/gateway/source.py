@@ -95,9 +95,8 @@ class EngineSource(TokenSource):
         async with contextlib.aclosing(outputs):  # closing us aborts the engine request now
             async for out in outputs:
                 n = len(out.new_token_ids)
-                logprobs = None
-                if out.logprobs is not None:
-                    logprobs = [Logprob.of(lp) for lp in out.logprobs[sent:sent + n]]
+                new_logprobs = out.new_logprobs
+                logprobs = None if new_logprobs is None else [Logprob.of(lp) for lp in new_logprobs]
                 first, sent = n and not sent, sent + n
                 yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason,
                                  cached_tokens=out.num_cached_tokens if first else 0)

@@ -181,6 +181,7 @@ def test_each_streamed_output_keeps_what_it_had_when_it_was_made(smol, prompts):
     for o in streamed:
         n = len(o.token_ids)
         assert o.token_ids == final.token_ids[:n] and o.logprobs == final.logprobs[:n]
+        assert o.new_logprobs == final.logprobs[n - 1:n]
         assert o.text == "".join(s.new_text for s in streamed[:n])
 
 
