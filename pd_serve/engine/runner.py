@@ -154,6 +154,11 @@ class ModelRunner:
         # The sampled tokens of the step before, where the graph resolves pending ids; the graph
         # then writes its rows' argmax here.
         self.graph_tokens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        # Every graph writes its logits here: kept per graph, the outputs of graphs up to 512
+        # rows held 16,700 rows of a 128k vocabulary: 8 GiB, more than an H100 keeps beside the
+        # weights and KV cache at the default --mem-fraction-static.
+        self.graph_logits_out = torch.empty(max_bs, self.model.config.vocab_size,
+                                            dtype=torch.float32, device=self.device)
         pool = torch.cuda.graph_pool_handle() if on_cuda else None
         for bs in reversed(sizes):
             self._plan_graph(bs, [], [], [])  # every row is padding
@@ -164,7 +169,8 @@ class ModelRunner:
                     time.perf_counter() - start)
 
     def _capture(self, bs: int, pool) -> torch.cuda.CUDAGraph:
-        """Capture the bucket-bs forward into a graph; its output lands in graph_logits[bs]."""
+        """Capture the bucket-bs forward into a graph; its output lands in graph_logits[bs] (the
+        first bs rows of graph_logits_out)."""
         for _ in range(2):  # compile / autotune outside the capture
             self._graph_forward(bs)
         torch.cuda.synchronize(self.device)
@@ -176,7 +182,8 @@ class ModelRunner:
     def _graph_forward(self, bs: int) -> torch.Tensor:
         ids, positions = self.graph_device[:bs], self.graph_device[bs:2 * bs]
         fill_pending_(ids, self.graph_tokens)
-        logits = self.model.compute_logits(self.model(ids, positions, self.attn))  # [bs, V] float32
+        logits = self.model.compute_logits(self.model(ids, positions, self.attn),
+                                           out=self.graph_logits_out[:bs])  # [bs, V] float32
         argmax(logits, out=self.graph_tokens[:bs])
         return logits
 

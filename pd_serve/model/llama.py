@@ -137,14 +137,15 @@ class CausalLM(nn.Module):
                 after_layer(i)
         return self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab], written into `out` if given (the
+        CUDA graphs of every batch size share one output)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = (linear(hidden, weight) if self.batch1_kernels
                   else cpu_linear(hidden, weight, None, self.cpu_packed_head))
         if self.tp is not None:  # this rank's slice of the vocabulary
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
 
 
 def pack_cpu_weights(model: CausalLM) -> int:

@@ -60,6 +60,10 @@ def test_graph_decode_equals_eager(monkeypatch, tiny_checkpoints):
                      page_size=4)
     graphed.runner.capture_cuda_graphs(8, 64)
     assert sorted(graphed.runner.graphs) == [1, 2, 4, 8]
+    # the graphs' logits are rows of one [8, V] buffer, not a buffer each (1 + 2 + 4 + 8 rows)
+    out = graphed.runner.graph_logits_out
+    assert out.shape == (8, graphed.model_config.vocab_size)
+    assert {lg.data_ptr() for lg in graphed.runner.graph_logits.values()} == {out.data_ptr()}
     for batch in ([prompts[0]], prompts[:3], prompts):  # buckets 1, 4 (one padded row), 8 (three)
         EagerGraph.replays = 0
         want = [o.token_ids for o in eager.generate(batch, params)]
