@@ -120,19 +120,35 @@ class EngineCore:
         dist.destroy_process_group()
         self.tp, self._tp_followers = None, []
 
-    def warmup(self, num_tokens: int = 16) -> None:
+    def warmup(self, num_tokens: int | None = None) -> None:
         """One throwaway prefill and decode, so the first real request does not pay for lazy
-        initialisation (kernel selection, allocator growth). Leaves every page free."""
+        initialisation (kernel selection, allocator growth). Leaves every page free.
 
+        On a GPU the prompt is the largest prefill step the scheduler takes (--chunked-prefill-size,
+        within the context and the pool): a step that cannot fit beside the KV cache then fails
+        here, with what to change, instead of killing the worker under load."""
+        if num_tokens is None:
+            num_tokens = 16 if self.device.type == "cpu" else self._largest_prefill_step()
         request = Request(list(range(1, num_tokens + 1)), SamplingParams(temperature=0, max_tokens=2,
                                                                           ignore_eos=True))
         self.scheduler.add(request)
-        while len(request.output_token_ids) < 2 and not request.finished:
-            self.step()
+        try:
+            while len(request.output_token_ids) < 2 and not request.finished:
+                self.step()
+        except torch.OutOfMemoryError as e:
+            raise ValueError(
+                f"a {num_tokens}-token prefill step runs out of GPU memory beside the KV cache "
+                f"({self.kv_pool.num_tokens} tokens): lower --mem-fraction-static (now "
+                f"{self.config.cache.mem_fraction_static}) or --chunked-prefill-size") from e
         self.scheduler.finish(request, FinishReason.ABORT)
         self.drain()
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
+
+    def _largest_prefill_step(self) -> int:
+        chunk = self.config.scheduler.chunked_prefill_size
+        room = min(self.max_model_len, self.kv_pool.num_tokens) - 2  # (+ the decode step's token)
+        return max(1, min(chunk if chunk > 0 else room, room))
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (one line, naming the limit) for a request this worker cannot take."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from pd_serve import Engine, SamplingParams
 
@@ -166,3 +168,31 @@ def test_launch_hands_each_tp_worker_its_own_gpus():
     assert worker_gpus(0, None, 2) is None
     assert flag_value(["--tp", "2", "--device=cuda", "--tp=4"], "--tp", "1") == "4"
     assert flag_value([], "--device", "auto") == "auto"
+
+
+def test_a_gpu_warmup_runs_the_largest_prefill_step_and_names_the_flags_when_it_runs_out(
+        checkpoint, monkeypatch):
+    """On a GPU the warm-up prompt is --chunked-prefill-size tokens (within the context and the
+    pool), so a step that cannot fit beside the KV cache fails at start, saying what to lower."""
+    from pd_serve.config import EngineConfig
+    from pd_serve.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig.from_flat(model=str(checkpoint), device="cpu",
+                                             max_total_tokens=256, chunked_prefill_size=48))
+    prompts = []
+
+    def out_of_memory():
+        prompts.append(len(core.scheduler.waiting[0].prompt_token_ids))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(core, "device", torch.device("cuda"))
+    monkeypatch.setattr(core, "step", out_of_memory)
+    with pytest.raises(ValueError, match=r"a 48-token prefill step runs out of GPU memory beside "
+                       r"the KV cache \(256 tokens\): lower --mem-fraction-static \(now 0\.88\) "
+                       r"or --chunked-prefill-size"):
+        core.warmup()
+    assert prompts == [48]
+    unchunked = dataclasses.replace(core.config.scheduler, chunked_prefill_size=-1)
+    monkeypatch.setattr(core, "config", dataclasses.replace(core.config, scheduler=unchunked))
+    # (the whole context, within the pool, less the decode step's token)
+    assert core._largest_prefill_step() == 254
