@@ -493,9 +493,7 @@ class Cluster(TokenSource):
                 if error := status_error(msg):
                     protocol.refused("control", f"registration of {worker_id}: {error}")
                     if not (self.pool("prefill") and self.pool("decode")):  # (after a restart)
-                        self._fail_queued(ClusterError(
-                            f"no prefill+decode pair is left ({worker_id} restarted and was "
-                            f"refused: {error})", 503, self.config.worker_timeout_s))
+                        self._fail_queued(f"{worker_id} restarted and was refused: {error}")
                     return
                 previous = self._incarnations.get(worker_id)
                 if previous is not None and previous != msg.incarnation:  # (dropped since)
@@ -594,12 +592,14 @@ class Cluster(TokenSource):
                     flight.workers.remove(worker_id)
                 flight.fail(ClusterError(reason, worker_lost=True))
         if fail_queued and not (self.pool("prefill") and self.pool("decode")):
-            self._fail_queued(ClusterError(f"no prefill+decode pair is left ({reason})", 503,
-                                           self.config.worker_timeout_s))
+            self._fail_queued(reason)
         self._capacity.set()
 
-    def _fail_queued(self, error: ClusterError) -> None:
-        """Every queued request gets `error` (no pair is left to serve it)."""
+    def _fail_queued(self, reason: str) -> None:
+        """No prefill+decode pair is left to serve the queue (`reason`): every queued request
+        goes again to the colocated workers if there are any (generate's retry), else gets a 503."""
+        error = ClusterError(f"no prefill+decode pair is left ({reason})", 503,
+                             self.config.worker_timeout_s, worker_lost=bool(self.pool("colocated")))
         for entry in self._queue:
             if not entry.pair.done():
                 entry.pair.set_exception(error)

@@ -20,8 +20,8 @@ from pd_serve.config import GatewayConfig
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.gateway.cluster import Cluster
 from pd_serve.gateway.source import GenerateSpec
-from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Heartbeat, Prefill,
-                               PrefillDone, Replaced, StartDecode, TokenBatch, TokenDelta,
+from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
+                               Prefill, PrefillDone, Replaced, StartDecode, TokenBatch, TokenDelta,
                                WorkerStatus)
 
 KEY = b"test-cluster-key"
@@ -92,6 +92,8 @@ class FakeWorker:
                                       error="" if self.prefill_ok else "boom"))
             elif isinstance(msg, StartDecode) and self.finish:
                 self.send(TokenBatch(self.worker_id, [TokenDelta(msg.request_id, [8], None, True, "length")]))
+            elif isinstance(msg, Generate):  # colocated: both tokens at once
+                self.send(TokenBatch(self.worker_id, [TokenDelta(msg.request_id, [7, 8], None, True, "length")]))
 
     async def close(self) -> None:
         self._task.cancel()
@@ -296,6 +298,22 @@ async def test_queued_requests_get_503_when_no_pair_is_left(cluster, add):
     await prefill.close()  # silent from now on: dropped after the worker timeout
     events = await asyncio.gather(*tasks[1:])
     assert all(e[-1].status == 503 and "no prefill+decode pair" in e[-1].error for e in events)
+    tasks[0].cancel()
+    await asyncio.gather(tasks[0], return_exceptions=True)
+
+
+@with_gateway(worker_timeout_s=1.0)
+async def test_queued_requests_go_to_colocated_workers_when_no_pair_is_left(cluster, add):
+    """The pair's prefill worker died with requests queued: a colocated worker serves them
+    (the README: without a pair, requests go to colocated workers), no 503."""
+    prefill, tasks = await held_then_queued(cluster, add, 2)
+    colocated = add("colocated", "c")
+    await ready(cluster, 3)
+    await prefill.close()  # silent from now on: dropped after the worker timeout
+    events = await asyncio.wait_for(asyncio.gather(*tasks[1:]), 20)
+    assert all(e[-1].finished and not e[-1].error for e in events), [e[-1] for e in events]
+    assert [[t for e in es for t in e.new_token_ids] for es in events] == [[7, 8], [7, 8]]
+    assert sorted(m.request_id for m in colocated.of(Generate)) == ["r1~retry1", "r2~retry1"]
     tasks[0].cancel()
     await asyncio.gather(tasks[0], return_exceptions=True)
 
