@@ -69,8 +69,8 @@ def parse_tools(body: dict, parser: str | None) -> ToolRequest:
                            'use "required" or a named function, which need none', "tool_choice")
         return ToolRequest(tools, ToolChoice("auto"), None)
     if choice == "required":
-        # xgrammar writes properties in the schema's order, here sorted (canonical_json): name
-        # before parameters, so a stream can name each call before its arguments arrive.
+        # xgrammar writes properties in the schema's order: name before parameters, so a
+        # stream can name each call before its arguments arrive.
         parallel = body.get("parallel_tool_calls")
         items = {"anyOf": [{"type": "object", "properties": {"name": {"enum": [name]},
                                                              "parameters": schema},
