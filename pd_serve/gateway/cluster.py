@@ -94,6 +94,7 @@ class Cluster(TokenSource):
                         "colocated": Router(config.prefill_policy, "prefill", *balance)}
         self._flights: dict[str, _Flight] = {}
         self._queue: list[_Waiting] = []  # a heap
+        self._num_gone = 0  # its entries that stopped waiting (_unqueue)
         self._seq = itertools.count()
         self._capacity = asyncio.Event()  # set when a queued request may now find a pair
         self.fatal = ""  # why a background task died: /health reports it, the server exits
@@ -152,7 +153,7 @@ class Cluster(TokenSource):
 
     @property
     def num_queued(self) -> int:
-        return len(self._queue)
+        return len(self._queue) - self._num_gone
 
     # ---- one request ------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
@@ -269,7 +270,7 @@ class Cluster(TokenSource):
         request back to its place in the queue. Nothing fails merely for waiting its turn,
         up to --admit-timeout."""
         self._check_fits(spec)
-        if len(self._queue) >= self.config.max_queued_requests:
+        if self.num_queued >= self.config.max_queued_requests:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise ClusterError(f"the gateway's queue is full (--max-queued-requests "
                                f"{self.config.max_queued_requests}); retry later", 429, 1)
@@ -289,7 +290,9 @@ class Cluster(TokenSource):
                 raise ClusterError(f"no prefill+decode capacity within --admit-timeout "
                                    f"{self.config.admit_timeout_s} s", 503, 1) from None
             finally:
-                entry.pair.cancel()  # still queued: the dispatcher skips it
+                entry.pair.cancel()
+                if entry.pair.cancelled():  # still queued (it timed out or its client left)
+                    self._unqueue()
             self._send(decode.worker_id, Admit(spec.request_id, spec.prompt_token_ids, spec.params,
                                                spec.priority))
             reply = await self._next(flight, AdmitReply)
@@ -300,6 +303,18 @@ class Cluster(TokenSource):
             if not reply.retryable:
                 raise ClusterError(reply.error, 400)
             decode.full_until = time.monotonic() + FULL_BACKOFF_S
+
+    def _unqueue(self) -> None:
+        """A queued request stopped waiting (timed out, its client left): it holds no place
+        in the queue (clients leaving behind a head that waits for room would otherwise fill
+        it, and new requests get 429s). Its entry leaves the heap at the head, or with all
+        such entries once they are half the heap (O(1) a request, amortized)."""
+        self._num_gone += 1
+        if 2 * self._num_gone > len(self._queue):
+            self._queue[:] = [e for e in self._queue if not e.pair.done()]
+            heapq.heapify(self._queue)
+            self._num_gone = 0
+        self.metrics.queued.set(self.num_queued)
 
     def _check_fits(self, spec) -> None:
         """A prompt that no decode or prefill pool could ever hold is a 400 now, not a wait;
@@ -328,11 +343,12 @@ class Cluster(TokenSource):
                 async with asyncio.timeout(DISPATCH_TICK_S):
                     await self._capacity.wait()
             self._capacity.clear()
-            self.metrics.queued.set(len(self._queue))
+            self.metrics.queued.set(self.num_queued)
             while self._queue:
                 head = self._queue[0]
-                if head.pair.done():  # timed out or its client left
+                if head.pair.done():  # timed out or its client left (_unqueue)
                     heapq.heappop(self._queue)
+                    self._num_gone -= 1
                     continue
                 pair = self._pick_pair(head.spec)
                 if pair is None:
@@ -604,3 +620,4 @@ class Cluster(TokenSource):
             if not entry.pair.done():
                 entry.pair.set_exception(error)
         self._queue.clear()
+        self._num_gone = 0

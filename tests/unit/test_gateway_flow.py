@@ -238,6 +238,48 @@ async def test_a_full_queue_answers_429_with_retry_after(cluster, add):
     await until(lambda: not cluster._flights)
 
 
+@with_gateway(max_queued_requests=2)
+async def test_requests_whose_clients_left_hold_no_place_in_the_queue(cluster, add):
+    """"g" left while queued behind "r1", which waits for decode's only slot: "late" queues in
+    its place (no 429), and the queue counts only the requests still waiting."""
+    _, tasks = await held_then_queued(cluster, add, 1)
+    gone = asyncio.create_task(collect(cluster, spec("g")))
+    await until(lambda: cluster.num_queued == 2)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    assert cluster.num_queued == 1
+    late = asyncio.create_task(collect(cluster, spec("late")))
+    await until(lambda: cluster.num_queued == 2)
+    assert not late.done()
+    for t in tasks + [late]:
+        t.cancel()
+    await asyncio.gather(*tasks, late, return_exceptions=True)
+    await until(lambda: not cluster._flights)
+
+
+@with_gateway(max_queued_requests=8)
+async def test_entries_of_requests_that_left_the_queue_are_dropped_at_once_past_half_of_it(
+        cluster, add):
+    """Six queued behind "r" (decode's only slot), four leave behind the head ("r1"): the heap
+    keeps their entries while they are at most half of it, then drops them all at once; the
+    two still waiting get the slot in their order."""
+    _, tasks = await held_then_queued(cluster, add, 6)
+    held, waiting = tasks[0], tasks[1:]
+    for n, i in enumerate((1, 2, 4, 5), 1):
+        waiting[i].cancel()
+        await asyncio.gather(waiting[i], return_exceptions=True)
+        assert cluster.num_queued == 6 - n
+        assert len(cluster._queue) == (6 if n < 4 else 2)
+    assert sorted(e.spec.request_id for e in cluster._queue) == ["r1", "r4"]
+    held.cancel()
+    await asyncio.gather(held, return_exceptions=True)
+    await until(lambda: cluster.num_queued == 1 and "r1" in cluster.workers["d"].inflight)
+    for t in (waiting[0], waiting[3]):
+        t.cancel()
+    await asyncio.gather(waiting[0], waiting[3], return_exceptions=True)
+    await until(lambda: not cluster._flights and not cluster._queue)
+
+
 @with_gateway()
 async def test_a_full_decode_pool_sends_the_request_back_to_wait(cluster, add):
     decode, _ = await one_pair(cluster, add)
