@@ -196,3 +196,29 @@ def test_a_gpu_warmup_runs_the_largest_prefill_step_and_names_the_flags_when_it_
     monkeypatch.setattr(core, "config", dataclasses.replace(core.config, scheduler=unchunked))
     # (the whole context, within the pool, less the decode step's token)
     assert core._largest_prefill_step() == 254
+
+
+def test_the_gpu_kv_pool_budget_counts_what_the_allocator_keeps_reserved(monkeypatch):
+    """A model quantized at load frees its dense copy into the allocator's cache: that cache
+    goes back to the driver before the pool is sized, and the budget subtracts what stays
+    reserved (more than what is allocated), so --mem-fraction-static's rest is really free."""
+    from types import SimpleNamespace
+
+    from pd_serve.cache.pool import KVLayout
+    from pd_serve.config import CacheConfig
+    from pd_serve.engine.executor import _num_kv_pages
+
+    gib = 2**30
+    state = {"reserved": 26 * gib}  # 9 GiB of FP8 weights allocated, their dense copy cached
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 9 * gib)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(reserved=10 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    layout = KVLayout(num_layers=32, page_size=16, num_kv_heads=8, head_dim=128, dtype="float8_e4m3fn")
+    pages = _num_kv_pages(CacheConfig(mem_fraction_static=0.5), layout, torch.device("cuda"))
+    assert pages == (40 - 10) * gib // layout.bytes_per_page
+    state["reserved"] = 45 * gib  # and empty_cache gives nothing back
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with pytest.raises(ValueError, match=r"--mem-fraction-static 0\.5 leaves no room"):
+        _num_kv_pages(CacheConfig(mem_fraction_static=0.5), layout, torch.device("cuda"))
