@@ -391,6 +391,6 @@ def _first_line(error: Exception) -> str:
 
 def canonical_json(schema) -> str:
     """A schema as compact JSON, its keys in the request's order: xgrammar writes an object's
-    properties in the schema's order, and so must we (OpenAI's structured outputs do: a
-    "reasoning" property listed before "answer" is written first). Sorted keys would reorder them."""
+    properties in the schema's order, as OpenAI's structured outputs do (a "reasoning"
+    property listed before "answer" is written first); sorted keys would reorder them."""
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

@@ -215,7 +215,8 @@ def test_the_gpu_kv_pool_budget_counts_what_the_allocator_keeps_reserved(monkeyp
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 9 * gib)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(reserved=10 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
-    layout = KVLayout(num_layers=32, page_size=16, num_kv_heads=8, head_dim=128, dtype="float8_e4m3fn")
+    layout = KVLayout(num_layers=32, page_size=16, num_kv_heads=8, head_dim=128,
+                      dtype="float8_e4m3fn")
     pages = _num_kv_pages(CacheConfig(mem_fraction_static=0.5), layout, torch.device("cuda"))
     assert pages == (40 - 10) * gib // layout.bytes_per_page
     state["reserved"] = 45 * gib  # and empty_cache gives nothing back
