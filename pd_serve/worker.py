@@ -47,6 +47,17 @@ SEND_TIMEOUT_S = 15.0  # a send the gateway's full queue holds this long: the ga
 ROLE_SCHEDULERS = {"colocated": ColocatedScheduler, "prefill": PrefillScheduler, "decode": DecodeScheduler}
 
 
+def failure_reason(error: Exception) -> str:
+    """What a worker that fails tells the gateway: the error's first line, and for a GPU out
+    of memory the flags that make a step smaller or leave it more room."""
+    lines = str(error).strip().splitlines()
+    reason = f"failed: {type(error).__name__}: {lines[0][:200] if lines else ''}"
+    if isinstance(error, torch.OutOfMemoryError):
+        reason += ("; lower --mem-fraction-static, --max-running-requests or "
+                   "--chunked-prefill-size")
+    return reason
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, role: str):
         self.config = config
@@ -125,6 +136,9 @@ class Worker:
                 if time.monotonic() >= self._next_heartbeat:
                     self.send(self.status())
                     self._next_heartbeat = time.monotonic() + self.config.heartbeat_s
+        except Exception as e:  # the gateway logs why its requests here failed
+            self._exit_reason = failure_reason(e)
+            raise
         finally:
             self._stop = True  # (the heartbeat thread stops watching the TP followers)
             self._say_exit()

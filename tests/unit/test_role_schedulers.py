@@ -409,3 +409,43 @@ def test_decode_runs_on_while_a_grammar_compiles(cores, monkeypatch):
     assert len(tokens["g"]) == 5 and re.fullmatch("[a-z]*", text), text
     assert_all_pages_free(core)
     assert_all_pages_free(cores["prefill"])
+
+
+def test_a_worker_that_fails_tells_the_gateway_why(monkeypatch):
+    """An error out of the worker's loop ends the process, and its WorkerExit says what it was
+    (the gateway logs it beside the requests it fails), with the flags to change for a GPU out
+    of memory; the connector and the engine are still closed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import pd_serve.worker as worker_module
+
+    class FailingSocket:
+        def poll(self, *args):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+        def setsockopt(self, *args):
+            pass
+
+        def close(self):
+            pass
+
+    sent, closed = [], []
+    worker = Worker.__new__(Worker)
+    worker.role, worker.worker_id, worker.incarnation = "decode", "d0", "i0"
+    worker._stop, worker._exit_reason, worker._sock = False, "stopped", FailingSocket()
+    worker.config = SimpleNamespace(gateway="tcp://gateway")
+    worker.scheduler = SimpleNamespace(poll_ms=lambda: 1)
+    worker.codec = SimpleNamespace(encode=lambda msg: sent.append(msg) or b"")
+    worker.connector = SimpleNamespace(close=lambda: closed.append("connector"))
+    worker.core = SimpleNamespace(model_dir="m", close=lambda: closed.append("core"))
+    monkeypatch.setattr(Worker, "_heartbeat", lambda self: None)
+    monkeypatch.setattr(worker_module, "send_nowait", lambda sock, data: None)
+    with pytest.raises(torch.OutOfMemoryError):
+        worker.run()
+    [exit_msg] = sent
+    assert exit_msg.reason == ("failed: OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                               "2.00 GiB; lower --mem-fraction-static, --max-running-requests or "
+                               "--chunked-prefill-size")
+    assert closed == ["connector", "core"]
