@@ -18,7 +18,7 @@ import time
 from dataclasses import fields
 
 from pd_serve.config import (CacheConfig, EngineConfig, GatewayConfig, SchedulerConfig,
-                             WorkerConfig, add_config_args, config_flag, config_kwargs,
+                             WorkerConfig, add_config_args, check_port, config_flag, config_kwargs,
                              engine_config_from_args)
 
 
@@ -111,6 +111,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     from pd_serve.gateway.server import serve
     from pd_serve.model.gguf_default import model_dir_for
 
+    check_port("--port", args.port)
     model_dir = model_dir_for(args.model)
     if not (model_dir / "tokenizer.json").is_file():
         raise ValueError(f"--model {model_dir}: no tokenizer.json there")
@@ -141,9 +142,11 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
                         gateway_args=gateway_args, control_port=args.control_port,
                         log_level=log_level or args.log_level, gpu_ids=gpu_ids,
                         role_tp={role: tp for role, tp in (("prefill", args.prefill_tp),
-                                                           ("decode", args.decode_tp)) if tp},
+                                                           ("decode", args.decode_tp))
+                                 if tp is not None},
                         role_ep={role: ep for role, ep in (("prefill", args.prefill_ep),
-                                                           ("decode", args.decode_ep)) if ep})
+                                                           ("decode", args.decode_ep))
+                                 if ep is not None})
 
 
 def cmd_launch(args: argparse.Namespace) -> None:

@@ -181,10 +181,16 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout {self.drain_timeout_s} must be >= 0")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"--transfer-timeout {self.transfer_timeout_s} must be > 0")
+        check_port("--port", self.port)
         if self.transfer_layer_groups < 1:
             raise ValueError(f"--transfer-layer-groups {self.transfer_layer_groups} must be >= 1")
-        if not self.gateway.startswith("tcp://"):
-            raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT")
+        host, _, port = self.gateway.removeprefix("tcp://").rpartition(":")
+        if not self.gateway.startswith("tcp://") or not host or not port.isdigit() \
+                or not 1 <= int(port) <= 65535:
+            raise ValueError(f"--gateway {self.gateway!r} must look like tcp://HOST:PORT "
+                             "(PORT 1-65535)")
         if self.reachable_host in ("0.0.0.0", "::", ""):
             raise ValueError(f"--host {self.host!r} binds every interface: give --advertise-host, "
                              "the address peers reach this worker at")
@@ -253,6 +259,7 @@ class GatewayConfig:
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control message (empty: none)
 
     def __post_init__(self) -> None:
+        check_port("--control-port", self.control_port)
         for name in ("worker_timeout_s", "admit_timeout_s", "step_timeout_s", "body_timeout_s",
                      "send_timeout_s", "timeout_keep_alive_s"):
             if not getattr(self, name) > 0:
@@ -302,6 +309,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**config_kwargs(EngineConfig, args),
                         cache=CacheConfig(**config_kwargs(CacheConfig, args)),
                         scheduler=SchedulerConfig(**config_kwargs(SchedulerConfig, args)))
+
+
+def check_port(flag: str, port: int) -> None:
+    """A TCP port flag's value: 0 (any free port) to 65535."""
+    _check(0 <= port <= 65535, flag, port, "must be a port, 0-65535 (0: any free one)")
 
 
 def _check(ok: bool, flag: str, value, rule: str) -> None:

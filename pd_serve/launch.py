@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 
+from pd_serve.config import check_port
 from pd_serve.ports import free_port  # noqa: F401 (the launcher's, and its callers')
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,24 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent's cleanup still stops the children
 
 
+def _check_counts(num_prefill: int, num_decode: int, num_colocated: int,
+                  role_tp: dict[str, int], role_ep: dict[str, int]) -> None:
+    """Bad worker counts and pool sizes are errors before anything starts: a cluster that can
+    never serve (prefill workers without decode ones) would otherwise wait out its start-up."""
+    for flag, n in (("--prefill", num_prefill), ("--decode", num_decode),
+                    ("--colocated", num_colocated)):
+        if n < 0:
+            raise ValueError(f"{flag} {n} must be >= 0")
+    if not num_colocated and not (num_prefill and num_decode):
+        raise ValueError(f"--prefill {num_prefill} --decode {num_decode} --colocated 0 serves "
+                         "nothing: give prefill and decode workers both (>= 1 each), or "
+                         "--colocated N")
+    for flag, sizes in (("tp", role_tp), ("ep", role_ep)):
+        for role, n in sizes.items():
+            if n < 1:
+                raise ValueError(f"--{role}-{flag} {n} must be >= 1")
+
+
 class LocalCluster:
     """Starts the processes; stop() (or the context manager) ends all of them."""
 
@@ -110,6 +129,9 @@ class LocalCluster:
         """gpu_ids: handed to the workers in turn, as many each as its ranks: max(--tp,
         --ep-size), from engine_args or role_tp[role] / role_ep[role], which also add `--tp N`
         / `--ep-size N` to that role's workers (--ep-size above --tp: attention replicated)."""
+        _check_counts(num_prefill, num_decode, num_colocated, role_tp or {}, role_ep or {})
+        check_port("--port", port)
+        check_port("--control-port", control_port)
         self.port = port
         # Closed by default: the children share a fresh secret unless one is given.
         self.cluster_key = os.environ.get("PD_SERVE_CLUSTER_KEY") or secrets.token_hex(32)

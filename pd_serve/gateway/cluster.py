@@ -104,11 +104,16 @@ class Cluster(TokenSource):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
-        if config.control_port:
-            self._sock.bind(f"tcp://{config.control_host}:{config.control_port}")
-            port = config.control_port
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{config.control_host}")
+        try:
+            if config.control_port:
+                self._sock.bind(f"tcp://{config.control_host}:{config.control_port}")
+                port = config.control_port
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{config.control_host}")
+        except zmq.ZMQError as e:  # bad input: one line naming the flags (cli.main)
+            self._sock.close()
+            raise ValueError(f"--control-host {config.control_host} --control-port "
+                             f"{config.control_port}: cannot bind ({e.strerror})") from None
         self.control_address = f"tcp://{config.control_host}:{port}"
         self._tasks: list[asyncio.Task] = []
         self._stopping = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -45,7 +46,12 @@ async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) ->
                     body_timeout_s=config.body_timeout_s, send_timeout_s=config.send_timeout_s,
                     tool_call_parser=config.tool_call_parser or None,
                     reasoning_parser=config.reasoning_parser or None)
-    runner = await start_server(app, host, port, config.timeout_keep_alive_s)
+    try:
+        runner = await start_server(app, host, port, config.timeout_keep_alive_s)
+    except OSError as e:  # bad input: one line naming the flags (cli.main)
+        await cluster.stop()
+        raise ValueError(f"--host {host} --port {port}: cannot bind "
+                         f"({os.strerror(e.errno) if e.errno else e})") from None
     logger.info("gateway: http://%s:%d (model %s), workers register at %s", host, port,
                 config.served_model_name, cluster.control_address)
     stop = asyncio.Event()

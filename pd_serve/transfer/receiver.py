@@ -113,10 +113,15 @@ class KVReceiver:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, pool.num_bytes + HEADER_SLACK_BYTES)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as e:  # bad input: one line naming the flags (cli.main)
+            self._sock.close()
+            raise ValueError(f"--host {host} --port {port}: the KV receiver cannot bind "
+                             f"({e.strerror})") from None
         self.address = f"tcp://{reachable}:{port}"
         self._lock = threading.Lock()
         self._expected: dict[str, _Incoming] = {}

@@ -1,0 +1,90 @@
+"""Bad command-line input is one line on stderr naming the flag to change, exit code 2, no
+traceback, and (launch) no process started: out-of-range ports, worker counts that can serve
+nothing, pool sizes below 1, and addresses that cannot be bound (a port in use, a host that is
+not this machine's)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from pd_serve import cli
+from pd_serve.launch import LocalCluster
+
+
+@pytest.fixture
+def used_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def one_line_error(capsys, argv: list[str], names: str) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("pd-serve: error: ") and names in err[-1], err
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--prefill", "-1"], "--prefill -1"),
+    (["--prefill", "1", "--decode", "0"], "--decode 0"),  # a prefill pool alone never serves
+    (["--prefill", "0", "--decode", "2"], "--prefill 0"),
+    (["--prefill-tp", "0"], "--prefill-tp 0"),  # was taken as "not given"
+    (["--decode-ep", "-2"], "--decode-ep -2"),
+    (["--port", "70000"], "--port 70000"),
+    (["--control-port", "-1"], "--control-port -1"),
+])
+def test_launch_refuses_bad_counts_and_ports_before_starting_anything(monkeypatch, capsys, argv,
+                                                                      names):
+    def start(self, name, *args, **kwargs):
+        raise AssertionError(f"{name} started")
+
+    monkeypatch.setattr(LocalCluster, "_start", start)
+    one_line_error(capsys, ["launch", "--device", "cpu", *argv], names)
+
+
+def test_launch_colocated_alone_or_beside_one_pool_is_fine(monkeypatch):
+    started = []
+    monkeypatch.setattr(LocalCluster, "_start", lambda self, name, *a, **kw: started.append(name))
+    LocalCluster(port=1, num_prefill=0, num_decode=0, num_colocated=1)
+    LocalCluster(port=1, num_prefill=1, num_decode=0, num_colocated=1)
+    assert started == ["gateway", "colocated-0", "gateway", "prefill-0", "colocated-1"]
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--gateway", "tcp://127.0.0.1:99999"], "--gateway"),  # zmq would wait on it forever
+    (["--gateway", "tcp://127.0.0.1"], "--gateway"),
+    (["--gateway", "tcp://127.0.0.1:1", "--port", "70000"], "--port 70000"),
+    (["--gateway", "tcp://127.0.0.1:1", "--transfer-timeout", "-1"], "--transfer-timeout"),
+])
+def test_worker_refuses_bad_addresses_and_timeouts(monkeypatch, capsys, argv, names):
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
+    monkeypatch.setattr("pd_serve.worker.Worker.__init__", lambda *a: pytest.fail("started"))
+    one_line_error(capsys, ["decode", *argv], names)
+
+
+@pytest.mark.parametrize("flags", [
+    lambda port: ["--port", str(port)],
+    lambda port: ["--control-port", str(port)],
+    lambda port: ["--port", "0", "--control-host", "10.255.255.1"],  # not this machine's
+    lambda port: ["--port", "70000"],
+])
+def test_gateway_that_cannot_bind_says_which_flag(capsys, used_port, monkeypatch, flags):
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
+    argv = flags(used_port)
+    one_line_error(capsys, ["gateway", "--control-port", "0", *argv], " ".join(argv[-2:]))
+
+
+def test_kv_receiver_that_cannot_bind_says_which_flag(used_port):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
+    from peer import LAYOUT, NUM_PAGES, poisoned_pool
+
+    from pd_serve.transfer.receiver import KVReceiver
+
+    with pytest.raises(ValueError, match=f"--host 127.0.0.1 --port {used_port}: the KV receiver"):
+        KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", port=used_port)
