@@ -19,8 +19,10 @@ START, END = "<think>", "</think>"
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
-    """Whether a rendered prompt ends inside an unclosed <think> (the template opened it)."""
-    return prompt.rfind(START) > prompt.rfind(END)
+    """Whether a rendered prompt ends inside an unclosed <think> (the template opened it): its
+    generation prompt, which ends it, ends with the tag. A <think> earlier on, unclosed (a user
+    asking about the tag, an earlier turn's text), is inside a finished message."""
+    return prompt.rstrip().endswith(START)
 
 
 class ReasoningSplitter:

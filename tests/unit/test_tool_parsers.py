@@ -176,3 +176,6 @@ def test_prompt_opens_reasoning():
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+    # an unclosed tag in a finished message does not open the answer's reasoning
+    assert not prompt_opens_reasoning("<|im_start|>user\nWhat is the <think> tag?<|im_end|>\n"
+                                      "<|im_start|>assistant\n")
