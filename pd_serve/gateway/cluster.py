@@ -27,6 +27,7 @@ from pd_serve.config import GatewayConfig
 from pd_serve.gateway.metrics import GatewayMetrics, RequestTimer
 from pd_serve.gateway.router import Router, WorkerState, pair_error, status_error
 from pd_serve.gateway.source import GenerateSpec, TokenEvent, TokenSource
+from pd_serve.ports import bind_zmq
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
                                Prefill, PrefillDone, Replaced, StartDecode, TokenBatch, TokenDelta,
                                WorkerExit, WorkerStatus)
@@ -104,16 +105,8 @@ class Cluster(TokenSource):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
-        try:
-            if config.control_port:
-                self._sock.bind(f"tcp://{config.control_host}:{config.control_port}")
-                port = config.control_port
-            else:
-                port = self._sock.bind_to_random_port(f"tcp://{config.control_host}")
-        except zmq.ZMQError as e:  # bad input: one line naming the flags (cli.main)
-            self._sock.close()
-            raise ValueError(f"--control-host {config.control_host} --control-port "
-                             f"{config.control_port}: cannot bind ({e.strerror})") from None
+        port = bind_zmq(self._sock, config.control_host, config.control_port,
+                        ("--control-host", "--control-port"))
         self.control_address = f"tcp://{config.control_host}:{port}"
         self._tasks: list[asyncio.Task] = []
         self._stopping = False

@@ -26,6 +26,7 @@ import zmq
 
 from pd_serve import protocol
 from pd_serve.cache.pool import KVLayout, KVPool
+from pd_serve.ports import bind_zmq
 from pd_serve.protocol import (KVChunk, KVChunks, TransferAbort, TransferAck, TransferAcks,
                                TransferHello, TransferWelcome)
 from pd_serve.transfer.backends import make_receiver_plane
@@ -113,15 +114,7 @@ class KVReceiver:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, pool.num_bytes + HEADER_SLACK_BYTES)
-        try:
-            if port:
-                self._sock.bind(f"tcp://{host}:{port}")
-            else:
-                port = self._sock.bind_to_random_port(f"tcp://{host}")
-        except zmq.ZMQError as e:  # bad input: one line naming the flags (cli.main)
-            self._sock.close()
-            raise ValueError(f"--host {host} --port {port}: the KV receiver cannot bind "
-                             f"({e.strerror})") from None
+        port = bind_zmq(self._sock, host, port, what="the KV receiver ")
         self.address = f"tcp://{reachable}:{port}"
         self._lock = threading.Lock()
         self._expected: dict[str, _Incoming] = {}
