@@ -277,9 +277,8 @@ def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) ->
         budget = cache.cpu_kv_cache_gb * 2**30
     else:
         # What the weights' load left cached (a model quantized at load frees its dense copy)
-        # goes back to the driver first, and the pool's budget counts what the allocator still
-        # reserves: counted as allocated only, that cache stayed held beside the pool, and CUDA
-        # graph capture and cuBLAS found no memory left.
+        # goes back to the driver first, and the budget subtracts all the allocator reserves,
+        # so the rest of the memory is really free for graph capture, cuBLAS and activations.
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         budget = total * cache.mem_fraction_static - torch.cuda.memory_reserved(device)

@@ -74,8 +74,8 @@ class ModelRunner:
 
     def _flat_batch(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
         """Token ids, positions and cache slots of every new token (an int64 CPU tensor
-        [3, T]), and the rows to sample. Built as Python ints: torch ops a chunk made a decode
-        step of 1,024 rows cost 19 ms of host time, against 0.7 now."""
+        [3, T]), and the rows to sample. Built as Python ints in one array, one tensor at the end:
+        small torch ops per chunk cost more host time than a large decode step's device time."""
         ids, positions, slots, sample_rows = array("q"), array("q"), array("q"), []
         page_size = self.page_size
         for chunk in batch.chunks:
@@ -154,9 +154,8 @@ class ModelRunner:
         # The sampled tokens of the step before, where the graph resolves pending ids; the graph
         # then writes its rows' argmax here.
         self.graph_tokens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        # Every graph writes its logits here: kept per graph, the outputs of graphs up to 512
-        # rows held 16,700 rows of a 128k vocabulary: 8 GiB, more than an H100 keeps beside the
-        # weights and KV cache at the default --mem-fraction-static.
+        # Every graph writes its logits here: one [max_bs, V] buffer, not one per graph (the
+        # graphs' rows together, a 128k vocabulary, would take gigabytes beside the KV cache).
         self.graph_logits_out = torch.empty(max_bs, self.model.config.vocab_size,
                                             dtype=torch.float32, device=self.device)
         pool = torch.cuda.graph_pool_handle() if on_cuda else None
