@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import socket
 
-import zmq
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -18,7 +16,10 @@ def bind_zmq(sock, host: str, port: int, flags: tuple[str, str] = ("--host", "--
              what: str = "") -> int:
     """Bind sock to tcp://host:port (port 0: any free one) and return the port. A bind that
     fails (the port in use, a host not this machine's) closes sock and is a ValueError naming
-    the host and port flags that gave the address (cli.main prints it as one line)."""
+    the host and port flags that gave the address (cli.main prints it as one line). zmq is
+    imported here: the in-process Engine uses free_port and must not need it."""
+    import zmq
+
     try:
         if port:
             sock.bind(f"tcp://{host}:{port}")

@@ -6,7 +6,10 @@ Also: every module path docs/architecture.md names exists."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -136,3 +139,20 @@ def test_architecture_doc_names_only_paths_that_exist():
     missing = sorted(p for p in named if not any(REPO_ROOT.glob(p.rstrip("."))))
     assert named, "docs/architecture.md names no module paths"
     assert not missing, "docs/architecture.md names paths that do not exist: " + ", ".join(missing)
+
+
+def test_engine_and_benchmarks_import_without_the_serving_packages():
+    """The in-process Engine and the one-GPU benchmarks need neither zmq nor aiohttp (the
+    serving stack's transports): a GPU box with torch and triton alone runs them."""
+    blocker = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('zmq', 'aiohttp'):\n"
+               "            raise ImportError('blocked: ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import pd_serve.engine.engine, bench.offline, bench.one_batch\n"
+               "from pd_serve import Engine\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'bench'}"}
+    proc = subprocess.run([sys.executable, "-c", blocker], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
