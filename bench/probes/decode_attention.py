@@ -2,7 +2,7 @@
 
 Llama-3.1-8B's heads (32 query, 8 KV, head_dim 128, pages of 16), every row the same context,
 pages shuffled over the cache; bf16 and FP8 (e4m3) caches. Per variant kernels/paged_attention.py's
-decode constants (_DECODE_BLOCK_N, _DECODE_WARPS, _DECODE_STAGES) are patched, and the kernel
+decode tile constants (_DECODE_* and, for FP8 caches in one split, _DECODE_FP8_*) are patched, and the kernel
 timed over enough layers' caches (cycled) that L2 holds none of them: K/V bytes read per
 second, with the copy rate of a large device-to-device copy beside it. Rounds visit every
 variant, alternately in and against list order, so drift falls on all alike.
@@ -22,8 +22,9 @@ import kernels.paged_attention as pa  # noqa: E402
 from bench._common import device_name, git_commit, sync  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-VARIANTS = ([(64, 4, s) for s in (1, 3, 4)] + [(64, 8, 2), (64, 2, 2)]
-            + [(128, w, s) for w in (4, 8) for s in (1, 2, 3)] + [(32, 4, 2), (32, 2, 3)])
+VARIANTS = ([(64, 4, 2), (64, 4, 3), (64, 2, 2), (64, 2, 3), (64, 2, 4), (128, 4, 3), (128, 4, 4),
+             (128, 8, 3), (16, 1, 4), (16, 2, 4)]
+            + [(32, w, s) for w in (1, 2, 4) for s in (2, 3, 4)])
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,9 +76,21 @@ def case(batch: int, context: int, dtype: str, device: torch.device):
     return caches, q, kv_indptr, kv_indices, seq_lens, read
 
 
+def tiles(dtype: str) -> tuple[int, int, int]:
+    """The tree's decode tiles for this cache dtype (one split: the batches here)."""
+    if dtype == "fp8":
+        return pa._DECODE_FP8_BLOCK_N, pa._DECODE_FP8_WARPS, pa._DECODE_FP8_STAGES
+    return pa._DECODE_BLOCK_N, pa._DECODE_WARPS, pa._DECODE_STAGES
+
+
+def set_tiles(variant: tuple[int, int, int]) -> None:
+    pa._DECODE_BLOCK_N, pa._DECODE_WARPS, pa._DECODE_STAGES = variant
+    pa._DECODE_FP8_BLOCK_N, pa._DECODE_FP8_WARPS, pa._DECODE_FP8_STAGES = variant
+
+
 def time_variant(variant, caches, q, kv_indptr, kv_indices, seq_lens, calls: int) -> float:
     """Seconds a call, with the variant's constants in place."""
-    pa._DECODE_BLOCK_N, pa._DECODE_WARPS, pa._DECODE_STAGES = variant
+    set_tiles(variant)
     out = torch.empty_like(q)
     scale = D ** -0.5
 
@@ -98,16 +111,17 @@ def time_variant(variant, caches, q, kv_indptr, kv_indices, seq_lens, calls: int
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
-    default = (pa._DECODE_BLOCK_N, pa._DECODE_WARPS, pa._DECODE_STAGES)
+    defaults = {dtype: tiles(dtype) for dtype in ("fp8", "bf16")}
     variants = ([tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
-                if args.variants else VARIANTS)
-    if default not in variants:
-        variants.insert(0, default)
+                if args.variants else list(VARIANTS))
+    variants += [v for v in defaults.values() if v not in variants]
     result = {"commit": git_commit(), "device": device_name(device), "heads": [HQ, HKV, D],
-              "page_size": PAGE, "context": args.context, "default": list(default),
+              "page_size": PAGE, "context": args.context,
+              "defaults": {k: list(v) for k, v in defaults.items()},
               "copy_rate_tb_s": round(copy_rate(device) / 1e12, 3), "cases": []}
     print(f"copy rate {result['copy_rate_tb_s']} TB/s", flush=True)
     for dtype in args.dtypes.split(","):
+        default = defaults[dtype]
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             caches, q, kv_indptr, kv_indices, seq_lens, read = case(batch, args.context, dtype,
                                                                     device)
@@ -123,7 +137,7 @@ def main() -> None:
                         times[v].append(float("nan"))
                         print(f"{dtype} b{batch} {v}: {type(e).__name__}: {str(e)[:120]}")
             out = torch.empty_like(q)
-            pa._DECODE_BLOCK_N, pa._DECODE_WARPS, pa._DECODE_STAGES = default
+            set_tiles(default)
             pa.paged_decode_attention(q, *caches[0], kv_indptr, kv_indices, seq_lens, D ** -0.5,
                                       out=out, k_scale=0.9, v_scale=1.1)
             err = (out[:4].float() - ref.float()).abs().max().item()
