@@ -54,9 +54,10 @@ V * v_scale. The scales are host floats, fixed per layer, so a CUDA graph may ke
 Under a bf16 query the tiles' products run in float16 instead (q and the probabilities rounded
 to float16, which has 3 more mantissa bits than bf16 and is exact for FP8 values; a query
 element beyond float16's +-65504 would overflow): a Llama-3.1-8B decode step at batch 256 and
-1536 tokens of context takes 11.7 ms against 14.0 with bf16 products. FP8 K/V still take as
-long as bf16 ones: the kernel is bound per element there, not by the bytes it reads, so an FP8
-cache buys tokens, not speed.
+1536 tokens of context takes 11.7 ms against 14.0 with bf16 products. An FP8 cache decodes
+with tiles of its own (_DECODE_FP8_*): on an H100, 64-1024 rows of 1536 tokens read FP8 K/V
+at 2.5-2.75 TB/s and bf16 K/V at 2.8-3.0 (copy rate 3.0), so FP8 K/V take 55-60 % of bf16's
+time; with bf16's tiles they read at 1.6-2.3 TB/s.
 
 The functions run the kernels on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1
 (Triton's interpreter; how the tests exercise them); otherwise the torch references (`*_ref`,
@@ -79,9 +80,11 @@ _LOG2E = 1.4426950408889634
 _DECODE_BLOCK_N = 64  # keys per tile in decode (4 pages of 16)
 _DECODE_WARPS = 4
 _DECODE_STAGES = 2
-# An FP8 cache in a decode launch of one split (large batches): smaller tiles, more of them in
-# flight (bench/probes/decode_attention.py: K/V read 16-20 % faster than at 64 / 4 / 2)
-_DECODE_FP8_BLOCK_N = 32
+# An FP8 cache in a decode launch of one split (batches of 64 rows and more): programs of 2
+# warps, a stage deeper, more of them on an SM (bench/probes/decode_attention.py,
+# decode-attention-fp8-tiles-h100/: within 3 % of the best tiles at 64-1024 rows, 18-50 %
+# faster than 64 / 4 / 2)
+_DECODE_FP8_BLOCK_N = 64
 _DECODE_FP8_WARPS = 2
 _DECODE_FP8_STAGES = 3
 _PREFILL_BLOCK_M = 64  # query rows (tokens x heads of a group) per prefill program
