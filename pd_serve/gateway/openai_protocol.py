@@ -450,9 +450,12 @@ def _is_batch(prompt) -> bool:
 
 
 def _encode(text: str, model: ModelInfo, what: str, add_special_tokens: bool = True) -> list[int]:
-    """The text's token ids. A text longer than HEAD_CHARS_PER_TOKEN characters per token of
-    the context is judged by its head first: when the head alone passes the context, the 400
-    comes at once (tokenizing a body of MiBs holds a gateway thread for minutes)."""
+    """The text's token ids. Tokenizing a body of MiBs holds a gateway thread for tens of
+    seconds and takes hundreds of MiB, so a text its length shows past the context is a 400
+    before that: a text longer than HEAD_CHARS_PER_TOKEN characters per token of the context
+    when its head alone passes the context; then one of more characters than the context's
+    tokens can stand for (tokenizer.max_token_chars each), which the head alone would let
+    through behind a head that tokenizes into few tokens (a run of spaces)."""
     limit = model.max_model_len
     if limit is not None and len(text) > limit * HEAD_CHARS_PER_TOKEN:
         head = model.tokenizer.encode(text[:limit * HEAD_CHARS_PER_TOKEN],
@@ -462,6 +465,11 @@ def _encode(text: str, model: ModelInfo, what: str, add_special_tokens: bool = T
                            f"the first {limit * HEAD_CHARS_PER_TOKEN} characters of your {what} "
                            f"({len(text)} in all) alone resulted in {len(head)} tokens. Please "
                            f"reduce the length of the {what}.", what.split("[")[0])
+        if len(text) > limit * model.tokenizer.max_token_chars:
+            raise ApiError(f"This model's maximum context length is {limit} tokens. However, "
+                           f"your {what} has {len(text)} characters, more than {limit} tokens "
+                           f"of at most {model.tokenizer.max_token_chars} characters each can "
+                           f"hold. Please reduce the length of the {what}.", what.split("[")[0])
     return model.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

@@ -96,6 +96,14 @@ class Tokenizer:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its vocabulary piece's length
+        (a byte-level piece has a character per byte; a SentencePiece piece is its text, or
+        `<0xNN>` for one byte), added tokens included. A text of more than N times this many
+        characters tokenizes to more than N tokens."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -30,10 +30,12 @@ KEY = "sk-test-key"
 class ScriptedSource(TokenSource):
     """Plays `script` (a list of TokenEvents) to every request; `specs` records what came in."""
 
-    def __init__(self, script: list[TokenEvent], max_choices: int | None = None):
+    def __init__(self, script: list[TokenEvent], max_choices: int | None = None,
+                 max_model_len: int = 1024):
         self.script = script
         self.specs: list[GenerateSpec] = []
         self._max_choices = max_choices
+        self._max_model_len = max_model_len
 
     def max_choices(self) -> int | None:
         return self._max_choices
@@ -42,7 +44,7 @@ class ScriptedSource(TokenSource):
         return MODEL
 
     def max_model_len(self) -> int:
-        return 1024
+        return self._max_model_len
 
     async def generate(self, spec: GenerateSpec):
         self.specs.append(spec)
@@ -66,8 +68,9 @@ def done(token: int) -> list[TokenEvent]:
 
 
 @contextlib.asynccontextmanager
-async def serving(tokenizer, script: list[TokenEvent], max_choices: int | None = None, **kwargs):
-    app = build_app(ScriptedSource(script, max_choices), tokenizer, **kwargs)
+async def serving(tokenizer, script: list[TokenEvent], max_choices: int | None = None,
+                  max_model_len: int = 1024, **kwargs):
+    app = build_app(ScriptedSource(script, max_choices, max_model_len), tokenizer, **kwargs)
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -178,13 +181,15 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, token, path):
                 ticks.append(time.monotonic())
                 await asyncio.sleep(0.01)
 
-        async with serving(timed, done(token)) as client:
+        # a context of 65,536 tokens could hold the 4.4 M characters below (tokens of up to
+        # tokenizer.max_token_chars characters), so they are tokenized
+        async with serving(timed, done(token), max_model_len=65_536) as client:
             body = {"model": MODEL, "prompt": "hello world, " * 300_000}
             if path == "/v1/completions":
                 # a prompt past the context: 400 once tokenized. Spaces first, so its head (8
-                # characters per token of the 1,024-token context) stays under the context
-                # and the whole text is tokenized (openai_protocol._encode)
-                body["prompt"] = " " * 8 * 1024 + body["prompt"]
+                # characters per token of the context) stays under the context and the whole
+                # text is tokenized (openai_protocol._encode)
+                body["prompt"] = " " * 8 * 65_536 + body["prompt"]
                 body["max_tokens"] = 4
             tick = asyncio.create_task(ticker())
             resp = await client.post(path, json=body)
@@ -197,6 +202,31 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, token, path):
     start, end, _ = next(e for e in timed.encodes if e[2] >= 3_000_000)
     inside = sum(start < t < end for t in ticks)  # a blocked loop gets one or two at the edges
     assert inside >= 10, f"{inside} ticks in the {end - start:.2f} s encode"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_longer_than_the_context_can_hold_is_400_untokenized(tokenizer, path):
+    """4 M characters cannot fit a 1,024-token context, whatever their head looks like: a run
+    of spaces (64 to a token) first no longer gets the rest tokenized (tens of seconds of a
+    gateway thread and hundreds of MiB per request). The text is never encoded in full."""
+    timed = TimedTokenizer(tokenizer)
+    text = " " * 8 * 1024 + "hello world, " * 300_000
+    body = ({"model": MODEL, "prompt": text, "max_tokens": 4} if path == "/v1/completions" else
+            {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4})
+    status, _, resp = post(timed, done(0), body, path)
+    assert_error(status, resp, 400, "prompt" if path == "/v1/completions" else "messages",
+                 "maximum context length is 1024 tokens")
+    assert not [e for e in timed.encodes if e[2] >= len(text)], timed.encodes
+
+
+def test_a_prompt_long_in_characters_that_may_fit_is_still_tokenized(tokenizer, token):
+    """The character bound refuses only what cannot fit: 60,000 spaces (938 tokens, past the
+    head check's 8 characters per token) are served in a 1,024-token context."""
+    text = " " * 60_000
+    assert len(text) <= 1024 * tokenizer.max_token_chars
+    status, _, resp = post(tokenizer, done(token), completion(prompt=text))
+    assert status == 200, resp
+    assert resp["usage"]["prompt_tokens"] == len(tokenizer.encode(text))
 
 
 # ---- aiohttp's own errors ------------------------------------------------------------------
