@@ -199,7 +199,10 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
         if logprobs is not None:  # they would need the prompt's logprobs, which are not computed
             raise ApiError("echo=true with logprobs is not supported", "echo")
         texts = body["prompt"] if _is_batch(body["prompt"]) else [body["prompt"]]
-        parsed.echo_texts = [t if isinstance(t, str) else model.tokenizer.decode(ids)
+        # a prompt of ids echoes as their whole text, special tokens included (as its
+        # text form, which tokenizes to the same ids, echoes itself; vLLM's too)
+        parsed.echo_texts = [t if isinstance(t, str) else
+                             model.tokenizer.decode(ids, skip_special_tokens=False)
                              for t, ids in zip(texts, prompts)]
     return parsed
 

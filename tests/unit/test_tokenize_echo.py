@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_http_hardening import MODEL, call, post  # noqa: F401 (fixtures below)
+from test_http_hardening import MODEL, call, done, post  # noqa: F401 (fixtures below)
 from test_http_hardening import token, tokenizer  # noqa: F401
 
 from pd_serve.gateway.source import TokenEvent
@@ -71,6 +71,21 @@ def test_echo_puts_the_prompt_in_front(tokenizer, token, stream):
     else:
         texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
     assert texts == ["Say hi:" + word * 2] * 2 + ["Ids here" + word * 2] * 2
+
+
+def test_echo_of_token_ids_keeps_their_special_tokens(tokenizer, token):
+    """A prompt given as ids echoes as all their text, as its text form does: "<|im_start|>hello"
+    and its ids [1, 28120] are one prompt and echo the same."""
+    text = "<|im_start|>hello"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) != text  # (a decode that skips special tokens loses one)
+    echoes = []
+    for prompt in (text, ids):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "echo": True}
+        status, _, out = post(tokenizer, done(token), body)
+        assert status == 200, out
+        echoes.append(out["choices"][0]["text"])
+    assert echoes == [text + tokenizer.decode([token])] * 2
 
 
 def test_echo_with_logprobs_is_400(tokenizer, token):
