@@ -468,12 +468,19 @@ def _encode(text: str, model: ModelInfo, what: str, add_special_tokens: bool = T
                            f"the first {limit * HEAD_CHARS_PER_TOKEN} characters of your {what} "
                            f"({len(text)} in all) alone resulted in {len(head)} tokens. Please "
                            f"reduce the length of the {what}.", what.split("[")[0])
-        if len(text) > limit * model.tokenizer.max_token_chars:
-            raise ApiError(f"This model's maximum context length is {limit} tokens. However, "
-                           f"your {what} has {len(text)} characters, more than {limit} tokens "
-                           f"of at most {model.tokenizer.max_token_chars} characters each can "
-                           f"hold. Please reduce the length of the {what}.", what.split("[")[0])
+        check_chars(text, model, what)
     return model.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_chars(text: str, model: ModelInfo, what: str) -> None:
+    """400 for a text of more characters than the context's tokens can stand for (each at most
+    tokenizer.max_token_chars): it cannot fit, and tokenizing it may take seconds and MiBs."""
+    limit = model.max_model_len
+    if limit is not None and len(text) > limit * model.tokenizer.max_token_chars:
+        raise ApiError(f"This model's maximum context length is {limit} tokens. However, your "
+                       f"{what} has {len(text)} characters, more than {limit} tokens of at most "
+                       f"{model.tokenizer.max_token_chars} characters each can hold. Please "
+                       f"reduce the length of the {what}.", what.split("[")[0])
 
 
 def _prompt_token_ids(prompt, model: ModelInfo, where: str) -> list[int]:

@@ -4,7 +4,9 @@
 messages rendered with the chat template ({"messages": [...], "add_generation_prompt": true,
 "add_special_tokens": false}); it answers {"count", "max_model_len", "tokens", "token_strs"}
 (token_strs only when return_token_strs is true, else null). /detokenize takes {"tokens": [...]}
-and answers {"prompt": text}. Bad input is an ApiError (400), as for the OpenAI routes.
+and answers {"prompt": text}. Bad input is an ApiError (400), as for the OpenAI routes. A text
+past the context is counted, unless it has more characters than the context's tokens could
+stand for (a 400: tokenizing MiBs holds a gateway thread for seconds and takes hundreds of MiB).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, _is_int, _json_type, _messages,
-                                              _opt)
+                                              _opt, check_chars)
 
 _TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens",
                               "add_generation_prompt", "return_token_strs"))
@@ -28,6 +30,7 @@ def tokenize(body, model: ModelInfo) -> dict:
         if not isinstance(body["prompt"], str):
             raise ApiError(f"'prompt' must be a string, got {_json_type(body['prompt'])}", "prompt")
         special = _opt(body, "add_special_tokens", bool)
+        check_chars(body["prompt"], model, "prompt")
         ids = tokenizer.encode(body["prompt"], add_special_tokens=True if special is None else special)
     else:
         messages = _messages(body["messages"])
@@ -36,6 +39,7 @@ def tokenize(body, model: ModelInfo) -> dict:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation is not False)
         except (TemplateError, ValueError) as e:
             raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages")
+        check_chars(text, model, "messages")
         ids = tokenizer.encode(text, add_special_tokens=bool(_opt(body, "add_special_tokens", bool)))
     strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] \
         if _opt(body, "return_token_strs", bool) else None

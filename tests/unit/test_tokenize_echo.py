@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_http_hardening import MODEL, call, done, post  # noqa: F401 (fixtures below)
-from test_http_hardening import token, tokenizer  # noqa: F401
+from test_http_hardening import MODEL, TimedTokenizer, call, done, post  # noqa: F401
+from test_http_hardening import token, tokenizer  # noqa: F401 (fixtures)
 
 from pd_serve.gateway.source import TokenEvent
 
@@ -47,6 +47,23 @@ def test_tokenize_chat_messages_as_the_chat_route_renders_them(tokenizer):
 def test_bad_tokenize_bodies_are_400(tokenizer, path, body, param):
     status, _, out = post(tokenizer, [], body, path)
     assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_tokenize_counts_past_the_context_but_not_past_what_it_could_hold(tokenizer):
+    """/tokenize counts a text longer than the context (1,024 tokens here), but refuses one of
+    more characters than 1,024 tokens could stand for, untokenized: 16 MiB bodies of it, eight
+    at once, held every parse thread of the gateway for ~50 s and grew it by GiBs."""
+    limit = 1024 * tokenizer.max_token_chars
+    status, _, out = call(tokenizer, [], "POST", "/tokenize", {"prompt": "hello " * 2000})
+    assert status == 200 and out["count"] == len(tokenizer.encode("hello " * 2000)) > 1024
+    for body in ({"prompt": " " * (limit + 1)},
+                 {"messages": [{"role": "user", "content": " " * limit}]}):
+        timed = TimedTokenizer(tokenizer)
+        status, _, out = call(timed, [], "POST", "/tokenize", body)
+        assert status == 400, out
+        assert "more than 1024 tokens" in out["error"]["message"]
+        assert out["error"]["param"] == ("prompt" if "prompt" in body else "messages")
+        assert timed.encodes == []
 
 
 def test_tokenize_names_a_wrong_model(tokenizer):
