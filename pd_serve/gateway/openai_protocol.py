@@ -16,6 +16,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import Iterator
 
 from jinja2 import TemplateError
 
@@ -182,7 +183,6 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     body = _check_common(body, model, _COMPLETION_FIELDS)
     if "prompt" not in body:
         raise ApiError("'prompt' is a required field", "prompt")
-    prompts = _prompts(body["prompt"], model)
     echo = _opt(body, "echo", bool) or False
     best_of = _opt(body, "best_of", int)
     if best_of is not None and best_of != 1:
@@ -192,8 +192,11 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     given = max_tokens is not None
     params = _sampling_params(body, max_tokens if given else _COMPLETIONS_DEFAULT_MAX_TOKENS,
                               logprobs, {"logprobs": "logprobs"}, model.tokenizer.vocab_size)
-    for ids in prompts:
+    prompts = []
+    for ids in _prompts(body["prompt"], model):  # each checked as it comes: a batch past the
+        # context stops at its first such prompt, the rest left untokenized
         _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
+        prompts.append(ids)
     parsed = _parsed(body, prompts, params, logprobs)
     if echo:
         if logprobs is not None:  # they would need the prompt's logprobs, which are not computed
@@ -439,13 +442,16 @@ def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
                    f"{what} or completion.", what)
 
 
-def _prompts(prompt, model: ModelInfo) -> list[list[int]]:
-    """A string or a list of token ids (one prompt), or a list of those (a batch)."""
-    if _is_batch(prompt):
-        if len(prompt) > MAX_CHOICES:
-            raise ApiError(f"{len(prompt)} prompts; at most {MAX_CHOICES} per request", "prompt")
-        return [_prompt_token_ids(p, model, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_prompt_token_ids(prompt, model, "prompt")]
+def _prompts(prompt, model: ModelInfo) -> Iterator[list[int]]:
+    """A string or a list of token ids (one prompt), or a list of those (a batch): each
+    prompt's ids, tokenized as they are asked for."""
+    if not _is_batch(prompt):
+        yield _prompt_token_ids(prompt, model, "prompt")
+        return
+    if len(prompt) > MAX_CHOICES:
+        raise ApiError(f"{len(prompt)} prompts; at most {MAX_CHOICES} per request", "prompt")
+    for i, p in enumerate(prompt):
+        yield _prompt_token_ids(p, model, f"prompt[{i}]")
 
 
 def _is_batch(prompt) -> bool:

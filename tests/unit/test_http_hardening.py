@@ -219,6 +219,18 @@ def test_a_prompt_longer_than_the_context_can_hold_is_400_untokenized(tokenizer,
     assert not [e for e in timed.encodes if e[2] >= len(text)], timed.encodes
 
 
+def test_a_batch_past_the_context_stops_at_its_first_such_prompt(tokenizer):
+    """A /v1/completions batch whose prompts each pass the length checks but not the context
+    is refused once the first of them is tokenized; the others are never tokenized (24 such
+    prompts of 650 k characters, eight requests at once, held every parse thread for ~20 s)."""
+    timed = TimedTokenizer(tokenizer)
+    one = " " * 8 * 1024 + "hello world " * 6000  # 80 k characters, ~12 k tokens
+    assert len(one) <= 1024 * tokenizer.max_token_chars
+    status, _, resp = post(timed, done(0), completion(prompt=[one] * 4))
+    assert_error(status, resp, 400, "prompt", "maximum context length is 1024 tokens")
+    assert len([e for e in timed.encodes if e[2] == len(one)]) == 1, timed.encodes
+
+
 def test_a_prompt_long_in_characters_that_may_fit_is_still_tokenized(tokenizer, token):
     """The character bound refuses only what cannot fit: 60,000 spaces (938 tokens, past the
     head check's 8 characters per token) are served in a 1,024-token context."""
