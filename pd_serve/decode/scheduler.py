@@ -48,9 +48,19 @@ class DecodeScheduler(RoleScheduler):
             return [self._admit(msg)]
         if isinstance(msg, StartDecode):
             pending = self.pending.get(msg.request_id)
-            if pending is not None:
-                pending.first_token = msg
-                return self._start_ready()
+            if pending is None:
+                return []
+            # A token 1 outside the vocabulary would fail the step, and with it the worker (the
+            # step takes -1 for a token still pending): only this request fails.
+            vocab = self.core.model_config.vocab_size
+            if not 0 <= msg.first_token_id < vocab:
+                del self.pending[msg.request_id]
+                self.connector.cancel(msg.request_id)
+                self.scheduler.release(pending.request)
+                return self.fail(msg.request_id, f"token 1 ({msg.first_token_id}) is outside "
+                                                 f"the vocabulary [0, {vocab})")
+            pending.first_token = msg
+            return self._start_ready()
         elif isinstance(msg, AbortRequest):
             pending = self.pending.pop(msg.request_id, None)
             if pending is not None:

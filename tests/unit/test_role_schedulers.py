@@ -244,6 +244,25 @@ def test_decode_failed_transfer_and_a_first_token_that_ends_the_request(cores):
     assert_all_pages_free(core)
 
 
+@pytest.mark.parametrize("token", [-1, 10**9])
+def test_decode_fails_a_first_token_outside_the_vocabulary(cores, token):
+    """Token 1 comes from prefill, through the gateway: one outside the vocabulary (-1 is
+    PrefillDone's default) fails its request and frees its pages; the worker's step, and the
+    other requests, go on."""
+    _, decode = roles(cores)
+    core = cores["decode"]
+    for rid, prompt in (("bad", PROMPTS[0]), ("good", PROMPTS[1])):
+        decode.handle(Admit(rid, prompt, greedy()))
+        assert decode.on_transfer(TransferResult(rid, ok=True)) == []
+    [batch] = decode.handle(StartDecode("bad", token))
+    assert [(r.request_id, r.finished) for r in batch.items] == [("bad", True)]
+    assert "outside the vocabulary" in batch.items[0].error
+    assert decode.connector.cancelled == ["bad"] and "bad" not in decode.held_request_ids()
+    assert decode.handle(StartDecode("good", 42)) == []
+    assert len(run_to_end(decode)["good"]) == greedy().max_tokens - 1
+    assert_all_pages_free(core)
+
+
 def test_prefill_then_decode_equals_colocated(cores):
     """The whole P/D hand-off in one process: the gateway's part (Admit, Prefill, StartDecode)
     and the transfer's (page copies, results) done here."""
