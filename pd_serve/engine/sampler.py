@@ -168,7 +168,9 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V] each
     ranks = torch.arange(vocab_size, device=device).unsqueeze(0)  # [1, V]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    # (a top_k past the vocabulary keeps all of it, and one past int64 cannot make a tensor)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                         device=device)
     drop = ranks >= top_k.unsqueeze(1)  # [B, V] in sorted order
     if use_top_p:
         # top_p = 1 rows get 2.0 so rounding in the cumulative sum can never drop their tail.

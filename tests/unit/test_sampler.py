@@ -115,6 +115,17 @@ def test_top_k_samples_only_among_top_k():
     assert len(draw_many(row, 2000, top_k=0)) > 5  # 0 disables the filter
 
 
+@pytest.mark.parametrize("top_k", [50, 51, 2**63 - 1, 2**64 - 1])
+def test_a_top_k_past_the_vocabulary_keeps_all_of_it(top_k):
+    """SamplingParams bounds top_k below only, and msgpack carries it up to 2**64 - 1: a
+    worker given such a request samples from the whole vocabulary, not fails its step."""
+    row = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    counts = draw_many(row, 2000, top_k=top_k)
+    assert len(counts) > 5 and set(counts) <= set(range(50))
+    mixed = [make_request(top_k=top_k), make_request(top_k=1)]  # another row's filter still holds
+    assert Sampler()(row.unsqueeze(0).expand(2, -1), mixed).token_ids[1] == row.argmax().item()
+
+
 def test_top_p_small_keeps_only_dominant_token():
     row = torch.zeros(20)
     row[7] = 2.0  # p(7) ~ 0.28 >= top_p, every other token ~ 0.038
