@@ -33,6 +33,7 @@ from pd_serve.cache.radix import PrefixCache
 from pd_serve.config import EngineConfig
 from pd_serve.engine import tp_group
 from pd_serve.engine.executor import Executor, resolve_device
+from pd_serve.engine.grammar import parse_grammar
 from pd_serve.engine.plan import StepPlan, StepResult
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.sampler import DeferredSample, PendingSample, needs_penalties
@@ -164,6 +165,8 @@ class EngineCore:
         bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.grammar is not None:
+            parse_grammar(params.grammar)
 
     def step(self, kv_sends=None, on_layer=None) -> tuple[SchedulerOutput, list[Request]]:
         """One batch. Returns what was scheduled and the requests that got a new token from it

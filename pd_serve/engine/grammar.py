@@ -62,6 +62,23 @@ def check_grammar(grammar: Grammar) -> None:
         raise ValueError(f"invalid {grammar.kind}: it admits no output (no string matches it)")
 
 
+def parse_grammar(grammar: Grammar) -> None:
+    """Raise ValueError when the grammar does not parse: what a worker checks of a request's
+    grammar as it arrives (the gateway's check_grammar also compiles it; a peer with the
+    cluster key may send one that fails to compile, which would fail the worker's step).
+    Parsing alone costs little next to the compile, which runs later, off the main loop."""
+    import xgrammar as xgr
+    try:
+        if grammar.kind == "json_schema":
+            xgr.Grammar.from_json_schema(_schema_text(grammar.spec), **_JSON_OPTIONS)
+        elif grammar.kind == "regex":
+            xgr.Grammar.from_regex(grammar.spec)
+        elif grammar.kind == "ebnf":
+            xgr.Grammar.from_ebnf(grammar.spec)
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own kinds
+        raise ValueError(f"invalid {grammar.kind}: {_first_line(e)}") from None
+
+
 @functools.cache
 def _byte_compiler():
     """An xgrammar compiler over the 256 bytes as tokens, and a stop token (id 256)."""

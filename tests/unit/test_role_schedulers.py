@@ -137,6 +137,25 @@ def test_colocated_refuses_a_bad_prompt_and_aborts_free_pages(cores):
     assert_all_pages_free(cores["colocated"])
 
 
+@pytest.mark.parametrize("grammar", [Grammar("regex", "("), Grammar("ebnf", "root ::= "),
+                                     Grammar("json_schema", "{"),
+                                     Grammar("json_schema", '{"type": "nonsense"}')])
+def test_a_grammar_that_does_not_parse_is_refused_at_the_door(cores, grammar):
+    """The gateway refuses such a grammar (a 400), but a peer with the cluster key may send
+    one: it is refused with the request, not compiled in a step that then fails the worker."""
+    colocated = ColocatedScheduler(cores["colocated"], "c0")
+    [batch] = colocated.handle(Generate("bad", PROMPTS[0], SamplingParams(max_tokens=3, grammar=grammar)))
+    assert batch.items[0].finished and f"invalid {grammar.kind}" in batch.items[0].error
+    prefill, decode = roles(cores)
+    [done] = prefill.handle(Prefill("bad", PROMPTS[0], SamplingParams(grammar=grammar), ["tcp://d"], [0]))
+    assert not done.ok and f"invalid {grammar.kind}" in done.error
+    [reply] = decode.handle(Admit("bad", PROMPTS[0], SamplingParams(grammar=grammar)))
+    assert not reply.ok and not reply.retryable and f"invalid {grammar.kind}" in reply.error
+    colocated.handle(Generate("good", PROMPTS[1], greedy()))
+    assert len(run_to_end(colocated)["good"]) == greedy().max_tokens
+    assert_all_pages_free(cores["colocated"])
+
+
 def test_prefill_holds_pages_until_the_transfer_result(cores):
     prefill, _ = roles(cores)
     core, conn = cores["prefill"], prefill.connector
