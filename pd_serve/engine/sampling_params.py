@@ -22,6 +22,8 @@ class Grammar:
     spec: str
 
 
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
 SAMPLING_EPS = 1e-5  # a temperature below it samples greedily
 
 
@@ -62,7 +64,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.validate()
+        self.validate()  # (before the floats below: an error names the value as given)
+        # The wire keeps an integral value an int (temperature 2): the sampler's tensors of
+        # these fields must be float ones (an int past int64 makes no tensor at all).
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is int:
+                setattr(self, name, float(value))
 
     @property
     def greedy(self) -> bool:

@@ -156,6 +156,20 @@ def test_a_grammar_that_does_not_parse_is_refused_at_the_door(cores, grammar):
     assert_all_pages_free(cores["colocated"])
 
 
+def test_float_fields_sent_as_huge_ints_sample(cores):
+    """msgpack keeps an integral float field an int: one past int64 (the codec takes it, and
+    validation bounds these fields below only) still samples, as the float it stands for."""
+    big = 2**64 - 1
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=big, repetition_penalty=big)
+    assert type(params.temperature) is float and params.temperature == float(big)
+    colocated = ColocatedScheduler(cores["colocated"], "c0")
+    colocated.handle(Generate("big", PROMPTS[0], params))
+    colocated.handle(Generate("good", PROMPTS[1], greedy()))
+    tokens = run_to_end(colocated)
+    assert len(tokens["big"]) == 3 and len(tokens["good"]) == greedy().max_tokens
+    assert_all_pages_free(cores["colocated"])
+
+
 def test_prefill_holds_pages_until_the_transfer_result(cores):
     prefill, _ = roles(cores)
     core, conn = cores["prefill"], prefill.connector
