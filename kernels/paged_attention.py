@@ -56,7 +56,7 @@ to float16, which has 3 more mantissa bits than bf16 and is exact for FP8 values
 element beyond float16's +-65504 would overflow): a Llama-3.1-8B decode step at batch 256 and
 1536 tokens of context takes 11.7 ms against 14.0 with bf16 products. An FP8 cache decodes
 with tiles of its own (_DECODE_FP8_*): on an H100, 64-1024 rows of 1536 tokens read FP8 K/V
-at 2.5-2.75 TB/s and bf16 K/V at 2.8-3.0 (copy rate 3.0), so FP8 K/V take 55-60 % of bf16's
+at 2.47-2.75 TB/s and bf16 K/V at 2.84-3.01 (copy rate 3.0), so FP8 K/V take 55-60 % of bf16's
 time; with bf16's tiles they read at 1.6-2.3 TB/s.
 
 The functions run the kernels on CUDA tensors, or on CPU tensors when PD_SERVE_TRITON_CPU=1

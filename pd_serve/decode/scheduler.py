@@ -54,21 +54,25 @@ class DecodeScheduler(RoleScheduler):
             # step takes -1 for a token still pending): only this request fails.
             vocab = self.core.model_config.vocab_size
             if not 0 <= msg.first_token_id < vocab:
-                del self.pending[msg.request_id]
-                self.connector.cancel(msg.request_id)
-                self.scheduler.release(pending.request)
+                self._drop_pending(msg.request_id)
                 return self.fail(msg.request_id, f"token 1 ({msg.first_token_id}) is outside "
                                                  f"the vocabulary [0, {vocab})")
             pending.first_token = msg
             return self._start_ready()
         elif isinstance(msg, AbortRequest):
-            pending = self.pending.pop(msg.request_id, None)
-            if pending is not None:
-                self.connector.cancel(msg.request_id)
-                self.scheduler.release(pending.request)
-            else:
+            if not self._drop_pending(msg.request_id):
                 self.scheduler.abort(msg.request_id)
         return []
+
+    def _drop_pending(self, request_id: str) -> bool:
+        """Forget a request still waiting for its KV or token 1: its transfer cancelled, its
+        reserved pages freed. False when it is not pending."""
+        pending = self.pending.pop(request_id, None)
+        if pending is None:
+            return False
+        self.connector.cancel(request_id)
+        self.scheduler.release(pending.request)
+        return True
 
     def _admit(self, msg: Admit) -> AdmitReply:
         try:

@@ -22,6 +22,7 @@ grammar request: a worker that serves none never loads it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -52,10 +53,8 @@ def check_grammar(grammar: Grammar) -> None:
     stop token, where a grammar that admits any string allows a first byte or the stop. The
     gateway calls it so a bad grammar is a 400."""
     import xgrammar as xgr
-    try:
+    with _invalid(grammar):
         compiled = _compile_with(_byte_compiler(), grammar)
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own kinds
-        raise ValueError(f"invalid {grammar.kind}: {_first_line(e)}") from None
     bitmask = xgr.allocate_token_bitmask(1, 257)
     xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
     if not bitmask.any():
@@ -68,14 +67,22 @@ def parse_grammar(grammar: Grammar) -> None:
     cluster key may send one that fails to compile, which would fail the worker's step).
     Parsing alone costs little next to the compile, which runs later, off the main loop."""
     import xgrammar as xgr
-    try:
+    with _invalid(grammar):
         if grammar.kind == "json_schema":
             xgr.Grammar.from_json_schema(_schema_text(grammar.spec), **_JSON_OPTIONS)
         elif grammar.kind == "regex":
             xgr.Grammar.from_regex(grammar.spec)
         elif grammar.kind == "ebnf":
             xgr.Grammar.from_ebnf(grammar.spec)
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own kinds
+
+
+@contextlib.contextmanager
+def _invalid(grammar: Grammar):
+    """xgrammar's errors (RuntimeError, ValueError, its own kinds) as a ValueError naming the
+    grammar's kind and xgrammar's reason."""
+    try:
+        yield
+    except Exception as e:
         raise ValueError(f"invalid {grammar.kind}: {_first_line(e)}") from None
 
 
