@@ -264,6 +264,8 @@ class GatewayConfig:
                      "send_timeout_s", "timeout_keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0")
+        if self.worker_timeout_s > 86400:  # (workers refuse a ping with a longer one)
+            raise ValueError("--worker-timeout must be <= 86400 (a day)")
         for name in ("max_queued_requests", "max_outstanding_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -591,19 +591,36 @@ def _check_chunk(chunk: KVChunk) -> str:
     return ""
 
 
+def _bad_token_ids(ids) -> str:
+    """'' when every id is in [0, MAX_TOKEN_ID): the tokenizer cannot even look up a larger one."""
+    if ids and (min(ids) < 0 or max(ids) >= MAX_TOKEN_ID):
+        return "a negative token id" if min(ids) < 0 else f"a token id of {MAX_TOKEN_ID} or more"
+    return ""
+
+
 def _check_delta(row: TokenDelta) -> str:
     if row.logprobs is not None and len(row.logprobs) != len(row.token_ids):
         return f"{len(row.logprobs)} logprobs for {len(row.token_ids)} tokens"
     if row.finish_reason not in FINISH_REASONS:
         return f"finish reason {_short(row.finish_reason)}"
-    if row.token_ids and min(row.token_ids) < 0:
-        return "a negative token id"
-    return ""
+    return _bad_token_ids(row.token_ids)
 
 
 def _check_logprob(row: Logprob) -> str:
     if len(row.top) > MAX_TOP_LOGPROBS:
         return f"{len(row.top)} top logprobs (at most {MAX_TOP_LOGPROBS})"
+    return _bad_token_ids([row.token_id] + [t for t, _ in row.top])
+
+
+def _check_first_token(msg: PrefillDone | StartDecode) -> str:
+    if isinstance(msg, PrefillDone) and not msg.ok:
+        return ""
+    return _bad_token_ids([msg.first_token_id])
+
+
+def _check_ping(msg: GatewayPing) -> str:
+    if not 0 < msg.timeout_s <= MAX_PING_TIMEOUT_S:  # (NaN fails too)
+        return f"timeout {msg.timeout_s} s is not in (0, {MAX_PING_TIMEOUT_S}]"
     return ""
 
 
@@ -622,12 +639,17 @@ def _nonnegative_pages(msg) -> str:
 ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = (None, "stop", "length", "abort")  # engine.request.FinishReason's values
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
+MAX_TOKEN_ID = 2**31  # far above any vocabulary; the tokenizer's ids are 32-bit
+MAX_PING_TIMEOUT_S = 86400.0  # a gateway's --worker-timeout, at most a day
 _RULES = {
     KVChunk: _check_chunk,
     KVChunks: _check_chunks,
     Logprob: _check_logprob,
     TokenDelta: _check_delta,
     WorkerStatus: _check_status,
+    PrefillDone: _check_first_token,
+    StartDecode: _check_first_token,
+    GatewayPing: _check_ping,
     AdmitReply: _nonnegative_pages,
     Prefill: _nonnegative_pages,
 }

@@ -78,6 +78,14 @@ def test_gateway_that_cannot_bind_says_which_flag(capsys, used_port, monkeypatch
     one_line_error(capsys, ["gateway", "--control-port", "0", *argv], " ".join(argv[-2:]))
 
 
+@pytest.mark.parametrize("value", ["0", "nan", "1e6", "inf"])
+def test_gateway_refuses_a_worker_timeout_its_workers_would_refuse(capsys, monkeypatch, value):
+    # (its pings carry it: a worker refuses a ping whose timeout is not in (0, a day])
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
+    monkeypatch.setattr("pd_serve.gateway.server.serve", lambda *a: pytest.fail("started"))
+    one_line_error(capsys, ["gateway", "--worker-timeout", value], "--worker-timeout")
+
+
 def test_kv_receiver_that_cannot_bind_says_which_flag(used_port):
     import sys
     from pathlib import Path
