@@ -95,7 +95,9 @@ class Cluster(TokenSource):
                         "colocated": Router(config.prefill_policy, "prefill", *balance)}
         self._flights: dict[str, _Flight] = {}
         self._queue: list[_Waiting] = []  # a heap
-        self._num_gone = 0  # its entries that stopped waiting (_unqueue)
+        # requests waiting in it: counted out once each, by whoever ends the wait (its pair,
+        # a failure, or _unqueue); the heap may still hold entries of ones that stopped waiting
+        self._num_waiting = 0
         self._seq = itertools.count()
         self._capacity = asyncio.Event()  # set when a queued request may now find a pair
         self.fatal = ""  # why a background task died: /health reports it, the server exits
@@ -151,7 +153,7 @@ class Cluster(TokenSource):
 
     @property
     def num_queued(self) -> int:
-        return len(self._queue) - self._num_gone
+        return self._num_waiting
 
     # ---- one request ------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
@@ -279,6 +281,7 @@ class Cluster(TokenSource):
         while True:
             entry.pair = asyncio.get_running_loop().create_future()
             heapq.heappush(self._queue, entry)
+            self._num_waiting += 1
             self._capacity.set()
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
@@ -306,12 +309,13 @@ class Cluster(TokenSource):
         """A queued request stopped waiting (timed out, its client left): it holds no place
         in the queue (clients leaving behind a head that waits for room would otherwise fill
         it, and new requests get 429s). Its entry leaves the heap at the head, or with all
-        such entries once they are half the heap (O(1) a request, amortized)."""
-        self._num_gone += 1
-        if 2 * self._num_gone > len(self._queue):
+        such entries once they are half the heap (O(1) a request, amortized). (Several that
+        leave at once, as the choices of one request do, are all cancelled before the first
+        comes here: one pass may drop the entries of others still on their way here.)"""
+        self._num_waiting -= 1
+        if 2 * (len(self._queue) - self._num_waiting) > len(self._queue):
             self._queue[:] = [e for e in self._queue if not e.pair.done()]
             heapq.heapify(self._queue)
-            self._num_gone = 0
         self.metrics.queued.set(self.num_queued)
 
     def _check_fits(self, spec) -> None:
@@ -346,13 +350,13 @@ class Cluster(TokenSource):
                 head = self._queue[0]
                 if head.pair.done():  # timed out or its client left (_unqueue)
                     heapq.heappop(self._queue)
-                    self._num_gone -= 1
                     continue
                 pair = self._pick_pair(head.spec)
                 if pair is None:
                     break
                 heapq.heappop(self._queue)
                 head.pair.set_result(pair)
+                self._num_waiting -= 1
                 # On the pair from now on (so the next pick sees its load, and its end, even
                 # before its coroutine runs again, takes it off both).
                 spec, (decode, prefill) = head.spec, pair
@@ -617,5 +621,5 @@ class Cluster(TokenSource):
         for entry in self._queue:
             if not entry.pair.done():
                 entry.pair.set_exception(error)
+                self._num_waiting -= 1
         self._queue.clear()
-        self._num_gone = 0

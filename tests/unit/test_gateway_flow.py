@@ -281,6 +281,25 @@ async def test_entries_of_requests_that_left_the_queue_are_dropped_at_once_past_
 
 
 @with_gateway()
+async def test_the_queue_counts_right_when_many_of_its_requests_leave_at_once(cluster, add):
+    """Eight queued behind "r" (decode's only slot); six leave at once, as the choices of one
+    request whose client left do: the queue counts the two still waiting, and none once they
+    are served."""
+    decode, _, held = await held_request(cluster, add, max_running=1)
+    waiting = await queued(cluster, [spec(f"r{i}") for i in range(1, 9)])
+    staying, leaving = waiting[:2], waiting[2:]
+    for t in leaving:
+        t.cancel()
+    await asyncio.gather(*leaving, return_exceptions=True)
+    assert cluster.num_queued == 2
+    decode.finish = True
+    decode.send(TokenBatch("d", [TokenDelta("r", [8], None, True, "length")]))
+    await asyncio.gather(held, *staying)
+    await until(lambda: not cluster._flights)
+    assert cluster.num_queued == 0
+
+
+@with_gateway()
 async def test_a_full_decode_pool_sends_the_request_back_to_wait(cluster, add):
     decode, _ = await one_pair(cluster, add)
     decode.full_replies = 3
