@@ -238,8 +238,7 @@ class Cluster(TokenSource):
         self._send(prefill.worker_id, Prefill(spec.request_id, spec.prompt_token_ids, spec.params,
                                               reply.transfer_addresses, reply.dst_page_ids, spec.priority,
                                               reply.cached_tokens))
-        done = await self._next(flight, PrefillDone)
-        self._leave(flight, prefill, spec.request_id)
+        done = await self._next(flight, PrefillDone)  # (prefill has left it: _deliver)
         if not done.ok:
             raise ClusterError(f"prefill failed: {done.error}")
         timer.prefill_timings = done.timings | {"decode_cached_tokens": reply.cached_tokens}
@@ -575,9 +574,11 @@ class Cluster(TokenSource):
             flight.queue.put_nowait(msg)
         except asyncio.QueueFull:
             logger.warning("request %s: mailbox full, dropping a message", rid)
-        if isinstance(msg, TokenDelta) and msg.finished:
+        if isinstance(msg, PrefillDone) or (isinstance(msg, TokenDelta) and msg.finished):
             # The worker holds nothing of it now: its slot is free at once, not when the
-            # client has read the answer (a client that never reads holds only its socket).
+            # client has read the answer (a client that never reads holds only its socket),
+            # and its exit (a drained prefill worker's comes right after its last answer)
+            # fails nothing it has answered.
             self._leave(flight, self.workers[worker_id], rid)
 
     async def _reap(self) -> None:

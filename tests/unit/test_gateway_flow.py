@@ -22,7 +22,7 @@ from pd_serve.gateway.cluster import Cluster
 from pd_serve.gateway.source import GenerateSpec
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
                                Prefill, PrefillDone, Replaced, StartDecode, TokenBatch, TokenDelta,
-                               WorkerStatus)
+                               WorkerExit, WorkerStatus)
 
 KEY = b"test-cluster-key"
 LAYOUT = asdict(KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=8, dtype="float32"))
@@ -339,6 +339,20 @@ async def test_a_decode_failure_during_prefill_fails_the_request(cluster, add):
     events = await asyncio.wait_for(task, 20)
     assert "dropped it" in events[-1].error
     await until(lambda: "r" in [m.request_id for m in prefill.of(AbortRequest)])
+
+
+@with_gateway()
+async def test_a_prefill_worker_that_exits_after_its_last_answer_fails_none_of_them(cluster, add):
+    """A drained prefill worker sends its last PrefillDone and then WorkerExit, back to back:
+    the request it answered is done with it and goes on on decode."""
+    decode, prefill = await one_pair(cluster, add)
+    prefill.answer_prefill = False
+    task = asyncio.create_task(collect(cluster, spec("r")))
+    await until(lambda: prefill.of(Prefill))
+    prefill.send(PrefillDone("r", True, 7))
+    prefill.send(WorkerExit("p", prefill.incarnation, "drained"))
+    events = await task
+    assert [e.new_token_ids for e in events] == [[7], [8]] and not events[-1].error
 
 
 @with_gateway(step_timeout_s=1.0)
