@@ -1,5 +1,5 @@
-"""OpenAI HTTP handlers: /v1/completions, /v1/chat/completions (stream and not), /v1/models, /health;
-vLLM's /tokenize and /detokenize (openai_tokenize).
+"""OpenAI HTTP handlers: /v1/completions, /v1/chat/completions (stream and not), /v1/models (and
+/v1/models/{model}), /health; vLLM's /tokenize and /detokenize (openai_tokenize).
 
 A request is parsed (openai_protocol), handed to a TokenSource as one GenerateSpec per choice
 (n choices per prompt; a /v1/completions batch has several prompts), and its TokenEvents become
@@ -30,7 +30,7 @@ from aiohttp import web
 
 from pd_serve.gateway.openai_message import ChatOutput
 from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest, decode_body,
-                                              parse_chat, parse_completion)
+                                              model_not_found, parse_chat, parse_completion)
 from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, ToolParser, make_parser
@@ -106,6 +106,7 @@ class OpenAIServer:
         return [web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{model:.+}", self.model),  # a name may hold "/"
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/health", self.health)]
@@ -114,9 +115,18 @@ class OpenAIServer:
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.source.model_name(), "object": "model", "created": self.created,
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's retrieve (GET /v1/models/{model}): the served model's card, else a 404."""
+        name = request.match_info["model"]
+        if name != self.source.model_name():
+            return error_response(model_not_found(name, self.source.model_name()))
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.source.model_name(), "object": "model", "created": self.created,
                 "owned_by": "pd-serve", "max_model_len": self.source.max_model_len()}
-        return web.json_response({"object": "list", "data": [card]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._answer(request, tokenize)

@@ -78,6 +78,12 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+def model_not_found(name: str, served: str) -> ApiError:
+    """The 404 for a model name this server does not serve (vLLM's wording and type)."""
+    return ApiError(f"The model `{name}` does not exist. This server serves `{served}`.", "model",
+                    status=404, type="NotFoundError", code="model_not_found")
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -262,8 +268,7 @@ def _check_common(body, model: ModelInfo, fields: frozenset[str]) -> dict:
     if not isinstance(name, str):
         raise ApiError(f"'model' must be a string, got {_json_type(name)}", "model")
     if name != model.name:
-        raise ApiError(f"The model `{name}` does not exist. This server serves `{model.name}`.",
-                       "model", status=404, type="NotFoundError", code="model_not_found")
+        raise model_not_found(name, model.name)
     for key, value in body.items():
         if key not in fields and value is not None and value not in _OFF_VALUES.get(key, ()):
             raise ApiError(f"'{key}' is not supported by this server", key)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, _is_int, _json_type, _messages,
-                                              _opt, check_chars)
+                                              _opt, check_chars, model_not_found)
 
 _TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens",
                               "add_generation_prompt", "return_token_strs"))
@@ -63,8 +63,7 @@ def _check(body, model: ModelInfo, fields: frozenset[str]) -> dict:
         raise ApiError(f"the request body must be a JSON object, got {_json_type(body)}")
     name = body.get("model")
     if name is not None and name != model.name:
-        raise ApiError(f"The model `{name}` does not exist. This server serves `{model.name}`.",
-                       "model", status=404, type="NotFoundError", code="model_not_found")
+        raise model_not_found(name, model.name)
     for key, value in body.items():
         if key not in fields and value is not None:
             raise ApiError(f"'{key}' is not supported by this server", key)

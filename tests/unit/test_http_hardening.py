@@ -353,6 +353,18 @@ def test_wrong_method_and_unknown_path_are_json(tokenizer, token):
     assert_error(status, body, 404, message="Not Found (POST /v1/nope)")
 
 
+
+def test_a_model_is_retrieved_by_name(tokenizer, token):
+    """OpenAI's GET /v1/models/{model} (client.models.retrieve): the card /v1/models lists; any
+    other name, "/" in it or not, a 404 naming it."""
+    _, _, listed = call(tokenizer, done(token), "GET", "/v1/models")
+    status, _, card = call(tokenizer, done(token), "GET", f"/v1/models/{MODEL}")
+    assert status == 200 and card == listed["data"][0]
+    status, _, body = call(tokenizer, done(token), "GET", "/v1/models/org/other")
+    assert_error(status, body, 404, "model", "The model `org/other` does not exist",
+                 type="NotFoundError")
+    assert body["error"]["code"] == "model_not_found"
+
 def test_stalled_bodies_time_out_with_408(tokenizer, token):
     """Clients that send headers and part of the body, then stall: each gets a 408 once
     body_timeout_s has passed, all at once, and the server still serves others."""
