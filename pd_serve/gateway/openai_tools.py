@@ -19,6 +19,7 @@ from pd_serve.engine.sampling_params import Grammar
 
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+_DEFS_KEYS = ("$defs", "definitions")  # where a schema's "#/$defs/X" references point
 
 
 class ToolsError(ValueError):
@@ -72,11 +73,12 @@ def parse_tools(body: dict, parser: str | None) -> ToolRequest:
         # xgrammar writes properties in the schema's order: name before parameters, so a
         # stream can name each call before its arguments arrive.
         parallel = body.get("parallel_tool_calls")
+        schemas, defs = _hoisted_defs(schemas)
         items = {"anyOf": [{"type": "object", "properties": {"name": {"enum": [name]},
                                                              "parameters": schema},
                             "required": ["name", "parameters"], "additionalProperties": False}
                            for name, schema in schemas.items()]}
-        array = {"type": "array", "items": items, "minItems": 1}
+        array = {"type": "array", "items": items, "minItems": 1} | defs
         if parallel is False:
             array["maxItems"] = 1
         return ToolRequest(tools, ToolChoice("required"), _checked(array, "tools"))
@@ -114,6 +116,26 @@ def _tool_schemas(tools: list) -> dict[str, dict]:
             raise ToolsError(*problem)
         schemas[name] = schema
     return schemas
+
+
+def _hoisted_defs(schemas: dict[str, dict]) -> tuple[dict[str, dict], dict]:
+    """The schemas without their root definitions ("$defs", "definitions"), and those merged:
+    nested in the required choice's array, a schema's "#/$defs/X" resolves at the array's root,
+    where they go. Two tools defining one name differently are a 400 (vLLM's rule)."""
+    stripped, merged = {}, {}
+    for name, schema in schemas.items():
+        stripped[name] = dict(schema)
+        for key in _DEFS_KEYS:
+            defs = schema.get(key)
+            if not isinstance(defs, dict):
+                continue
+            del stripped[name][key]
+            for def_name, definition in defs.items():
+                if merged.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                    raise ToolsError(f"two tools define {key}/{def_name} differently; with "
+                                     f'tool_choice "required" they share one set of definitions',
+                                     "tools")
+    return stripped, merged
 
 
 def strict_schema_problem(owner: dict | None, schema: dict, where: str,

@@ -162,6 +162,34 @@ def test_required_and_named_set_the_grammar(tokenizer, stream):
         [("get_weather", '{"city":"Oslo"}')]
 
 
+def _tool_with_defs(name: str, defs_key: str, unit: list[str]) -> dict:
+    """A tool whose parameters refer to their own root definitions, as pydantic writes them."""
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"unit": {"$ref": f"#/{defs_key}/Unit"}},
+        "required": ["unit"], defs_key: {"Unit": {"enum": unit}}}}}
+
+
+def test_required_calls_of_tools_with_definitions_find_them(tokenizer):
+    """Nested in the required choice's array, a tool's "#/$defs/X" (or "#/definitions/X")
+    resolves at the array's root: the tools' definitions move there, merged."""
+    tools = [_tool_with_defs("temp", "$defs", ["c", "f"]),
+             _tool_with_defs("speed", "definitions", ["kmh"]),
+             _tool_with_defs("wind", "$defs", ["c", "f"])]  # the same definition again: fine
+    text = '[{"name":"speed","parameters":{"unit":"kmh"}}]'
+    status, out, source = chat(tokenizer, text, {"tools": tools, "tool_choice": "required"})
+    assert status == 200, out
+    schema = json.loads(source.specs[0].params.grammar.spec)
+    assert schema["$defs"] == {"Unit": {"enum": ["c", "f"]}}
+    assert schema["definitions"] == {"Unit": {"enum": ["kmh"]}}
+    assert all(set(item["properties"]["parameters"]) == {"type", "properties", "required"}
+               for item in schema["items"]["anyOf"])
+    assert out["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"unit":"kmh"}'
+    clash = [tools[0], _tool_with_defs("other", "$defs", ["k"])]
+    status, out, _ = chat(tokenizer, text, {"tools": clash, "tool_choice": "required"})
+    assert status == 400 and out["error"]["param"] == "tools", out
+    assert "two tools define $defs/Unit differently" in out["error"]["message"]
+
+
 def test_a_stream_sends_name_first_then_argument_fragments(tokenizer):
     named = {"type": "function", "function": {"name": "add"}}
     status, chunks, _ = chat(tokenizer, '{"a":12345,"b":67890}',
