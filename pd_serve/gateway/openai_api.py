@@ -370,12 +370,17 @@ class _CompletionShape(_Shape):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int) -> dict:
-        """OpenAI's legacy format: parallel lists, top alternatives as {token: logprob}."""
+        """OpenAI's legacy format: parallel lists, top alternatives as {token: logprob} with the
+        sampled token among them (OpenAI's "up to logprobs + 1" entries; vLLM's too)."""
         return {"tokens": [self._token(e.token_id) for e in entries],
                 "token_logprobs": [_clamp(e.logprob) for e in entries],
-                "top_logprobs": [{self._token(t): _clamp(lp) for t, lp in e.top[:num_top]}
-                                 for e in entries],
+                "top_logprobs": [self._top(e, num_top) for e in entries],
                 "text_offset": list(offsets)}
+
+    def _top(self, entry: Logprob, num_top: int) -> dict[str, float]:
+        top = {self._token(t): _clamp(lp) for t, lp in entry.top[:num_top]}
+        top.setdefault(self._token(entry.token_id), _clamp(entry.logprob))
+        return top
 
 
 class _ChatShape(_Shape):

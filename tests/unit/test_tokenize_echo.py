@@ -128,3 +128,30 @@ def test_chat_logprob_bytes_join_to_the_content(tokenizer):
     assert any(e["token"] == "\ufffd" for e in content)  # the case this is about
     assert b"".join(bytes(e["bytes"]) for e in content) == text.encode("utf-8")
     assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_hold_the_sampled_token(tokenizer, stream):
+    """OpenAI's legacy logprobs: top_logprobs has the N best tokens and the sampled one, which
+    may lie outside them (up to N + 1 entries); with logprobs=0 the sampled one alone."""
+    from pd_serve.protocol import Logprob
+
+    a, b, c, d = (tokenizer.encode(w, add_special_tokens=False)[0]
+                  for w in (" apple", " banana", " cherry", " date"))
+    logprobs = [Logprob(a, -3.0, [(c, -0.5), (d, -1.0)]), Logprob(b, -0.2, [(b, -0.2), (c, -2.0)])]
+    script = [TokenEvent([a, b], logprobs, finished=True, finish_reason="length")]
+
+    def tops(num: int) -> list[dict]:
+        status, _, out = post(tokenizer, script, {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                  "logprobs": num, "stream": stream})
+        assert status == 200, out
+        if stream:  # every chunk's entries, in order
+            events = [json.loads(e[6:]) for e in out.split("\n\n") if e.startswith("data: {")]
+            return [t for event in events if (lp := event["choices"][0]["logprobs"])
+                    for t in lp["top_logprobs"]]
+        return out["choices"][0]["logprobs"]["top_logprobs"]
+
+    word = {t: tokenizer.decode([t]) for t in (a, b, c, d)}
+    assert tops(2) == [{word[c]: -0.5, word[d]: -1.0, word[a]: -3.0},
+                       {word[b]: -0.2, word[c]: -2.0}]
+    assert tops(0) == [{word[a]: -3.0}, {word[b]: -0.2}]
