@@ -23,6 +23,7 @@ PREFILL_POLICIES = ("cache_aware", "round_robin", "least_load", "prefix")
 DECODE_POLICIES = ("cache_aware", "round_robin", "least_load")
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")  # gateway/tool_parsers.py
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # gateway/reasoning.py
+MAX_WORKER_TIMEOUT_S = 86400.0  # --worker-timeout's bound: a gateway ping carries it
 
 
 def _opt(default=MISSING, help: str | None = None, **meta):
@@ -264,8 +265,8 @@ class GatewayConfig:
                      "send_timeout_s", "timeout_keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0")
-        if self.worker_timeout_s > 86400:  # (workers refuse a ping with a longer one)
-            raise ValueError("--worker-timeout must be <= 86400 (a day)")
+        if self.worker_timeout_s > MAX_WORKER_TIMEOUT_S:  # (pings carry it; workers check)
+            raise ValueError(f"--worker-timeout must be <= {MAX_WORKER_TIMEOUT_S:g} (a day)")
         for name in ("max_queued_requests", "max_outstanding_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import msgpack
 from prometheus_client import CollectorRegistry, Counter
 
+from pd_serve.config import MAX_WORKER_TIMEOUT_S
 from pd_serve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -593,8 +594,10 @@ def _check_chunk(chunk: KVChunk) -> str:
 
 def _bad_token_ids(ids) -> str:
     """'' when every id is in [0, MAX_TOKEN_ID): the tokenizer cannot even look up a larger one."""
-    if ids and (min(ids) < 0 or max(ids) >= MAX_TOKEN_ID):
-        return "a negative token id" if min(ids) < 0 else f"a token id of {MAX_TOKEN_ID} or more"
+    if ids and min(ids) < 0:
+        return "a negative token id"
+    if ids and max(ids) >= MAX_TOKEN_ID:
+        return f"a token id of {MAX_TOKEN_ID} or more"
     return ""
 
 
@@ -619,8 +622,8 @@ def _check_first_token(msg: PrefillDone | StartDecode) -> str:
 
 
 def _check_ping(msg: GatewayPing) -> str:
-    if not 0 < msg.timeout_s <= MAX_PING_TIMEOUT_S:  # (NaN fails too)
-        return f"timeout {msg.timeout_s} s is not in (0, {MAX_PING_TIMEOUT_S}]"
+    if not 0 < msg.timeout_s <= MAX_WORKER_TIMEOUT_S:  # (NaN fails too)
+        return f"timeout {msg.timeout_s} s is not in (0, {MAX_WORKER_TIMEOUT_S}]"
     return ""
 
 
@@ -640,7 +643,6 @@ ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = (None, "stop", "length", "abort")  # engine.request.FinishReason's values
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
 MAX_TOKEN_ID = 2**31  # far above any vocabulary; the tokenizer's ids are 32-bit
-MAX_PING_TIMEOUT_S = 86400.0  # a gateway's --worker-timeout, at most a day
 _RULES = {
     KVChunk: _check_chunk,
     KVChunks: _check_chunks,
