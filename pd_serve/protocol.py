@@ -136,7 +136,8 @@ class TokenDelta:
     finish_reason: str | None = None
     error: str = ""
     cached_tokens: int = 0  # with token 1: prompt tokens whose KV this worker's cache held
-
+    # with token 1, when the request asked for them: prompt token i + 1's logprob at entry i
+    prompt_logprobs: list[Logprob] | None = None
 
 
 @dataclass
@@ -235,6 +236,7 @@ class PrefillDone:
     logprob: Logprob | None = None
     error: str = ""
     timings: dict = field(default_factory=dict)
+    prompt_logprobs: list[Logprob] | None = None  # as TokenDelta's
 
 
 @dataclass

@@ -58,13 +58,22 @@ class WorkerMetrics:
 
 def new_token_row(request: Request, reason: FinishReason | None) -> TokenDelta:
     """The gateway's row for a request's newest token, with its logprob when the request asked
-    for them; `reason`: the token ended the request."""
+    for them (and with token 1 the prompt's); `reason`: the token ended the request."""
     logprobs = None
     if request.sampling_params.logprobs is not None:
         logprobs = [Logprob.of(request.output_logprobs[-1])]
+    first = len(request.output_token_ids) == 1
     return TokenDelta(request.request_id, request.output_token_ids[-1:], logprobs, request.finished,
                       None if reason is None else reason.value,
-                      cached_tokens=request.num_cached_tokens if len(request.output_token_ids) == 1 else 0)
+                      cached_tokens=request.num_cached_tokens if first else 0,
+                      prompt_logprobs=prompt_logprob_rows(request) if first else None)
+
+
+def prompt_logprob_rows(request: Request) -> list[Logprob] | None:
+    """The request's prompt logprobs on the wire, if it asked for them."""
+    if request.sampling_params.prompt_logprobs is None:
+        return None
+    return [Logprob.of(lp) for lp in request.prompt_logprobs]
 
 
 def end_row(request_id: str, reason: FinishReason | None, error: str = "") -> TokenDelta:

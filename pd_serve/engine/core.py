@@ -185,6 +185,7 @@ class EngineCore:
                 self._wait_for_grammars()
             sampled = self._execute(plan, on_layer) if plan is not None else StepResult([], [])
             self.scheduler.update(out, sampled.token_ids)
+            _add_prompt_logprobs(out, sampled)
             return out, _with_logprobs([c.request for c in out.chunks if c.sample], sampled.logprobs)
         done = None
         if self._launched is not None and needs_penalties(self._launched.requests):
@@ -249,6 +250,7 @@ class EngineCore:
         """Wait for a launched step; append its tokens to its requests that are still live."""
         sampled = step.sample.result()
         self.scheduler.completed(step.number)
+        _add_prompt_logprobs(step.plan, sampled)
         live = []
         for request, token, logprob in zip(step.requests, sampled.token_ids, sampled.logprobs):
             request.num_pending -= 1
@@ -264,6 +266,14 @@ def _with_logprobs(requests: list[Request], logprobs: list) -> list[Request]:
         if logprob is not None:
             request.output_logprobs.append(logprob)
     return requests
+
+
+def _add_prompt_logprobs(plan: SchedulerOutput, sampled: StepResult) -> None:
+    """Give the step's prompt logprobs (requests that asked for them) to their requests."""
+    if sampled.prompt_logprobs:
+        for chunk in plan.chunks:
+            if (scored := sampled.prompt_logprobs.get(chunk.request.request_id)) is not None:
+                chunk.request.add_prompt_logprobs(*scored)
 
 
 @dataclass

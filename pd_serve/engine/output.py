@@ -28,6 +28,9 @@ class RequestOutput:
     new_text: str = ""
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
+    # With SamplingParams.prompt_logprobs: prompt token i + 1's logprob at entry i (all of them
+    # once a token is out)
+    prompt_logprobs: list[TokenLogprob] | None = None
     # (output ids, how many are this output's, logprobs or None, OutputText or None, its chars)
     _source: tuple = field(default=((), 0, None, None, 0), repr=False, compare=False)
 
@@ -87,7 +90,8 @@ class OutputTracker:
         new_text = self.text.take_delta(request.finished) if self.text is not None else ""
         new_token_ids = request.output_token_ids[self.num_tokens_sent:]
         self.num_tokens_sent = len(request.output_token_ids)
-        logprobs = request.output_logprobs if request.sampling_params.logprobs is not None else None
+        params = request.sampling_params
+        logprobs = request.output_logprobs if params.logprobs is not None else None
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -97,6 +101,7 @@ class OutputTracker:
             new_text=new_text,
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
             _source=(request.output_token_ids, self.num_tokens_sent, logprobs, self.text,
                      self.text.num_chars_shown if self.text is not None else 0),
         )

@@ -18,7 +18,7 @@ from pd_serve.engine.sampling_params import Grammar, SamplingParams
 
 # The SamplingParams fields an executor samples with (stop rules stay with the scheduler).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "seed", "logprobs")
+                   "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
 
 
 def sampling_to_wire(params: SamplingParams) -> list:
@@ -124,17 +124,27 @@ class StepPlan:
 @dataclass
 class StepResult:
     """One sampled token per sampling chunk of the plan, in order, and its logprobs where the
-    request asked for them."""
+    request asked for them; and request id -> (start, logprobs of prompt tokens start + 1, ...)
+    for the chunks of requests that asked for prompt logprobs."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
     def to_wire(self) -> list:
-        return [self.token_ids, [None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
-                                 for lp in self.logprobs]]
+        return [self.token_ids, [None if lp is None else _lp_wire(lp) for lp in self.logprobs],
+                {rid: [start, [_lp_wire(lp) for lp in lps]] for rid, (start, lps) in self.prompt_logprobs.items()}]
 
     @classmethod
     def from_wire(cls, row: list) -> "StepResult":
-        token_ids, logprobs = row
-        return cls(list(token_ids), [
-            None if lp is None else TokenLogprob(lp[0], lp[1], [tuple(t) for t in lp[2]]) for lp in logprobs])
+        token_ids, logprobs, prompt = row
+        return cls(list(token_ids), [None if lp is None else _lp_from_wire(lp) for lp in logprobs],
+                   {rid: (start, [_lp_from_wire(lp) for lp in lps]) for rid, (start, lps) in prompt.items()})
+
+
+def _lp_wire(lp: TokenLogprob) -> list:
+    return [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+
+
+def _lp_from_wire(row: list) -> TokenLogprob:
+    return TokenLogprob(row[0], row[1], [tuple(t) for t in row[2]])

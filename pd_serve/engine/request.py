@@ -54,6 +54,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With sampling_params.prompt_logprobs: entry i is prompt token i + 1's (filled as its chunks run)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -82,6 +84,19 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt logprobs and has not got them all: its prompt is computed in full."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[TokenLogprob]) -> None:
+        """Those of prompt tokens start + 1, ...: a chunk computed again (after a preemption)
+        brings some it has already."""
+        have = len(self.prompt_logprobs)
+        if start <= have:  # (chunks of such a prompt run from its first token: no cache hit)
+            self.prompt_logprobs.extend(logprobs[have - start:])
 
     @property
     def finished(self) -> bool:

@@ -28,10 +28,12 @@ import torch
 from kernels.argmax import argmax
 from kernels.pending import fill_pending_
 from pd_serve.engine.attention.base import AttentionBackend, AttentionMetadata
-from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput
+from pd_serve.engine.request import TokenLogprob
+from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput, score_tokens
 from pd_serve.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
+SCORE_ROWS = 1024  # prompt-logprob rows at a time: their float32 logits stay ~0.5 GB at 128k vocabulary
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -110,7 +112,9 @@ class ModelRunner:
         """Run the batch and wait for its tokens; after_layer(i) is called as layer i finishes
         (eager path only)."""
         pending = self.launch(batch, after_layer)
-        return pending.result() if pending.params else SamplerOutput(token_ids=[], logprobs=[])
+        if pending.params or pending.prompt_logprobs:
+            return pending.result()
+        return SamplerOutput(token_ids=[], logprobs=[])
 
     @torch.inference_mode()
     def launch(self, batch: Batch, after_layer=None,
@@ -119,7 +123,8 @@ class ModelRunner:
         sampled tokens of the step still in flight, where this batch's pending inputs are."""
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
-        graphable = all(c.num_tokens == 1 for c in batch.chunks) and after_layer is None
+        graphable = (all(c.num_tokens == 1 for c in batch.chunks) and after_layer is None
+                     and not any(_scored(c) for c in batch.chunks))
         if self.graphs and graphable and len(batch.chunks) <= max(self.graphs):
             return self._launch_graph(batch, prev_tokens)
         flat, sample_rows = self._flat_batch(batch)
@@ -130,13 +135,50 @@ class ModelRunner:
         self.attn.plan(self._metadata(batch, slots))
         self._record_inputs_copied()
         hidden = self.model(ids, positions, self.attn, after_layer)  # [T, hidden]
-        if not sample_rows:
-            return self._nothing_sampled()
-        rows = self._to_device(torch.tensor(sample_rows))
-        logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
+        scored = self._score_prompts(hidden, batch)
+        if not sample_rows or self.sampler is None:
+            if sample_rows:  # (a TP follower: the logits' all-gather needs every rank)
+                self.model.compute_logits(hidden[self._to_device(torch.tensor(sample_rows))])
+            pending = self._nothing_sampled()
+        else:
+            rows = self._to_device(torch.tensor(sample_rows))
+            logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
+            pending = self.sampler.launch(logits, [c.request for c in batch.chunks if c.sample])
+        pending.prompt_logprobs = scored
+        return pending
+
+    def _score_prompts(self, hidden: torch.Tensor, batch: Batch) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        """The logprobs of the prompt tokens this batch's chunks score (requests that asked for
+        prompt logprobs; StepResult.prompt_logprobs' form), from the logits of SCORE_ROWS rows
+        at a time, copied to the host at once: such a step waits for its forward. Every rank
+        computes the logits (under TP their all-gather needs each); the sampling one keeps them."""
+        spans, rows, targets, offset = [], [], [], 0
+        for c in batch.chunks:
+            if n := _scored(c):
+                spans.append((c.request, c.start, n))
+                rows.extend(range(offset, offset + n))
+                targets.extend(c.request.all_token_ids[c.start + 1:c.start + 1 + n])
+            offset += c.num_tokens
+        if not spans:
+            return {}
+        num_top = max(r.sampling_params.prompt_logprobs for r, _, _ in spans)
+        rows_d, targets_d = self._to_device(torch.tensor(rows)), self._to_device(torch.tensor(targets))
+        parts = []
+        for i in range(0, len(rows), SCORE_ROWS):
+            logits = self.model.compute_logits(hidden[rows_d[i:i + SCORE_ROWS]])
+            if self.sampler is not None:
+                parts.append(score_tokens(logits, targets_d[i:i + SCORE_ROWS], num_top))
         if self.sampler is None:
-            return self._nothing_sampled()
-        return self.sampler.launch(logits, [c.request for c in batch.chunks if c.sample])
+            return {}
+        lps, top_lps, top_ids = (torch.cat(p).tolist() for p in zip(*parts))
+        out, row = {}, 0
+        for request, start, n in spans:
+            k = request.sampling_params.prompt_logprobs
+            out[request.request_id] = (start, [
+                TokenLogprob(targets[i], lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])))
+                for i in range(row, row + n)])
+            row += n
+        return out
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -244,6 +286,15 @@ class ModelRunner:
 
     def _nothing_sampled(self) -> PendingSample:
         return PendingSample(torch.empty(0, dtype=torch.long, device=self.device), [])
+
+
+def _scored(chunk: BatchChunk) -> int:
+    """How many prompt tokens the chunk's logits score: those after each of its positions, up to
+    the prompt's last, when the request asked for prompt logprobs (else 0)."""
+    request = chunk.request
+    if request.sampling_params.prompt_logprobs is None:
+        return 0
+    return max(0, min(chunk.num_tokens, request.num_prompt_tokens - 1 - chunk.start))
 
 
 def _pinned(host: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ class PendingSample:
         if self._event is not None:
             self._event.record()
         self._result: SamplerOutput | None = None
+        self.prompt_logprobs: dict = {}  # StepResult's, set by the runner (already on the host)
         self._lock = threading.Lock()  # the grammar thread may ask too (engine/grammar.py)
 
     def result(self) -> SamplerOutput:
@@ -56,7 +57,7 @@ class PendingSample:
             token_list = self._host[0].tolist()
             logprobs = [None] * len(token_list) if len(self._host) == 1 else \
                 _logprobs(self._host[1], self._host[2], token_list, self.params)
-            self._result = SamplerOutput(token_list, logprobs)
+            self._result = SamplerOutput(token_list, logprobs, self.prompt_logprobs)
         return self._result
 
 
@@ -69,10 +70,12 @@ class DeferredSample:
     def __init__(self, launch, params: list[SamplingParams]):
         self._launch, self.params = launch, params
         self._pending: PendingSample | None = None
+        self.prompt_logprobs: dict = {}  # as PendingSample's
 
     def launch(self) -> PendingSample:
         if self._pending is None:
             self._pending = self._launch()
+            self._pending.prompt_logprobs = self.prompt_logprobs
         return self._pending
 
     @property
@@ -346,6 +349,15 @@ def _logprob_parts(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
     sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
     top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1)  # [B, N], sorted descending
     return torch.cat([sampled_lp, top_lp], dim=1), top_ids
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor,
+                 num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt logprobs: per row of logits [N, V], the logprob of its target token [N] (the raw
+    model's, as for sampled tokens), the top num_top logprobs [N, k] and their ids [N, k]."""
+    raw = logits.float().log_softmax(dim=-1)
+    top_lp, top_ids = raw.topk(num_top, dim=-1)
+    return raw.gather(1, targets.unsqueeze(1)).squeeze(1), top_lp, top_ids
 
 
 def _logprobs(lp: torch.Tensor, top_ids: torch.Tensor, token_list: list[int],

@@ -39,6 +39,9 @@ class SamplingParams:
     tokens present in the output; frequency_penalty subtracts it once per occurrence in the output.
     logprobs: None for none, N >= 0 for the sampled token's logprob plus the top N alternatives
     (log-softmax of the raw model logits, before penalties and temperature, as vLLM v1 returns).
+    prompt_logprobs: None, or N >= 0 for each prompt token's logprob (the first excepted: nothing
+    precedes it) plus the top N at its position, as vLLM's field (OpenAI completions' echo with
+    logprobs). Such a prompt is computed in full: no prefix-cache hit.
     logit_bias: token id -> a value in [-100, 100] added to that token's logit before anything
     else (penalties, temperature, filters); OpenAI's field. The logprobs stay the raw model's.
     grammar: the output is constrained to it (tokens it forbids are masked before sampling).
@@ -57,6 +60,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     grammar: Grammar | None = None
@@ -88,6 +92,8 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative token ids"),

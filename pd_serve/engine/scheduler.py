@@ -260,8 +260,9 @@ class Scheduler:
     def _match_prefix(self, request: Request) -> None:
         """A request about to be admitted with nothing computed starts on the cached pages of
         its prompt's (and outputs', after a preemption) longest cached prefix, leaving at least
-        one token to compute (its logits give the next token)."""
-        if self.cache is None or request.page_ids or request.num_computed_tokens:
+        one token to compute (its logits give the next token). One that scores its prompt
+        (prompt logprobs) computes it all."""
+        if self.cache is None or request.page_ids or request.num_computed_tokens or request.scores_prompt:
             return
         max_pages = (request.num_known_tokens - 1) // self.page_size
         request.page_ids = self.cache.match(request.all_token_ids, max_pages)

@@ -245,7 +245,8 @@ class Cluster(TokenSource):
         timer.tokens(1)
         self._send(decode.worker_id, StartDecode(spec.request_id, done.first_token_id, done.logprob))
         yield TokenEvent([done.first_token_id], None if done.logprob is None else [done.logprob],
-                         cached_tokens=done.timings.get("cached_tokens", 0))
+                         cached_tokens=done.timings.get("cached_tokens", 0),
+                         prompt_logprobs=done.prompt_logprobs)
         async for event in self._stream(flight, timer):
             yield event
 
@@ -293,7 +294,8 @@ class Cluster(TokenSource):
                 entry.pair.cancel()
                 if entry.pair.cancelled():  # still queued (it timed out or its client left)
                     self._unqueue()
-            self._send(decode.worker_id, Admit(spec.request_id, spec.prompt_token_ids, spec.params,
+            params = replace(spec.params, prompt_logprobs=None)  # (prefill scores the prompt)
+            self._send(decode.worker_id, Admit(spec.request_id, spec.prompt_token_ids, params,
                                                spec.priority))
             reply = await self._next(flight, AdmitReply)
             if reply.ok:
@@ -385,7 +387,7 @@ class Cluster(TokenSource):
             if row.cached_tokens:  # colocated: token 1's row
                 timer.prefill_timings["cached_tokens"] = row.cached_tokens
             yield TokenEvent(row.token_ids, row.logprobs, row.finished, row.finish_reason,
-                             cached_tokens=row.cached_tokens)
+                             cached_tokens=row.cached_tokens, prompt_logprobs=row.prompt_logprobs)
             if row.finished:
                 return
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 import math
@@ -65,6 +66,8 @@ class _Delta:
     timings: dict  # phase timings (s) from the cluster, on the final delta
     cached_tokens: int = 0  # with token 1: prompt tokens whose KV a prefix cache held
     restart: bool = False  # the choice's deltas so far are void (a whole request started over)
+    # the first delta of an echo with logprobs: the prompt's ids, and the logprobs of all but its first
+    prompt: tuple[list[int], list[Logprob]] | None = None
 
 
 class OpenAIServer:
@@ -185,7 +188,7 @@ class OpenAIServer:
         def output() -> OutputText:
             return OutputText(self.tokenizer, spec.prompt_token_ids, spec.params.stop,
                               spec.params.skip_special_tokens)
-        out, first_echo = output(), echo
+        out, first_echo, first = output(), echo, True
         events = self.source.generate(spec)
         ended = False  # the source sent its last event (or an error): it saw how this ended
         try:
@@ -194,7 +197,7 @@ class OpenAIServer:
                 if event.error:
                     raise SourceError(event.error, event.status, event.retry_after)
                 if event.restart:  # the text so far is void: it starts over
-                    out, echo = output(), first_echo
+                    out, echo, first = output(), first_echo, True
                     yield _Delta("", [], None, [], None, {}, restart=True)
                     continue
                 ids = event.new_token_ids
@@ -204,10 +207,12 @@ class OpenAIServer:
                 finish = "stop" if out.stopped else (
                     (event.finish_reason or "stop") if event.finished else None)
                 logprobs = event.logprobs[:n] if parsed.logprobs is not None and event.logprobs else None
+                prompt = self._prompt_logprobs(spec, event) if first and ids else None
+                first = first and not ids
                 text, echo = echo + out.take_delta(finish is not None), ""
                 yield _Delta(text, event.new_token_ids[:n], logprobs,
-                             out.token_offsets[len(out.token_offsets) - n:], finish, event.timings,
-                             event.cached_tokens)
+                             [len(first_echo) + o for o in out.token_offsets[len(out.token_offsets) - n:]],
+                             finish, event.timings, event.cached_tokens, prompt=prompt)
                 if finish is not None:
                     return
             raise SourceError("the token source ended without a final event")
@@ -217,6 +222,17 @@ class OpenAIServer:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    @staticmethod
+    def _prompt_logprobs(spec: GenerateSpec, event) -> tuple[list[int], list[Logprob]] | None:
+        """(prompt ids, their logprobs) from a request's first event, if it asked for them."""
+        if spec.params.prompt_logprobs is None:
+            return None
+        ids, scored = spec.prompt_token_ids, event.prompt_logprobs
+        if scored is None or len(scored) != len(ids) - 1 or any(
+                lp.token_id != t for lp, t in zip(scored, ids[1:])):
+            raise SourceError(f"the worker's prompt logprobs do not match the {len(ids)}-token prompt")
+        return ids, scored
 
     async def _complete(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]],
                         shape, parsed: ParsedRequest, num_choices: int) -> web.Response:
@@ -240,7 +256,8 @@ class OpenAIServer:
         for i, ds in enumerate(received):  # every choice ended with a final delta
             num_tokens += sum(len(d.token_ids) for d in ds)
             lp = shape.logprobs([e for d in ds for e in d.logprobs or []],
-                                [o for d in ds for o in d.text_offsets], parsed.logprobs) \
+                                [o for d in ds for o in d.text_offsets], parsed.logprobs,
+                                next((d.prompt for d in ds if d.prompt), None)) \
                 if parsed.logprobs is not None else None
             choice = shape.choice(i, "".join(d.text for d in ds), lp, ds[-1].finish_reason)
             choices.append(json.dumps(choice))
@@ -277,8 +294,8 @@ class OpenAIServer:
                         num_tokens += len(d.token_ids)
                         cached[i] += d.cached_tokens
                         if d.text or d.logprobs or d.finish_reason:  # else nothing visible yet
-                            lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs) \
-                                if parsed.logprobs is not None else None
+                            lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs,
+                                                d.prompt) if parsed.logprobs is not None else None
                             chunks = shape.chunks(i, d.text, lp, d.finish_reason)
                             if chunks and d.finish_reason and d.timings:  # pd-serve's extension,
                                 chunks[-1]["timings"] = d.timings       # as in a whole reply
@@ -369,13 +386,24 @@ class _CompletionShape(_Shape):
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int) -> dict:
+    def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int,
+                 prompt: tuple[list[int], list[Logprob]] | None = None) -> dict:
         """OpenAI's legacy format: parallel lists, top alternatives as {token: logprob} with the
-        sampled token among them (OpenAI's "up to logprobs + 1" entries; vLLM's too)."""
-        return {"tokens": [self._token(e.token_id) for e in entries],
-                "token_logprobs": [_clamp(e.logprob) for e in entries],
-                "top_logprobs": [self._top(e, num_top) for e in entries],
-                "text_offset": list(offsets)}
+        sampled token among them (OpenAI's "up to logprobs + 1" entries; vLLM's too). With
+        echo, the prompt's tokens come first, the first with null entries (nothing precedes
+        it), their offsets the running lengths of their tokens' text (as vLLM's)."""
+        out = {"tokens": [self._token(e.token_id) for e in entries],
+               "token_logprobs": [_clamp(e.logprob) for e in entries],
+               "top_logprobs": [self._top(e, num_top) for e in entries],
+               "text_offset": list(offsets)}
+        if prompt is None:
+            return out
+        ids, scored = prompt
+        tokens = [self._token(t) for t in ids]
+        return {"tokens": tokens + out["tokens"],
+                "token_logprobs": [None] + [_clamp(e.logprob) for e in scored] + out["token_logprobs"],
+                "top_logprobs": [None] + [self._top(e, num_top) for e in scored] + out["top_logprobs"],
+                "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)) + out["text_offset"]}
 
     def _top(self, entry: Logprob, num_top: int) -> dict[str, float]:
         top = {self._token(t): _clamp(lp) for t, lp in entry.top[:num_top]}
@@ -412,7 +440,7 @@ class _ChatShape(_Shape):
         return {"index": index, "message": message, "logprobs": logprobs,
                 "finish_reason": _finish_reason(finish_reason, len(message.get("tool_calls", ())))}
 
-    def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int) -> dict:
+    def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int, prompt=None) -> dict:
         return {"content": [self._entry(e.token_id, e.logprob)
                             | {"top_logprobs": [self._entry(t, lp) for t, lp in e.top[:num_top]]}
                             for e in entries]}

@@ -33,6 +33,9 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "tool_call_id")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one request: prompts (a completions batch) x n
+# echo with logprobs: prompt tokens x choices x (logprobs + 1) in one request: one worker's
+# message of them stays far inside the control plane's 64 MiB, the response under ~50 MB
+MAX_PROMPT_LOGPROB_ENTRIES = 2**20
 # A text of more characters than this times the context is judged by its head first (_encode).
 HEAD_CHARS_PER_TOKEN = 8
 # Stop strings are matched on every token of every choice, on the gateway's event loop, and
@@ -204,9 +207,15 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
         _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
         prompts.append(ids)
     parsed = _parsed(body, prompts, params, logprobs)
+    if echo and logprobs is not None:  # the prompt's tokens get theirs too
+        entries = sum(map(len, prompts)) * parsed.n * (logprobs + 1)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise ApiError(f"echo with logprobs {logprobs}: the prompt tokens of {len(prompts) * parsed.n} "
+                           f"choice(s) would take {entries} logprob entries, more than "
+                           f"{MAX_PROMPT_LOGPROB_ENTRIES}; ask for fewer logprobs, choices or prompt "
+                           f"tokens", "logprobs")
+        parsed.params = dataclasses.replace(params, prompt_logprobs=logprobs)
     if echo:
-        if logprobs is not None:  # they would need the prompt's logprobs, which are not computed
-            raise ApiError("echo=true with logprobs is not supported", "echo")
         texts = body["prompt"] if _is_batch(body["prompt"]) else [body["prompt"]]
         # a prompt of ids echoes as their whole text, special tokens included (as its
         # text form, which tokenizes to the same ids, echoes itself; vLLM's too)

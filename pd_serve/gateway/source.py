@@ -41,6 +41,8 @@ class TokenEvent:
     error: str = ""  # set when the request failed inside the cluster (worker died, timeout)
     timings: dict = field(default_factory=dict)  # phase timings in seconds, on the last event
     cached_tokens: int = 0  # with token 1: prompt tokens whose KV a prefix cache held
+    # with token 1, when asked for (SamplingParams.prompt_logprobs): prompt token i + 1's at entry i
+    prompt_logprobs: list[Logprob] | None = None
     # With an error: the HTTP status it maps to (400 the request can never be served, 429 the
     # queue is full, 503 no workers or no capacity in time, 504 a timeout, 500 a failure), and
     # how many seconds a client should wait before retrying (a Retry-After header), if known.
@@ -98,6 +100,8 @@ class EngineSource(TokenSource):
                 new_logprobs = out.new_logprobs
                 logprobs = None if new_logprobs is None else [Logprob.of(lp) for lp in new_logprobs]
                 first, sent = n and not sent, sent + n
+                prompt = out.prompt_logprobs if first and out.prompt_logprobs is not None else None
                 yield TokenEvent(out.new_token_ids, logprobs, out.finished, out.finish_reason,
-                                 cached_tokens=out.num_cached_tokens if first else 0)
+                                 cached_tokens=out.num_cached_tokens if first else 0,
+                                 prompt_logprobs=None if prompt is None else [Logprob.of(lp) for lp in prompt])
                 await asyncio.sleep(0)

@@ -24,7 +24,7 @@ from pd_serve.engine.plan import KVSend
 from pd_serve.engine.request import FinishReason, Request
 from pd_serve.engine.scheduler import SchedulerOutput
 from pd_serve.protocol import AbortRequest, Logprob, Prefill, PrefillDone
-from pd_serve.role import RoleScheduler
+from pd_serve.role import RoleScheduler, prompt_logprob_rows
 from pd_serve.transfer.base import TransferResult
 
 
@@ -92,7 +92,8 @@ class PrefillScheduler(RoleScheduler):
                    "transfer_bytes": result.num_bytes, "cached_tokens": request.num_cached_tokens,
                    "transferred_tokens": request.num_prompt_tokens - job.skip_pages * page_size}
         return [PrefillDone(request.request_id, result.ok, request.output_token_ids[0],
-                            None if lp is None else Logprob.of(lp), result.error, timings)]
+                            None if lp is None else Logprob.of(lp), result.error, timings,
+                            prompt_logprob_rows(request))]
 
     def poll_ms(self) -> int:
         """Prompts whose KV is on its way wait only for transfer results: look again soon."""

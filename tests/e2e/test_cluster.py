@@ -112,6 +112,47 @@ def test_n_choices_batched_prompts_and_logit_bias_through_the_cluster(cluster_1p
     assert all(used == 0 for used, _ in wait_idle(cluster_1p1d).values())
 
 
+def assert_echoed_logprobs(cluster, reference: Engine) -> None:
+    """Completions' echo with logprobs (lm-eval's loglikelihood request) over two prompts, one
+    of ids: the prompt's tokens lead, each with the colocated engine's prompt logprob, then the
+    sampled ones; streamed, the first chunk brings them."""
+    client = client_for(cluster)
+    tok = reference.tokenizer
+    prompts = [tok.encode(PROMPTS[2]), PROMPTS[0]]
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=prompts,
+                                    max_tokens=2, temperature=0, echo=True, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    stream = client.completions.create(model=client.models.list().data[0].id, prompt=prompts[0],
+                                       max_tokens=2, temperature=0, echo=True, logprobs=2,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(c for c in stream if c.choices and c.choices[0].logprobs)
+    for choice, prompt in zip(out.choices, prompts):
+        ids = prompt if isinstance(prompt, list) else tok.encode(prompt)
+        want = reference.generate([ids], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                        logprobs=2, prompt_logprobs=2))[0]
+        lp = choice.logprobs
+        assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids + want.token_ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(
+            [e.logprob for e in want.prompt_logprobs + want.logprobs], abs=1e-3)
+        assert [len(top) for top in lp.top_logprobs[1:len(ids)]] == [
+            len({t for t, _ in e.top} | {e.token_id}) for e in want.prompt_logprobs]
+        assert choice.text.endswith(want.text)
+    n = len(prompts[0])
+    streamed = first.choices[0].logprobs.token_logprobs[:n]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(out.choices[0].logprobs.token_logprobs[1:n], abs=1e-3)
+    assert all(used == 0 for used, _ in wait_idle(cluster).values())
+
+
+def test_echo_with_logprobs_scores_the_prompt_in_1p1d_and_colocated(cluster_1p1d, reference):
+    assert_echoed_logprobs(cluster_1p1d, reference)
+    colocated = start_cluster(0, 0, num_colocated=1)
+    try:
+        assert_echoed_logprobs(colocated, reference)
+    finally:
+        colocated.stop()
+
+
 def test_timings_metrics_and_idle_pages(cluster_1p1d):
     client = client_for(cluster_1p1d)
     model = client.models.list().data[0].id

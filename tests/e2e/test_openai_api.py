@@ -269,6 +269,24 @@ def test_completion_logprobs(client, ref):
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
 
 
+def test_completion_echo_with_logprobs_scores_the_prompt(client, engines):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 1) through the in-process
+    engine: the prompt's tokens lead with the engine's prompt logprobs, the first null."""
+    engine = engines[1]
+    ids = engine.tokenizer.encode(PROMPT)
+    want = engine.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=1,
+                                                 prompt_logprobs=1))[0]
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                     logprobs=1, echo=True)
+    lp = resp.choices[0].logprobs
+    assert resp.choices[0].text == PROMPT + want.text
+    assert lp.tokens == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids + want.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs + want.logprobs],
+                                                  abs=1e-4)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+
 def test_chat_logprobs(client, ref, engines):
     resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
                                           logprobs=True, top_logprobs=2)

@@ -113,7 +113,8 @@ def test_engine_with_tp_2_equals_tp_1(tiny_checkpoints, overlap):
 
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1)]
+              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1,
+                             prompt_logprobs=2)]
     prompts = PROMPTS
     if overlap:
         params = params + [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
@@ -129,6 +130,10 @@ def test_engine_with_tp_2_equals_tp_1(tiny_checkpoints, overlap):
         assert follower.is_alive()
         got = engine.generate(prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        # the third prompt's logprobs (every rank computes their logits: the all-gather needs each)
+        g, w = got[2].prompt_logprobs, want[2].prompt_logprobs
+        assert [e.token_id for e in g] == [e.token_id for e in w] == prompts[2][1:]
+        assert [e.logprob for e in g] == pytest.approx([e.logprob for e in w], abs=1e-4)
         assert sum(o.num_preemptions for o in got) > 0, "the budget should force preemption"
         assert_pages_settled(engine)
     finally:

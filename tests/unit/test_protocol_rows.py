@@ -40,10 +40,13 @@ def assert_refused(data: bytes, match: str = "") -> None:
                      TokenDelta("r3", [], None, True, None, "KV transfer failed")]),
     TokenBatch("w", []),
     PrefillDone("r", True, 5, LOGPROB, timings={"prefill": 0.5}),
+    PrefillDone("r", True, 5, None, prompt_logprobs=[LOGPROB, Logprob(2, -3.5, [])]),
+    TokenBatch("w", [TokenDelta("r", [9], None, prompt_logprobs=[LOGPROB])]),
     PrefillDone("r", False, error="boom"),
     StartDecode("r", 5, LOGPROB),
     StartDecode("r", 5),
-], ids=["deltas", "no-rows", "prefill-done", "prefill-failed", "start", "start-no-logprob"])
+], ids=["deltas", "no-rows", "prefill-done", "prefill-prompt-logprobs", "delta-prompt-logprobs",
+        "prefill-failed", "start", "start-no-logprob"])
 def test_rows_round_trip_as_typed_dataclasses(msg):
     out = protocol.Codec(b"key").decode(protocol.Codec(b"key").encode(msg))
     assert out == msg
@@ -57,7 +60,7 @@ def test_rows_travel_as_positional_lists():
     data = protocol.encode(TokenBatch("w", [TokenDelta("r", [3], [LOGPROB], True, "length")]))
     assert msgpack.unpackb(data) == [
         "TokenBatch", {"worker_id": "w",
-                       "items": [["r", [3], [[5, -0.25, [[5, -0.25], [9, -1.5]]]], True, "length", "", 0]]}]
+                       "items": [["r", [3], [[5, -0.25, [[5, -0.25], [9, -1.5]]]], True, "length", "", 0, None]]}]
 
 
 def test_a_logprob_converts_to_and_from_the_engine_one():
@@ -71,16 +74,22 @@ def test_finish_reasons_are_the_engines():
 
 
 def delta(*row) -> bytes:
-    return raw("TokenBatch", worker_id="w", items=[list(row)])
+    """A TokenBatch of this TokenDelta row (without prompt logprobs unless given)."""
+    return raw("TokenBatch", worker_id="w", items=[list(row) + [None] * (8 - len(row))])
 
 
-GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]]]], True, "stop", "", 0]
+GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]]]], True, "stop", "", 0, None]
 
 
 @pytest.mark.parametrize("data,match", [
     (raw("TokenBatch", worker_id="w", items=[GOOD[:5]]), "TokenDelta row"),  # a field short
     (raw("TokenBatch", worker_id="w", items=[GOOD + [""]]), "TokenDelta row"),  # one too many
-    (raw("TokenBatch", worker_id="w", items=[dict(zip("abcdefg", GOOD))]), "TokenDelta row"),
+    (raw("TokenBatch", worker_id="w", items=[dict(zip("abcdefgh", GOOD))]), "TokenDelta row"),
+    (delta(*GOOD[:7], [[2**31, -0.5, []]]), "token id of 2147483648 or more"),
+    (delta(*GOOD[:7], [[1, -0.5, [[1, -0.5]] * 21]]), "21 top logprobs"),
+    (delta(*GOOD[:7], [1, -0.5, []]), "prompt_logprobs"),
+    (raw("PrefillDone", request_id="r", ok=True, first_token_id=3, prompt_logprobs=[[1, "x", []]]),
+     "logprob"),
     (raw("TokenBatch", worker_id="w", items="r"), "items"),
     (delta(["r"], *GOOD[1:]), "request_id"),
     (delta("r", [1.0], *GOOD[2:]), "token_ids"),
@@ -203,6 +212,7 @@ def sampling_row(**change) -> list:
     (admit(sampling_row(stop=[""])), "stop"),
     (admit(sampling_row(stop_token_ids=[-1])), "stop_token_ids"),
     (admit(sampling_row(logprobs=21)), "logprobs"),
+    (admit(sampling_row(prompt_logprobs=-1)), "prompt_logprobs"),
     (admit(sampling_row(logit_bias={"9": 1.0})), "logit_bias"),
     (admit(sampling_row(logit_bias={9: [1.0]})), "logit_bias"),
     (admit(sampling_row(logit_bias={9: 101.0})), "logit_bias"),

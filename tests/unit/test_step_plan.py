@@ -25,7 +25,7 @@ def _wire(obj):
 
 
 def test_plan_and_result_round_trip_through_msgpack():
-    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=7, logprobs=2,
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=7, logprobs=2, prompt_logprobs=1,
                             repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
                             logit_bias={3: 1.5, 9: -100.0})
     plan = StepPlan(chunks=[StepChunk("a", 0, 5, True), StepChunk("b", 9, 1, False)],
@@ -35,7 +35,8 @@ def test_plan_and_result_round_trip_through_msgpack():
     assert StepPlan.from_wire(_wire(plan)) == plan
     assert sampling_from_wire(plan.new_requests[0].sampling) == params
     assert StepPlan.from_wire(_wire(StepPlan())) == StepPlan()
-    result = StepResult([5, 6], [None, TokenLogprob(6, -0.25, [(6, -0.25), (1, -2.0)])])
+    result = StepResult([5, 6], [None, TokenLogprob(6, -0.25, [(6, -0.25), (1, -2.0)])],
+                        {"a": (3, [TokenLogprob(4, -1.5, [(9, -0.5)]), TokenLogprob(5, -0.75, [])])})
     assert StepResult.from_wire(_wire(result)) == result
 
 

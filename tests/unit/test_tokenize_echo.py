@@ -1,14 +1,17 @@
 """vLLM's /tokenize and /detokenize (request and reply shapes, round trip, 400s) and completions'
-echo, over the HTTP layer with a scripted token source (no processes)."""
+echo (with logprobs too), over the HTTP layer with a scripted token source (no processes)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
-from test_http_hardening import MODEL, TimedTokenizer, call, done, post  # noqa: F401
+from aiohttp.test_utils import TestClient, TestServer
+from test_http_hardening import MODEL, ScriptedSource, TimedTokenizer, call, done, post  # noqa: F401
 from test_http_hardening import token, tokenizer  # noqa: F401 (fixtures)
 
+from pd_serve.gateway.app import build_app
 from pd_serve.gateway.source import TokenEvent
 
 
@@ -105,9 +108,80 @@ def test_echo_of_token_ids_keeps_their_special_tokens(tokenizer, token):
     assert echoes == [text + tokenizer.decode([token])] * 2
 
 
-def test_echo_with_logprobs_is_400(tokenizer, token):
-    status, _, out = post(tokenizer, [], {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1})
-    assert status == 400 and out["error"]["param"] == "echo"
+def _scored_prompt(tokenizer, text: str):
+    """A prompt's ids and made-up logprobs for all but its first token (top 1: token id 7)."""
+    from pd_serve.protocol import Logprob
+
+    ids = tokenizer.encode(text)
+    return ids, [Logprob(t, -0.5 - i, [(7, -0.25)]) for i, t in enumerate(ids[1:])]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_puts_the_prompts_logprobs_first(tokenizer, token, stream):
+    """OpenAI's legacy echo with logprobs (lm-eval's loglikelihood request): the prompt's tokens
+    lead the logprobs, the first with null entries; the request asks the source for them."""
+    from pd_serve.protocol import Logprob
+
+    ids, scored = _scored_prompt(tokenizer, "Say hi to me:")
+    script = [TokenEvent([token], [Logprob(token, -1.0, [(token, -1.0)])], finished=True,
+                         finish_reason="length", prompt_logprobs=scored)]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1,
+            "stream": stream}
+    status, _, out = post(tokenizer, script, body)
+    assert status == 200, out
+    if stream:
+        events = [json.loads(e[6:]) for e in out.split("\n\n") if e.startswith("data: {")]
+        (lp,) = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+        text = "".join(e["choices"][0]["text"] for e in events)
+    else:
+        lp, text = out["choices"][0]["logprobs"], out["choices"][0]["text"]
+    words = [tokenizer.decode([t], skip_special_tokens=False) for t in ids + [token]]
+    assert text == "".join(words)
+    assert lp["tokens"] == words
+    assert lp["token_logprobs"] == [None] + [e.logprob for e in scored] + [-1.0]
+    seven = tokenizer.decode([7], skip_special_tokens=False)
+    assert lp["top_logprobs"] == [None] + [{seven: -0.25, w: e.logprob} for w, e in zip(words[1:], scored)] \
+        + [{words[-1]: -1.0}]
+    assert lp["text_offset"] == [sum(map(len, words[:i])) for i in range(len(words))]
+
+
+def test_echo_with_logprobs_asks_the_source_for_the_prompts(tokenizer, token):
+    ids, scored = _scored_prompt(tokenizer, "Count: one two")
+    source = ScriptedSource([TokenEvent([token], finished=True, finish_reason="length",
+                                        prompt_logprobs=scored)])
+
+    async def go():
+        async with TestClient(TestServer(build_app(source, tokenizer))) as client:
+            for echo in (True, False):
+                resp = await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": ids, "max_tokens": 1, "logprobs": 3, "echo": echo})
+                assert resp.status == 200, await resp.text()
+    asyncio.run(go())
+    assert [s.params.prompt_logprobs for s in source.specs] == [3, None]
+
+
+def test_echo_with_logprobs_fails_on_a_source_without_them(tokenizer, token):
+    ids, scored = _scored_prompt(tokenizer, "Count: one two")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0}
+    for prompt_logprobs in (None, scored[1:], [scored[1]] + scored[1:]):
+        script = [TokenEvent([token], finished=True, finish_reason="length", prompt_logprobs=prompt_logprobs)]
+        status, _, out = post(tokenizer, script, body)
+        assert status == 500 and "prompt logprobs do not match" in out["error"]["message"], out
+
+
+def test_echo_with_logprobs_past_the_entry_limit_is_400(tokenizer, token):
+    from pd_serve.gateway.openai_protocol import MAX_PROMPT_LOGPROB_ENTRIES
+    from pd_serve.protocol import Logprob
+
+    ids = [token] * 600
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 20}
+    n = MAX_PROMPT_LOGPROB_ENTRIES // (600 * 21)
+    script = [TokenEvent([token], finished=True, finish_reason="length",
+                         prompt_logprobs=[Logprob(token, -1.0, [])] * 599)]
+    status, _, out = post(tokenizer, script, body | {"n": n}, max_model_len=4096)
+    assert status == 200, out
+    status, _, out = post(tokenizer, script, body | {"n": n + 1}, max_model_len=4096)
+    assert status == 400 and out["error"]["param"] == "logprobs", out
 
 
 def test_chat_logprob_bytes_join_to_the_content(tokenizer):
