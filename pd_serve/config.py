@@ -9,6 +9,7 @@ are store_true flags. Nothing writes a config after start-up.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import MISSING, dataclass, field, fields
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "random", "priority")
@@ -257,6 +258,9 @@ class GatewayConfig:
         None, "split a reasoning model's <think>...</think> out of chat output as "
         "reasoning_content: deepseek-r1 (the opening tag may be missing), qwen3",
         choices=REASONING_PARSERS)
+    allowed_origins: str = _opt(
+        "", "browser origins that may call the API (CORS), comma-separated, e.g. "
+        "https://app.example.com, or * for any (default: none, no CORS headers)")
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control message (empty: none)
 
     def __post_init__(self) -> None:
@@ -272,6 +276,15 @@ class GatewayConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.retry_max_retries < 0:
             raise ValueError("--retry-max-retries must be >= 0")
+        bad = [o for o in self.origins if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o)]
+        if bad:
+            raise ValueError(f"--allowed-origins {bad[0]!r} is not an origin: scheme://host[:port] "
+                             "(no path), or *")
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        """--allowed-origins as a tuple."""
+        return tuple(o.strip() for o in self.allowed_origins.split(",") if o.strip())
 
 
 # ---- CLI flags from the fields ----------------------------------------------------------------

@@ -4,7 +4,9 @@
     runner = await start_server(app, "127.0.0.1", 8000)   # ...; await runner.cleanup()
 
 Every error leaves as OpenAI's JSON error body, aiohttp's own (404, 405, 413) included; with an
-API key, every path but OPEN_PATHS needs "Authorization: Bearer <key>".
+API key, every path but OPEN_PATHS needs "Authorization: Bearer <key>". With allowed origins
+(CORS, for browser apps), responses to them carry Access-Control-Allow-Origin, streams and
+errors included, and their preflight OPTIONS requests are answered before the key is checked.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def build_app(source: TokenSource, tokenizer: Tokenizer,
               extra_routes: Iterable[web.RouteDef] | None = None, *, api_key: str = "",
               body_timeout_s: float = 30.0, send_timeout_s: float = 30.0,
               tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> web.Application:
+              reasoning_parser: str | None = None,
+              allowed_origins: tuple[str, ...] = ()) -> web.Application:
     """An application serving the OpenAI API from `source`.
 
     `extra_routes` are added first and win: a route of theirs with the same method and path
@@ -66,9 +69,13 @@ def build_app(source: TokenSource, tokenizer: Tokenizer,
     is a 408; a stream its client leaves unread for `send_timeout_s` is closed and aborted.
     `tool_call_parser` / `reasoning_parser`: read tool calls (tool_choice auto) and
     reasoning out of chat output (gateway/tool_parsers.py, gateway/reasoning.py; None: off).
+    `allowed_origins`: browser origins (or "*") the API answers CORS requests of.
     """
-    middlewares = [json_errors] + ([require_api_key(api_key)] if api_key else [])
+    middlewares = ([cors_preflight(allowed_origins)] if allowed_origins else []) + [json_errors] \
+        + ([require_api_key(api_key)] if api_key else [])
     app = web.Application(client_max_size=CLIENT_MAX_SIZE, middlewares=middlewares)
+    if allowed_origins:
+        app.on_response_prepare.append(cors_headers(allowed_origins))
     server = OpenAIServer(source, tokenizer, request_id_generator(), body_timeout_s,
                           tool_call_parser, reasoning_parser, send_timeout_s)
     app[APP_KEY_OPENAI] = server
@@ -96,6 +103,49 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     except Exception as e:
         logger.exception("%s %s failed", request.method, request.path)
         return error_response(ApiError(f"internal error: {e!r}", status=500))
+
+
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_MAX_AGE_S = 600  # how long a browser may reuse a preflight's answer
+
+
+def _allowed(origin: str | None, origins: tuple[str, ...]) -> str | None:
+    """The Access-Control-Allow-Origin value for a request's Origin header (None: not allowed)."""
+    if origin is None:
+        return None
+    return "*" if "*" in origins else (origin if origin in origins else None)
+
+
+def cors_preflight(origins: tuple[str, ...]):
+    """A middleware answering an allowed origin's preflight (OPTIONS with
+    Access-Control-Request-Method) with 204 and what it may send: the API's methods and the
+    headers it asked for (Authorization, Content-Type); the browser sends no key on it."""
+    @web.middleware
+    async def preflight(request: web.Request, handler) -> web.StreamResponse:
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers \
+                and _allowed(request.headers.get("Origin"), origins) is not None:
+            asked = request.headers.get("Access-Control-Request-Headers", "")
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": CORS_METHODS,
+                "Access-Control-Allow-Headers": asked or "Authorization, Content-Type",
+                "Access-Control-Max-Age": str(CORS_MAX_AGE_S)})
+        return await handler(request)
+
+    return preflight
+
+
+def cors_headers(origins: tuple[str, ...]):
+    """An on_response_prepare hook: every response to an allowed origin (a stream's before its
+    first byte, an error's too) lets the browser read it, Retry-After included."""
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        allow = _allowed(request.headers.get("Origin"), origins)
+        if allow is not None:
+            response.headers["Access-Control-Allow-Origin"] = allow
+            response.headers["Access-Control-Expose-Headers"] = "Retry-After"
+            if allow != "*":
+                response.headers["Vary"] = "Origin"
+
+    return add
 
 
 def require_api_key(api_key: str):

@@ -45,7 +45,8 @@ async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) ->
     app = build_app(cluster, tokenizer, make_routes(cluster), api_key=config.api_key,
                     body_timeout_s=config.body_timeout_s, send_timeout_s=config.send_timeout_s,
                     tool_call_parser=config.tool_call_parser or None,
-                    reasoning_parser=config.reasoning_parser or None)
+                    reasoning_parser=config.reasoning_parser or None,
+                    allowed_origins=config.origins)
     try:
         runner = await start_server(app, host, port, config.timeout_keep_alive_s)
     except OSError as e:  # bad input: one line naming the flags (cli.main)

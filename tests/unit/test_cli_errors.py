@@ -96,3 +96,11 @@ def test_kv_receiver_that_cannot_bind_says_which_flag(used_port):
 
     with pytest.raises(ValueError, match=f"--host 127.0.0.1 --port {used_port}: the KV receiver"):
         KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", port=used_port)
+
+
+@pytest.mark.parametrize("value", ["https://app.example.com/", "app.example.com", "https://a.com,ftp://b"])
+def test_gateway_refuses_an_allowed_origin_that_is_no_origin(capsys, monkeypatch, value):
+    # (a browser's Origin is scheme://host[:port]: one with a path would never match)
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
+    monkeypatch.setattr("pd_serve.gateway.server.serve", lambda *a: pytest.fail("started"))
+    one_line_error(capsys, ["gateway", "--allowed-origins", value], "--allowed-origins")

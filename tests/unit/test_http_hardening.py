@@ -641,3 +641,43 @@ def test_error_after_the_first_token_is_an_sse_event(tokenizer, token):
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == " hello hello"
     error = json.loads(events[-2])["error"]
     assert "decode worker 3 died" in error["message"] and error["type"] == "service_unavailable"
+
+
+# ---- CORS (--allowed-origins) ----------------------------------------------------------------
+APP_ORIGIN = "https://app.example.com"
+PREFLIGHT = {"Origin": APP_ORIGIN, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+def test_an_allowed_origins_preflight_is_answered_before_the_key(tokenizer):
+    status, headers, _ = call(tokenizer, [], "OPTIONS", "/v1/chat/completions", headers=PREFLIGHT,
+                              api_key="k", allowed_origins=(APP_ORIGIN,))
+    assert status == 204
+    assert headers["Access-Control-Allow-Origin"] == APP_ORIGIN and headers["Vary"] == "Origin"
+    assert headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_allowed_origin_can_read_answers_streams_and_errors(tokenizer, token, stream):
+    origin = {"Origin": APP_ORIGIN}
+    for key, want in (("k", 200), ("wrong", 401)):
+        status, headers, _ = call(tokenizer, done(token), "POST", "/v1/completions",
+                                  completion(stream=stream), origin | {"Authorization": f"Bearer {key}"},
+                                  api_key="k", allowed_origins=("https://other.example", APP_ORIGIN))
+        assert status == want and headers["Access-Control-Allow-Origin"] == APP_ORIGIN
+        assert headers["Access-Control-Expose-Headers"] == "Retry-After"
+
+
+def test_other_origins_get_no_cors_headers_and_star_allows_any(tokenizer, token):
+    evil = {"Origin": "https://evil.example"}
+    for allowed in ((APP_ORIGIN,), ()):
+        status, headers, _ = call(tokenizer, done(token), "POST", "/v1/completions", completion(),
+                                  evil, allowed_origins=allowed)
+        assert status == 200 and "Access-Control-Allow-Origin" not in headers
+        status, headers, _ = call(tokenizer, [], "OPTIONS", "/v1/completions",
+                                  headers=PREFLIGHT | evil, allowed_origins=allowed)
+        assert status == 405 and "Access-Control-Allow-Origin" not in headers
+    status, headers, _ = call(tokenizer, done(token), "POST", "/v1/completions", completion(),
+                              evil, allowed_origins=("*",))
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*" and "Vary" not in headers
