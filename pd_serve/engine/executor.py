@@ -91,6 +91,7 @@ class Executor:
         self.model_dir, self.samples = model_dir, samples
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first grammar
         self._sampled_rows = 0  # rows the last launched plan sampled (a follower's pending)
+        self._scoring: set[str] = set()  # requests that asked for prompt logprobs
         self._build(model_dir, max_model_len, samples)
 
     def _build(self, model_dir: Path, max_model_len: int, samples: bool) -> None:
@@ -178,11 +179,14 @@ class Executor:
         """Apply what the plan says changed (its docstring gives the order)."""
         for request_id in plan.finished_ids:
             self.requests.pop(request_id, None)
+            self._scoring.discard(request_id)
         for request_id in plan.preempted_ids:
             if request_id in self.requests:
                 self.requests[request_id].page_ids = []
         for new in plan.new_requests:
             cached = self.requests[new.request_id] = CachedRequest(new, self.model_config.vocab_size)
+            if cached.sampling_params.prompt_logprobs is not None:
+                self._scoring.add(new.request_id)
             if cached.sampling_params.grammar is not None and self.samples:
                 cached.grammar = self.grammars().matcher(cached.sampling_params.grammar)
                 cached.grammar.accept(cached.output_token_ids)  # sampled elsewhere: replayed
@@ -251,7 +255,7 @@ class Executor:
 
     def _batch(self, plan: StepPlan) -> Batch:
         return Batch([BatchChunk(self.requests[c.request_id], c.start, c.num_tokens, c.sample)
-                      for c in plan.chunks])
+                      for c in plan.chunks], may_score=bool(self._scoring))
 
 
 def _after_layer(plan: StepPlan, on_layer):

@@ -33,7 +33,7 @@ from pd_serve.engine.sampler import PendingSample, Sampler, SamplerOutput, score
 from pd_serve.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
-SCORE_ROWS = 1024  # prompt-logprob rows at a time: their float32 logits stay ~0.5 GB at 128k vocabulary
+SCORE_ROWS = 256  # prompt-logprob rows at a time: their float32 logits stay ~128 MB at 128k vocabulary
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -56,6 +56,8 @@ class BatchChunk:
 @dataclass
 class Batch:
     chunks: list[BatchChunk]
+    # some request of the executor asked for prompt logprobs (else no chunk is looked at for them)
+    may_score: bool = True
 
 
 class ModelRunner:
@@ -124,7 +126,7 @@ class ModelRunner:
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
         graphable = (all(c.num_tokens == 1 for c in batch.chunks) and after_layer is None
-                     and not any(_scored(c) for c in batch.chunks))
+                     and not (batch.may_score and any(_scored(c) for c in batch.chunks)))
         if self.graphs and graphable and len(batch.chunks) <= max(self.graphs):
             return self._launch_graph(batch, prev_tokens)
         flat, sample_rows = self._flat_batch(batch)
@@ -152,6 +154,8 @@ class ModelRunner:
         prompt logprobs; StepResult.prompt_logprobs' form), from the logits of SCORE_ROWS rows
         at a time, copied to the host at once: such a step waits for its forward. Every rank
         computes the logits (under TP their all-gather needs each); the sampling one keeps them."""
+        if not batch.may_score:
+            return {}
         spans, rows, targets, offset = [], [], [], 0
         for c in batch.chunks:
             if n := _scored(c):

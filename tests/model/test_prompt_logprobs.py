@@ -52,8 +52,10 @@ def assert_matches(out, prompt: list[int], ref: torch.Tensor, num_top: int) -> N
         assert torch.allclose(row[ids], values, atol=1e-4)  # ...at ids that have them (near ties)
 
 
-def test_prompt_logprobs_equal_transformers_over_chunks_and_batches(engine, prompts, hf):
-    """Scored prompts batched with unscored ones, every prompt over several 10-token chunks."""
+def test_prompt_logprobs_equal_transformers_over_chunks_and_batches(engine, prompts, hf, monkeypatch):
+    """Scored prompts batched with unscored ones, every prompt over several 10-token chunks,
+    their logits taken 7 rows at a time."""
+    monkeypatch.setattr("pd_serve.engine.runner.SCORE_ROWS", 7)
     params = [SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=k) for k in (3, 0, None, 1)]
     outs = engine.generate(prompts, params)
     for out, prompt, p in zip(outs, prompts, params):

@@ -137,3 +137,25 @@ def test_batch1_kernels_flag_on_cpu_says_it_does_nothing(monkeypatch, tiny_check
         Engine(tiny_checkpoints["llama3"], device="cpu", max_total_tokens=256,
                enable_batch1_kernels=True)
     assert "--enable-batch1-kernels has no effect on cpu" in caplog.text
+
+
+def test_a_one_token_chunk_that_scores_the_prompt_runs_eagerly(monkeypatch, tiny_checkpoints):
+    """With one-token prefill chunks every prompt step looks like decode; one whose logits score
+    the prompt (prompt logprobs) must not go through the graphs, which keep the last row's only."""
+    monkeypatch.setenv("PD_SERVE_TRITON_CPU", "1")
+    monkeypatch.setattr(ModelRunner, "_capture", _capture)
+    model, prompt = tiny_checkpoints["llama3"], list(range(7, 19))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    want = Engine(model, device="cpu", attention_backend="torch", max_total_tokens=1024).generate(
+        [prompt], params)[0]
+    graphed = Engine(model, device="cpu", attention_backend="triton", max_total_tokens=1024,
+                     page_size=4, chunked_prefill_size=1)
+    graphed.runner.capture_cuda_graphs(8, 64)
+    EagerGraph.replays = 0
+    got = graphed.generate([prompt], params)[0]
+    assert EagerGraph.replays >= 2  # the decode steps did replay
+    assert got.token_ids == want.token_ids
+    assert [e.token_id for e in got.prompt_logprobs] == prompt[1:]
+    assert [e.logprob for e in got.prompt_logprobs] == pytest.approx([e.logprob for e in want.prompt_logprobs],
+                                                                       abs=1e-4)
+    assert_pages_settled(graphed)
