@@ -284,6 +284,7 @@ def _check_common(body, model: ModelInfo, fields: frozenset[str]) -> dict:
     n = _opt(body, "n", int)
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise ApiError(f"n={n} must be in [1, {MAX_CHOICES}]", "n")
+    _opt(body, "parallel_tool_calls", bool)  # (read where tools are: a non-boolean is refused)
     return body
 
 
@@ -544,7 +545,8 @@ def _messages(messages) -> list[dict]:
         if content is None and role == "assistant":
             content = ""
         elif isinstance(content, list):
-            content = "\n".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+            content = "\n".join(_text_part(part, f"{where}.content[{j}]", role)
+                                for j, part in enumerate(content))
         elif not isinstance(content, str):
             raise ApiError(f"{where}.content must be a string or a list of text parts, "
                            f"got {_json_type(content)}", f"{where}.content")
@@ -582,11 +584,16 @@ def _template_tool_call(call, where: str) -> dict:
     return call | {"function": function | {"arguments": arguments}}
 
 
-def _text_part(part, where: str) -> str:
-    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-        kind = part.get("type") if isinstance(part, dict) else _json_type(part)
-        raise ApiError(f"{where}: only {{\"type\": \"text\", \"text\": ...}} parts are supported, "
-                       f"got {kind!r}", where)
+def _text_part(part, where: str, role: str) -> str:
+    """A content part's text: a text part's, or an assistant's refusal part's (what the model
+    said, as OpenAI returns it and clients send it back in the history)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+        return part["refusal"]
+    if kind != "text" or not isinstance(part.get("text"), str):
+        raise ApiError(f"{where}: only {{\"type\": \"text\", \"text\": ...}} parts (and an "
+                       f"assistant's {{\"type\": \"refusal\", \"refusal\": ...}}) are supported, "
+                       f"got {kind if kind is not None else _json_type(part)!r}", where)
     return part["text"]
 
 

@@ -681,3 +681,35 @@ def test_other_origins_get_no_cors_headers_and_star_allows_any(tokenizer, token)
     status, headers, _ = call(tokenizer, done(token), "POST", "/v1/completions", completion(),
                               evil, allowed_origins=("*",))
     assert status == 200 and headers["Access-Control-Allow-Origin"] == "*" and "Vary" not in headers
+
+
+# ---- chat history and tool fields as OpenAI clients send them ---------------------------------
+def _chat(messages, **fields) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": 1} | fields
+
+
+def test_an_assistant_refusal_part_in_the_history_is_its_text(tokenizer, token):
+    """OpenAI returns a refusal as message.refusal; clients send it back as a content part."""
+    from pd_serve.gateway.openai_protocol import ModelInfo, parse_chat
+
+    info = ModelInfo(MODEL, tokenizer, 1024)
+    history = [{"role": "user", "content": "Do the bad thing."},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+               {"role": "user", "content": "Then say hi."}]
+    prompt = tokenizer.decode(parse_chat(_chat(history), info).prompts[0], skip_special_tokens=False)
+    assert "I can't help with that." in prompt
+    status, _, out = post(tokenizer, done(token), _chat(history), "/v1/chat/completions")
+    assert status == 200, out
+    user_refusal = [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]
+    status, _, out = post(tokenizer, done(token), _chat(user_refusal), "/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == "messages[0].content[0]", out
+
+
+@pytest.mark.parametrize("value", ["yes", 1, [True]])
+def test_a_non_boolean_parallel_tool_calls_is_400(tokenizer, token, value):
+    for path, body in (("/v1/chat/completions", _chat([{"role": "user", "content": "hi"}])),
+                       ("/v1/completions", completion())):
+        status, _, out = post(tokenizer, done(token), body | {"parallel_tool_calls": value}, path)
+        assert status == 400 and out["error"]["param"] == "parallel_tool_calls", out
+    status, _, out = post(tokenizer, done(token), completion(parallel_tool_calls=False))
+    assert status == 200, out
