@@ -463,7 +463,8 @@ class Cluster(TokenSource):
         (authenticated by the cluster key) or, for replies that carry no worker id, from the
         connection it registered on: the ROUTER's routing ids are its own, per connection, so
         a peer cannot squat a worker id and keep the worker out. A registration from another
-        connection moves the worker there (a reconnect, or a restart under the same id)."""
+        connection moves the worker there (a reconnect, or a restart under the same id), and
+        ends the requests it held (what was on the old connection may be lost)."""
         if len(frames) != 2:
             protocol.refused("control", f"a message of {len(frames)} frames")
             return
@@ -508,6 +509,15 @@ class Cluster(TokenSource):
                 protocol.refused("control", f"a status of {worker_id!r} no newer than the last "
                                             "(one sent again)")
                 return
+            if state is not None and route != state.route:
+                # Its control connection broke and zmq connected it again: what was in flight
+                # on the old one, either way (a request's last tokens, an Admit), may be lost,
+                # and nothing else would tell (its statuses keep it looking alive). Its requests
+                # end as on a restart (those no client saw output of go again); it registers
+                # on the new connection below.
+                self._drop(worker_id, f"worker {worker_id} reconnected (what was in flight on "
+                                      "its old connection may be lost)", fail_queued=False)
+                state = None
             if state is None:
                 if error := status_error(msg):
                     protocol.refused("control", f"registration of {worker_id}: {error}")
@@ -527,10 +537,6 @@ class Cluster(TokenSource):
                 return
             elif msg.draining and not state.status.draining:
                 logger.info("worker %s is draining: no new requests go to it", worker_id)
-            if route != state.route:
-                logger.info("worker %s reconnected", worker_id)
-                self._routes.pop(state.route, None)
-                state.route, self._routes[route] = route, worker_id
             state.status = msg
             self._capacity.set()
         if state is None:

@@ -691,6 +691,23 @@ async def test_a_worker_on_a_new_connection_is_served_there(cluster, add):
 
 
 @with_gateway()
+async def test_a_worker_that_reconnects_ends_what_it_held(cluster, add):
+    """A worker whose control connection broke (a reset, a TCP timeout after a partition) is
+    connected again by zmq, on a new connection: what was in flight on the old one, either way,
+    is lost (here: the request's last tokens). Its requests end with an error (or go again,
+    before output) at once, instead of waiting for messages that never come while the worker's
+    statuses keep it looking alive; the worker serves on from the new connection."""
+    first, _, task = await held_request(cluster, add)
+    await first.close()  # the old connection is gone, with what was on it
+    second = add("decode", "d")
+    second.seq = first.seq + 1  # the same process (incarnation): its statuses count on
+    events = await asyncio.wait_for(task, 20)
+    assert events[-1].finished and "reconnected" in events[-1].error
+    await until(lambda: any(not p.request_ids for p in second.of(GatewayPing)))
+    assert not (await collect(cluster, spec("r2")))[-1].error and second.of(StartDecode)
+
+
+@with_gateway()
 async def test_hostile_control_messages_are_refused_and_the_gateway_serves_on(cluster, add):
     await one_pair(cluster, add)
     before = _errors("control")
