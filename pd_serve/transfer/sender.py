@@ -14,6 +14,7 @@ address (a restarted decode worker) is a new peer, with new process groups (torc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -508,8 +509,13 @@ class KVSender:
                         and len(message) < per_message):
                     continue
                 prepared = now()
-                self._socks[address].send_multipart(
-                    [self.codec.encode(KVChunks(headers, counts)), *frames], copy=False)
+                try:  # never wait here: every other receiver's transfers would wait too
+                    self._socks[address].send_multipart(
+                        [self.codec.encode(KVChunks(headers, counts)), *frames], copy=False,
+                        flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    raise TransferError(f"{address} takes nothing: its send queue is full (the "
+                                        "receiver, or the link to it, is stalled)") from None
                 sent = now()
                 for sent_job in message:
                     self.plane.finish(address, sent_job.chunk, sent_job.src_page_ids, sent_job.ready)
@@ -564,7 +570,9 @@ class KVSender:
     def _abort_one(self, key: tuple[str, str], reason: str) -> None:
         sock = self._socks.get(key[1])
         if sock is not None:
-            sock.send(self.codec.encode(TransferAbort(key[0], reason)))
+            # (a full queue: the receiver gets no abort, and hears from its own side instead)
+            with contextlib.suppress(zmq.Again):
+                sock.send(self.codec.encode(TransferAbort(key[0], reason)), zmq.NOBLOCK)
         self._finish(key, ok=False, error=reason)
 
     def _expire(self, poller: zmq.Poller) -> None:

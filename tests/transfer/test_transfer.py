@@ -584,6 +584,96 @@ def test_a_dead_receivers_address_does_not_hold_up_the_others():
     live.close()
 
 
+class _StallingProxy:
+    """A TCP relay to `address` that can stop moving bytes (both ways) without closing, as a
+    partitioned link does: TCP backs up into the sender, nothing errors."""
+
+    def __init__(self, address: str):
+        import socket
+        self.target = int(address.rsplit(":", 1)[1])
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stalled = threading.Event()
+        self.socks = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        while True:
+            try:
+                a = self.listener.accept()[0]
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            self.socks += [a, b]
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, a, b) -> None:
+        import select
+        peer = {a: b, b: a}
+        try:
+            while True:
+                if self.stalled.is_set():
+                    time.sleep(0.05)
+                    continue
+                for s in select.select([a, b], [], [], 0.05)[0]:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        return
+                    peer[s].sendall(data)
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_a_stalled_receiver_does_not_hold_up_the_others():
+    """A receiver that takes nothing (a partition between a prefill and a decode worker, the
+    decode still registered) fills zmq's queue to it: 1,000 messages (a request sends one a
+    layer group, more for large prompts). The next send then blocked the sender's I/O thread:
+    no transfer to any other receiver went out or ended, and no --transfer-timeout fired, for
+    as long as the link stayed dark (forever, were its host gone: no reset ever comes). Now a
+    send that would wait fails its requests and drops the pair; the others go on."""
+    from pd_serve.cache.pool import KVLayout
+    timeout_s = 5.0
+    layout = KVLayout(num_layers=4, page_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
+    # a page a chunk, a chunk a message (64 KiB each)
+    snd = KVSender(seeded_pool(layout, 4, SEED), "tcp", timeout_s=timeout_s, chunk_bytes=1,
+                   max_chunk_bytes=1)
+    far, live = (KVReceiver(poisoned_pool(layout, 4), "tcp", timeout_s=timeout_s)
+                 for _ in range(2))
+    proxy = _StallingProxy(far.address)
+    try:
+        for i, (rec, address) in enumerate(((far, proxy.address), (live, live.address))):
+            rec.expect(f"warm{i}", [i])
+            snd.send(f"warm{i}", address, [i], [i])
+        assert sorted(r.ok for r in wait_results(snd, 2, 10)) == [True, True]
+        proxy.stalled.set()
+        # 3,000 messages: the kernel's buffers on both ends of the relay take a few hundred
+        snd.send("to-far", proxy.address, [2] * 3000, [2] * 3000)
+        time.sleep(1.0)
+        live.expect("to-live", [3])
+        start = time.monotonic()
+        snd.send("to-live", live.address, [3], [3])
+        arrived = {}
+        while len(arrived) < 2 and time.monotonic() < start + timeout_s + 10:
+            for result in snd.poll(0.05):
+                arrived[result.request_id] = (result.ok, time.monotonic() - start)
+        assert "to-live" in arrived and arrived["to-live"][0], arrived
+        assert arrived["to-live"][1] < timeout_s, arrived
+        assert "to-far" in arrived and not arrived["to-far"][0], arrived
+        assert [r.ok for r in wait_results(live, 2, 10)] == [True, True]
+    finally:
+        proxy.stalled.clear()
+        snd.close()
+        for rec in (far, live):
+            rec.close()
+        proxy.close()
+
+
 _CLOSE_MID_SEND = """
 import random, sys
 import zmq.utils.garbage
