@@ -237,6 +237,8 @@ class PrefillDone:
     error: str = ""
     timings: dict = field(default_factory=dict)
     prompt_logprobs: list[Logprob] | None = None  # as TokenDelta's
+    # the KV did not reach decode (the transfer failed): the request may go to another pair
+    retryable: bool = False
 
 
 @dataclass

@@ -35,6 +35,10 @@ from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Gen
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
 FULL_BACKOFF_S = 0.05  # a decode worker whose pool was full gets no new request for this long
+# A prefill+decode pair whose KV transfer failed (a partition between them, a stalled decode the
+# control plane still sees alive) gets no new request for this long while another pair can
+# take it; the request itself goes again, on another pair if there is one.
+TRANSFER_BACKOFF_S = 10.0
 DISPATCH_TICK_S = 0.05
 SILENCE_CHECK_S = 5.0  # how often a waiting request looks whether its workers still step
 
@@ -42,8 +46,8 @@ SILENCE_CHECK_S = 5.0  # how often a waiting request looks whether its workers s
 class ClusterError(Exception):
     """A request the cluster cannot serve, with the HTTP status it maps to: 400 (it can never
     fit), 429 (the queue is full), 503 (no workers or no capacity in time), 500 (a worker
-    failed). worker_lost: a worker of the request left the cluster (the request may go again
-    on others)."""
+    failed). worker_lost: a worker of the request left the cluster, or its KV did not reach
+    decode (the request may go again on others)."""
 
     def __init__(self, message: str, status: int = 500, retry_after: float | None = None,
                  worker_lost: bool = False):
@@ -100,6 +104,7 @@ class Cluster(TokenSource):
         self._num_waiting = 0
         self._seq = itertools.count()
         self._capacity = asyncio.Event()  # set when a queued request may now find a pair
+        self._failed_pairs: dict[tuple[str, str], float] = {}  # (prefill, decode) -> back-off end
         self.fatal = ""  # why a background task died: /health reports it, the server exits
         self.dead = asyncio.Event()
         self._ctx = zmq.asyncio.Context.instance()
@@ -240,7 +245,10 @@ class Cluster(TokenSource):
                                               reply.cached_tokens))
         done = await self._next(flight, PrefillDone)  # (prefill has left it: _deliver)
         if not done.ok:
-            raise ClusterError(f"prefill failed: {done.error}")
+            if done.retryable:  # the KV did not arrive: this pair rests, the request goes again
+                self._failed_pairs[prefill.worker_id, decode.worker_id] = \
+                    time.monotonic() + TRANSFER_BACKOFF_S
+            raise ClusterError(f"prefill failed: {done.error}", worker_lost=done.retryable)
         timer.prefill_timings = done.timings | {"decode_cached_tokens": reply.cached_tokens}
         timer.tokens(1)
         self._send(decode.worker_id, StartDecode(spec.request_id, done.first_token_id, done.logprob))
@@ -371,11 +379,26 @@ class Cluster(TokenSource):
         decodes = [d for d in self.pool("decode")
                    if d.full_until <= now and len(d.inflight) < d.status.max_running_requests]
         prefills = [p for p in self.pool("prefill") if p.prefill_has_room(len(spec.prompt_token_ids))]
+        # Pairs whose transfer failed lately are passed over while any other pair exists (it
+        # may only lack room now); with none, they are tried again.
+        rest = False
+        if self._failed_pairs:
+            self._failed_pairs = {k: t for k, t in self._failed_pairs.items() if t > now}
+            rest = not all(self._rests(p, d) for p in self.pool("prefill") for d in self.pool("decode")
+                           if not pair_error(p.status, d.status))
+            if rest:
+                decodes = [d for d in decodes if any(not self._rests(p, d) for p in prefills)]
         for decode in ([self.routers["decode"].pick(decodes, spec.prompt_token_ids)] if decodes else []):
-            ok = [p for p in prefills if not pair_error(p.status, decode.status)]
+            ok = [p for p in prefills if not pair_error(p.status, decode.status)
+                  and not (rest and self._rests(p, decode))]
             if ok:
                 return decode, self.routers["prefill"].pick(ok, spec.prompt_token_ids)
         return None
+
+    def _rests(self, prefill: WorkerState, decode: WorkerState) -> bool:
+        """The pair's last transfer failed less than TRANSFER_BACKOFF_S ago (_pick_pair drops
+        the entries past it)."""
+        return (prefill.worker_id, decode.worker_id) in self._failed_pairs
 
     async def _stream(self, flight, timer) -> AsyncIterator[TokenEvent]:
         while True:

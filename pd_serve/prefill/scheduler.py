@@ -93,7 +93,7 @@ class PrefillScheduler(RoleScheduler):
                    "transferred_tokens": request.num_prompt_tokens - job.skip_pages * page_size}
         return [PrefillDone(request.request_id, result.ok, request.output_token_ids[0],
                             None if lp is None else Logprob.of(lp), result.error, timings,
-                            prompt_logprob_rows(request))]
+                            prompt_logprob_rows(request), retryable=not result.ok)]
 
     def poll_ms(self) -> int:
         """Prompts whose KV is on its way wait only for transfer results: look again soon."""

@@ -43,6 +43,8 @@ class FakeWorker:
         self.full_replies = 0  # decode: answer this many Admits "full" first
         self.finish = True  # decode: end a request at StartDecode
         self.prefill_ok = True
+        self.address = "tcp://127.0.0.1:1"  # decode: its KV receiver
+        self.unreachable: set[str] = set()  # prefill: KV receivers its transfers to fail
         self.answer_prefill = True  # prefill: answer a Prefill at once (else never)
         self.stuck = False  # heartbeats only: alive, but its loop never comes round
         self.seq = 0  # WorkerStatus.seq of the last status
@@ -53,7 +55,7 @@ class FakeWorker:
         self.seq += 1
         return WorkerStatus(worker_id=self.worker_id, role=self.role, model="m", seq=self.seq,
                             incarnation=self.incarnation, transfer_backend="tcp",
-                            transfer_addresses=["tcp://127.0.0.1:1"] if self.role == "decode" else [],
+                            transfer_addresses=[self.address] if self.role == "decode" else [],
                             layout=LAYOUT, num_pages=self.num_pages, num_free_pages=self.num_pages,
                             max_running_requests=self.max_running, max_prefill_tokens=64,
                             max_model_len=4096)
@@ -86,10 +88,14 @@ class FakeWorker:
                     self.full_replies -= 1
                     self.send(AdmitReply(msg.request_id, False, error="full", retryable=True))
                 else:
-                    self.send(AdmitReply(msg.request_id, True, [0], ["tcp://127.0.0.1:1"]))
+                    self.send(AdmitReply(msg.request_id, True, [0], [self.address]))
             elif isinstance(msg, Prefill) and self.answer_prefill:
-                self.send(PrefillDone(msg.request_id, self.prefill_ok, 7,
-                                      error="" if self.prefill_ok else "boom"))
+                if msg.decode_addresses[0] in self.unreachable:
+                    self.send(PrefillDone(msg.request_id, False, error="KV transfer: no "
+                                          "acknowledgement within 30 s", retryable=True))
+                else:
+                    self.send(PrefillDone(msg.request_id, self.prefill_ok, 7,
+                                          error="" if self.prefill_ok else "boom"))
             elif isinstance(msg, StartDecode) and self.finish:
                 self.send(TokenBatch(self.worker_id, [TokenDelta(msg.request_id, [8], None, True, "length")]))
             elif isinstance(msg, Generate):  # colocated: both tokens at once
@@ -324,6 +330,43 @@ async def test_a_failed_prefill_aborts_the_request_on_decode(cluster, add):
     events = await collect(cluster, spec("r"))
     assert "prefill failed: boom" in events[-1].error
     await until(lambda: [m.request_id for m in decode.of(AbortRequest)] == ["r"])
+
+
+@with_gateway()
+async def test_a_failed_transfer_goes_to_another_pair_and_its_pair_rests(cluster, add):
+    """A transfer that fails (a partition between prefill and one decode, which the control
+    plane still sees alive) sends the request, which has no output yet, to another pair; the
+    failed pair gets no new request while another pair can take it."""
+    d1, prefill = await one_pair(cluster, add)
+    prefill.answer_prefill = False
+    task = asyncio.create_task(collect(cluster, spec("r")))
+    await until(lambda: prefill.of(Prefill))
+    d2 = add("decode", "d2")
+    d2.address = "tcp://127.0.0.1:2"
+    await ready(cluster, 3)
+    prefill.unreachable, prefill.answer_prefill = {d1.address}, True
+    prefill.send(PrefillDone("r", False, error="KV transfer: no acknowledgement", retryable=True))
+    events = await asyncio.wait_for(task, 20)
+    assert [t for e in events for t in e.new_token_ids] == [7, 8] and not events[-1].error
+    assert prefill.of(Prefill)[1].decode_addresses == [d2.address]
+    for i in range(4):
+        events = await collect(cluster, spec(f"r{i}"))
+        assert events[-1].finished and not events[-1].error
+    assert len(d1.of(Admit)) == 1 and len(d2.of(StartDecode)) == 5
+
+
+@with_gateway(retry_max_retries=2)
+async def test_a_pair_whose_transfers_fail_is_tried_again_when_it_is_the_only_one(cluster, add):
+    """With no other pair, a resting one still serves (the failure may have passed); a request
+    whose transfers keep failing ends with the error after --retry-max-retries."""
+    decode, prefill = await one_pair(cluster, add)
+    prefill.unreachable = {decode.address}
+    events = await collect(cluster, spec("r"))
+    assert "KV transfer: no acknowledgement" in events[-1].error
+    assert len(prefill.of(Prefill)) == 3  # the first try and two more
+    prefill.unreachable = set()
+    events = await collect(cluster, spec("r2"))
+    assert events[-1].finished and not events[-1].error
 
 
 @with_gateway()

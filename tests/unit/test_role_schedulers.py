@@ -182,7 +182,7 @@ def test_prefill_holds_pages_until_the_transfer_result(cores):
     assert conn.sent[0].dst_page_ids == [7, 9] and len(conn.sent[0].src_page_ids) == 2
     assert prefill.held_request_ids() == {"p"} and core.allocator.num_used_pages == 2
     [done] = prefill.on_transfer(TransferResult("p", ok=True, num_bytes=123, seconds=0.5))
-    assert isinstance(done, PrefillDone) and done.ok and done.first_token_id >= 0
+    assert isinstance(done, PrefillDone) and done.ok and done.first_token_id >= 0 and not done.retryable
     assert done.timings["transfer_bytes"] == 123
     assert prefill.held_request_ids() == set()
     assert_all_pages_free(core)
@@ -203,7 +203,8 @@ def test_prefill_refuses_and_aborts(cores):
     prefill.handle(AbortRequest("s"))
     assert conn.cancelled == ["s"] and core.allocator.num_used_pages == 1
     [done] = prefill.on_transfer(TransferResult("s", ok=False, error="cancelled"))
-    assert not done.ok
+    assert not done.ok and done.retryable  # (the KV did not arrive: another pair may serve it)
+    assert not refused.retryable
     assert_all_pages_free(core)
 
 
