@@ -249,31 +249,53 @@ class OpenAIServer:
                         return web.Response(status=499)
         except Exception as e:
             return error_response(_api_error(e, shape.id))
-        # The body is built and serialized a choice at a time, the event loop running between
-        # choices: n=128 with top-20 logprobs is ~20 MB of JSON, a second and more of CPU that
-        # would otherwise stall every other stream on the gateway.
-        choices, num_tokens = [], 0
-        for i, ds in enumerate(received):  # every choice ended with a final delta
-            num_tokens += sum(len(d.token_ids) for d in ds)
+        # The body is built and serialized a choice at a time, in a worker thread: n=128 with
+        # top-20 logprobs of long outputs is hundreds of MB of JSON (~1.4 s of CPU for one
+        # 8k-token chat choice), which on the event loop stalled every stream and /health for
+        # as long (a yield between choices did not help: a waiting request needs several turns
+        # of the loop). A choice's deltas are let go once it is JSON.
+        cached = _cached_tokens([sum(d.cached_tokens for d in ds) for ds in received], parsed.n)
+        timings = next((d.timings for d in reversed(received[0]) if d.timings), None)
+
+        def serialize(i: int, ds: list[_Delta]) -> bytes:
             lp = shape.logprobs([e for d in ds for e in d.logprobs or []],
                                 [o for d in ds for o in d.text_offsets], parsed.logprobs,
                                 next((d.prompt for d in ds if d.prompt), None)) \
                 if parsed.logprobs is not None else None
-            choice = shape.choice(i, "".join(d.text for d in ds), lp, ds[-1].finish_reason)
-            choices.append(json.dumps(choice))
-            await asyncio.sleep(0)
-        cached = _cached_tokens([sum(d.cached_tokens for d in ds) for ds in received], parsed.n)
+            return json.dumps(shape.choice(i, "".join(d.text for d in ds), lp,
+                                           ds[-1].finish_reason)).encode()
+
+        choices, num_tokens = [], 0
+        for i, ds in enumerate(received):  # every choice ended with a final delta
+            num_tokens += sum(len(d.token_ids) for d in ds)
+            received[i] = []
+            choices.append(await asyncio.to_thread(serialize, i, ds))
+            del ds
         body = shape.response([], _usage(sum(map(len, parsed.prompts)), num_tokens, cached))
-        timings = next((d.timings for d in reversed(received[0]) if d.timings), None)
         if timings:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
             body["timings"] = timings
-        # body's empty list, in its place: "choices": [] cannot occur unescaped in a JSON string
-        text = json.dumps(body).replace('"choices": []', f'"choices": [{", ".join(choices)}]', 1)
-        return web.Response(text=text, content_type="application/json")
+
+        def assemble() -> bytes:  # body's empty list, in its place: "choices": [] cannot occur
+            head, tail = json.dumps(body).encode().split(b'"choices": []', 1)  # unescaped in a string
+            parts = [head, b'"choices": [']
+            for j, choice in enumerate(choices):
+                parts += [b", ", choice] if j else [choice]
+            return b"".join(parts + [b"]", tail])
+        return web.Response(body=await asyncio.to_thread(assemble), content_type="application/json",
+                            charset="utf-8")
 
     async def _stream(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]], shape,
                       parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
         extra = {"usage": None} if parsed.include_usage else {}
+
+        def render(i: int, d: _Delta) -> list[bytes]:
+            lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs,
+                                d.prompt) if parsed.logprobs is not None else None
+            chunks = shape.chunks(i, d.text, lp, d.finish_reason)
+            if chunks and d.finish_reason and d.timings:  # pd-serve's extension,
+                chunks[-1]["timings"] = d.timings       # as in a whole reply
+            return [_event(chunk | extra) for chunk in chunks]
+
         num_tokens = 0
         cached = [0] * num_choices
         async with aclosing(deltas):
@@ -294,13 +316,12 @@ class OpenAIServer:
                         num_tokens += len(d.token_ids)
                         cached[i] += d.cached_tokens
                         if d.text or d.logprobs or d.finish_reason:  # else nothing visible yet
-                            lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs,
-                                                d.prompt) if parsed.logprobs is not None else None
-                            chunks = shape.chunks(i, d.text, lp, d.finish_reason)
-                            if chunks and d.finish_reason and d.timings:  # pd-serve's extension,
-                                chunks[-1]["timings"] = d.timings       # as in a whole reply
-                            for chunk in chunks:
-                                await write(_event(chunk | extra))
+                            # echo's prompt logprobs (up to MAX_PROMPT_LOGPROB_ENTRIES entries,
+                            # seconds of CPU) are rendered off the event loop
+                            events = await asyncio.to_thread(render, i, d) if d.prompt \
+                                else render(i, d)
+                            for event in events:
+                                await write(event)
                         item = await anext(deltas, None)
                     if parsed.include_usage:
                         usage = _usage(sum(map(len, parsed.prompts)), num_tokens,

@@ -229,3 +229,53 @@ def test_completion_top_logprobs_hold_the_sampled_token(tokenizer, stream):
     assert tops(2) == [{word[c]: -0.5, word[d]: -1.0, word[a]: -3.0},
                        {word[b]: -0.2, word[c]: -2.0}]
     assert tops(0) == [{word[a]: -3.0}, {word[b]: -0.2}]
+
+
+@pytest.mark.parametrize("path,stream", [("/v1/completions", False), ("/v1/completions", True),
+                                         ("/v1/chat/completions", False)])
+def test_large_logprobs_are_rendered_off_the_event_loop(tokenizer, token, monkeypatch, path, stream):
+    """A whole reply's logprobs (n x max_tokens x top 20: hundreds of MB of JSON, seconds of
+    CPU per long chat choice) and a stream's echoed prompt logprobs (up to
+    MAX_PROMPT_LOGPROB_ENTRIES) are built in a worker thread: on the event loop they stalled
+    every stream and /health for as long. The reply is unchanged."""
+    from pd_serve.gateway import openai_api
+    from pd_serve.protocol import Logprob
+
+    on_loop = []  # per logprobs build of a whole choice or of a prompt: was it on the loop?
+
+    def watched(build):
+        def logprobs(self, entries, offsets, num_top, prompt=None):
+            if prompt is not None or not stream:
+                try:
+                    asyncio.get_running_loop()
+                    on_loop.append(True)
+                except RuntimeError:
+                    on_loop.append(False)
+            return build(self, entries, offsets, num_top, prompt)
+        return logprobs
+
+    for shape in (openai_api._CompletionShape, openai_api._ChatShape):
+        monkeypatch.setattr(shape, "logprobs", watched(shape.logprobs))
+    ids, scored = _scored_prompt(tokenizer, "Say hi to me:")
+    chat = path == "/v1/chat/completions"
+    script = [TokenEvent([token], [Logprob(token, -1.0, [(token, -1.0)])],
+                         prompt_logprobs=None if chat else scored),
+              TokenEvent([token], [Logprob(token, -1.0, [(token, -1.0)])], finished=True,
+                         finish_reason="length")]
+    body = ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
+            if chat else {"prompt": ids, "echo": True, "logprobs": 1})
+    status, headers, out = post(tokenizer, script, body | {"model": MODEL, "max_tokens": 2, "n": 3,
+                                                           "stream": stream}, path)
+    assert status == 200, out
+    assert on_loop and not any(on_loop), on_loop
+    if stream:
+        return
+    assert headers["Content-Type"] == "application/json; charset=utf-8"
+    word = tokenizer.decode([token])
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["usage"]["completion_tokens"] == 6
+    for c in out["choices"]:
+        if chat:
+            assert c["message"]["content"] == word * 2 and len(c["logprobs"]["content"]) == 2
+        else:
+            assert c["text"].endswith(word * 2) and len(c["logprobs"]["tokens"]) == len(ids) + 2
