@@ -142,7 +142,9 @@ class OpenAIServer:
         try:
             info = self._model_info()
             body = await _read_json(request, self.body_timeout_s)
-            return web.json_response(await asyncio.to_thread(answer, body, info))
+            # serialized there too: /tokenize's reply with token strings is tens of MB of JSON
+            reply = await asyncio.to_thread(lambda: json.dumps(answer(body, info)).encode())
+            return web.Response(body=reply, content_type="application/json", charset="utf-8")
         except ApiError as e:
             return error_response(e)
 

@@ -4,7 +4,7 @@
 messages rendered with the chat template ({"messages": [...], "add_generation_prompt": true,
 "add_special_tokens": false}); it answers {"count", "max_model_len", "tokens", "token_strs"}
 (token_strs only when return_token_strs is true, else null). /detokenize takes {"tokens": [...]}
-and answers {"prompt": text}. Bad input is an ApiError (400), as for the OpenAI routes. A text
+and answers {"prompt": text}; at most the context's tokens (max_model_len). Bad input is an ApiError (400), as for the OpenAI routes. A text
 past the context is counted, unless it has more characters than the context's tokens could
 stand for (a 400: tokenizing MiBs holds a gateway thread for seconds and takes hundreds of MiB).
 """
@@ -52,6 +52,11 @@ def detokenize(body, model: ModelInfo) -> dict:
     vocab = model.tokenizer.vocab_size
     if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
         raise ApiError("'tokens' must be a list of token ids", "tokens")
+    limit = model.max_model_len
+    if limit is not None and len(ids) > limit:  # the tokenizer's decode holds the GIL: 5.6M ids
+        # (a 32 MiB body) held every thread and the event loop for 10 s, into ~450M characters
+        raise ApiError(f"{len(ids)} tokens; at most the model's context ({limit}) per request",
+                       "tokens")
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")

@@ -52,6 +52,17 @@ def test_bad_tokenize_bodies_are_400(tokenizer, path, body, param):
     assert status == 400 and out["error"]["param"] == param, out
 
 
+def test_detokenize_takes_at_most_the_context(tokenizer, token):
+    """/detokenize of a 32 MiB body (5.6M ids of an 81-character token) held the GIL in the
+    tokenizer's decode for 10 s, stalling /health and every stream, and grew the gateway by
+    2.4 GB: more ids than the context (1,024 here) are a 400, undecoded."""
+    status, _, out = post(tokenizer, [], {"tokens": [token] * 1024}, "/detokenize")
+    assert status == 200 and out["prompt"] == tokenizer.decode([token]) * 1024, out
+    status, _, out = post(tokenizer, [], {"tokens": [token] * 1025}, "/detokenize")
+    assert status == 400 and out["error"]["param"] == "tokens", out
+    assert "1025 tokens" in out["error"]["message"]
+
+
 def test_tokenize_counts_past_the_context_but_not_past_what_it_could_hold(tokenizer):
     """/tokenize counts a text longer than the context (1,024 tokens here), but refuses one of
     more characters than 1,024 tokens could stand for, untokenized: 16 MiB bodies of it, eight
