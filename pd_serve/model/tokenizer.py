@@ -17,6 +17,9 @@ from tokenizers import Tokenizer as _Backend
 
 # Prompt tokens decoded with the first output tokens, so a token's text is seen in context.
 _PROMPT_CONTEXT_TOKENS = 5
+# Ids an IncrementalDetokenizer holds back while their text ends inside a character (U+FFFD),
+# at most: a character takes 4 tokens at most, so more are bytes that never form one.
+_MAX_PENDING_TOKENS = 8
 LONG_TEXT = 1 << 16  # characters from which encode releases the GIL (encode_batch)
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -181,13 +184,26 @@ class IncrementalDetokenizer:
 
     def _advance(self, final: bool) -> str:
         window = self._ids[self._prefix_offset:]
-        prefix_text = self._decode(window[:self._read_offset - self._prefix_offset])
+        read = self._read_offset - self._prefix_offset  # window[read:] is not emitted yet
+        prefix_text = self._decode(window[:read])
         new_text = self._decode(window)
+        end = len(window)
         if new_text.endswith("\ufffd") and not final:
-            return ""
+            if len(window) - read <= _MAX_PENDING_TOKENS:
+                return ""
+            # A character's bytes span at most 4 tokens: text still ending in U+FFFD after
+            # more pending tokens than that holds bytes no character completes (a model made
+            # to emit lone continuation bytes, by logit_bias). Waiting on, the window grew a
+            # token a step and each step decoded all of it: 8k such tokens took 8 s of the
+            # gateway's event loop per choice. The text up to a cut before the last tokens is
+            # emitted, at the last cut whose text the whole window's text goes on from.
+            end = next((cut for cut in range(len(window) - 3, read, -1)
+                        if new_text.startswith(text := self._decode(window[:cut]))), end)
+            if end < len(window):
+                new_text = text
         delta = new_text[len(prefix_text):]
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset += end - read
         # Drop ids left of the window so memory stays O(window) too.
         del self._ids[:self._prefix_offset]
         self._read_offset -= self._prefix_offset

@@ -236,3 +236,24 @@ def test_token_bytes_of_a_byte_fallback_vocabulary(tmp_path):
     ids = fallback.encode("hi 世界", add_special_tokens=False)
     assert [fallback.token_bytes(i) for i in ids[-6:]] == [bytes([b]) for b in "世界".encode()]
     assert b"".join(fallback.token_bytes(i) for i in ids) == " hi 世界".encode()
+
+
+def test_incremental_detokenizer_window_stays_small_on_bytes_that_form_no_character(tok):
+    """A model made to emit lone UTF-8 continuation bytes (logit_bias on the 0x80 byte token)
+    gives text that ends in U+FFFD at every step: the window grew a token a step and each step
+    decoded all of it (8k such tokens: 8 s of the gateway's event loop per choice). The window
+    now stays small, and the text is still exactly the whole output's decode, valid
+    characters split over tokens among the garbage included."""
+    (byte,) = [t for t in range(tok.vocab_size) if tok.token_bytes(t) == b"\x80"]
+    split = tok.encode(MULTIBYTE, add_special_tokens=False)
+    for ids in ([byte] * 2000, [byte] * 30 + split + [byte] * 7 + split + [byte] * 13,
+                ([byte] * 9 + split) * 20):
+        detok, deltas = _stream(tok, tok.encode("hi"), ids)
+        assert "".join(deltas) + detok.flush() == tok.decode(ids)
+        assert len(detok._ids) <= 16
+    decoded = []  # ids decoded over the 2000 steps: linear in the output, not quadratic
+    detok = IncrementalDetokenizer(tok, [])
+    detok._decode = lambda ids: decoded.append(len(ids)) or tok.decode(ids)
+    for _ in range(2000):
+        detok.step([byte])
+    assert sum(decoded) < 100 * 2000
