@@ -29,6 +29,7 @@ class ChatOutput:
         self._num_content_sent = 0
         self._sent_args: list[int] = []  # per call begun in the stream: characters of arguments sent
         self._call_ids: list[str] = []
+        self._settled = 0  # leading calls complete, all their arguments sent
 
     @property
     def num_calls(self) -> int:
@@ -49,7 +50,9 @@ class ChatOutput:
             delta["content"] = reading.content[self._num_content_sent:]
             self._num_content_sent = len(reading.content)
         calls, fragments = [], []
-        for i, call in enumerate(reading.calls):
+        # (calls before _settled are complete and sent whole: a reading repeats them unchanged)
+        for i in range(self._settled, len(reading.calls)):
+            call = reading.calls[i]
             if i == len(self._call_ids):
                 self._call_ids.append(new_call_id())
                 self._sent_args.append(0)
@@ -59,6 +62,8 @@ class ChatOutput:
             if fragment:
                 self._sent_args[i] = len(call.arguments)
                 fragments.append({"index": i, "function": {"arguments": fragment}})
+            if i == self._settled and call.complete and i + 1 < len(reading.calls):
+                self._settled += 1
         if calls:  # a call's first delta; its arguments follow in the next
             delta["tool_calls"] = calls
         elif fragments:

@@ -179,3 +179,39 @@ def test_prompt_opens_reasoning():
     # an unclosed tag in a finished message does not open the answer's reasoning
     assert not prompt_opens_reasoning("<|im_start|>user\nWhat is the <think> tag?<|im_end|>\n"
                                       "<|im_start|>assistant\n")
+
+
+def test_required_stream_reads_each_call_once():
+    """A stream reads its output again at every delta: tool_choice required read every call
+    from the start each time, n calls costing n^2 (800 small calls over 8000 deltas: 26 s of
+    the gateway's event loop). The parser resumes after the calls it has read, its reading of
+    every prefix still the one a fresh parser gives, and the stream's deltas add up to it."""
+    from pd_serve.gateway import tool_parsers
+    from pd_serve.gateway.openai_message import ChatOutput
+    from pd_serve.gateway.tool_parsers import RequiredParser
+
+    text = '[ {"name": "f", "parameters": {"x": 1}} ,\n{"name": "g", "parameters": {"s": "a, b"}},' \
+        + ' {"name": "f", "parameters": {}}, ' * 40 + '{"name": "h", "parameters": {"y": [1, 2]}}]'
+    for step in (1, 3, 7):
+        parser = RequiredParser()
+        for end in range(0, len(text) + step, step):
+            assert parser.parse(text[:end], False) == RequiredParser().parse(text[:end], False)
+        assert parser.parse(text, True) == RequiredParser().parse(text, True)
+        out, sent = ChatOutput(None, False, RequiredParser()), {}
+        for k in range(0, len(text), step):
+            for delta in out.deltas(text[k:k + step], k + step >= len(text)):
+                for call in delta.get("tool_calls", []):
+                    sent.setdefault(call["index"], []).append(call["function"]["arguments"])
+        want = RequiredParser().parse(text, True).calls
+        assert ["".join(sent[i]) for i in range(len(sent))] == [c.arguments for c in want]
+
+    calls = []  # object_call runs over the stream: linear in the calls, not quadratic
+    real = tool_parsers.object_call
+    tool_parsers.object_call = lambda *a: calls.append(1) or real(*a)
+    try:
+        out = ChatOutput(None, False, RequiredParser())
+        for k in range(len(text)):
+            out.deltas(text[k], False)
+    finally:
+        tool_parsers.object_call = real
+    assert out.num_calls == 43 and len(calls) < 3 * len(text)
