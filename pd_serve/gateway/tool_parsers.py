@@ -49,9 +49,21 @@ class ToolParser:
     so the output must be detokenized with them (skip_special_tokens off)."""
 
     keeps_special_tokens = False
+    # (text, state): where a parser of the calls in `text` may go on from in a text that goes
+    # on from it (what is before reads the same there). A stream parses its output again at
+    # every delta: reading every call from the start made n calls cost n^2 (800 small calls:
+    # 20-35 s of the gateway's event loop per choice).
+    _resume: tuple[str, tuple] | None = None
 
     def parse(self, text: str, final: bool) -> ToolReading:
         raise NotImplementedError
+
+    def _resumed(self, text: str) -> tuple | None:
+        resume = self._resume
+        return resume[1] if resume is not None and text.startswith(resume[0]) else None
+
+    def _keep(self, text: str, upto: int, *state) -> None:
+        self._resume = (text[:upto], state)
 
 
 class HermesParser(ToolParser):
@@ -66,6 +78,8 @@ class HermesParser(ToolParser):
         if first < 0:
             return ToolReading(text if final else _hold_back(text, self.start))
         content, calls, pos = text[:first].rstrip(), [], first
+        if resume := self._resumed(text):  # (after a block's end marker)
+            calls, pos = list(resume[0]), _skip(text, resume[1])
         while text.startswith(self.start, pos):
             call, end = object_call(text, _skip(text, pos + len(self.start)), final)
             if call is not None:
@@ -74,7 +88,9 @@ class HermesParser(ToolParser):
                 return ToolReading(text) if final else ToolReading(content, calls)
             pos = _skip(text, end)
             if text.startswith(self.end, pos):  # (a last block may leave it out)
-                pos = _skip(text, pos + len(self.end))
+                pos += len(self.end)
+                self._keep(text, pos, calls[:], pos)
+                pos = _skip(text, pos)
         return ToolReading(content, calls)  # text after the blocks is dropped, as in vLLM
 
 
@@ -93,7 +109,10 @@ class MistralParser(ToolParser):
         rest = text[first + len(self.start):]
         pos = _skip(rest, 0)
         if pos == len(rest) or rest[pos] == "[":
-            calls, end, _ = array_calls(rest, pos, final)
+            resume = self._resumed(text)
+            calls, end, point = array_calls(rest, pos, final, resume)
+            if point is not None:  # (rest's offsets: the prefix is the same in both)
+                self._keep(text, first + len(self.start) + point[1] + 1, *point)
             if final and (end is None or rest[end:].strip()):
                 return ToolReading(text)
             return ToolReading(content, calls)
@@ -133,6 +152,8 @@ class Llama3JsonParser(ToolParser):
         if pos == len(text) or text[pos] != "{":
             return ToolReading(text)
         calls = []
+        if resume := self._resumed(text):  # (after a call's ";")
+            calls, pos = list(resume[0]), _skip(text, resume[1])
         while True:
             call, end = object_call(text, pos, final)
             if call is None and end is not None:
@@ -146,6 +167,7 @@ class Llama3JsonParser(ToolParser):
                 return ToolReading("", calls)
             if text[pos] != ";":
                 return ToolReading(text) if final else ToolReading("", calls)
+            self._keep(text, pos + 1, calls[:], pos + 1)
             pos = _skip(text, pos + 1)
 
 
@@ -154,18 +176,10 @@ class RequiredParser(ToolParser):
     {"name": ..., "parameters": {...}}. Read the same way while running and at the end (a cut
     output keeps the calls begun); no call at all leaves the text as content."""
 
-    def __init__(self):
-        # (text, calls, comma): a resume point of array_calls for a text that goes on from
-        # this one. A stream parses its output again at every delta: reading every call from
-        # the start made n calls cost n^2 (800 one-token-bias calls: 26 s of the event loop).
-        self._resume: tuple[str, list[ToolCallText], int] | None = None
-
     def parse(self, text: str, final: bool) -> ToolReading:
-        resume = self._resume if self._resume and text.startswith(self._resume[0]) else None
-        calls, _, point = array_calls(text, _skip(text, 0), False,
-                                      resume[1:] if resume else None)
+        calls, _, point = array_calls(text, _skip(text, 0), False, self._resumed(text))
         if point is not None:
-            self._resume = (text[:point[1] + 1], *point)
+            self._keep(text, point[1] + 1, *point)
         return ToolReading(text if final and not calls else "", calls)
 
 

@@ -181,35 +181,50 @@ def test_prompt_opens_reasoning():
                                       "<|im_start|>assistant\n")
 
 
-def test_required_stream_reads_each_call_once():
-    """A stream reads its output again at every delta: tool_choice required read every call
-    from the start each time, n calls costing n^2 (800 small calls over 8000 deltas: 26 s of
-    the gateway's event loop). The parser resumes after the calls it has read, its reading of
-    every prefix still the one a fresh parser gives, and the stream's deltas add up to it."""
-    from pd_serve.gateway import tool_parsers
-    from pd_serve.gateway.openai_message import ChatOutput
-    from pd_serve.gateway.tool_parsers import RequiredParser
 
-    text = '[ {"name": "f", "parameters": {"x": 1}} ,\n{"name": "g", "parameters": {"s": "a, b"}},' \
-        + ' {"name": "f", "parameters": {}}, ' * 40 + '{"name": "h", "parameters": {"y": [1, 2]}}]'
+_MANY = ' {"name": "f", "parameters": {}}'
+MANY_CALLS = [  # (parser, output of 43 calls, odd whitespace and a "," / ";" in strings)
+    (RequiredParser, '[ {"name": "f", "parameters": {"x": 1}} ,\n{"name": "g", "parameters": '
+                     '{"s": "a, b"}},' + (_MANY + ", ") * 40 + '{"name": "h", "parameters": {"y": [1]}}]'),
+    (lambda: make_parser("mistral"), 'ok [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}} ,\n'
+                                     + (_MANY + ",") * 41 + '{"name": "h", "arguments": {"s": "a, b"}}]'),
+    (lambda: make_parser("llama3_json"), '{"name": "f", "parameters": {"s": "a; b"}} ;\n'
+                                         + (_MANY + ";") * 41 + '{"name": "h", "parameters": {}}'),
+    (lambda: make_parser("hermes"), 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call>"}}'
+                                    '\n</tool_call>\n' + ("<tool_call>" + _MANY + "</tool_call> ") * 41
+                                    + '<tool_call>{"name": "h", "arguments": {}}'),
+]
+
+
+@pytest.mark.parametrize("new_parser,text", MANY_CALLS)
+def test_a_stream_reads_each_call_once(new_parser, text):
+    """A stream reads its output again at every delta: the parsers read every call from the
+    start each time, n calls costing n^2 (800 small calls over 8000 deltas: 17-35 s of the
+    gateway's event loop per choice; tool_choice required needs no server parser, and
+    logit_bias on "," makes a model emit calls until max_tokens). They resume after the calls
+    read, their reading of every prefix still a fresh parser's, the stream's deltas adding up
+    to the final calls."""
+    from pd_serve.gateway import tool_parsers
+
+    want = new_parser().parse(text, True)
+    assert len(want.calls) == 43
     for step in (1, 3, 7):
-        parser = RequiredParser()
+        parser = new_parser()
         for end in range(0, len(text) + step, step):
-            assert parser.parse(text[:end], False) == RequiredParser().parse(text[:end], False)
-        assert parser.parse(text, True) == RequiredParser().parse(text, True)
-        out, sent = ChatOutput(None, False, RequiredParser()), {}
+            assert parser.parse(text[:end], False) == new_parser().parse(text[:end], False)
+        assert parser.parse(text, True) == want
+        out, sent = ChatOutput(None, False, new_parser()), {}
         for k in range(0, len(text), step):
             for delta in out.deltas(text[k:k + step], k + step >= len(text)):
                 for call in delta.get("tool_calls", []):
                     sent.setdefault(call["index"], []).append(call["function"]["arguments"])
-        want = RequiredParser().parse(text, True).calls
-        assert ["".join(sent[i]) for i in range(len(sent))] == [c.arguments for c in want]
+        assert ["".join(sent[i]) for i in range(len(sent))] == [c.arguments for c in want.calls]
 
     calls = []  # object_call runs over the stream: linear in the calls, not quadratic
     real = tool_parsers.object_call
     tool_parsers.object_call = lambda *a: calls.append(1) or real(*a)
     try:
-        out = ChatOutput(None, False, RequiredParser())
+        out = ChatOutput(None, False, new_parser())
         for k in range(len(text)):
             out.deltas(text[k], False)
     finally:
