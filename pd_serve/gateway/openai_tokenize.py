@@ -4,9 +4,10 @@
 messages rendered with the chat template ({"messages": [...], "add_generation_prompt": true,
 "add_special_tokens": false}); it answers {"count", "max_model_len", "tokens", "token_strs"}
 (token_strs only when return_token_strs is true, else null). /detokenize takes {"tokens": [...]}
-and answers {"prompt": text}; at most the context's tokens (max_model_len). Bad input is an ApiError (400), as for the OpenAI routes. A text
-past the context is counted, unless it has more characters than the context's tokens could
-stand for (a 400: tokenizing MiBs holds a gateway thread for seconds and takes hundreds of MiB).
+and answers {"prompt": text}, for at most the context's tokens (max_model_len). Bad input is an
+ApiError (400), as for the OpenAI routes. A text past the context is counted, unless it has
+more characters than the context's tokens could stand for (a 400: tokenizing MiBs holds a
+gateway thread for seconds and takes hundreds of MiB).
 """
 
 from __future__ import annotations
