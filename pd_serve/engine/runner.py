@@ -138,13 +138,12 @@ class ModelRunner:
         self._record_inputs_copied()
         hidden = self.model(ids, positions, self.attn, after_layer)  # [T, hidden]
         scored = self._score_prompts(hidden, batch)
-        if not sample_rows or self.sampler is None:
-            if sample_rows:  # (a TP follower: the logits' all-gather needs every rank)
-                self.model.compute_logits(hidden[self._to_device(torch.tensor(sample_rows))])
+        # (a TP follower computes the logits too, and samples nothing: the all-gather needs it)
+        logits = (self.model.compute_logits(hidden[self._to_device(torch.tensor(sample_rows))])
+                  if sample_rows else None)  # [N, vocab]
+        if logits is None or self.sampler is None:
             pending = self._nothing_sampled()
         else:
-            rows = self._to_device(torch.tensor(sample_rows))
-            logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
             pending = self.sampler.launch(logits, [c.request for c in batch.chunks if c.sample])
         pending.prompt_logprobs = scored
         return pending

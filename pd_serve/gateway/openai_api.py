@@ -272,7 +272,6 @@ class OpenAIServer:
             num_tokens += sum(len(d.token_ids) for d in ds)
             received[i] = []
             choices.append(await asyncio.to_thread(serialize, i, ds))
-            del ds
         body = shape.response([], _usage(sum(map(len, parsed.prompts)), num_tokens, cached))
         if timings:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
             body["timings"] = timings
