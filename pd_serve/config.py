@@ -62,6 +62,10 @@ class CacheConfig:
 class SchedulerConfig:
     max_running_requests: int = _opt(256)
     chunked_prefill_size: int = _opt(2048, "max prefill tokens per step; -1 disables chunking")
+    long_prefill_token_threshold: int = _opt(
+        0, "a prompt's chunk takes at most this many tokens of a step while other prompts wait "
+        "to be admitted (they get the rest of the step's budget first; what is left goes back "
+        "to the long prompt); 0: off")
     schedule_policy: str = _opt(
         "fcfs", "admission order: fcfs; lpm (longest cached prefix first); dfs-weight (requests "
         "that share a cached prefix together); random; priority (smaller first)",
@@ -72,6 +76,8 @@ class SchedulerConfig:
                self.max_running_requests, "must be >= 1")
         _check(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
                "--chunked-prefill-size", self.chunked_prefill_size, "must be >= 1, or -1 to disable")
+        _check(self.long_prefill_token_threshold >= 0, "--long-prefill-token-threshold",
+               self.long_prefill_token_threshold, "must be >= 0 (0: off)")
         _check(self.schedule_policy in SCHEDULE_POLICIES, "--schedule-policy",
                self.schedule_policy, f"must be one of {', '.join(SCHEDULE_POLICIES)}")
 
@@ -169,7 +175,10 @@ class WorkerConfig:
     port: int = _opt(0, "decode: KV receiver port (0 = any free port)")
     transfer_backend: str = _opt("auto", "auto: tcp on CPU, torch (NCCL) on GPU",
                                  choices=TRANSFER_BACKENDS)
-    transfer_timeout_s: float = _opt(30.0, "seconds", flag="--transfer-timeout")
+    transfer_timeout_s: float = _opt(
+        30.0, "seconds a KV transfer may go without a chunk (prefill sends a prompt's layer "
+        "groups as it computes them) or, after its last, without the acknowledgement",
+        flag="--transfer-timeout")
     transfer_layer_groups: int = _opt(
         1, "prefill: send each prompt's KV in this many layer groups, each as soon as the "
         "forward has computed it, overlapping transfer with compute (1: after the last layer)")

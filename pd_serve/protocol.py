@@ -113,15 +113,16 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0  # a prompt token's rank in the vocabulary (1: the likeliest); 0: not computed
 
     @classmethod
     def of(cls, lp) -> Logprob:
         """From an engine TokenLogprob."""
-        return cls(lp.token_id, lp.logprob, list(lp.top))
+        return cls(lp.token_id, lp.logprob, list(lp.top), lp.rank)
 
     def to_engine(self):
         from pd_serve.engine.request import TokenLogprob  # (torch: the gateway never needs it)
-        return TokenLogprob(self.token_id, self.logprob, list(self.top))
+        return TokenLogprob(self.token_id, self.logprob, list(self.top), self.rank)
 
 
 @dataclass
@@ -616,6 +617,8 @@ def _check_delta(row: TokenDelta) -> str:
 def _check_logprob(row: Logprob) -> str:
     if len(row.top) > MAX_TOP_LOGPROBS:
         return f"{len(row.top)} top logprobs (at most {MAX_TOP_LOGPROBS})"
+    if not 0 <= row.rank < 2**31:
+        return f"rank {row.rank}"
     return _bad_token_ids([row.token_id] + [t for t, _ in row.top])
 
 

@@ -37,7 +37,7 @@ from pd_serve.engine.attention import create_backend, resolve_backend_name
 from pd_serve.engine.grammar import GrammarCompiler, GrammarState
 from pd_serve.engine.plan import NewRequest, StepPlan, StepResult, sampling_from_wire
 from pd_serve.engine.runner import Batch, BatchChunk, ModelRunner
-from pd_serve.engine.sampler import PendingSample, Sampler, advance_generator
+from pd_serve.engine.sampler import PendingSample, Sampler, advance_generator, seeded_generator
 from pd_serve.model.config import ModelConfig, resolve_dtype
 from pd_serve.model.llama import pack_cpu_weights, use_batch1_kernels
 from pd_serve.model.loader import load_model
@@ -59,7 +59,7 @@ class CachedRequest:
         self.pending_row = -1  # its row in the samples of the step in flight
         self.grammar: GrammarState | None = None  # set by a sampling executor (structured output)
         seed = self.sampling_params.seed
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.generator = None if seed is None else seeded_generator(seed)
         for _ in range(len(self.token_ids) - self.num_prompt_tokens):
             advance_generator(self, vocab_size)  # sampled elsewhere: skip their draws
 

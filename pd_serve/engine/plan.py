@@ -143,8 +143,8 @@ class StepResult:
 
 
 def _lp_wire(lp: TokenLogprob) -> list:
-    return [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+    return [lp.token_id, lp.logprob, [list(t) for t in lp.top], lp.rank]
 
 
 def _lp_from_wire(row: list) -> TokenLogprob:
-    return TokenLogprob(row[0], row[1], [tuple(t) for t in row[2]])
+    return TokenLogprob(row[0], row[1], [tuple(t) for t in row[2]], row[3])

@@ -26,11 +26,13 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class TokenLogprob:
-    """Logprob of the sampled token and its top alternatives as (token_id, logprob) pairs."""
+    """Logprob of the sampled token and its top alternatives as (token_id, logprob) pairs; a
+    prompt token's also has its rank in the vocabulary (1: the likeliest; 0: not computed)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0
 
 
 @dataclass(eq=False)

@@ -173,12 +173,12 @@ class ModelRunner:
                 parts.append(score_tokens(logits, targets_d[i:i + SCORE_ROWS], num_top))
         if self.sampler is None:
             return {}
-        lps, top_lps, top_ids = (torch.cat(p).tolist() for p in zip(*parts))
+        lps, top_lps, top_ids, ranks = (torch.cat(p).tolist() for p in zip(*parts))
         out, row = {}, 0
         for request, start, n in spans:
             k = request.sampling_params.prompt_logprobs
             out[request.request_id] = (start, [
-                TokenLogprob(targets[i], lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])))
+                TokenLogprob(targets[i], lps[i], list(zip(top_ids[i][:k], top_lps[i][:k])), ranks[i])
                 for i in range(row, row + n)])
             row += n
         return out

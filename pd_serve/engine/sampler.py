@@ -187,6 +187,14 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits.masked_fill(drop_by_id, float("-inf"))
 
 
+def seeded_generator(seed: int) -> torch.Generator:
+    """A request's own (CPU) generator. torch's CPU generator keeps 32 bits of a seed, so the
+    API's 64-bit seed is folded (its two halves XORed): seeds that differ only above bit 31
+    would otherwise sample alike. Seeds in [0, 2**32) are taken as they are."""
+    bits = seed % 2**64
+    return torch.Generator().manual_seed((bits & 0xFFFFFFFF) ^ (bits >> 32))
+
+
 class Sampler:
     """Samples one token per row. Holds the engine-wide generator for requests without a seed."""
 
@@ -352,12 +360,14 @@ def _logprob_parts(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor,
-                 num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompt logprobs: per row of logits [N, V], the logprob of its target token [N] (the raw
-    model's, as for sampled tokens), the top num_top logprobs [N, k] and their ids [N, k]."""
+    model's, as for sampled tokens), the top num_top logprobs [N, k] and their ids [N, k], and
+    the target's rank [N] (1 + the tokens likelier than it, as vLLM counts)."""
     raw = logits.float().log_softmax(dim=-1)
     top_lp, top_ids = raw.topk(num_top, dim=-1)
-    return raw.gather(1, targets.unsqueeze(1)).squeeze(1), top_lp, top_ids
+    target = raw.gather(1, targets.unsqueeze(1))
+    return target.squeeze(1), top_lp, top_ids, (raw > target).sum(dim=1) + 1
 
 
 def _logprobs(lp: torch.Tensor, top_ids: torch.Tensor, token_list: list[int],

@@ -162,12 +162,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._token_budget()
+        cap = self.config.long_prefill_token_threshold or budget
         self.running.sort(key=self._priority_key)
         # Running requests first: decodes (1 token) and prefills already under way.
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or budget == 0 or self._at_limit(request):
                 continue
-            num = min(request.num_uncomputed_tokens, budget)
+            num = min(request.num_uncomputed_tokens, budget, cap)
             if not self._reserve_or_preempt(request, num, out):
                 continue  # preempted, finished, or waiting in place for pages held elsewhere
             out.chunks.append(self._chunk(request, num))
@@ -182,7 +183,7 @@ class Scheduler:
                 not_ready.append(self.waiting.pop(0))
                 continue
             self._match_prefix(request)
-            num = min(request.num_uncomputed_tokens, budget)
+            num = min(request.num_uncomputed_tokens, budget, cap)
             if not self._reserve(request, num):
                 fits = self._fits_pool(request, num)
                 self._unmatch_prefix(request)
@@ -196,6 +197,8 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num))
             budget -= num
         self.waiting[:0] = not_ready
+        if budget > 0 and cap < self._token_budget():
+            self._extend_capped(out, budget)
         return out
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int] | None) -> None:
@@ -219,6 +222,21 @@ class Scheduler:
                 request.output_token_ids.append(next(tokens))
 
     # ---- internals --------------------------------------------------------------------
+    def _extend_capped(self, out: SchedulerOutput, budget: int) -> None:
+        """--long-prefill-token-threshold: the step's budget the waiting prompts left goes to the
+        chunks the threshold cut short, in order, as far as their pages can be reserved (never
+        by preempting), so a long prompt alone runs as fast as without the threshold."""
+        for chunk in out.chunks:
+            request = chunk.request
+            extra = min(request.num_uncomputed_tokens - chunk.num_tokens, budget)
+            if extra <= 0 or not self._reserve(request, chunk.num_tokens + extra):
+                continue
+            chunk.num_tokens += extra
+            chunk.sample = chunk.start + chunk.num_tokens == request.num_tokens
+            budget -= extra
+            if budget == 0:
+                return
+
     def _at_limit(self, request: Request) -> bool:
         """A request whose pending token is its last (max_tokens, context): its caller ends it
         once the token is known, so it gets no step meanwhile."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -34,6 +35,10 @@ from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Gen
 
 logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest control message (a 128k-token prompt is ~1 MiB)
+# a message past this is decoded in a worker thread: a PrefillDone with an 8k-token prompt's
+# top-20 logprobs is ~4 MiB and 0.3 s of msgpack and type checks, which on the event loop
+# stalled every stream and /health
+THREAD_DECODE_BYTES = 2**20
 FULL_BACKOFF_S = 0.05  # a decode worker whose pool was full gets no new request for this long
 # A prefill+decode pair whose KV transfer failed (a partition between them, a stalled decode the
 # control plane still sees alive) gets no new request for this long while another pair can
@@ -475,26 +480,26 @@ class Cluster(TokenSource):
     async def _receive(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
-            try:
-                self._on_frames(frames)
+            if len(frames) != 2:
+                protocol.refused("control", f"a message of {len(frames)} frames")
+                continue
+            route, data = frames
+            decode = functools.partial(self.codec.receive, data, "control", f"connection {route.hex()}")
+            try:  # (a message decoded in a thread holds up the next one's receive: order holds)
+                msg = await asyncio.to_thread(decode) if len(data) > THREAD_DECODE_BYTES else decode()
+                if msg is not None:
+                    self._on_message(route, msg)
             except Exception as e:  # a message we failed to handle must not stop the rest
                 logger.exception("control socket: a message broke its handler")
                 protocol.refused("control", f"a message whose handling failed: {e!r}")
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_message(self, route: bytes, msg) -> None:
         """One message from a worker. Which worker it speaks for comes from the message
         (authenticated by the cluster key) or, for replies that carry no worker id, from the
         connection it registered on: the ROUTER's routing ids are its own, per connection, so
         a peer cannot squat a worker id and keep the worker out. A registration from another
         connection moves the worker there (a reconnect, or a restart under the same id), and
         ends the requests it held (what was on the old connection may be lost)."""
-        if len(frames) != 2:
-            protocol.refused("control", f"a message of {len(frames)} frames")
-            return
-        route, data = frames
-        msg = self.codec.receive(data, "control", f"connection {route.hex()}")
-        if msg is None:
-            return
         state = self._worker_on(route)
         worker_id = getattr(msg, "worker_id", None) or (state.worker_id if state else None)
         if worker_id is None:

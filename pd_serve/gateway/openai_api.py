@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import json
 import logging
 import math
@@ -41,6 +40,7 @@ from pd_serve.protocol import Logprob
 
 logger = logging.getLogger(__name__)
 
+_WRITE_BYTES = 2**20  # a whole reply goes out in writes of at most this
 _MIN_LOGPROB = -9999.0  # -inf is not JSON; clamp as vLLM does
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
@@ -237,7 +237,7 @@ class OpenAIServer:
         return ids, scored
 
     async def _complete(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]],
-                        shape, parsed: ParsedRequest, num_choices: int) -> web.Response:
+                        shape, parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
         received: list[list[_Delta]] = [[] for _ in range(num_choices)]  # each choice's deltas
         try:
             async with aclosing(deltas):
@@ -254,42 +254,58 @@ class OpenAIServer:
         # The body is built and serialized a choice at a time, in a worker thread: n=128 with
         # top-20 logprobs of long outputs is hundreds of MB of JSON (~1.4 s of CPU for one
         # 8k-token chat choice), which on the event loop stalled every stream and /health for
-        # as long (a yield between choices did not help: a waiting request needs several turns
-        # of the loop). A choice's deltas are let go once it is JSON.
+        # as long. A choice's deltas are let go once it is JSON, and the parts go out as they
+        # are (Content-Length from their sum), never joined into one copy of the body.
         cached = _cached_tokens([sum(d.cached_tokens for d in ds) for ds in received], parsed.n)
         timings = next((d.timings for d in reversed(received[0]) if d.timings), None)
 
         def serialize(i: int, ds: list[_Delta]) -> bytes:
+            prompt = next((d.prompt for d in ds if d.prompt), None)
             lp = shape.logprobs([e for d in ds for e in d.logprobs or []],
                                 [o for d in ds for o in d.text_offsets], parsed.logprobs,
-                                next((d.prompt for d in ds if d.prompt), None)) \
+                                prompt if parsed.echo_texts is not None else None) \
                 if parsed.logprobs is not None else None
-            return json.dumps(shape.choice(i, "".join(d.text for d in ds), lp,
-                                           ds[-1].finish_reason)).encode()
+            choice = shape.choice(i, "".join(d.text for d in ds), lp, ds[-1].finish_reason)
+            if parsed.prompt_logprobs is not None and shape.prompt_logprobs_per_choice:
+                choice["prompt_logprobs"] = shape.prompt_logprobs(prompt, parsed.prompt_logprobs)
+            return json.dumps(choice).encode()
 
-        choices, num_tokens = [], 0
-        for i, ds in enumerate(received):  # every choice ended with a final delta
-            num_tokens += sum(len(d.token_ids) for d in ds)
-            received[i] = []
-            choices.append(await asyncio.to_thread(serialize, i, ds))
+        num_tokens = sum(len(d.token_ids) for ds in received for d in ds)
         body = shape.response([], _usage(sum(map(len, parsed.prompts)), num_tokens, cached))
         if timings:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
             body["timings"] = timings
-
-        def assemble() -> bytes:  # body's empty list, in its place: "choices": [] cannot occur
-            head, tail = json.dumps(body).encode().split(b'"choices": []', 1)  # unescaped in a string
-            parts = [head, b'"choices": [']
-            for j, choice in enumerate(choices):
-                parts += [b", ", choice] if j else [choice]
-            return b"".join(parts + [b"]", tail])
-        return web.Response(body=await asyncio.to_thread(assemble), content_type="application/json",
-                            charset="utf-8")
+        if parsed.prompt_logprobs is not None and not shape.prompt_logprobs_per_choice:
+            prompt = next(d.prompt for d in received[0] if d.prompt)  # (one prompt: chat's)
+            body["prompt_logprobs"] = await asyncio.to_thread(shape.prompt_logprobs, prompt,
+                                                              parsed.prompt_logprobs)
+        head, tail = json.dumps(body).encode().split(b'"choices": []', 1)  # (unescaped in a string)
+        parts = [head + b'"choices": [']
+        for i, ds in enumerate(received):  # every choice ended with a final delta
+            received[i] = []
+            parts += [b", "] if i else []
+            parts.append(await asyncio.to_thread(serialize, i, ds))
+        parts.append(b"]" + tail)
+        response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+        response.content_length = sum(map(len, parts))
+        try:
+            await response.prepare(request)
+            for i, part in enumerate(parts):
+                parts[i] = b""
+                view = memoryview(part)  # in slices: the transport copies what it buffers
+                for k in range(0, len(view), _WRITE_BYTES):
+                    await _write(response, view[k:k + _WRITE_BYTES], self.send_timeout_s)
+            await response.write_eof()
+        except ConnectionResetError as e:  # the client left or reads nothing
+            logger.info("%s: %s", shape.id, e or "client gone before the reply's end")
+            if request.transport is not None:
+                request.transport.abort()
+        return response
 
     async def _stream(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]], shape,
                       parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
         extra = {"usage": None} if parsed.include_usage else {}
 
-        def render(i: int, d: _Delta) -> list[bytes]:
+        def render(i: int, d: _Delta) -> list[bytes]:  # (no prompt_logprobs: not with stream)
             lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs,
                                 d.prompt) if parsed.logprobs is not None else None
             chunks = shape.chunks(i, d.text, lp, d.finish_reason)
@@ -398,9 +414,25 @@ class _Shape:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def prompt_logprobs(self, prompt: tuple[list[int], list[Logprob]], num_top: int) -> list:
+        """vLLM's prompt_logprobs: null for the first token (nothing precedes it), then per
+        token {id: {logprob, rank, decoded_token}}, the token itself first, then its top
+        num_top (ranks 1..num_top), each id once."""
+        out: list[dict | None] = [None]
+        for entry in prompt[1]:
+            ranked = {str(entry.token_id): self._ranked(entry.token_id, entry.logprob, entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top[:num_top], 1):
+                ranked.setdefault(str(token_id), self._ranked(token_id, logprob, rank))
+            out.append(ranked)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": _clamp(logprob), "rank": rank, "decoded_token": self._token(token_id)}
+
 
 class _CompletionShape(_Shape):
     object = chunk_object = "text_completion"
+    prompt_logprobs_per_choice = True  # (vLLM's place for them; chat's: the response)
 
     def chunks(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> list[dict]:
         return [self._head(self.object) | {"choices": [self.choice(index, text, logprobs, finish_reason)]}]
@@ -413,7 +445,8 @@ class _CompletionShape(_Shape):
         """OpenAI's legacy format: parallel lists, top alternatives as {token: logprob} with the
         sampled token among them (OpenAI's "up to logprobs + 1" entries; vLLM's too). With
         echo, the prompt's tokens come first, the first with null entries (nothing precedes
-        it), their offsets the running lengths of their tokens' text (as vLLM's)."""
+        it), each offset where the token's text starts in the echoed prompt, as the output's
+        are (a token that ends inside a character starts where that character will)."""
         out = {"tokens": [self._token(e.token_id) for e in entries],
                "token_logprobs": [_clamp(e.logprob) for e in entries],
                "top_logprobs": [self._top(e, num_top) for e in entries],
@@ -425,7 +458,13 @@ class _CompletionShape(_Shape):
         return {"tokens": tokens + out["tokens"],
                 "token_logprobs": [None] + [_clamp(e.logprob) for e in scored] + out["token_logprobs"],
                 "top_logprobs": [None] + [self._top(e, num_top) for e in scored] + out["top_logprobs"],
-                "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=0)) + out["text_offset"]}
+                "text_offset": self._offsets(ids) + out["text_offset"]}
+
+    def _offsets(self, ids: list[int]) -> list[int]:
+        """Where each token's text starts in the prompt's text, as OutputText finds the output's."""
+        text = OutputText(self.tokenizer, [], [], skip_special_tokens=False)
+        text.add(ids)
+        return text.token_offsets
 
     def _top(self, entry: Logprob, num_top: int) -> dict[str, float]:
         top = {self._token(t): _clamp(lp) for t, lp in entry.top[:num_top]}
@@ -435,6 +474,7 @@ class _CompletionShape(_Shape):
 
 class _ChatShape(_Shape):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
+    prompt_logprobs_per_choice = False
 
     outputs: list[ChatOutput]  # per choice: its text read for reasoning and tool calls
 
@@ -493,8 +533,9 @@ def _event(payload: dict) -> bytes:
 
 
 async def _write(response: web.StreamResponse, data: bytes, timeout_s: float) -> None:
-    """One SSE event out. A client that has read none of what is buffered for timeout_s is
-    taken as gone (ConnectionResetError, as when it leaves): it holds no request for longer."""
+    """One SSE event (or a slice of a whole reply) out. A client that has read none of what is
+    buffered for timeout_s is taken as gone (ConnectionResetError, as when it leaves): it holds
+    no request for longer."""
     try:
         async with asyncio.timeout(timeout_s):
             await response.write(data)

@@ -27,14 +27,15 @@ from pd_serve.gateway.openai_tools import (ToolChoice, ToolsError, parse_tools,
 from pd_serve.gateway.reasoning import prompt_opens_reasoning
 from pd_serve.gateway.tool_parsers import make_parser
 from pd_serve.model.tokenizer import Tokenizer
+from pd_serve.protocol import MAX_TOP_LOGPROBS
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Message keys passed through to the chat template besides role and content.
 _MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "tool_call_id")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one request: prompts (a completions batch) x n
-# echo with logprobs: prompt tokens x choices x (logprobs + 1) in one request: one worker's
-# message of them stays far inside the control plane's 64 MiB, the response under ~50 MB
+# echo with logprobs, or prompt_logprobs: prompt tokens x choices x (N + 1) in one request: one
+# worker's message of them stays far inside the control plane's 64 MiB, the response under ~50 MB
 MAX_PROMPT_LOGPROB_ENTRIES = 2**20
 # A text of more characters than this times the context is judged by its head first (_encode).
 HEAD_CHARS_PER_TOKEN = 8
@@ -48,19 +49,28 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _INT64 = (-2**63, 2**63)  # [low, high) of integer fields: what msgpack and the engine carry
 _SEED_RANGE = (-2**63, 2**64)  # a seed may also be an unsigned 64-bit integer
 
+# vLLM's chat fields for the template (render_chat)
+CHAT_TEMPLATE_FIELDS = frozenset(("add_generation_prompt", "continue_final_message",
+                                  "chat_template_kwargs"))
+# names the template gets from the server, which chat_template_kwargs may not set
+_RESERVED_TEMPLATE_NAMES = frozenset(("messages", "tools", "add_generation_prompt",
+                                      "continue_final_message", "bos_token", "eos_token",
+                                      "pad_token", "unk_token"))
+_CONTINUE_MARK = "PD_SERVE_CONTINUE_HERE "
 # Body fields each endpoint implements, plus ones accepted and ignored because they do not
 # change the output. Any other field is a 400 unless it is null or in _OFF_VALUES: a request
 # is never served while silently dropping what it asked for (a JSON format, tools, a grammar).
 _COMMON_FIELDS = frozenset((
     "model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-    "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs", "priority",
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+    "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs",
+    "prompt_logprobs", "priority", "user", "metadata", "store", "service_tier",
+    "parallel_tool_calls", "prompt_cache_key",
     "safety_identifier", "response_format", "guided_json", "guided_regex", "guided_grammar",
     "regex", "ebnf"))
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools",
-                                 "tool_choice"}
+                                 "tool_choice"} | CHAT_TEMPLATE_FIELDS
 # Unimplemented fields, with the values that ask for nothing beyond plain text.
 _OFF_VALUES = {"functions": [[]], "function_call": ["none"], "suffix": [""]}
 
@@ -158,6 +168,8 @@ class ParsedRequest:
     prompts: one prompt's token ids, or a /v1/completions batch's. Each prompt gets n choices.
     logprobs: None, or N top alternatives per token (chat's top_logprobs, completions' logprobs).
     echo_texts: completions' echo: each prompt's text, put in front of its choices' text.
+    prompt_logprobs: vLLM's field: N top alternatives of each prompt token, with ranks (params'
+        prompt_logprobs is the larger of it and echo's logprobs: one scoring serves both).
     tool_choice: chat's, when the output is read for tool calls (None: it is not).
     prompt_opens_reasoning: chat's rendered prompt ends inside an open <think>.
     """
@@ -170,6 +182,7 @@ class ParsedRequest:
     logprobs: int | None
     priority: int
     echo_texts: list[str] | None = None
+    prompt_logprobs: int | None = None
     tool_choice: ToolChoice | None = None
     prompt_opens_reasoning: bool = False
 
@@ -207,14 +220,7 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
         _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
         prompts.append(ids)
     parsed = _parsed(body, prompts, params, logprobs)
-    if echo and logprobs is not None:  # the prompt's tokens get theirs too
-        entries = sum(map(len, prompts)) * parsed.n * (logprobs + 1)
-        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
-            raise ApiError(f"echo with logprobs {logprobs}: the prompt tokens of {len(prompts) * parsed.n} "
-                           f"choice(s) would take {entries} logprob entries, more than "
-                           f"{MAX_PROMPT_LOGPROB_ENTRIES}; ask for fewer logprobs, choices or prompt "
-                           f"tokens", "logprobs")
-        parsed.params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    _score_prompts(parsed, body, logprobs if echo else None)
     if echo:
         texts = body["prompt"] if _is_batch(body["prompt"]) else [body["prompt"]]
         # a prompt of ids echoes as their whole text, special tokens included (as its
@@ -235,11 +241,7 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
         tools = parse_tools(body, model.tool_call_parser)
     except ToolsError as e:
         raise ApiError(str(e), e.param) from None
-    try:
-        text = model.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **({"tools": tools.tools} if tools.tools else {}))
-    except (TemplateError, ValueError) as e:
-        raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages")
+    text = render_chat(body, model, messages, **({"tools": tools.tools} if tools.tools else {}))
     prompt_ids = _encode(text, model, "messages", add_special_tokens=False)
     if not prompt_ids:
         raise ApiError("the messages rendered to an empty prompt", "messages")
@@ -262,6 +264,7 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
         params = dataclasses.replace(params, skip_special_tokens=False)  # the call markers
     _check_context(len(prompt_ids), params.max_tokens, given, model.max_model_len, "messages")
     parsed = _parsed(body, [prompt_ids], params, logprobs)
+    _score_prompts(parsed, body, None)
     parsed.tool_choice = tools.choice
     parsed.prompt_opens_reasoning = prompt_opens_reasoning(text)
     return parsed
@@ -286,6 +289,29 @@ def _check_common(body, model: ModelInfo, fields: frozenset[str]) -> dict:
         raise ApiError(f"n={n} must be in [1, {MAX_CHOICES}]", "n")
     _opt(body, "parallel_tool_calls", bool)  # (read where tools are: a non-boolean is refused)
     return body
+
+
+def _score_prompts(parsed: ParsedRequest, body: dict, echo_logprobs: int | None) -> None:
+    """Set what scores the prompt: vLLM's prompt_logprobs N (not with stream, as vLLM) and
+    completions' echo with logprobs take one SamplingParams.prompt_logprobs, the larger N."""
+    asked = _opt(body, "prompt_logprobs", int)
+    if asked is not None:
+        if not 0 <= asked <= MAX_TOP_LOGPROBS:
+            raise ApiError(f"prompt_logprobs={asked} must be in [0, {MAX_TOP_LOGPROBS}]", "prompt_logprobs")
+        if parsed.stream:
+            raise ApiError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+        parsed.prompt_logprobs = asked
+    wanted = [n for n in (asked, echo_logprobs) if n is not None]
+    if not wanted:
+        return
+    num_top, field = max(wanted), "prompt_logprobs" if asked == max(wanted) else "logprobs"
+    entries = sum(map(len, parsed.prompts)) * parsed.n * (num_top + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ApiError(f"{field} {num_top} for the prompt tokens of {len(parsed.prompts) * parsed.n} "
+                       f"choice(s) would take {entries} logprob entries, more than "
+                       f"{MAX_PROMPT_LOGPROB_ENTRIES}; ask for fewer logprobs, choices or prompt "
+                       f"tokens", field)
+    parsed.params = dataclasses.replace(parsed.params, prompt_logprobs=num_top)
 
 
 def _parsed(body: dict, prompts: list[list[int]], params: SamplingParams,
@@ -526,6 +552,42 @@ def _prompt_token_ids(prompt, model: ModelInfo, where: str) -> list[int]:
 def _wrap_seed(seed: int) -> int:
     """seed + i kept in the 64-bit range _sampling_params allows."""
     return seed - 2**64 if seed >= 2**64 else seed
+
+
+def render_chat(body: dict, model: ModelInfo, messages: list[dict], **extra) -> str:
+    """The prompt text of checked `messages` under the body's template fields, as vLLM reads
+    them: add_generation_prompt (default true) opens the assistant's turn;
+    continue_final_message (default false) leaves the final message open, its text the
+    prompt's end, for the model to go on from; chat_template_kwargs reach the template (such
+    as Qwen3's enable_thinking)."""
+    generation = _opt(body, "add_generation_prompt", bool)
+    resume = _opt(body, "continue_final_message", bool) or False
+    if resume and generation:
+        raise ApiError("continue_final_message and add_generation_prompt cannot both be true",
+                       "continue_final_message")
+    kwargs = _opt(body, "chat_template_kwargs", dict) or {}
+    taken = sorted(k for k in kwargs if k in _RESERVED_TEMPLATE_NAMES or k in extra)
+    if taken:
+        raise ApiError(f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the "
+                       "server sets it", "chat_template_kwargs")
+    if resume:  # the text's end is found by a mark put after it (it may be anywhere else too)
+        if not messages[-1]["content"].strip():
+            raise ApiError("continue_final_message: the final message has no text to continue",
+                           "continue_final_message")
+        messages = messages[:-1] + [messages[-1] | {"content": messages[-1]["content"] + _CONTINUE_MARK}]
+    try:
+        text = model.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=not resume and generation is not False, **kwargs, **extra)
+    except (TemplateError, ValueError, TypeError) as e:
+        raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages")
+    if not resume:
+        return text
+    at = text.rfind(_CONTINUE_MARK.strip())
+    if at < 0:
+        raise ApiError("continue_final_message: the chat template drops the final message's text",
+                       "continue_final_message")
+    # its trailing spaces stay where the template kept them (as transformers cuts)
+    return text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 def _messages(messages) -> list[dict]:

@@ -1,8 +1,8 @@
 """vLLM's /tokenize and /detokenize bodies -> their replies, with the served model's tokenizer.
 
 /tokenize takes a completion prompt ({"prompt": text, "add_special_tokens": true}) or chat
-messages rendered with the chat template ({"messages": [...], "add_generation_prompt": true,
-"add_special_tokens": false}); it answers {"count", "max_model_len", "tokens", "token_strs"}
+messages rendered with the chat template ({"messages": [...], "add_special_tokens": false, and
+the chat route's template fields}); it answers {"count", "max_model_len", "tokens", "token_strs"}
 (token_strs only when return_token_strs is true, else null). /detokenize takes {"tokens": [...]}
 and answers {"prompt": text}, for at most the context's tokens (max_model_len). Bad input is an
 ApiError (400), as for the OpenAI routes. A text past the context is counted, unless it has
@@ -12,13 +12,12 @@ gateway thread for seconds and takes hundreds of MiB).
 
 from __future__ import annotations
 
-from jinja2 import TemplateError
-
-from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, _is_int, _json_type, _messages,
-                                              _opt, check_chars, model_not_found)
+from pd_serve.gateway.openai_protocol import (CHAT_TEMPLATE_FIELDS, ApiError, ModelInfo, _is_int,
+                                              _json_type, _messages, _opt, check_chars,
+                                              model_not_found, render_chat)
 
 _TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens",
-                              "add_generation_prompt", "return_token_strs"))
+                              "return_token_strs")) | CHAT_TEMPLATE_FIELDS
 _DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 
 
@@ -34,12 +33,7 @@ def tokenize(body, model: ModelInfo) -> dict:
         check_chars(body["prompt"], model, "prompt")
         ids = tokenizer.encode(body["prompt"], add_special_tokens=True if special is None else special)
     else:
-        messages = _messages(body["messages"])
-        generation = _opt(body, "add_generation_prompt", bool)
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation is not False)
-        except (TemplateError, ValueError) as e:
-            raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages")
+        text = render_chat(body, model, _messages(body["messages"]))
         check_chars(text, model, "messages")
         ids = tokenizer.encode(text, add_special_tokens=bool(_opt(body, "add_special_tokens", bool)))
     strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] \

@@ -45,8 +45,8 @@ MAX_ERROR_CHARS = 300  # of a peer's error text kept in a result
 @dataclass
 class _Incoming:
     page_ids: list[int]
-    deadline: float  # for the first chunk, then (from it) for the whole transfer
-    timeout_s: float  # how long the transfer may take from its first chunk on
+    deadline: float  # for the first chunk, then (from each) for the next
+    timeout_s: float  # how long the transfer may go without a chunk, from its first on
     started: float = field(default_factory=now)
     num_bytes: int = 0  # > 0: writes queued
     # per sender: (layer_start, layer_end, next page) of the layer group it is sending; a group
@@ -132,7 +132,8 @@ class KVReceiver:
                wait_s: float | None = None) -> None:
         """The request's pages are reserved: its KV may now be written into them.
 
-        timeout_s: how long the transfer may take from its first chunk on (default: the
+        timeout_s: how long the transfer may go without a chunk, from its first chunk on (a
+        prefill sends a prompt's layer groups as its forward computes them; default: the
         receiver's); wait_s: how long its first chunk may take to come (default: timeout_s;
         math.inf: no limit here, because the caller bounds the reservation itself, as a decode
         worker does: the prompt may wait its turn on prefill, and the gateway's pings keep or
@@ -389,8 +390,9 @@ class KVReceiver:
                 error = f"receive failed: {e}"
             queued = now()
             if incoming is not None and not error:
-                if not incoming.num_bytes:  # the transfer has begun: its own deadline from now
-                    incoming.deadline = queued + incoming.timeout_s
+                began = not incoming.num_bytes
+                incoming.deadline = queued + incoming.timeout_s  # each chunk restarts the clock
+                if began:  # (later ones: _expire re-arms the entry it finds early)
                     self._deadlines.add(chunk.request_id, incoming, incoming.deadline)
                 incoming.num_bytes += chunk.nbytes
             if incoming is not None and error:
@@ -468,8 +470,12 @@ class KVReceiver:
     def _expire(self) -> None:
         t = now()
         for request_id in self._deadlines.expired(t, self._expected):
-            incoming = self._expected.get(request_id)  # (a re-armed one has two entries)
-            if incoming is not None and incoming.deadline < t:
+            incoming = self._expected.get(request_id)  # (a re-armed one may come up twice)
+            if incoming is None:
+                continue
+            if incoming.deadline >= t:  # a chunk came since: the clock restarted then
+                self._deadlines.add(request_id, incoming, incoming.deadline)
+            else:
                 self._fail_locked(request_id, "timed out waiting for KV")
 
     def _settle(self) -> None:

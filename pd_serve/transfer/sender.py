@@ -526,9 +526,11 @@ class KVSender:
             self._drop_peer(address, poller)
             self._fail_jobs(address, going, str(e))
             return
+        went = now()
         for job in going:
             out = self._outgoing[(job.request_id, address)]
             out.num_bytes += job.chunk.nbytes
+            out.deadline = went + self.timeout_s  # (_expire re-arms the entry it finds early)
             if TRACE:
                 prepared, sent = marks[id(job)]
                 trace("send", job.request_id, job.queued, picked=picked, prepared=prepared,
@@ -581,7 +583,12 @@ class KVSender:
             return
         self._next_expiry = t + 0.005
         for key in self._deadlines.expired(t, self._outgoing):
-            self._abort_one(key, f"no acknowledgement within {self.timeout_s} s")
+            out = self._outgoing[key]
+            if out.deadline >= t:  # a chunk went since: the clock restarted then
+                self._deadlines.add(key, out, out.deadline)
+            else:
+                self._abort_one(key, f"no acknowledgement (nor chunk to send) within "
+                                      f"{self.timeout_s} s of its last chunk")
         for address in [a for a, h in self._handshakes.items() if h.deadline <= t]:
             self._end_handshake(address, poller, f"{address}: no handshake answer within "
                                 f"{self.timeout_s} s (is a KV receiver up there, started with "

@@ -228,6 +228,21 @@ def test_chat_greedy_equals_engine_on_template(client, ref, engines):
     assert resp2.choices[0].message.content == expected.text
 
 
+def test_chat_continues_the_final_message_through_the_openai_client(client, ref, engines):
+    """vLLM's continue_final_message (extra_body): the prompt ends inside the assistant's turn,
+    at its text, and the reply goes on from there as the engine does on that prompt."""
+    started = MESSAGES + [{"role": "assistant", "content": "Sure, here"}]
+    tok = engines[0].tokenizer
+    text = tok.apply_chat_template(started, add_generation_prompt=False)
+    ids = tok.encode(text[:text.rindex("Sure, here") + len("Sure, here")], add_special_tokens=False)
+    expected = ref(ids, 16)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=started, max_tokens=16, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert resp.choices[0].message.content == expected.text and expected.text
+    assert resp.usage.prompt_tokens == len(ids)
+
+
 def test_chat_stream_equals_engine(client, ref, engines):
     ids = chat_ids(engines[0], MESSAGES)
     expected = ref(ids, 32)
@@ -285,6 +300,30 @@ def test_completion_echo_with_logprobs_scores_the_prompt(client, engines):
     assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in want.prompt_logprobs + want.logprobs],
                                                   abs=1e-4)
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+
+def test_vllm_prompt_logprobs_through_the_openai_client(client, engines):
+    """vLLM's prompt_logprobs (extra_body) on completions' choices and on a chat response: the
+    engine's logprobs and ranks of the prompt's tokens, with the top alternatives asked for."""
+    engine = engines[1]
+    ids = engine.tokenizer.encode(PROMPT)
+    want = engine.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    got = resp.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for entry, lp in zip(got[1:], want.prompt_logprobs):
+        own = entry[str(lp.token_id)]
+        assert own["logprob"] == pytest.approx(lp.logprob, abs=1e-4) and own["rank"] == lp.rank >= 1
+        assert own["decoded_token"] == engine.tokenizer.decode([lp.token_id], skip_special_tokens=False)
+        tops = sorted((v["rank"], k) for k, v in entry.items() if k != str(lp.token_id) or lp.rank <= 2)
+        assert [r for r, _ in tops] == [1, 2] and [int(k) for _, k in tops] == [t for t, _ in lp.top]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    ranks = [e and next(iter(e.values()))["rank"] for e in chat.model_extra["prompt_logprobs"]]
+    want = engine.generate([chat_ids(engine, MESSAGES)],
+                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    assert ranks == [None] + [lp.rank for lp in want.prompt_logprobs]
 
 
 def test_chat_logprobs(client, ref, engines):

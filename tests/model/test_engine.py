@@ -52,6 +52,25 @@ def test_batch_invariance_with_chunked_prefill(default_model_dir, smol, prompts)
     assert_all_pages_free(engine)
 
 
+def test_long_prefill_threshold_gives_same_tokens(default_model_dir, smol, prompts):
+    """Prompts cut to 5 tokens a step while others wait, then topped up with the step's rest."""
+    reference = [o.token_ids for o in smol.generate(prompts, GREEDY)]
+    engine = Engine(default_model_dir, device="cpu", max_total_tokens=8192,
+                    chunked_prefill_size=16, long_prefill_token_threshold=5)
+    steps = []
+    execute = engine.runner.execute
+
+    def recording_execute(plan, after_layer=None):
+        steps.append([c.num_tokens for c in plan.chunks if c.start < len(c.request.prompt_token_ids)])
+        return execute(plan, after_layer)
+
+    engine.runner.execute = recording_execute
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
+    assert any(s.count(5) >= 2 for s in steps), "prompts cut to 5 tokens should share a step"
+    assert any(max(s, default=0) > 5 for s in steps), "a cut chunk should take the rest back"
+    assert_all_pages_free(engine)
+
+
 def test_preemption_under_tiny_kv_budget_gives_same_tokens(default_model_dir, smol, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     reference = [o.token_ids for o in smol.generate(prompts, params)]
@@ -108,6 +127,10 @@ def test_seeded_sampling_is_reproducible(smol, prompts):
     other = smol.generate([prompts[0]], SamplingParams(temperature=0.9, top_p=0.95, seed=99,
                                                        max_tokens=20, ignore_eos=True))[0]
     assert other.token_ids != first
+    # torch's CPU generator keeps 32 bits of a seed: the 64-bit seed is folded, not cut
+    high = smol.generate([prompts[0]], SamplingParams(temperature=0.9, top_p=0.95, seed=1234 + 2**32,
+                                                      max_tokens=20, ignore_eos=True))[0]
+    assert high.token_ids != first
 
 
 def test_top_k_1_equals_greedy(smol, prompts):

@@ -50,6 +50,9 @@ def assert_matches(out, prompt: list[int], ref: torch.Tensor, num_top: int) -> N
         values = torch.tensor([v for _, v in lp.top])
         assert torch.allclose(values, row.topk(num_top).values, atol=1e-4)  # the best values...
         assert torch.allclose(row[ids], values, atol=1e-4)  # ...at ids that have them (near ties)
+    for lp, row, target in zip(got, ref, want):  # rank: 1 + the tokens likelier (near ties either way)
+        assert 1 + (row > target + 1e-4).sum() <= lp.rank <= 1 + (row > target - 1e-4).sum()
+    assert any(lp.rank > 1 for lp in got) or len(got) < 2
 
 
 def test_prompt_logprobs_equal_transformers_over_chunks_and_batches(engine, prompts, hf, monkeypatch):

@@ -90,6 +90,34 @@ def test_layer_groups_assemble_one_request(backend, peers):
     receiver.close()
 
 
+def test_the_transfer_timeout_counts_time_without_progress():
+    """A prefill sends a prompt's layer groups as its forward computes them: the time between
+    groups is compute, not transfer. Four groups 1.6 s apart (4.8 s in all) under a 4 s timeout
+    on both sides arrive; then a transfer that stops after its first group times out on both."""
+    receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=4)
+    sender = KVSender(seeded_pool(LAYOUT, NUM_PAGES, SEED), "tcp", timeout_s=4)
+    sender.connect(receiver.address)
+    src, dst = [5, 2, 9], [40, 3, 17]
+    receiver.expect("slow", dst, wait_s=math.inf)
+    for layer in range(4):
+        time.sleep(1.6 if layer else 0)
+        sender.send("slow", receiver.address, src, dst, layer_start=layer, layer_end=layer + 1,
+                    last=layer == 3)
+    assert [r.ok for r in wait_results(sender, 1, 30)] == [True]
+    assert [r.ok for r in wait_results(receiver, 1, 30)] == [True]
+    expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
+    assert torch.equal(bits(receiver.pool.buffer[:, :, dst]), bits(expected[:, :, src]))
+    receiver.expect("stopped", [1, 6], wait_s=math.inf)
+    sender.send("stopped", receiver.address, [7, 8], [1, 6], layer_start=0, layer_end=2, last=False)
+    (sent,) = wait_results(sender, 1, 30)
+    (received,) = wait_results(receiver, 1, 30)
+    # both ends time out at 4 s: whichever does first tells the other (either may say why)
+    for result in (sent, received):
+        assert not result.ok and ("no acknowledgement" in result.error or "timed out" in result.error)
+    sender.close()
+    receiver.close()
+
+
 @pytest.mark.parametrize("change", [dict(dtype="bfloat16"), dict(page_size=8), dict(num_kv_heads=4)])
 def test_layout_mismatch_fails_the_handshake_clearly(change, peers):
     receiver = KVReceiver(poisoned_pool(LAYOUT, NUM_PAGES), "tcp", timeout_s=10)

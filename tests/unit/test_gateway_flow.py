@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -18,6 +19,7 @@ from pd_serve import protocol
 from pd_serve.cache.pool import KVLayout
 from pd_serve.config import GatewayConfig
 from pd_serve.engine.sampling_params import SamplingParams
+from pd_serve.gateway import cluster as cluster_module
 from pd_serve.gateway.cluster import Cluster
 from pd_serve.gateway.source import GenerateSpec
 from pd_serve.protocol import (AbortRequest, Admit, AdmitReply, GatewayPing, Generate, Heartbeat,
@@ -748,6 +750,33 @@ async def test_a_worker_that_reconnects_ends_what_it_held(cluster, add):
     assert events[-1].finished and "reconnected" in events[-1].error
     await until(lambda: any(not p.request_ids for p in second.of(GatewayPing)))
     assert not (await collect(cluster, spec("r2")))[-1].error and second.of(StartDecode)
+
+
+@with_gateway()
+async def test_a_large_message_is_decoded_off_the_event_loop_and_in_order(cluster, add):
+    """A message past THREAD_DECODE_BYTES (here a row of 6,000 tokens with top-20 logprobs) is
+    decoded in a worker thread, not on the loop that serves HTTP, and the small message sent
+    right after it is handled after it."""
+    decode, _, task = await held_request(cluster, add)
+    threads = []
+    receive = cluster.codec.receive
+
+    def recording_receive(data, *args):
+        threads.append((len(data), threading.get_ident()))
+        return receive(data, *args)
+
+    cluster.codec.receive = recording_receive
+    loop_thread = threading.get_ident()
+    rows = [protocol.Logprob(8, -0.5, [(t, -1.0 - t / 100) for t in range(20)]) for _ in range(6000)]
+    decode.send(TokenBatch("d", [TokenDelta("r", [8] * 6000, rows)]))
+    decode.send(TokenBatch("d", [TokenDelta("r", [9], None, True, "length")]))
+    events = await asyncio.wait_for(task, 20)
+    big = [t for size, t in threads if size > cluster_module.THREAD_DECODE_BYTES]
+    assert len(big) == 1 and big[0] != loop_thread
+    assert all(t == loop_thread for size, t in threads if size <= cluster_module.THREAD_DECODE_BYTES)
+    tokens = [e.new_token_ids for e in events]
+    assert tokens[-2:] == [[8] * 6000, [9]] and events[-1].finished
+    assert events[-2].logprobs[0].top[19] == (19, -1.19)
 
 
 @with_gateway()

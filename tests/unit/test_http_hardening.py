@@ -505,6 +505,46 @@ def test_a_stream_its_client_does_not_read_is_closed_and_aborted(tokenizer, toke
     assert source.taken < source.count
 
 
+def test_a_whole_reply_its_client_does_not_read_is_dropped(tokenizer, token):
+    """A non-streamed reply (a few MB here) to a client that reads none of it: once the server
+    has waited send_timeout_s on a write, the handler drops the connection and returns, the
+    reply let go (before, the handler returned the whole body for aiohttp to write, however
+    long that took)."""
+    request = json.dumps(completion(max_tokens=1000)).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(request))
+    source = FloodSource(token, count=400)
+    dropped = []
+
+    @web.middleware
+    async def small_send_buffer(request, handler):
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                              4096)
+        response = await handler(request)
+        dropped.append((response.status, request.transport is None or request.transport.is_closing()))
+        return response
+
+    async def go():
+        app = build_app(source, tokenizer, send_timeout_s=0.5)
+        app.middlewares.append(small_send_buffer)
+        runner = await start_server(app, "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", runner.addresses[0][1]))
+            await loop.sock_sendall(sock, head + request)
+            deadline = loop.time() + 120
+            while not dropped and loop.time() < deadline:  # reading nothing meanwhile
+                await asyncio.sleep(0.05)
+        finally:
+            sock.close()
+            await runner.cleanup()
+    asyncio.run(go())
+    assert dropped == [(200, True)]
+
+
 # ---- hostile JSON --------------------------------------------------------------------------
 def test_deep_nesting_is_400(tokenizer, token):
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"

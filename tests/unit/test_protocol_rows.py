@@ -60,7 +60,7 @@ def test_rows_travel_as_positional_lists():
     data = protocol.encode(TokenBatch("w", [TokenDelta("r", [3], [LOGPROB], True, "length")]))
     assert msgpack.unpackb(data) == [
         "TokenBatch", {"worker_id": "w",
-                       "items": [["r", [3], [[5, -0.25, [[5, -0.25], [9, -1.5]]]], True, "length", "", 0, None]]}]
+                       "items": [["r", [3], [[5, -0.25, [[5, -0.25], [9, -1.5]], 0]], True, "length", "", 0, None]]}]
 
 
 def test_a_logprob_converts_to_and_from_the_engine_one():
@@ -78,17 +78,17 @@ def delta(*row) -> bytes:
     return raw("TokenBatch", worker_id="w", items=[list(row) + [None] * (8 - len(row))])
 
 
-GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]]]], True, "stop", "", 0, None]
+GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]], 0]], True, "stop", "", 0, None]
 
 
 @pytest.mark.parametrize("data,match", [
     (raw("TokenBatch", worker_id="w", items=[GOOD[:5]]), "TokenDelta row"),  # a field short
     (raw("TokenBatch", worker_id="w", items=[GOOD + [""]]), "TokenDelta row"),  # one too many
     (raw("TokenBatch", worker_id="w", items=[dict(zip("abcdefgh", GOOD))]), "TokenDelta row"),
-    (delta(*GOOD[:7], [[2**31, -0.5, []]]), "token id of 2147483648 or more"),
-    (delta(*GOOD[:7], [[1, -0.5, [[1, -0.5]] * 21]]), "21 top logprobs"),
-    (delta(*GOOD[:7], [1, -0.5, []]), "prompt_logprobs"),
-    (raw("PrefillDone", request_id="r", ok=True, first_token_id=3, prompt_logprobs=[[1, "x", []]]),
+    (delta(*GOOD[:7], [[2**31, -0.5, [], 0]]), "token id of 2147483648 or more"),
+    (delta(*GOOD[:7], [[1, -0.5, [[1, -0.5]] * 21, 0]]), "21 top logprobs"),
+    (delta(*GOOD[:7], [1, -0.5, [], 0]), "prompt_logprobs"),
+    (raw("PrefillDone", request_id="r", ok=True, first_token_id=3, prompt_logprobs=[[1, "x", [], 0]]),
      "logprob"),
     (raw("TokenBatch", worker_id="w", items="r"), "items"),
     (delta(["r"], *GOOD[1:]), "request_id"),
@@ -96,8 +96,8 @@ GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]]]], True, "stop", "", 0, None]
     (delta("r", [True], *GOOD[2:]), "token_ids"),
     (delta("r", [-1], None, True, "stop", "", 0), "negative token id"),
     (delta("r", [1, 2**32], None, True, "stop", "", 0), "token id of 2147483648 or more"),
-    (delta("r", [1], [[2**31, -0.5, []]], True, None, "", 0), "token id of 2147483648 or more"),
-    (delta("r", [1], [[1, -0.5, [[-3, -0.5]]]], True, None, "", 0), "negative token id"),
+    (delta("r", [1], [[2**31, -0.5, [], 0]], True, None, "", 0), "token id of 2147483648 or more"),
+    (delta("r", [1], [[1, -0.5, [[-3, -0.5]], 0]], True, None, "", 0), "negative token id"),
     (raw("PrefillDone", request_id="r", ok=True, first_token_id=2**40), "token id of"),
     (raw("PrefillDone", request_id="r", ok=True, first_token_id=-1), "negative token id"),
     (raw("StartDecode", request_id="r", first_token_id=2**63), "token id of"),
@@ -107,18 +107,20 @@ GOOD = ["r", [1], [[1, -0.5, [[1, -0.5]]]], True, "stop", "", 0, None]
     (delta("r", [1], None, 1, "stop", "", 0), "finished"),
     (delta("r", [1], None, True, "eos", "", 0), "finish reason"),
     (delta("r", [1], None, True, None, None, 0), "error"),
-    (delta("r", [1], [[1, -0.5, []], [1, -0.5, []]], True, None, "", 0), "2 logprobs for 1 tokens"),
+    (delta("r", [1], [[1, -0.5, [], 0], [1, -0.5, [], 0]], True, None, "", 0), "2 logprobs for 1 tokens"),
     (delta("r", [1], [{"token_id": 1, "logprob": -0.5, "top": []}], True, None, "", 0), "Logprob row"),
-    (delta("r", [1], [[1, "-0.5", []]], True, None, "", 0), "logprob"),
-    (delta("r", [1], [[1, -0.5, [[1]]]], True, None, "", 0), "top"),
-    (delta("r", [1], [[1, -0.5, [[1, -0.5, 2]]]], True, None, "", 0), "top"),
-    (delta("r", [1], [[1, -0.5, [["1", -0.5]]]], True, None, "", 0), "top"),
-    (delta("r", [1], [[1, -0.5, [[1, -0.5]] * 21]], True, None, "", 0), "21 top logprobs"),
-    (delta("r", [1], [[1, -0.5, [[[[[]]]]]]], True, None, "", 0), "top"),  # nested garbage
+    (delta("r", [1], [[1, "-0.5", [], 0]], True, None, "", 0), "logprob"),
+    (delta("r", [1], [[1, -0.5, [[1]], 0]], True, None, "", 0), "top"),
+    (delta("r", [1], [[1, -0.5, [[1, -0.5, 2]], 0]], True, None, "", 0), "top"),
+    (delta("r", [1], [[1, -0.5, [["1", -0.5]], 0]], True, None, "", 0), "top"),
+    (delta("r", [1], [[1, -0.5, [[1, -0.5]] * 21, 0]], True, None, "", 0), "21 top logprobs"),
+    (delta("r", [1], [[1, -0.5, [], -1]], True, None, "", 0), "rank -1"),
+    (delta("r", [1], [[1, -0.5, [], 1.5]], True, None, "", 0), "rank"),
+    (delta("r", [1], [[1, -0.5, [[[[[]]]]], 0]], True, None, "", 0), "top"),  # nested garbage
     (raw("PrefillDone", request_id="r", ok=True, first_token_id=3, logprob=[3, -0.5]), "logprob"),
     (raw("PrefillDone", request_id="r", ok=True, first_token_id=3,
          logprob={"token_id": 3, "logprob": -0.5, "top": []}), "logprob"),
-    (raw("StartDecode", request_id="r", first_token_id=3, logprob=[3, None, []]), "logprob"),
+    (raw("StartDecode", request_id="r", first_token_id=3, logprob=[3, None, [], 0]), "logprob"),
 ])
 def test_a_bad_row_refuses_its_message_and_is_counted(data, match):
     assert_refused(data, match)

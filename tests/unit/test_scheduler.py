@@ -45,6 +45,50 @@ def test_decodes_run_before_new_prefills_and_share_budget():
     assert plan.num_tokens == 6
 
 
+def _long_then_short(threshold: int, num_pages: int = 64):
+    """A 40-token prompt alone for a step under a 16-token budget, then a 4-token one arrives:
+    each step's chunks as (request, start, tokens, sample) until the short one has its token."""
+    sched = make_scheduler(num_pages=num_pages, chunked_prefill_size=16,
+                           long_prefill_token_threshold=threshold)
+    long, short = make_request(40, arrival=0), make_request(4, arrival=1)
+    sched.add(long)
+    steps = [run_step(sched)]
+    sched.add(short)
+    while not short.output_token_ids:
+        steps.append(run_step(sched))
+    names = {id(long): "long", id(short): "short"}
+    return [[(names[id(c.request)], c.start, c.num_tokens, c.sample) for c in p.chunks] for p in steps]
+
+
+def test_without_long_prefill_threshold_a_short_prompt_waits_out_a_long_one():
+    assert _long_then_short(0) == [[("long", 0, 16, False)], [("long", 16, 16, False)],
+                                   [("long", 32, 8, True), ("short", 0, 4, True)]]
+
+
+def test_long_prefill_threshold_admits_a_waiting_prompt_and_gives_the_rest_back():
+    # The long prompt alone takes the whole budget; with the short one waiting it is cut to 6,
+    # the short one takes 4, and the 6 left over go back to the long one's chunk.
+    assert _long_then_short(6) == [[("long", 0, 16, False)],
+                                   [("long", 16, 12, False), ("short", 0, 4, True)]]
+
+
+def test_long_prefill_threshold_gives_back_only_what_pages_allow():
+    # 7 pages of 4 tokens: the long prompt holds 4 after step 1, its cut chunk (to 22 tokens)
+    # 2 more, the short one the last: the 6 tokens left over would need an 8th page, so the
+    # chunk stays at 6 and nothing is preempted.
+    steps = _long_then_short(6, num_pages=7)
+    assert steps[1] == [("long", 16, 6, False), ("short", 0, 4, True)]
+
+
+def test_long_prefill_threshold_shares_a_step_between_long_prompts():
+    sched = make_scheduler(chunked_prefill_size=16, long_prefill_token_threshold=6)
+    a, b = make_request(40, arrival=0), make_request(40, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    plan = run_step(sched)
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(a, 10), (b, 6)]
+
+
 def test_max_running_requests_caps_admission():
     sched = make_scheduler(max_running_requests=2)
     reqs = [make_request(3, arrival=i) for i in range(3)]

@@ -1,18 +1,23 @@
-"""vLLM's /tokenize and /detokenize (request and reply shapes, round trip, 400s) and completions'
-echo (with logprobs too), over the HTTP layer with a scripted token source (no processes)."""
+"""vLLM's /tokenize and /detokenize (request and reply shapes, round trip, 400s), completions'
+echo (with logprobs too) and the chat template's fields (add_generation_prompt,
+continue_final_message, chat_template_kwargs), over the HTTP layer with a scripted token source
+(no processes)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from test_http_hardening import MODEL, ScriptedSource, TimedTokenizer, call, done, post  # noqa: F401
+from test_http_hardening import (MODEL, ScriptedSource, TimedTokenizer, assert_error, call,  # noqa: F401
+                                 done, post)
 from test_http_hardening import token, tokenizer  # noqa: F401 (fixtures)
 
 from pd_serve.gateway.app import build_app
 from pd_serve.gateway.source import TokenEvent
+from pd_serve.model.tokenizer import Tokenizer
 
 
 def test_tokenize_detokenize_round_trip(tokenizer):
@@ -36,6 +41,77 @@ def test_tokenize_chat_messages_as_the_chat_route_renders_them(tokenizer):
     assert status == 200, out
     want = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
     assert out["tokens"] == want and out["count"] == len(want)
+
+
+# Qwen3's switch, as its template reads it
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+QUESTION = [{"role": "user", "content": "Name a colour."}]
+STARTED = QUESTION + [{"role": "assistant", "content": "The colour is "}]
+
+
+@pytest.fixture(scope="module")
+def thinking(default_model_dir, tmp_path_factory):
+    """A tokenizer whose chat template reads enable_thinking, and transformers' on its folder."""
+    folder = tmp_path_factory.mktemp("thinking")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, folder / name)
+    (folder / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    hf = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(folder)
+    return Tokenizer.from_dir(folder), hf
+
+
+def chat_prompt(tokenizer, body: dict) -> list[int]:
+    """The prompt ids the chat route hands the token source for `body`."""
+    source = ScriptedSource(done(tokenizer.encode(" hi", add_special_tokens=False)[0]))
+
+    async def go():
+        async with TestClient(TestServer(build_app(source, tokenizer))) as client:
+            resp = await client.post("/v1/chat/completions", json={"model": MODEL} | body)
+            assert resp.status == 200, await resp.text()
+    asyncio.run(go())
+    return source.specs[0].prompt_token_ids
+
+
+@pytest.mark.parametrize("fields,messages,hf_kwargs", [
+    ({}, QUESTION, {"add_generation_prompt": True}),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, QUESTION,
+     {"add_generation_prompt": True, "enable_thinking": False}),
+    ({"add_generation_prompt": False}, QUESTION, {"add_generation_prompt": False}),
+    ({"continue_final_message": True}, STARTED, {"continue_final_message": True}),
+    ({"continue_final_message": True, "add_generation_prompt": False}, STARTED,
+     {"continue_final_message": True}),
+], ids=["default", "enable_thinking", "no_generation_prompt", "continue", "continue_explicit"])
+def test_chat_template_fields_render_as_transformers_does(thinking, fields, messages, hf_kwargs):
+    """vLLM's fields, on the chat route and /tokenize alike, equal to transformers' rendering."""
+    tokenizer, hf = thinking
+    want = tokenizer.encode(hf.apply_chat_template(messages, tokenize=False, **hf_kwargs),
+                            add_special_tokens=False)
+    status, _, out = post(tokenizer, [], {"messages": messages} | fields, "/tokenize")
+    assert status == 200 and out["tokens"] == want, out
+    assert chat_prompt(tokenizer, {"messages": messages} | fields) == want
+    if "enable_thinking" in hf_kwargs:
+        assert tokenizer.decode(want, skip_special_tokens=False).endswith("<think>\n\n</think>\n\n")
+    if "continue_final_message" in hf_kwargs:
+        assert tokenizer.decode(want, skip_special_tokens=False).endswith("The colour is ")
+
+
+@pytest.mark.parametrize("fields,messages,param,message", [
+    ({"continue_final_message": True, "add_generation_prompt": True}, STARTED,
+     "continue_final_message", "cannot both be true"),
+    ({"continue_final_message": True}, QUESTION + [{"role": "assistant", "content": " "}],
+     "continue_final_message", "no text to continue"),
+    ({"chat_template_kwargs": {"messages": []}}, QUESTION, "chat_template_kwargs", "'messages'"),
+    ({"chat_template_kwargs": {"eos_token": "x"}}, QUESTION, "chat_template_kwargs", "'eos_token'"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, QUESTION, "chat_template_kwargs", "an object"),
+    ({"add_generation_prompt": "yes"}, QUESTION, "add_generation_prompt", "a boolean"),
+])
+def test_bad_chat_template_fields_are_400(tokenizer, fields, messages, param, message):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, _, out = post(tokenizer, [], {"model": MODEL, "messages": messages} | fields, path)
+        assert_error(status, out, 400, param, message)
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -156,6 +232,28 @@ def test_echo_with_logprobs_puts_the_prompts_logprobs_first(tokenizer, token, st
     assert lp["text_offset"] == [sum(map(len, words[:i])) for i in range(len(words))]
 
 
+def test_echo_offsets_of_tokens_that_split_a_character_stay_in_the_text(tokenizer, token):
+    """A prompt whose tokens end inside a character (an emoji's bytes over several tokens):
+    each offset is where its token's text starts in the echoed text, never past it and never
+    going back (a red-team pass got [0, 1, 2, 1] for the 1-character prompt "😀")."""
+    from pd_serve.protocol import Logprob
+
+    text = "😀 ok 世界"
+    ids, scored = _scored_prompt(tokenizer, text)
+    assert len(ids) > len(tokenizer.encode("x ok xx"))  # the characters span several tokens
+    script = [TokenEvent([token], [Logprob(token, -1.0, [])], finished=True,
+                         finish_reason="length", prompt_logprobs=scored)]
+    body = {"model": MODEL, "prompt": text, "max_tokens": 1, "echo": True, "logprobs": 0}
+    status, _, out = post(tokenizer, script, body)
+    assert status == 200, out
+    offsets, reply = out["choices"][0]["logprobs"]["text_offset"], out["choices"][0]["text"]
+    assert reply == text + tokenizer.decode([token])
+    assert offsets == sorted(offsets) and offsets[-1] == len(text) and offsets[0] == 0
+    # each token starts after the whole characters of the tokens before it
+    assert offsets[:-1] == [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert len(set(offsets)) < len(offsets)  # (tokens inside one character share its offset)
+
+
 def test_echo_with_logprobs_asks_the_source_for_the_prompts(tokenizer, token):
     ids, scored = _scored_prompt(tokenizer, "Count: one two")
     source = ScriptedSource([TokenEvent([token], finished=True, finish_reason="length",
@@ -169,6 +267,78 @@ def test_echo_with_logprobs_asks_the_source_for_the_prompts(tokenizer, token):
                 assert resp.status == 200, await resp.text()
     asyncio.run(go())
     assert [s.params.prompt_logprobs for s in source.specs] == [3, None]
+
+
+def _ranked_prompt(tokenizer, text: str):
+    """A prompt's ids and worker rows with ranks and two alternatives: token 7 (rank 1) and
+    the prompt token itself (rank 2) on even positions, token 9 on odd ones (the token rank 5)."""
+    from pd_serve.protocol import Logprob
+
+    ids = tokenizer.encode(text)
+    rows = [Logprob(t, -1.5, [(7, -0.25), (t, -1.5)] if i % 2 == 0 else [(7, -0.25), (9, -0.5)],
+                    2 if i % 2 == 0 else 5) for i, t in enumerate(ids[1:])]
+    return ids, rows
+
+
+def _vllm_entry(tokenizer, rows, num_top: int) -> list:
+    word = lambda t: tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    out = [None]
+    for row in rows:
+        entry = {str(row.token_id): {"logprob": row.logprob, "rank": row.rank, "decoded_token": word(row.token_id)}}
+        for rank, (t, lp) in enumerate(row.top[:num_top], 1):
+            entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": word(t)})
+        out.append(entry)
+    return out
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(tokenizer, token):
+    """vLLM's prompt_logprobs N: completions carry them on each choice, chat on the response:
+    null first, then {id: {logprob, rank, decoded_token}}, the token first and its top N, each
+    once; the legacy logprobs stay the output's (no echo); the source is asked for N."""
+    from pd_serve.protocol import Logprob
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat_text = tokenizer.apply_chat_template(messages)
+    requests = [("/v1/completions", "Count: one two three", {"n": 2, "logprobs": 0}, 2),
+                ("/v1/completions", "Count: one two three", {"echo": True, "logprobs": 2}, 1),
+                ("/v1/chat/completions", chat_text, {"messages": messages}, 2)]
+    outs, specs = [], []
+
+    async def go():
+        for path, text, body, num_top in requests:
+            ids, rows = _ranked_prompt(tokenizer, text)
+            source = ScriptedSource([TokenEvent([token], [Logprob(token, -1.0, [])], finished=True,
+                                                finish_reason="length", prompt_logprobs=rows)])
+            async with TestClient(TestServer(build_app(source, tokenizer))) as client:
+                prompt = {} if "chat" in path else {"prompt": ids}
+                resp = await client.post(path, json={"model": MODEL, "max_tokens": 1,
+                                                     "prompt_logprobs": num_top} | prompt | body)
+                assert resp.status == 200, await resp.text()
+                outs.append((await resp.json(), rows))
+            specs.extend(source.specs)
+    asyncio.run(go())
+    (plain, rows), (echoed, _), (chat, chat_rows) = outs
+    assert [c["prompt_logprobs"] for c in plain["choices"]] == [_vllm_entry(tokenizer, rows, 2)] * 2
+    assert plain["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([token])]  # output only
+    assert echoed["choices"][0]["prompt_logprobs"] == _vllm_entry(tokenizer, rows, 1)
+    assert len(echoed["choices"][0]["logprobs"]["tokens"]) == len(rows) + 2  # echo: the prompt's too
+    assert max(len(t) for t in echoed["choices"][0]["logprobs"]["top_logprobs"][1:]) <= 3
+    assert chat["prompt_logprobs"] == _vllm_entry(tokenizer, chat_rows, 2)
+    assert "prompt_logprobs" not in chat["choices"][0]
+    assert [s.params.prompt_logprobs for s in specs] == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "must be in [0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, "must be in [0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "stream=true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1,
+                              "stream": True}, "stream=true"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": "2"}, "an integer"),
+])
+def test_bad_prompt_logprobs_are_400(tokenizer, path, body, message):
+    status, _, out = post(tokenizer, [], {"model": MODEL} | body, path)
+    assert_error(status, out, 400, "prompt_logprobs", message)
 
 
 def test_echo_with_logprobs_fails_on_a_source_without_them(tokenizer, token):
