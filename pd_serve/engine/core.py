@@ -301,11 +301,13 @@ def _merged(done: tuple[SchedulerOutput, list[Request]] | None, plan: SchedulerO
 def token_stop_reason(request: Request, eos_token_ids, max_model_len: int) -> FinishReason | None:
     """Why the request's newest token ends it (EOS, stop token id, max_tokens, context), if it does."""
     params, token_id = request.sampling_params, request.output_token_ids[-1]
-    if token_id in params.stop_token_ids:
-        return FinishReason.STOP
-    if not params.ignore_eos and token_id in eos_token_ids:
-        return FinishReason.STOP
-    if len(request.output_token_ids) >= params.max_tokens or request.num_known_tokens >= max_model_len:
+    num_output = len(request.output_token_ids)
+    if params.may_stop(num_output):
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return FinishReason.STOP
+    if num_output >= params.max_tokens or request.num_known_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
 

@@ -141,7 +141,7 @@ class Executor:
                                "GPUs", self.device)
         if self.device.type == "cpu" and (packed := pack_cpu_weights(self.model)):
             logger.info("CPU: linear weights packed for oneDNN as well, %.2f GiB more", packed / 2**30)
-        sampler = Sampler(cfg.seed) if samples else None
+        sampler = Sampler(cfg.seed, _eos_token_ids(model_dir)) if samples else None
         self.runner = ModelRunner(self.model, attn, sampler, layout.page_size)
         # Every rank captures the same sizes in the same order, so their collectives pair up in
         # the warm-up forwards and the replays; expert parallelism's all-to-all reads its split
@@ -210,8 +210,7 @@ class Executor:
     def grammars(self) -> GrammarCompiler:
         """The compiler for this model's tokenizer (built, importing xgrammar, on first use)."""
         if self._grammar_compiler is None:
-            from pd_serve.model.tokenizer import Tokenizer
-            stop_ids = sorted(Tokenizer.from_dir(self.model_dir).eos_token_ids)
+            stop_ids = sorted(_eos_token_ids(self.model_dir))
             self._grammar_compiler = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
                                                      stop_ids)
         return self._grammar_compiler
@@ -256,6 +255,13 @@ class Executor:
     def _batch(self, plan: StepPlan) -> Batch:
         return Batch([BatchChunk(self.requests[c.request_id], c.start, c.num_tokens, c.sample)
                       for c in plan.chunks], may_score=bool(self._scoring))
+
+
+def _eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """The model's EOS ids (none for a dummy-weight model without a tokenizer)."""
+    from pd_serve.model.tokenizer import Tokenizer
+    has_tokenizer = (model_dir / "tokenizer.json").is_file()
+    return Tokenizer.from_dir(model_dir).eos_token_ids if has_tokenizer else frozenset()
 
 
 def _after_layer(plan: StepPlan, on_layer):

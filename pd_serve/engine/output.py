@@ -68,7 +68,8 @@ class OutputTracker:
         self.max_model_len = max_model_len
         params = request.sampling_params
         self.text = tokenizer and OutputText(tokenizer, request.prompt_token_ids, params.stop,
-                                             params.skip_special_tokens)
+                                             params.skip_special_tokens, params.min_tokens,
+                                             params.include_stop_str_in_output)
         self.num_tokens_sent = 0
 
     def on_token(self, token_id: int) -> FinishReason | None:

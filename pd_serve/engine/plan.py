@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pd_serve.engine.request import TokenLogprob
 from pd_serve.engine.sampling_params import Grammar, SamplingParams
 
-# The SamplingParams fields an executor samples with (stop rules stay with the scheduler).
+# The SamplingParams fields an executor samples with (stop rules stay with the scheduler; the
+# stop ids and max_tokens come along for min_tokens, which masks the stop ids until then).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs")
+                   "presence_penalty", "frequency_penalty", "seed", "logprobs", "prompt_logprobs",
+                   "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos")
 
 
 def sampling_to_wire(params: SamplingParams) -> list:

@@ -144,7 +144,9 @@ class ModelRunner:
         if logits is None or self.sampler is None:
             pending = self._nothing_sampled()
         else:
-            pending = self.sampler.launch(logits, [c.request for c in batch.chunks if c.sample])
+            rows = [c for c in batch.chunks if c.sample]
+            pending = self.sampler.launch(logits, [c.request for c in rows],
+                                          [c.start + c.num_tokens for c in rows])
         pending.prompt_logprobs = scored
         return pending
 
@@ -271,13 +273,14 @@ class ModelRunner:
         sampled = [c.request for c in batch.chunks if c.sample]
         if not sampled or self.sampler is None:
             return self._nothing_sampled()
-        if len(sampled) == n and self.sampler.argmax_only(sampled):
+        positions = [c.start + 1 for c in batch.chunks if c.sample]
+        if len(sampled) == n and self.sampler.argmax_only(sampled, positions):
             return PendingSample(self.graph_tokens[:n], [r.sampling_params for r in sampled])
         logits = self.graph_logits[bs]
         if len(sampled) < bs:
             sample_rows = [i for i, c in enumerate(batch.chunks) if c.sample]
             logits = logits[:n] if len(sampled) == n else logits[torch.tensor(sample_rows, device=self.device)]
-        return self.sampler.launch(logits, sampled)
+        return self.sampler.launch(logits, sampled, positions)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         return (_pinned(host) if self.device.type == "cuda" else host).to(self.device, non_blocking=True)

@@ -1,7 +1,8 @@
 """Turns one step's logits into one token per request, with vLLM's sampling semantics.
 
-Order of work per row: raw logprobs (if asked) -> logit_bias -> penalties -> grammar mask (a
-row whose request has a grammar matcher: engine/grammar.py) -> greedy argmax, or
+Order of work per row: raw logprobs (if asked) -> logit_bias -> penalties -> EOS and stop ids
+masked while short of min_tokens -> grammar mask (a row whose request has a grammar matcher:
+engine/grammar.py) -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential-race sample.
 Random numbers come from the request's own generator when it has a seed, drawn on CPU per row
 so a seeded row's token never depends on the batch or the device; the other rows draw theirs
@@ -198,8 +199,9 @@ def seeded_generator(seed: int) -> torch.Generator:
 class Sampler:
     """Samples one token per row. Holds the engine-wide generator for requests without a seed."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids=()):
         self.seed = seed
+        self.eos_token_ids = sorted(eos_token_ids)  # masked under min_tokens (unless ignore_eos)
         self.generator = torch.Generator().manual_seed(seed)
         self._device_generators: dict[torch.device, torch.Generator] = {}
         # id(sampling params) -> (them, token ids, biases): the logit_bias of the last step's
@@ -292,29 +294,47 @@ class Sampler:
         return self.launch(logits, requests).result()
 
     @staticmethod
-    def argmax_only(requests: list[Request]) -> bool:
+    def argmax_only(requests: list[Request], positions: list[int] | None = None) -> bool:
         """Whether each row's token is its logits' argmax alone: greedy, no logprobs, no
-        logit_bias, no penalties, no grammar (the decode CUDA graph computes it itself)."""
+        logit_bias, no penalties, no min_tokens mask, no grammar (the decode CUDA graph computes
+        it itself). positions: as launch's."""
         return (all(r.sampling_params.greedy and r.sampling_params.logprobs is None
                     and not r.sampling_params.logit_bias for r in requests)
-                and not needs_penalties(requests) and not needs_grammar(requests))
+                and not needs_penalties(requests) and not needs_grammar(requests)
+                and not _short_of_min_tokens(requests, positions))
 
-    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample | DeferredSample:
+    def launch(self, logits: torch.Tensor, requests: list[Request],
+               positions: list[int] | None = None) -> PendingSample | DeferredSample:
         """Queue the sampling of one token per row on the logits' device; no host sync (the
         seeded noise of non-greedy rows is drawn on the host first). A row with a `grammar`
         (a GrammarState) samples inside it; its matcher takes the token in the background.
         A step with grammar rows is deferred (DeferredSample): `logits` must stay as they are
-        until its tokens are asked for (the next forward is queued after that)."""
+        until its tokens are asked for (the next forward is queued after that).
+        positions: where each row's token goes in its request (prompt + outputs before it; the
+        one before may still be in flight); default: after all its known tokens."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
         params = [r.sampling_params for r in requests]
-        if self.argmax_only(requests):
+        if self.argmax_only(requests, positions):
             return PendingSample(argmax(logits), params)
         if needs_grammar(requests):
-            return DeferredSample(lambda: self._launch(logits, requests, params), params)
-        return self._launch(logits, requests, params)
+            return DeferredSample(lambda: self._launch(logits, requests, params, positions), params)
+        return self._launch(logits, requests, params, positions)
+
+    def _stop_masks(self, requests: list[Request], positions: list[int] | None,
+                    vocab_size: int) -> list[tuple[int, list[int]]]:
+        """(row, ids) to mask for each row short of its min_tokens: its stop ids and, unless
+        ignore_eos, the model's EOS ids."""
+        out = []
+        for i in _short_of_min_tokens(requests, positions):
+            params = requests[i].sampling_params
+            ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            ids = sorted(t for t in ids if t < vocab_size)
+            if ids:
+                out.append((i, ids))
+        return out
 
     def _launch(self, logits: torch.Tensor, requests: list[Request],
-                params: list[SamplingParams]) -> PendingSample:
+                params: list[SamplingParams], positions: list[int] | None = None) -> PendingSample:
         want_logprobs = [p.logprobs is not None for p in params]
 
         vocab_size = logits.shape[1]
@@ -326,10 +346,14 @@ class Sampler:
             logits = apply_penalties(logits, requests, self._penalty_ids(requests, device))
         else:
             logits = logits.float()  # only read from here on, so no copy is needed
-        if needs_grammar(requests):
+        masks = self._stop_masks(requests, positions, vocab_size)
+        if masks or needs_grammar(requests):
             if logits.data_ptr() == original.data_ptr():  # masked in place: not the runner's
                 logits = logits.clone()
-            apply_grammars(logits, requests)
+            for row, ids in masks:
+                logits[row, _ids(ids, device)] = float("-inf")
+            if needs_grammar(requests):
+                apply_grammars(logits, requests)
         token_ids = argmax(logits)  # [B]
 
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -347,6 +371,18 @@ class Sampler:
         pending = PendingSample(token_ids, params, parts)
         advance_grammars(pending, requests, vocab_size)
         return pending
+
+
+def _short_of_min_tokens(requests: list[Request], positions: list[int] | None) -> list[int]:
+    """The rows whose token may not be a stop yet: fewer outputs before it than min_tokens."""
+    rows = []
+    for i, request in enumerate(requests):
+        min_tokens = request.sampling_params.min_tokens
+        if min_tokens:
+            at = len(request.all_token_ids) if positions is None else positions[i]
+            if at - request.num_prompt_tokens < min_tokens:
+                rows.append(i)
+    return rows
 
 
 def _logprob_parts(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,

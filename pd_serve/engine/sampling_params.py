@@ -45,6 +45,9 @@ class SamplingParams:
     logit_bias: token id -> a value in [-100, 100] added to that token's logit before anything
     else (penalties, temperature, filters); OpenAI's field. The logprobs stay the raw model's.
     grammar: the output is constrained to it (tokens it forbids are masked before sampling).
+    min_tokens: EOS and stop_token_ids are masked until this many tokens are out, and no stop
+    (token or string) ends the output before (vLLM's field); max_tokens still does.
+    include_stop_str_in_output: a stop string that ends the output stays in its text (vLLM's).
     """
 
     max_tokens: int = 16
@@ -64,6 +67,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     grammar: Grammar | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,10 +85,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    def may_stop(self, num_output_tokens: int) -> bool:
+        """Whether EOS, a stop token id or a stop string may end the output once it has this
+        many tokens (min_tokens)."""
+        return num_output_tokens >= self.min_tokens
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off), 0 (off) or >= 1"),

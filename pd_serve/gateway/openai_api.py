@@ -188,8 +188,10 @@ class OpenAIServer:
         """The source's events as text deltas; ends at the first finish (stop string included).
         echo: text put in front of the first delta (completions' echo: the prompt)."""
         def output() -> OutputText:
-            return OutputText(self.tokenizer, spec.prompt_token_ids, spec.params.stop,
-                              spec.params.skip_special_tokens)
+            params = spec.params
+            return OutputText(self.tokenizer, spec.prompt_token_ids, params.stop,
+                              params.skip_special_tokens, params.min_tokens,
+                              params.include_stop_str_in_output)
         out, first_echo, first = output(), echo, True
         events = self.source.generate(spec)
         ended = False  # the source sent its last event (or an error): it saw how this ended

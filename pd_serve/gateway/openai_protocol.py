@@ -42,6 +42,8 @@ HEAD_CHARS_PER_TOKEN = 8
 # Stop strings are matched on every token of every choice, on the gateway's event loop, and
 # travel with the request to each worker: bounded (OpenAI's API takes 4).
 MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
+# guided_choice becomes a grammar compiled per request: its strings are bounded
+MAX_GUIDED_CHOICES, MAX_GUIDED_CHOICE_CHARS = 1024, 65536
 _PARAMS_ERROR = re.compile(r"^SamplingParams\.(\w+)=(.*)$", re.S)
 MAX_JSON_DEPTH = 64  # nesting of a request body; real requests need a handful of levels
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -67,7 +69,7 @@ _COMMON_FIELDS = frozenset((
     "prompt_logprobs", "priority", "user", "metadata", "store", "service_tier",
     "parallel_tool_calls", "prompt_cache_key",
     "safety_identifier", "response_format", "guided_json", "guided_regex", "guided_grammar",
-    "regex", "ebnf"))
+    "guided_choice", "regex", "ebnf", "min_tokens", "include_stop_str_in_output"))
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools",
                                  "tool_choice"} | CHAT_TEMPLATE_FIELDS
@@ -342,8 +344,9 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
         kwargs[name] = _opt(body, name, float)
     kwargs["top_k"] = _opt(body, "top_k", int)
     kwargs["seed"] = _opt(body, "seed", int, int_range=_SEED_RANGE)
-    for name in ("ignore_eos", "skip_special_tokens"):
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         kwargs[name] = _opt(body, name, bool)
+    kwargs["min_tokens"] = _opt(body, "min_tokens", int)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -372,6 +375,9 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
             raise ApiError("a required or named tool_choice constrains the output itself; it "
                            "cannot be combined with response_format or a guided field", "tool_choice")
         kwargs["grammar"] = tool_grammar
+    if kwargs["min_tokens"] and kwargs["grammar"] is not None:  # (its end would be masked)
+        raise ApiError("min_tokens cannot be combined with a structured output (response_format, "
+                       "a guided field or a required or named tool_choice)", "min_tokens")
     try:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except ValueError as e:
@@ -403,7 +409,7 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
 
 # Body fields that constrain the output with a grammar: the Grammar kind each gives.
 _GRAMMAR_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "regex": "regex",
-                   "guided_grammar": "ebnf", "ebnf": "ebnf"}
+                   "guided_grammar": "ebnf", "ebnf": "ebnf", "guided_choice": "ebnf"}
 
 
 def _grammar(body: dict) -> Grammar | None:
@@ -428,6 +434,8 @@ def _grammar_field(body: dict, name: str) -> Grammar | None:
     if name == "response_format":
         return _response_format(value)
     kind = _GRAMMAR_FIELDS[name]
+    if name == "guided_choice":
+        return Grammar(kind, _choice_ebnf(value))
     if kind == "json_schema":
         if isinstance(value, str):  # vLLM takes the schema as JSON text too
             try:
@@ -443,6 +451,26 @@ def _grammar_field(body: dict, name: str) -> Grammar | None:
         got = "an empty string" if value == "" else _json_type(value)
         raise ApiError(f"'{name}' must be a non-empty string, got {got}", name)
     return Grammar(kind, value)
+
+
+def _choice_ebnf(choices) -> str:
+    """vLLM's guided_choice (the output is one of the strings) as an EBNF alternation."""
+    if not (isinstance(choices, list) and choices
+            and all(isinstance(c, str) and c for c in choices)):
+        raise ApiError("'guided_choice' must be a non-empty list of non-empty strings",
+                       "guided_choice")
+    if len(choices) > MAX_GUIDED_CHOICES or sum(map(len, choices)) > MAX_GUIDED_CHOICE_CHARS:
+        raise ApiError(f"guided_choice takes at most {MAX_GUIDED_CHOICES} strings of "
+                       f"{MAX_GUIDED_CHOICE_CHARS} characters in all", "guided_choice")
+    return "root ::= " + " | ".join(map(_ebnf_literal, choices))
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: quotes and backslashes escaped, control characters
+    as \\xHH."""
+    escaped = (f"\\x{ord(c):02x}" if ord(c) < 0x20 else "\\" + c if c in '"\\' else c
+               for c in text)
+    return '"' + "".join(escaped) + '"'
 
 
 def _response_format(value) -> Grammar | None:

@@ -32,9 +32,13 @@ class OutputText:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0,
+                 include_stop: bool = False):
+        """min_tokens: stop strings are looked for only once more tokens than this are out
+        (vLLM's rule); include_stop: the stop string found stays in the text."""
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = stop
+        self._min_tokens, self._include_stop = min_tokens, include_stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._shown: list[str] = []  # the deltas take_delta handed out
         self._num_chars_sent = 0
@@ -64,19 +68,22 @@ class OutputText:
             self.token_offsets.append(self._num_chars_sent + len(self._unsent))
             if hide_last and i == len(token_ids) - 1:
                 break
-            if self._took_text(self._detokenizer.step([token_id])):
+            delta = self._detokenizer.step([token_id])
+            if self._took_text(delta, len(self.token_offsets) > self._min_tokens):
                 return i + 1
         return len(token_ids)
 
-    def _took_text(self, delta: str) -> bool:
-        """Append `delta`; True if a stop string ends in it (the text is then cut before it)."""
+    def _took_text(self, delta: str, look: bool = True) -> bool:
+        """Append `delta`; True if `look` and a stop string ends in it: the text is then cut
+        before the first one found (after it, with include_stop)."""
         start = len(self._unsent)
         self._unsent += delta
-        if self._stop and delta:
+        if self._stop and delta and look:
             window = max(0, start - self._holdback)
-            hits = [j for j in (self._unsent.find(s, window) for s in self._stop) if j >= 0]
+            hits = [(j, len(s)) for s in self._stop if (j := self._unsent.find(s, window)) >= 0]
             if hits:
-                self._unsent = self._unsent[:min(hits)]
+                at, size = min(hits)
+                self._unsent = self._unsent[:at + size if self._include_stop else at]
                 self.stopped = True
         return self.stopped
 
@@ -84,7 +91,7 @@ class OutputText:
         """Text not handed out yet; all of it once finished (with the text of tokens that end
         inside a character, U+FFFD, as tokenizer.decode gives it), else all but the hold-back."""
         if finished and not self.stopped:
-            self._took_text(self._detokenizer.flush())
+            self._took_text(self._detokenizer.flush(), len(self.token_offsets) > self._min_tokens)
         end = len(self._unsent) if finished or self.stopped else len(self._unsent) - self._holdback
         if end <= 0:
             return ""

@@ -112,6 +112,27 @@ def test_n_choices_batched_prompts_and_logit_bias_through_the_cluster(cluster_1p
     assert all(used == 0 for used, _ in wait_idle(cluster_1p1d).values())
 
 
+def test_min_tokens_and_guided_choice_through_prefill_and_decode(cluster_1p1d, reference):
+    """min_tokens masks a stop token id on prefill's token 1 and on decode's tokens alike, as
+    the colocated engine does; guided_choice's grammar holds across the hand-off."""
+    client = client_for(cluster_1p1d)
+    model = client.models.list().data[0].id
+    prompt = PROMPTS[5]  # greedy, it samples its first token again at its third
+    first = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    params = dict(temperature=0, max_tokens=10, stop_token_ids=[first])
+    want = reference.generate([prompt], SamplingParams(**params, min_tokens=4))[0]
+    only_first = reference.generate([prompt], SamplingParams(**params, min_tokens=1))[0]
+    assert first not in want.token_ids[:4] and len(only_first.token_ids) < 4  # decode's mask counts
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                    extra_body={"stop_token_ids": [first], "min_tokens": 4})
+    assert out.choices[0].text == want.text
+    choices = ["red", "green", "blue sky"]
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"guided_choice": choices})
+    assert out.choices[0].text in choices and out.choices[0].finish_reason == "stop"
+    assert all(used == 0 for used, _ in wait_idle(cluster_1p1d).values())
+
+
 def assert_echoed_logprobs(cluster, reference: Engine) -> None:
     """Completions' echo with logprobs (lm-eval's loglikelihood request) over two prompts, one
     of ids: the prompt's tokens lead, each with the colocated engine's prompt logprob, then the

@@ -390,6 +390,38 @@ def test_chat_stream_n_2_interleaves_both_choices(client, ref, engines):
     assert chunks[-1].usage.prompt_tokens == len(ids)
 
 
+def test_vllm_min_tokens_include_stop_str_and_guided_choice(client, ref, engines):
+    """vLLM's fields through the OpenAI client's extra_body: min_tokens holds off a stop token
+    id (and stop strings) for that many tokens; include_stop_str_in_output keeps the stop
+    string; guided_choice answers one of its strings."""
+    tok = engines[0].tokenizer
+    expected = ref(PROMPT, 12)
+    first = expected.token_ids[0]
+
+    def create(**extra):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         extra_body=extra).choices[0]
+    stopped = create(stop_token_ids=[first])
+    assert stopped.text == tok.decode([first]) and stopped.finish_reason == "stop"  # (as vLLM)
+    held = create(stop_token_ids=[first], min_tokens=3)
+    reference = engines[1].generate(PROMPT, SamplingParams(
+        temperature=0, max_tokens=12, stop_token_ids=[first], min_tokens=3))[0]
+    ids = tok.encode(held.text, add_special_tokens=False)
+    assert held.text == reference.text and len(reference.token_ids) >= 3
+    assert first not in reference.token_ids[:3] and ids[:1] != [first]
+    full = expected.text
+    k = next(i for i in range(4, len(full) - 3) if full.find(full[i:i + 3]) == i and full[i] != " ")
+    assert create(stop=[full[k:k + 3]], include_stop_str_in_output=True).text == full[:k + 3]
+    assert create(stop=[full[k:k + 3]]).text == full[:k]
+    choices = ["Paris", "London", "a \"quoted\" city"]
+    answer = create(guided_choice=choices)
+    assert answer.text in choices and answer.finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16,
+                                          extra_body={"guided_choice": ["yes", "no"]})
+    assert chat.choices[0].message.content in ("yes", "no")
+    wait_idle(engines[0])
+
+
 def test_logit_bias_forces_a_token(client, engines):
     token = engines[0].tokenizer.encode(" Paris")[0]
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
@@ -498,6 +530,24 @@ BAD_REQUESTS = {
                                 "stop_token_ids", "1025 stop_token_ids; at most 1024"),
     "token_id_outside_vocab": ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt",
                                "outside the vocabulary"),
+    "min_tokens_above_max_tokens": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4,
+                                                        "min_tokens": 5}, 400, "min_tokens",
+                                    "min_tokens=5 must be in [0, max_tokens]"),
+    "min_tokens_with_a_grammar": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                                           "min_tokens": 2, "guided_regex": "a+"},
+                                  400, "min_tokens", "cannot be combined with a structured output"),
+    "guided_choice_not_a_list": ("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                     "guided_choice": "yes"}, 400, "guided_choice",
+                                 "must be a non-empty list of non-empty strings"),
+    "guided_choice_empty_string": ("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                       "guided_choice": ["yes", ""]}, 400,
+                                   "guided_choice", "non-empty strings"),
+    "guided_choice_too_many": ("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                   "guided_choice": ["x"] * 1025}, 400,
+                               "guided_choice", "at most 1024 strings"),
+    "guided_choice_and_regex": ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_regex": "a",
+                                                    "guided_choice": ["a"]}, 400, "guided_choice",
+                                "guided_regex and guided_choice each constrain the output"),
 }
 
 

@@ -620,11 +620,11 @@ def test_64_bit_edges_are_accepted(tokenizer, token):
 # ---- fields the server does not implement --------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
-    ("/v1/chat/completions", "guided_choice", ["a", "b"]),
+    ("/v1/chat/completions", "guided_whitespace_pattern", " "),
     ("/v1/completions", "guided_decoding_backend", "outlines"),
     ("/v1/completions", "suffix", "end"),
     ("/v1/completions", "structural_tag", "x"),
-    ("/v1/completions", "min_tokens", 3),
+    ("/v1/completions", "truncate_prompt_tokens", 3),
     ("/v1/completions", "messages", []),  # chat's field on the completions route
     ("/v1/chat/completions", "echo", True),
 ])

@@ -300,3 +300,34 @@ def test_extreme_values_that_pass_validation_never_give_nan(params, want):
     logits[0, 7], logits[0, 3] = 5.0, 4.0
     out = Sampler(seed=0)(logits, [make_request(**params)])
     assert out.token_ids == [want]
+
+
+def test_min_tokens_masks_stop_ids_and_eos_until_enough_outputs():
+    """Short of min_tokens a row cannot sample a stop token id or (unless ignore_eos) an EOS;
+    its position (where the token goes, the token before possibly still in flight) counts."""
+    logits = torch.full((1, 8), -5.0)
+    logits[0, 3], logits[0, 5], logits[0, 6] = 9.0, 8.0, 7.0  # 3 (EOS) > 5 (stop id) > 6
+    sampler = Sampler(eos_token_ids=[3])
+    prompt = (0, 1)
+
+    def token(output=(), position=None, **params):
+        req = make_request(prompt, output, temperature=0.0, max_tokens=8, stop_token_ids=[5], **params)
+        positions = None if position is None else [position]
+        return sampler.launch(logits, [req], positions).result().token_ids[0]
+
+    def masked(output, position=None):  # a masked row never takes the graph's own argmax
+        req = make_request(prompt, output, temperature=0.0, max_tokens=8, min_tokens=2)
+        return not Sampler.argmax_only([req], None if position is None else [position])
+
+    assert [masked(()), masked((7,)), masked((7, 7)), masked((7,), 4)] == [True, True, False, False]
+    assert token() == 3  # no min_tokens: the EOS wins
+    assert token(min_tokens=2) == 6 and token((7,), min_tokens=2) == 6
+    assert token((7, 7), min_tokens=2) == 3  # two outputs out: stops are allowed again
+    assert token((7,), position=4, min_tokens=2) == 3  # one known, one in flight
+    assert token(min_tokens=2, ignore_eos=True) == 3  # ignore_eos: the EOS is no stop
+    # sampled rows are masked too, and the raw logprobs stay the model's
+    req = make_request(prompt, (), temperature=1.0, max_tokens=8, stop_token_ids=[5], min_tokens=1,
+                       logprobs=1, seed=1)
+    out = sampler(logits.expand(1, -1), [req])
+    assert out.token_ids[0] not in (3, 5)
+    assert out.logprobs[0].top[0][0] == 3

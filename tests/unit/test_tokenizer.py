@@ -257,3 +257,25 @@ def test_incremental_detokenizer_window_stays_small_on_bytes_that_form_no_charac
     for _ in range(2000):
         detok.step([byte])
     assert sum(decoded) < 100 * 2000
+
+
+def test_output_text_keeps_the_stop_string_or_waits_for_min_tokens(tok):
+    """include_stop: the text ends after the stop string; min_tokens: a stop string in the
+    first min_tokens tokens ends nothing (vLLM's rules)."""
+    from pd_serve.model.output_text import OutputText
+
+    text = "one two three four five six seven"
+    ids = tok.encode(text)
+    kept = OutputText(tok, [], [" three", " f"], include_stop=True)
+    kept.add(ids)
+    assert kept.stopped and kept.take_delta(finished=True) == "one two three"
+    cut = OutputText(tok, [], [" three"])
+    cut.add(ids)
+    assert cut.take_delta(finished=True) == "one two"
+    upto = next(i for i in range(1, len(ids)) if " three" in tok.decode(ids[:i]))  # tokens to it
+    late = OutputText(tok, [], [" three", " six"], min_tokens=upto)
+    late.add(ids)
+    assert late.stopped and late.text == "one two three four five"
+    early = OutputText(tok, [], [" three"], min_tokens=upto - 1)
+    early.add(ids)
+    assert early.text == "one two"
