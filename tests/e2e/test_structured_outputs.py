@@ -145,7 +145,7 @@ _SEEDED: dict = {}
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
-    ({"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
+    ({"extra_body": {"guided_choice": ["a", 3]}}, "guided_choice"),
     ({"extra_body": {"regex": "a", "ebnf": 'root ::= "a"'}}, "ebnf"),
 ])
 def test_bad_or_unsupported_grammars_are_400(cluster, fields, param):
