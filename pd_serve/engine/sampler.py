@@ -210,6 +210,9 @@ class Sampler:
         # id(sampling params) -> (them, prompt ids, output ids): the token ids of the last
         # step's rows, as tensors on the logits' device, for their penalties
         self._histories: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
+        # id(sampling params) -> (them, ids): the stop ids the last step's rows short of
+        # min_tokens masked, on the logits' device
+        self._masked: dict[int, tuple[SamplingParams, torch.Tensor]] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The generator of unseeded rows on `device` (ours on CPU; one per accelerator)."""
@@ -321,16 +324,20 @@ class Sampler:
         return self._launch(logits, requests, params, positions)
 
     def _stop_masks(self, requests: list[Request], positions: list[int] | None,
-                    vocab_size: int) -> list[tuple[int, list[int]]]:
-        """(row, ids) to mask for each row short of its min_tokens: its stop ids and, unless
-        ignore_eos, the model's EOS ids."""
+                    logits: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(row, ids on the logits' device) to mask for each row short of its min_tokens: its
+        stop ids and, unless ignore_eos, the model's EOS ids. A request's ids are made once and
+        kept while it is short (a host->device copy per step could wait for the forward)."""
+        kept, self._masked = self._masked, {}
         out = []
         for i in _short_of_min_tokens(requests, positions):
             params = requests[i].sampling_params
-            ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            ids = sorted(t for t in ids if t < vocab_size)
-            if ids:
-                out.append((i, ids))
+            entry = _kept(kept, params, logits.device)
+            if entry is None:
+                ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+                entry = (params, _ids(sorted(t for t in ids if t < logits.shape[1]), logits.device))
+            self._masked[id(params)] = entry
+            out.append((i, entry[1]))
         return out
 
     def _launch(self, logits: torch.Tensor, requests: list[Request],
@@ -346,12 +353,12 @@ class Sampler:
             logits = apply_penalties(logits, requests, self._penalty_ids(requests, device))
         else:
             logits = logits.float()  # only read from here on, so no copy is needed
-        masks = self._stop_masks(requests, positions, vocab_size)
+        masks = self._stop_masks(requests, positions, logits)
         if masks or needs_grammar(requests):
             if logits.data_ptr() == original.data_ptr():  # masked in place: not the runner's
                 logits = logits.clone()
             for row, ids in masks:
-                logits[row, _ids(ids, device)] = float("-inf")
+                logits[row].index_fill_(0, ids, float("-inf"))
             if needs_grammar(requests):
                 apply_grammars(logits, requests)
         token_ids = argmax(logits)  # [B]

@@ -95,6 +95,9 @@ class SamplingParams:
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]"),
+            (not self.min_tokens or self.grammar is None, "min_tokens",  # (its end is a stop)
+             "cannot be combined with a structured output (response_format, a guided field or a "
+             "required or named tool_choice)"),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off), 0 (off) or >= 1"),

@@ -375,9 +375,6 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
             raise ApiError("a required or named tool_choice constrains the output itself; it "
                            "cannot be combined with response_format or a guided field", "tool_choice")
         kwargs["grammar"] = tool_grammar
-    if kwargs["min_tokens"] and kwargs["grammar"] is not None:  # (its end would be masked)
-        raise ApiError("min_tokens cannot be combined with a structured output (response_format, "
-                       "a guided field or a required or named tool_choice)", "min_tokens")
     try:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except ValueError as e:
@@ -459,6 +456,8 @@ def _choice_ebnf(choices) -> str:
             and all(isinstance(c, str) and c for c in choices)):
         raise ApiError("'guided_choice' must be a non-empty list of non-empty strings",
                        "guided_choice")
+    if any("\0" in c for c in choices):  # (xgrammar's literals end at a NUL)
+        raise ApiError("guided_choice strings may not hold a NUL character", "guided_choice")
     if len(choices) > MAX_GUIDED_CHOICES or sum(map(len, choices)) > MAX_GUIDED_CHOICE_CHARS:
         raise ApiError(f"guided_choice takes at most {MAX_GUIDED_CHOICES} strings of "
                        f"{MAX_GUIDED_CHOICE_CHARS} characters in all", "guided_choice")
@@ -466,10 +465,10 @@ def _choice_ebnf(choices) -> str:
 
 
 def _ebnf_literal(text: str) -> str:
-    """`text` as an EBNF string literal: quotes and backslashes escaped, control characters
-    as \\xHH."""
-    escaped = (f"\\x{ord(c):02x}" if ord(c) < 0x20 else "\\" + c if c in '"\\' else c
-               for c in text)
+    """`text` as an xgrammar EBNF string literal: quotes and backslashes escaped, control
+    characters as \\n, \\t, \\r or \\uHHHH (its \\x takes every hex digit that follows)."""
+    named = {"\n": "\\n", "\t": "\\t", "\r": "\\r", '"': '\\"', "\\": "\\\\"}
+    escaped = (named.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 else c) for c in text)
     return '"' + "".join(escaped) + '"'
 
 

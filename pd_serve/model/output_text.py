@@ -78,9 +78,9 @@ class OutputText:
         before the first one found (after it, with include_stop)."""
         start = len(self._unsent)
         self._unsent += delta
-        if self._stop and delta and look:
-            window = max(0, start - self._holdback)
-            hits = [(j, len(s)) for s in self._stop if (j := self._unsent.find(s, window)) >= 0]
+        if self._stop and delta and look:  # a stop string ends in the new text, if anywhere
+            hits = [(j, len(s)) for s in self._stop
+                    if (j := self._unsent.find(s, max(0, start - len(s) + 1))) >= 0]
             if hits:
                 at, size = min(hits)
                 self._unsent = self._unsent[:at + size if self._include_stop else at]

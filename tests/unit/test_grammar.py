@@ -220,3 +220,18 @@ def test_bounded_strings_take_what_utf8_decodes_as_one_character(compiler):
         if state.matcher.accept_string(b'{"name": "' + seq + b'"') != ok:
             wrong.append(seq)
     assert not wrong, f"{len(wrong)} wrong, e.g. {wrong[:8]}"
+
+
+def test_guided_choice_literals_admit_exactly_their_strings():
+    """guided_choice's EBNF: each string, control characters before hex digits, quotes and
+    backslashes included, is admitted as it is, and nothing else is."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from pd_serve.gateway.openai_protocol import _choice_ebnf
+
+    choices = ["Yes\tA", "No\tB", "a\rD", "line\nFeed", "bell\x07C", 'say "hi"', "back\\slash",
+               "é ü 世界", "\x1f0"]
+    grammar = xgr.Grammar.from_ebnf(_choice_ebnf(choices))
+    assert all(accepts(grammar, c) for c in choices)
+    assert not any(accepts(grammar, c) for c in ["Yes", "Yes\x9a", "a\xdb", "say hi", "back\\\\slash"])

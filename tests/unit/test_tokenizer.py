@@ -279,3 +279,8 @@ def test_output_text_keeps_the_stop_string_or_waits_for_min_tokens(tok):
     early = OutputText(tok, [], [" three"], min_tokens=upto - 1)
     early.add(ids)
     assert early.text == "one two"
+    # a short stop string inside the first min_tokens tokens ends nothing later, whatever the
+    # longest stop string (each is looked for where it could end in the new text)
+    mixed = OutputText(tok, [], ["one", " a much longer stop string"], min_tokens=1)
+    mixed.add(ids)
+    assert not mixed.stopped and mixed.take_delta(finished=True) == text
