@@ -143,12 +143,11 @@ class ModelRunner:
                   if sample_rows else None)  # [N, vocab]
         if logits is None or self.sampler is None:
             pending = self._nothing_sampled()
-        else:
-            rows = [c for c in batch.chunks if c.sample]
-            pending = self.sampler.launch(logits, [c.request for c in rows],
-                                          [c.start + c.num_tokens for c in rows])
-        pending.prompt_logprobs = scored
-        return pending
+            pending.prompt_logprobs = scored
+            return pending
+        rows = [c for c in batch.chunks if c.sample]
+        return self.sampler.launch(logits, [c.request for c in rows],
+                                   [c.start + c.num_tokens for c in rows], scored)
 
     def _score_prompts(self, hidden: torch.Tensor, batch: Batch) -> dict[str, tuple[int, list[TokenLogprob]]]:
         """The logprobs of the prompt tokens this batch's chunks score (requests that asked for

@@ -31,7 +31,8 @@ class PendingSample:
     device (the next step reads its inputs from it); result() waits for the copies to the host."""
 
     def __init__(self, tokens: torch.Tensor, params: list[SamplingParams],
-                 logprob_parts: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 logprob_parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 prompt_logprobs: dict | None = None):
         self.tokens, self.params = tokens, params
         on_cuda = tokens.device.type == "cuda"
         parts = (tokens,) + (logprob_parts or ())
@@ -43,7 +44,9 @@ class PendingSample:
         if self._event is not None:
             self._event.record()
         self._result: SamplerOutput | None = None
-        self.prompt_logprobs: dict = {}  # StepResult's, set by the runner (already on the host)
+        # StepResult's (the runner's, already on the host): given here, before the grammar
+        # thread can ask for the result
+        self.prompt_logprobs: dict = prompt_logprobs or {}
         self._lock = threading.Lock()  # the grammar thread may ask too (engine/grammar.py)
 
     def result(self) -> SamplerOutput:
@@ -69,14 +72,12 @@ class DeferredSample:
     (engine/core.py asks for `tokens` as it launches the next step), not before it."""
 
     def __init__(self, launch, params: list[SamplingParams]):
-        self._launch, self.params = launch, params
+        self._launch, self.params = launch, params  # launch() -> PendingSample
         self._pending: PendingSample | None = None
-        self.prompt_logprobs: dict = {}  # as PendingSample's
 
     def launch(self) -> PendingSample:
         if self._pending is None:
             self._pending = self._launch()
-            self._pending.prompt_logprobs = self.prompt_logprobs
         return self._pending
 
     @property
@@ -307,21 +308,24 @@ class Sampler:
                 and not _short_of_min_tokens(requests, positions))
 
     def launch(self, logits: torch.Tensor, requests: list[Request],
-               positions: list[int] | None = None) -> PendingSample | DeferredSample:
+               positions: list[int] | None = None,
+               prompt_logprobs: dict | None = None) -> PendingSample | DeferredSample:
         """Queue the sampling of one token per row on the logits' device; no host sync (the
         seeded noise of non-greedy rows is drawn on the host first). A row with a `grammar`
         (a GrammarState) samples inside it; its matcher takes the token in the background.
         A step with grammar rows is deferred (DeferredSample): `logits` must stay as they are
         until its tokens are asked for (the next forward is queued after that).
         positions: where each row's token goes in its request (prompt + outputs before it; the
-        one before may still be in flight); default: after all its known tokens."""
+        one before may still be in flight); default: after all its known tokens.
+        prompt_logprobs: the step's (StepResult's), carried by the result."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
         params = [r.sampling_params for r in requests]
         if self.argmax_only(requests, positions):
-            return PendingSample(argmax(logits), params)
+            return PendingSample(argmax(logits), params, prompt_logprobs=prompt_logprobs)
+        args = (logits, requests, params, positions, prompt_logprobs)
         if needs_grammar(requests):
-            return DeferredSample(lambda: self._launch(logits, requests, params, positions), params)
-        return self._launch(logits, requests, params, positions)
+            return DeferredSample(lambda: self._launch(*args), params)
+        return self._launch(*args)
 
     def _stop_masks(self, requests: list[Request], positions: list[int] | None,
                     logits: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -341,7 +345,8 @@ class Sampler:
         return out
 
     def _launch(self, logits: torch.Tensor, requests: list[Request],
-                params: list[SamplingParams], positions: list[int] | None = None) -> PendingSample:
+                params: list[SamplingParams], positions: list[int] | None = None,
+                prompt_logprobs: dict | None = None) -> PendingSample:
         want_logprobs = [p.logprobs is not None for p in params]
 
         vocab_size = logits.shape[1]
@@ -375,7 +380,7 @@ class Sampler:
             token_ids = torch.where(is_sampled, drawn, token_ids)
 
         parts = None if raw_logprobs is None else _logprob_parts(raw_logprobs, token_ids, params)
-        pending = PendingSample(token_ids, params, parts)
+        pending = PendingSample(token_ids, params, parts, prompt_logprobs)
         advance_grammars(pending, requests, vocab_size)
         return pending
 

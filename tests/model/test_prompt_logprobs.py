@@ -96,3 +96,14 @@ def test_prompt_logprobs_survive_preemption_and_the_overlap_schedule(default_mod
         assert_matches(out, prompt, reference(hf, prompt), 1)
     assert not tight.has_unfinished()
     assert_pages_settled(tight)
+
+
+def test_prompt_logprobs_beside_a_grammar_are_never_lost(engine, prompts, hf):
+    """A grammar row's token goes to the grammar thread, which may ask for the step's result
+    at once, so the result carries the step's prompt logprobs from its making."""
+    from pd_serve.engine.sampling_params import Grammar
+
+    params = SamplingParams(max_tokens=3, prompt_logprobs=2, grammar=Grammar("json_object", ""))
+    for _ in range(6):
+        for out, prompt in zip(engine.generate(prompts, params), prompts):
+            assert_matches(out, prompt, reference(hf, prompt), 2)
