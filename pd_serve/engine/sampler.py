@@ -190,11 +190,17 @@ def _filter(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 
 
 def seeded_generator(seed: int) -> torch.Generator:
-    """A request's own (CPU) generator. torch's CPU generator keeps 32 bits of a seed, so the
-    API's 64-bit seed is folded (its two halves XORed): seeds that differ only above bit 31
-    would otherwise sample alike. Seeds in [0, 2**32) are taken as they are."""
-    bits = seed % 2**64
-    return torch.Generator().manual_seed((bits & 0xFFFFFFFF) ^ (bits >> 32))
+    """A request's own (CPU) generator. torch's CPU generator keeps 32 bits of a seed: seeds in
+    [0, 2**32) are taken as they are; any other API seed (negative, or past 32 bits) is mixed
+    down to 32 bits by splitmix64's finalizer, so that nearby seeds (-1 and 0, 1 and 2**32 + 1)
+    do not sample alike, as cutting or folding the bits would make them."""
+    if 0 <= seed < 2**32:
+        return torch.Generator().manual_seed(seed)
+    mask = 2**64 - 1
+    z = seed & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return torch.Generator().manual_seed((z ^ (z >> 31)) >> 32)
 
 
 class Sampler:

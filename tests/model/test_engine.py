@@ -127,10 +127,13 @@ def test_seeded_sampling_is_reproducible(smol, prompts):
     other = smol.generate([prompts[0]], SamplingParams(temperature=0.9, top_p=0.95, seed=99,
                                                        max_tokens=20, ignore_eos=True))[0]
     assert other.token_ids != first
-    # torch's CPU generator keeps 32 bits of a seed: the 64-bit seed is folded, not cut
-    high = smol.generate([prompts[0]], SamplingParams(temperature=0.9, top_p=0.95, seed=1234 + 2**32,
-                                                      max_tokens=20, ignore_eos=True))[0]
-    assert high.token_ids != first
+    # torch's CPU generator keeps 32 bits of a seed: other 64-bit seeds are mixed down, so
+    # none of these samples like its neighbour (cut or folded bits would make pairs alike)
+    def sample(seed):
+        return smol.generate([prompts[0]], SamplingParams(temperature=0.9, top_p=0.95, seed=seed,
+                                                          max_tokens=20, ignore_eos=True))[0].token_ids
+    alike = [sample(s) for s in (1234 + 2**32, 0, -1, 1, 2**32 + 1, 2**63 - 1, -2**63)]
+    assert len({tuple(t) for t in alike + [first]}) == len(alike) + 1
 
 
 def test_top_k_1_equals_greedy(smol, prompts):
