@@ -36,6 +36,7 @@ class TransferHello:
     backend: str
     layout: dict  # KVLayout fields
     info: dict = field(default_factory=dict)  # backend-specific (device, ...)
+    connection: str = ""  # its socket's identity (KVChunks says why)
 
 
 @dataclass
@@ -75,15 +76,22 @@ class TransferAbort:
 
     request_id: str
     reason: str = ""
+    connection: str = ""
 
 
 @dataclass
 class KVChunks:
     """Sender -> receiver: every chunk the sender had queued for this receiver, in one message.
-    Chunk i's data frames, `frames[i]` of them (tcp: 1), follow the header in order."""
+    Chunk i's data frames, `frames[i]` of them (tcp: 1), follow the header in order.
+
+    connection (in every sender message): the identity of the socket it was sent on. Under a
+    cluster key it is signed with the message, and the receiver refuses a message that comes on
+    another connection: one recorded off the wire and sent again by a peer without the key
+    (which cannot take the sender's identity while it is connected) changes nothing."""
 
     chunks: list[KVChunk]
     frames: list[int]
+    connection: str = ""
 
 
 @dataclass

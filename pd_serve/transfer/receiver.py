@@ -40,6 +40,7 @@ SOCKET = "kv-receiver"  # the protocol-error counter's label
 # frame): no chunk's data can be larger than the pages it fills.
 HEADER_SLACK_BYTES = 2**20
 MAX_ERROR_CHARS = 300  # of a peer's error text kept in a result
+HELLO_MAX_BYTES = 2**16  # a TransferHello is a few hundred bytes: longer headers are never one
 
 
 @dataclass
@@ -213,17 +214,23 @@ class KVReceiver:
             text = identity.hex()
         sender_id = text.rpartition("/")[0] or text  # "<sender id>/<random>" (sender.py)
         try:
-            self._handle(identity, sender_id, header.bytes, frames)
+            self._handle(identity, text, sender_id, header.bytes, frames)
         except Exception as e:  # what no check foresaw
             protocol.refused(SOCKET, f"a message from {sender_id} ({type(e).__name__}: {e})")
             logger.debug("the refused message's handling", exc_info=True)
 
-    def _handle(self, identity: bytes, sender_id: str, header: bytes, frames: list) -> None:
-        """Dispatch one message by type; what the codec refuses goes no further."""
+    def _handle(self, identity: bytes, connection: str, sender_id: str, header: bytes,
+                frames: list) -> None:
+        """Dispatch one message by type; what the codec refuses goes no further, nor (under a
+        cluster key) a message signed for another connection (protocol.KVChunks)."""
         arrived = now()
         msg = self.codec.receive(header, SOCKET, sender_id)
         if msg is None:
-            self._answer_unverified(identity, header)
+            if not frames:
+                self._answer_unverified(identity, header)
+        elif self.codec.key and getattr(msg, "connection", connection) != connection:
+            protocol.refused(SOCKET, f"a {type(msg).__name__} on connection {connection!r} "
+                                     f"signed for {msg.connection!r} (replayed)")
         elif isinstance(msg, KVChunks):
             self._on_chunks(identity, sender_id, msg, frames, arrived)
         elif frames:
@@ -270,7 +277,10 @@ class KVReceiver:
     def _answer_unverified(self, identity: bytes, header: bytes) -> None:
         """A hello refused for its key (none, or another) still gets an answer, one its sender
         cannot verify either, so it fails at once with a clear error instead of at its
-        timeout. Anything else refused gets none."""
+        timeout. Anything else refused gets none; a header too long for a hello is not decoded
+        (it costs its sender nothing and the receiver's I/O thread a full msgpack decode)."""
+        if len(header) > HELLO_MAX_BYTES:
+            return
         for body in (header, header[protocol.TAG_BYTES:]):
             try:
                 if isinstance(protocol.decode(body), TransferHello):

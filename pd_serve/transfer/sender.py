@@ -140,6 +140,7 @@ class KVSender:
         self._outstanding: Counter = Counter()  # receiver address -> its records in _outgoing
         self._deadlines = Deadlines()  # of the _outgoing records
         self._socks: dict[str, zmq.Socket] = {}
+        self._identities: dict[str, str] = {}  # receiver address -> our socket's identity
         self._addresses: dict[zmq.Socket, str] = {}
         self._monitors: dict[str, zmq.Socket] = {}  # address -> its socket's disconnect events
         # Receivers whose welcome we await: the I/O thread never blocks on one (a dead
@@ -365,14 +366,16 @@ class KVSender:
         # "<sender id>/<random>": a receiver knows the sender by the part before the slash, and
         # no peer can take the identity first (a ROUTER refuses a second connection under one
         # identity: a guessable one let a peer without the key stall our transfers)
-        sock.setsockopt(zmq.IDENTITY, f"{self.sender_id}/{secrets.token_hex(8)}".encode())
+        identity = self._identities[address] = f"{self.sender_id}/{secrets.token_hex(8)}"
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX_BYTES)
         try:
             sock.connect(address)
             sock.send(self.codec.encode(TransferHello(self.sender_id, self.backend,
                                                       dataclasses.asdict(self.model_layout),
-                                                      self.plane.hello_info())), zmq.NOBLOCK)
+                                                      self.plane.hello_info(), identity)),
+                      zmq.NOBLOCK)
         except Exception:
             sock.close()
             raise
@@ -511,7 +514,8 @@ class KVSender:
                 prepared = now()
                 try:  # never wait here: every other receiver's transfers would wait too
                     self._socks[address].send_multipart(
-                        [self.codec.encode(KVChunks(headers, counts)), *frames], copy=False,
+                        [self.codec.encode(KVChunks(headers, counts, self._identities[address])),
+                         *frames], copy=False,
                         flags=zmq.NOBLOCK)
                 except zmq.Again:
                     raise TransferError(f"{address} takes nothing: its send queue is full (the "
@@ -574,7 +578,8 @@ class KVSender:
         if sock is not None:
             # (a full queue: the receiver gets no abort, and hears from its own side instead)
             with contextlib.suppress(zmq.Again):
-                sock.send(self.codec.encode(TransferAbort(key[0], reason)), zmq.NOBLOCK)
+                sock.send(self.codec.encode(TransferAbort(key[0], reason, self._identities[key[1]])),
+                          zmq.NOBLOCK)
         self._finish(key, ok=False, error=reason)
 
     def _expire(self, poller: zmq.Poller) -> None:

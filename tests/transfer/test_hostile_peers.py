@@ -488,6 +488,38 @@ def test_a_peer_without_the_key_gets_nothing_written(rogue_key):
     rec.close()
 
 
+def test_signed_messages_replayed_on_another_connection_change_nothing(monkeypatch):
+    """Messages a key holder signed (recorded off the wire) sent again by a peer without the
+    key, under the sender's id and a header naming the sender's connection: refused and
+    counted, the expected request neither failed, aborted nor written; its real transfer
+    lands after. A KV header too long for a hello is not decoded at all."""
+    rec, snd = receiver(KEY), sender(KEY)
+    snd.connect(rec.address)
+    rec.expect("req", [3, 4])
+    signed, before = protocol.Codec(KEY), errors("kv-receiver")
+    victim = next(iter(snd._identities.values()))  # the connection the recorded messages name
+    rogue = dealer(rec.address, f"{snd.sender_id}/{'0' * 16}".encode())
+    rogue.send(signed.encode(TransferHello(snd.sender_id, "tcp", asdict(LAYOUT), {}, victim)))
+    rogue.send_multipart([signed.encode(KVChunks([chunk("req", [3, 4])], [1], victim)), bytes(2 * PAGE)])
+    rogue.send(signed.encode(TransferAbort("req", "replayed", victim)))
+    decoded = []  # the lengths of unverified headers decoded in search of a hello
+    monkeypatch.setattr(protocol, "decode", lambda body: decoded.append(len(body)) or
+                        protocol.Codec().decode(body))
+    rogue.send(b"\xdd" + (2**19).to_bytes(4, "big") + b"\x90" * 2**19)  # 512K empty lists
+    wait_for(lambda: errors("kv-receiver") >= before + 4, "count of refused messages")
+    assert decoded == []
+    assert (rec.pool.buffer == POISON).all() and rec.num_expected == 1 and not rec.poll()
+    snd.send("req", rec.address, [5, 9], [3, 4])
+    (sent,) = wait_results(snd, 1, WAIT_S)
+    (received,) = wait_results(rec, 1, WAIT_S)
+    assert sent.ok and received.ok, (sent, received)
+    expected = seeded_pool(LAYOUT, NUM_PAGES, SEED).buffer
+    assert torch.equal(bits(rec.pool.buffer[:, :, [3, 4]]), bits(expected[:, :, [5, 9]]))
+    snd.close()
+    rogue.close()
+    rec.close()
+
+
 # ---- a crash (a bug) is visible -----------------------------------------------------------
 
 def boom(*args):
