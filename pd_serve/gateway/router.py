@@ -47,9 +47,16 @@ class WorkerState:
 
     def prefill_has_room(self, num_tokens: int) -> bool:
         """Prefill: this prompt joins what waits here without passing PREFILL_QUEUE_STEPS
-        steps of work (a worker with nothing takes any prompt)."""
+        steps of work (a worker with nothing takes any prompt). Under the worker's
+        --long-prefill-token-threshold a prompt takes at most that many tokens of a step while
+        others wait, so each counts for at most that much: short prompts are still sent to a
+        worker busy with long ones, and start beside them."""
+        cap = self.status.long_prefill_token_threshold
+
+        def share(tokens: int) -> int:
+            return min(tokens, cap) if cap else tokens
         budget = PREFILL_QUEUE_STEPS * max(1, self.status.max_prefill_tokens)
-        return not self.inflight or self.load + num_tokens <= budget
+        return not self.inflight or sum(map(share, self.inflight.values())) + share(num_tokens) <= budget
 
     @property
     def worker_id(self) -> str:

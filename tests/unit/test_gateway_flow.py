@@ -34,8 +34,10 @@ class FakeWorker:
     """A scripted worker: registers, records what the gateway sends, answers as told."""
 
     def __init__(self, cluster: Cluster, role: str, worker_id: str, *, key: bytes = KEY,
-                 max_running: int = 8, num_pages: int = 64, incarnation: str = "one"):
+                 max_running: int = 8, num_pages: int = 64, incarnation: str = "one",
+                 long_prefill: int = 0):
         self.role, self.worker_id, self.incarnation = role, worker_id, incarnation
+        self.long_prefill = long_prefill  # its --long-prefill-token-threshold
         self.max_running, self.num_pages = max_running, num_pages
         self.codec = protocol.Codec(key)
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)  # (routing id: the gateway's)
@@ -60,7 +62,7 @@ class FakeWorker:
                             transfer_addresses=[self.address] if self.role == "decode" else [],
                             layout=LAYOUT, num_pages=self.num_pages, num_free_pages=self.num_pages,
                             max_running_requests=self.max_running, max_prefill_tokens=64,
-                            max_model_len=4096)
+                            max_model_len=4096, long_prefill_token_threshold=self.long_prefill)
 
     def beat(self) -> Heartbeat:
         self.beats += 1
@@ -210,6 +212,37 @@ async def test_requests_complete_and_leave_nothing_behind(cluster, add):
     assert not cluster._flights and not cluster._queue
     assert all(not w.inflight for w in cluster.workers.values())
     assert len(decode.of(Admit)) == len(prefill.of(Prefill)) == 20
+
+
+async def short_beside_long(cluster, add, threshold: int) -> None:
+    """A prefill worker busy with a prompt of many steps (64 tokens a step here) gets no more
+    prompts; under --long-prefill-token-threshold, which caps what the long one takes of a step
+    while others wait, a short one goes to it at once."""
+    add("decode", "d")
+    prefill = add("prefill", "p", long_prefill=threshold)
+    await ready(cluster, 2)
+    prefill.answer_prefill = False
+    long = asyncio.create_task(collect(cluster, spec("long", num_tokens=1000)))
+    await until(lambda: prefill.of(Prefill))
+    short = asyncio.create_task(collect(cluster, spec("short")))
+    if threshold:
+        await until(lambda: len(prefill.of(Prefill)) == 2)
+    else:
+        await until(lambda: cluster.num_queued == 1)
+        assert len(prefill.of(Prefill)) == 1
+    for task in (long, short):
+        task.cancel()
+    await asyncio.gather(long, short, return_exceptions=True)
+
+
+@with_gateway()
+async def test_a_short_prompt_waits_behind_a_long_one_on_a_busy_prefill_worker(cluster, add):
+    await short_beside_long(cluster, add, 0)
+
+
+@with_gateway()
+async def test_a_short_prompt_goes_beside_a_long_one_under_the_long_prefill_threshold(cluster, add):
+    await short_beside_long(cluster, add, 32)
 
 
 @with_gateway()
