@@ -261,8 +261,12 @@ class OpenAIServer:
         cached = _cached_tokens([sum(d.cached_tokens for d in ds) for ds in received], parsed.n)
         timings = next((d.timings for d in reversed(received[0]) if d.timings), None)
 
+        # a prompt's scores came with its first choice (ParsedRequest.choices)
+        scored = [next((d.prompt for d in received[i - i % parsed.n] if d.prompt), None)
+                  for i in range(num_choices)]
+
         def serialize(i: int, ds: list[_Delta]) -> bytes:
-            prompt = next((d.prompt for d in ds if d.prompt), None)
+            prompt = scored[i]
             lp = shape.logprobs([e for d in ds for e in d.logprobs or []],
                                 [o for d in ds for o in d.text_offsets], parsed.logprobs,
                                 prompt if parsed.echo_texts is not None else None) \
@@ -277,8 +281,7 @@ class OpenAIServer:
         if timings:  # pd-serve's extension: where the first choice's time went (queue, prefill, ...)
             body["timings"] = timings
         if parsed.prompt_logprobs is not None and not shape.prompt_logprobs_per_choice:
-            prompt = next(d.prompt for d in received[0] if d.prompt)  # (one prompt: chat's)
-            body["prompt_logprobs"] = await asyncio.to_thread(shape.prompt_logprobs, prompt,
+            body["prompt_logprobs"] = await asyncio.to_thread(shape.prompt_logprobs, scored[0],
                                                               parsed.prompt_logprobs)
         head, tail = json.dumps(body).encode().split(b'"choices": []', 1)  # (unescaped in a string)
         parts = [head + b'"choices": [']

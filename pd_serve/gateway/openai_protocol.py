@@ -191,14 +191,18 @@ class ParsedRequest:
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, in the response's order (choice index prompt * n + i).
         With a seed, choice i of a prompt samples with seed + i (vLLM's rule): its n samples
-        differ, and the first is what n=1 gives."""
+        differ, and the first is what n=1 gives. A whole (not streamed) reply has a prompt
+        scored once, by its first choice, whose scores the others show too."""
         out = []
         for prompt in self.prompts:
             for i in range(self.n):
-                seed = self.params.seed
-                params = self.params if seed is None or i == 0 else dataclasses.replace(
-                    self.params, seed=_wrap_seed(seed + i))
-                out.append((prompt, params))
+                changes = {}
+                if self.params.seed is not None and i:
+                    changes["seed"] = _wrap_seed(self.params.seed + i)
+                if self.params.prompt_logprobs is not None and i and not self.stream:
+                    changes["prompt_logprobs"] = None
+                out.append((prompt, dataclasses.replace(self.params, **changes) if changes
+                            else self.params))
         return out
 
 

@@ -265,8 +265,17 @@ def test_echo_with_logprobs_asks_the_source_for_the_prompts(tokenizer, token):
                 resp = await client.post("/v1/completions", json={
                     "model": MODEL, "prompt": ids, "max_tokens": 1, "logprobs": 3, "echo": echo})
                 assert resp.status == 200, await resp.text()
+            for stream in (False, True):  # n=2: a whole reply's prompt scored once; a stream's
+                resp = await client.post("/v1/completions", json={  # choices each show theirs
+                    "model": MODEL, "prompt": ids, "max_tokens": 1, "logprobs": 3, "echo": True,
+                    "n": 2, "stream": stream})
+                assert resp.status == 200, await resp.text()
+                if not stream:
+                    a, b = (c["logprobs"] for c in (await resp.json())["choices"])
+                    assert a == b and len(a["tokens"]) == len(ids)  # (the prompt's: no output logprobs)
+                await resp.read()
     asyncio.run(go())
-    assert [s.params.prompt_logprobs for s in source.specs] == [3, None]
+    assert [s.params.prompt_logprobs for s in source.specs] == [3, None, 3, None, 3, 3]
 
 
 def _ranked_prompt(tokenizer, text: str):
@@ -325,7 +334,8 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(tokenizer, token):
     assert max(len(t) for t in echoed["choices"][0]["logprobs"]["top_logprobs"][1:]) <= 3
     assert chat["prompt_logprobs"] == _vllm_entry(tokenizer, chat_rows, 2)
     assert "prompt_logprobs" not in chat["choices"][0]
-    assert [s.params.prompt_logprobs for s in specs] == [2, 2, 2, 2]
+    # a whole reply's prompt is scored once, by its first choice; its n choices all show it
+    assert [s.params.prompt_logprobs for s in specs] == [2, None, 2, 2]
 
 
 @pytest.mark.parametrize("path,body,message", [
