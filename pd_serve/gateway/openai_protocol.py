@@ -386,7 +386,8 @@ def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
         if match is None:
             raise ApiError(str(e))
         field = field_names.get(match.group(1), match.group(1))
-        raise ApiError(f"{field}={match.group(2)}", field)
+        rule = match.group(2).replace("max_tokens", field_names.get("max_tokens", "max_tokens"))
+        raise ApiError(f"{field}={rule}", field)
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:

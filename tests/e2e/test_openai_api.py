@@ -533,6 +533,9 @@ BAD_REQUESTS = {
     "min_tokens_above_max_tokens": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4,
                                                         "min_tokens": 5}, 400, "min_tokens",
                                     "min_tokens=5 must be in [0, max_tokens]"),
+    "min_tokens_above_max_completion_tokens": ("/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "max_completion_tokens": 2, "min_tokens": 3}, 400,
+        "min_tokens", "min_tokens=3 must be in [0, max_completion_tokens]"),
     "min_tokens_with_a_grammar": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
                                                            "min_tokens": 2, "guided_regex": "a+"},
                                   400, "min_tokens", "cannot be combined with a structured output"),
