@@ -41,6 +41,11 @@ from pd_serve.engine.sampling_params import Grammar
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMAR_BYTES = 2**30  # and their compiled size (a large enum's is tens of MiB)
+# A grammar's text (a schema, regex or EBNF; a required tool_choice's is all the tools'). The
+# compile has no time bound and grows faster than its text: on 2 CPU cores an enum of 128 KiB
+# compiles in 0.4 s to 27 MiB, one of 2 MB took 37 s.
+MAX_GRAMMAR_CHARS = 2**17
 # JSON is generated without free whitespace between its tokens (vLLM's --disable-any-whitespace):
 # with it a model can pad forever and never close the object.
 _JSON_OPTIONS = dict(any_whitespace=False)
@@ -53,6 +58,7 @@ def check_grammar(grammar: Grammar) -> None:
     stop token, where a grammar that admits any string allows a first byte or the stop. The
     gateway calls it so a bad grammar is a 400."""
     import xgrammar as xgr
+    _check_size(grammar)
     with _invalid(grammar):
         compiled = _compile_with(_byte_compiler(), grammar)
     bitmask = xgr.allocate_token_bitmask(1, 257)
@@ -67,6 +73,7 @@ def parse_grammar(grammar: Grammar) -> None:
     cluster key may send one that fails to compile, which would fail the worker's step).
     Parsing alone costs little next to the compile, which runs later, off the main loop."""
     import xgrammar as xgr
+    _check_size(grammar)
     with _invalid(grammar):
         if grammar.kind == "json_schema":
             xgr.Grammar.from_json_schema(_schema_text(grammar.spec), **_JSON_OPTIONS)
@@ -74,6 +81,12 @@ def parse_grammar(grammar: Grammar) -> None:
             xgr.Grammar.from_regex(grammar.spec)
         elif grammar.kind == "ebnf":
             xgr.Grammar.from_ebnf(grammar.spec)
+
+
+def _check_size(grammar: Grammar) -> None:
+    if len(grammar.spec) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"the {grammar.kind} is {len(grammar.spec)} characters; at most "
+                         f"{MAX_GRAMMAR_CHARS} (its compile grows faster than its size)")
 
 
 @contextlib.contextmanager
@@ -108,7 +121,7 @@ def _compile_with(compiler, grammar: Grammar):
 
 class GrammarCompiler:
     """Compiles Grammars against one tokenizer (a model folder's tokenizer.json) and makes
-    matchers; the last MAX_CACHED_GRAMMARS compiled grammars are kept."""
+    matchers; the last compiled grammars are kept (_store's bounds)."""
 
     def __init__(self, model_dir: Path, vocab_size: int, stop_token_ids: list[int]):
         import xgrammar as xgr
@@ -121,6 +134,7 @@ class GrammarCompiler:
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[Grammar, object] = OrderedDict()
+        self._bytes = 0  # the kept grammars' compiled size
         self._compiling: dict[Grammar, Future] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self.vocab_size = vocab_size
@@ -157,9 +171,12 @@ class GrammarCompiler:
         return GrammarState(self._xgr.GrammarMatcher(compiled))
 
     def _store(self, grammar: Grammar, compiled) -> None:
+        """Keep it; the oldest go while more than MAX_CACHED_GRAMMARS or _BYTES are kept."""
         self._compiled[grammar] = compiled
-        if len(self._compiled) > MAX_CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
+        self._bytes += compiled.memory_size_bytes
+        while len(self._compiled) > 1 and (len(self._compiled) > MAX_CACHED_GRAMMARS
+                                           or self._bytes > MAX_CACHED_GRAMMAR_BYTES):
+            self._bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
 
     def _compile(self, grammar: Grammar):
         return _compile_with(self._compiler, grammar)

@@ -101,8 +101,9 @@ class OpenAIServer:
         if choice is not None:
             tools = (make_parser(self.tool_call_parser) if choice.mode == "auto" else
                      RequiredParser() if choice.mode == "required" else NamedParser(choice.name))
-        # A forced call is JSON from the first token on: no reasoning to split out of it.
-        reasoning = self.reasoning_parser if choice is None or choice.mode == "auto" else None
+        # Output under a grammar (a structured output, a forced call) is the grammar's from
+        # the first token on: no reasoning to split out of it, all of it content.
+        reasoning = self.reasoning_parser if parsed.params.grammar is None else None
         return ChatOutput(reasoning, parsed.prompt_opens_reasoning, tools)
 
     def routes(self) -> list[web.RouteDef]:

@@ -235,3 +235,33 @@ def test_guided_choice_literals_admit_exactly_their_strings():
     grammar = xgr.Grammar.from_ebnf(_choice_ebnf(choices))
     assert all(accepts(grammar, c) for c in choices)
     assert not any(accepts(grammar, c) for c in ["Yes", "Yes\x9a", "a\xdb", "say hi", "back\\\\slash"])
+
+
+def test_grammars_past_the_size_bound_are_refused_before_compiling():
+    """A grammar's text past MAX_GRAMMAR_CHARS is a clear ValueError (the gateway's 400), on
+    the gateway's check and a worker's parse alike, whatever its kind."""
+    from pd_serve.engine import grammar as grammar_module
+
+    limit = grammar_module.MAX_GRAMMAR_CHARS
+    enum = json.dumps({"enum": [f"v{i:07d}" for i in range(limit // 11 + 1)]})
+    for big in (Grammar("json_schema", enum), Grammar("regex", "a" * (limit + 1)),
+                Grammar("ebnf", 'root ::= "' + "a" * limit + '"')):
+        for check in (check_grammar, grammar_module.parse_grammar):
+            with pytest.raises(ValueError, match=f"at most {limit}"):
+                check(big)
+    check_grammar(Grammar("regex", "a" * limit))  # at the bound: compiled
+
+
+def test_the_compiled_grammar_cache_is_bounded_by_bytes(tokenizer, default_model_dir, monkeypatch):
+    """The compiler keeps the newest grammars within a byte bound as well as a count: each
+    past it pushes out the oldest (the newest always stays)."""
+    from pd_serve.engine import grammar as grammar_module
+
+    compiler = GrammarCompiler(default_model_dir, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids))
+    grammars = [Grammar("regex", f"(ab|cd){{{n}}}x") for n in (3, 4, 5)]
+    one = compiler._compile(grammars[0]).memory_size_bytes
+    monkeypatch.setattr(grammar_module, "MAX_CACHED_GRAMMAR_BYTES", int(2.5 * one))
+    for g in grammars:
+        compiler.matcher(g)
+    assert list(compiler._compiled) == grammars[-2:]
+    assert compiler._bytes == sum(c.memory_size_bytes for c in compiler._compiled.values())

@@ -269,6 +269,17 @@ def test_reasoning_parser(tokenizer, parser, stream):
         ("it is late", "Good night.", "stop")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_structured_output_is_content_under_a_reasoning_parser(tokenizer, stream):
+    """Under a grammar the output is the grammar's from its first token: deepseek-r1's parser
+    (which takes text with no </think> as reasoning) leaves it all content."""
+    answer = '{"a": 123}'
+    status, out, _ = chat(tokenizer, answer, {"stream": stream, "response_format": {
+        "type": "json_object"}}, reasoning_parser="deepseek-r1")
+    message, _ = assembled(out) if stream else (out["choices"][0]["message"], None)
+    assert message["content"] == answer and not message.get("reasoning_content")
+
+
 @pytest.mark.parametrize("body,param,message", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "not among the tools"),
