@@ -101,10 +101,11 @@ class OpenAIServer:
         if choice is not None:
             tools = (make_parser(self.tool_call_parser) if choice.mode == "auto" else
                      RequiredParser() if choice.mode == "required" else NamedParser(choice.name))
-        # Output under a grammar (a structured output, a forced call) is the grammar's from
-        # the first token on: no reasoning to split out of it, all of it content.
-        reasoning = self.reasoning_parser if parsed.params.grammar is None else None
-        return ChatOutput(reasoning, parsed.prompt_opens_reasoning, tools)
+        # A forced call is JSON from the first token on: no reasoning to split out of it. Any
+        # other grammar's output is reasoning only where it opens <think> itself.
+        reasoning = self.reasoning_parser if choice is None or choice.mode == "auto" else None
+        return ChatOutput(reasoning, parsed.prompt_opens_reasoning, tools,
+                          constrained=parsed.params.grammar is not None)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/completions", self.completions),

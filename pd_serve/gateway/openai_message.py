@@ -20,11 +20,15 @@ def new_call_id() -> str:
 
 class ChatOutput:
     """Reads one choice's text. reasoning_parser: a REASONING_PARSERS name or None;
-    prompt_open: the prompt ends inside <think>; tools: the tool parser or None."""
+    prompt_open: the prompt ends inside <think>; tools: the tool parser or None; constrained:
+    the output is under a grammar (reasoning only where it opens <think> itself)."""
 
-    def __init__(self, reasoning_parser: str | None, prompt_open: bool, tools: ToolParser | None):
+    def __init__(self, reasoning_parser: str | None, prompt_open: bool, tools: ToolParser | None,
+                 constrained: bool = False):
         self._reasoning_parser, self._prompt_open, self._tools = reasoning_parser, prompt_open, tools
-        self._splitter = ReasoningSplitter(reasoning_parser, prompt_open) if reasoning_parser else None
+        self._constrained = constrained  # a grammar's output: reasoning only where it opens it
+        self._splitter = (ReasoningSplitter(reasoning_parser, prompt_open, constrained)
+                          if reasoning_parser else None)
         self._content = ""  # content text so far (what the tool parser reads)
         self._num_content_sent = 0
         self._sent_args: list[int] = []  # per call begun in the stream: characters of arguments sent
@@ -75,7 +79,8 @@ class ChatOutput:
         """The whole output as the assistant message."""
         message: dict = {"role": "assistant", "content": text}
         if self._reasoning_parser:
-            reasoning, content = split_reasoning(self._reasoning_parser, text, self._prompt_open)
+            reasoning, content = split_reasoning(self._reasoning_parser, text, self._prompt_open,
+                                                 self._constrained)
             message.update(reasoning_content=reasoning, content=content)
         if self._tools is not None:
             reading = self._tools.parse(message["content"] or "", final=True)

@@ -73,6 +73,13 @@ def parse_tools(body: dict, parser: str | None) -> ToolRequest:
         # xgrammar writes properties in the schema's order: name before parameters, so a
         # stream can name each call before its arguments arrive.
         parallel = body.get("parallel_tool_calls")
+        for i, (name, schema) in enumerate(schemas.items()):
+            if (ref := _local_ref(schema)) is not None:
+                where = f"tools[{i}].function.parameters"
+                raise ToolsError(f'{where}: with tool_choice "required" each tool\'s schema sits '
+                                 f"inside one array, where the reference {ref!r} points elsewhere; "
+                                 "refer only to the schema's $defs / definitions, or name the tool "
+                                 "in tool_choice", where)
         schemas, defs = _hoisted_defs(schemas)
         items = {"anyOf": [{"type": "object", "properties": {"name": {"enum": [name]},
                                                              "parameters": schema},
@@ -116,6 +123,20 @@ def _tool_schemas(tools: list) -> dict[str, dict]:
             raise ToolsError(*problem)
         schemas[name] = schema
     return schemas
+
+
+def _local_ref(value) -> str | None:
+    """A "$ref" inside `value` into its own document other than to its root definitions
+    ("#", "#/properties/a"), which nesting the schema would break; None if there is none."""
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(
+                tuple(f"#/{key}/" for key in _DEFS_KEYS)):
+            return ref
+        value = list(value.values())
+    if isinstance(value, list):
+        return next((ref for v in value if (ref := _local_ref(v)) is not None), None)
+    return None
 
 
 def _hoisted_defs(schemas: dict[str, dict]) -> tuple[dict[str, dict], dict]:

@@ -28,10 +28,12 @@ def prompt_opens_reasoning(prompt: str) -> bool:
 class ReasoningSplitter:
     """Splits one choice's output text; `feed(delta, final)` -> (reasoning delta, content delta)."""
 
-    def __init__(self, parser: str, prompt_open: bool = False):
+    def __init__(self, parser: str, prompt_open: bool = False, constrained: bool = False):
+        """constrained: the output is a grammar's from its first token (a structured output),
+        so it is reasoning only where it opens `<think>` itself."""
         if parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}; one of {', '.join(REASONING_PARSERS)}")
-        self._starts_inside = parser == "deepseek-r1" or prompt_open
+        self._starts_inside = not constrained and (parser == "deepseek-r1" or prompt_open)
         self._state = "start"  # start (an opening tag may come) -> reasoning -> content
         self._pending = ""  # text received and not handed out
         self.reasoning_seen = False  # any reasoning state entered: content may be null
@@ -62,9 +64,10 @@ class ReasoningSplitter:
         return reasoning, content
 
 
-def split_reasoning(parser: str, text: str, prompt_open: bool = False) -> tuple[str | None, str | None]:
+def split_reasoning(parser: str, text: str, prompt_open: bool = False,
+                    constrained: bool = False) -> tuple[str | None, str | None]:
     """A whole output as (reasoning or None, content or None), vLLM's non-streamed shape."""
-    splitter = ReasoningSplitter(parser, prompt_open)
+    splitter = ReasoningSplitter(parser, prompt_open, constrained)
     reasoning, content = splitter.feed(text, final=True)
     return (reasoning if splitter.reasoning_seen else None), (content or None)
 

@@ -272,7 +272,8 @@ def test_reasoning_parser(tokenizer, parser, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_structured_output_is_content_under_a_reasoning_parser(tokenizer, stream):
     """Under a grammar the output is the grammar's from its first token: deepseek-r1's parser
-    (which takes text with no </think> as reasoning) leaves it all content."""
+    (which takes text with no </think> as reasoning) takes reasoning only where the output
+    opens <think> itself, so a JSON answer is all content."""
     answer = '{"a": 123}'
     status, out, _ = chat(tokenizer, answer, {"stream": stream, "response_format": {
         "type": "json_object"}}, reasoning_parser="deepseek-r1")
@@ -295,6 +296,12 @@ def test_a_structured_output_is_content_under_a_reasoning_parser(tokenizer, stre
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "cannot be combined"),
     ({"functions": [{"name": "f"}]}, "functions", "is not supported"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters", "'#/properties/a' points elsewhere"),
+    ({"tools": [{"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters", "'#' points elsewhere"),
 ])
 def test_bad_tool_requests_are_400(tokenizer, body, param, message):
     status, out, source = chat(tokenizer, "x", body)
