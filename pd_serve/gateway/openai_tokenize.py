@@ -5,9 +5,11 @@ messages rendered with the chat template ({"messages": [...], "add_special_token
 the chat route's template fields}); it answers {"count", "max_model_len", "tokens", "token_strs"}
 (token_strs only when return_token_strs is true, else null). /detokenize takes {"tokens": [...]}
 and answers {"prompt": text}, for at most the context's tokens (max_model_len). Bad input is an
-ApiError (400), as for the OpenAI routes. A text past the context is counted, unless it has
-more characters than the context's tokens could stand for (a 400: tokenizing MiBs holds a
-gateway thread for seconds and takes hundreds of MiB).
+ApiError (400), as for the OpenAI routes. A text past the context is counted, up to
+MAX_TOKENIZE_CONTEXTS contexts' tokens; past that, or with more characters than the context's
+tokens could stand for, it is a 400 (tokenizing MiBs holds a gateway thread for seconds and
+takes hundreds of MiB; rare characters are several tokens each, so 660k characters were 2.5M
+tokens and a 38 MB reply).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pd_serve.gateway.openai_protocol import (CHAT_TEMPLATE_FIELDS, ApiError, Mo
 _TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens",
                               "return_token_strs")) | CHAT_TEMPLATE_FIELDS
 _DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
+MAX_TOKENIZE_CONTEXTS = 4
 
 
 def tokenize(body, model: ModelInfo) -> dict:
@@ -30,15 +33,31 @@ def tokenize(body, model: ModelInfo) -> dict:
         if not isinstance(body["prompt"], str):
             raise ApiError(f"'prompt' must be a string, got {_json_type(body['prompt'])}", "prompt")
         special = _opt(body, "add_special_tokens", bool)
-        check_chars(body["prompt"], model, "prompt")
-        ids = tokenizer.encode(body["prompt"], add_special_tokens=True if special is None else special)
+        ids = _counted(body["prompt"], model, "prompt", True if special is None else special)
     else:
         text = render_chat(body, model, _messages(body["messages"]))
-        check_chars(text, model, "messages")
-        ids = tokenizer.encode(text, add_special_tokens=bool(_opt(body, "add_special_tokens", bool)))
+        ids = _counted(text, model, "messages", bool(_opt(body, "add_special_tokens", bool)))
     strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] \
         if _opt(body, "return_token_strs", bool) else None
     return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def _counted(text: str, model: ModelInfo, what: str, special: bool) -> list[int]:
+    """The text's ids, or a 400 past MAX_TOKENIZE_CONTEXTS contexts' tokens: judged by as many
+    leading characters first (a token spans at least part of one), so a text of rare
+    characters is refused before the rest of it is tokenized."""
+    check_chars(text, model, what)
+    if model.max_model_len is None:
+        return model.tokenizer.encode(text, add_special_tokens=special)
+    most = MAX_TOKENIZE_CONTEXTS * model.max_model_len
+    for part in ((text[:most],) if len(text) > most else ()) + (text,):
+        ids = model.tokenizer.encode(part, add_special_tokens=special)
+        if len(ids) > most:
+            head = f"the first {most} characters of " if part is not text else ""
+            raise ApiError(f"{head}your {what} tokenized to {len(ids)} tokens; /tokenize counts "
+                           f"at most {most} ({MAX_TOKENIZE_CONTEXTS} x the context's "
+                           f"{model.max_model_len})", what)
+    return ids
 
 
 def detokenize(body, model: ModelInfo) -> dict:

@@ -139,6 +139,22 @@ def test_detokenize_takes_at_most_the_context(tokenizer, token):
     assert "1025 tokens" in out["error"]["message"]
 
 
+def test_tokenize_counts_at_most_four_contexts_judged_by_the_head_first(tokenizer):
+    """Past 4 x the context's tokens (4,096 here) /tokenize answers a 400; a text whose first
+    4,096 characters already pass it (rare characters, several tokens each) is refused from
+    those alone, the rest untokenized."""
+    rare = "\U00013000\U00013050\U00013080\U0001f701"
+    timed = TimedTokenizer(tokenizer)
+    status, _, out = call(timed, [], "POST", "/tokenize", {"prompt": rare * 4000, "return_token_strs": True})
+    assert status == 400 and out["error"]["param"] == "prompt", out
+    assert "the first 4096 characters" in out["error"]["message"] and "at most 4096" in out["error"]["message"]
+    assert [chars for _, _, chars in timed.encodes] == [4096]
+    status, _, out = call(tokenizer, [], "POST", "/tokenize", {"prompt": "hello " * 5000})
+    assert status == 400 and "at most 4096" in out["error"]["message"], out
+    status, _, out = call(tokenizer, [], "POST", "/tokenize", {"prompt": "hello " * 4000})
+    assert status == 200 and 1024 < out["count"] <= 4096, out
+
+
 def test_tokenize_counts_past_the_context_but_not_past_what_it_could_hold(tokenizer):
     """/tokenize counts a text longer than the context (1,024 tokens here), but refuses one of
     more characters than 1,024 tokens could stand for, untokenized: 16 MiB bodies of it, eight
