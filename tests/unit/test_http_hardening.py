@@ -182,8 +182,10 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer, token, path):
                 await asyncio.sleep(0.01)
 
         # a context of 65,536 tokens could hold the 4.4 M characters below (tokens of up to
-        # tokenizer.max_token_chars characters), so they are tokenized
-        async with serving(timed, done(token), max_model_len=65_536) as client:
+        # tokenizer.max_token_chars characters), so they are tokenized; /tokenize counts them
+        # (900 k tokens) within 4 contexts of 262,144
+        context = 262_144 if path == "/tokenize" else 65_536
+        async with serving(timed, done(token), max_model_len=context) as client:
             body = {"model": MODEL, "prompt": "hello world, " * 300_000}
             if path == "/v1/completions":
                 # a prompt past the context: 400 once tokenized. Spaces first, so its head (8
