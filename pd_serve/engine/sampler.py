@@ -395,10 +395,9 @@ def _short_of_min_tokens(requests: list[Request], positions: list[int] | None) -
     """The rows whose token may not be a stop yet: fewer outputs before it than min_tokens."""
     rows = []
     for i, request in enumerate(requests):
-        min_tokens = request.sampling_params.min_tokens
-        if min_tokens:
+        if request.sampling_params.min_tokens:
             at = len(request.all_token_ids) if positions is None else positions[i]
-            if at - request.num_prompt_tokens < min_tokens:
+            if not request.sampling_params.may_stop(at - request.num_prompt_tokens):
                 rows.append(i)
     return rows
 

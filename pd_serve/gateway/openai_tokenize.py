@@ -50,13 +50,17 @@ def _counted(text: str, model: ModelInfo, what: str, special: bool) -> list[int]
     if model.max_model_len is None:
         return model.tokenizer.encode(text, add_special_tokens=special)
     most = MAX_TOKENIZE_CONTEXTS * model.max_model_len
-    for part in ((text[:most],) if len(text) > most else ()) + (text,):
-        ids = model.tokenizer.encode(part, add_special_tokens=special)
-        if len(ids) > most:
-            head = f"the first {most} characters of " if part is not text else ""
-            raise ApiError(f"{head}your {what} tokenized to {len(ids)} tokens; /tokenize counts "
-                           f"at most {most} ({MAX_TOKENIZE_CONTEXTS} x the context's "
-                           f"{model.max_model_len})", what)
+
+    def refuse(ids: list[int], whose: str) -> ApiError:
+        return ApiError(f"{whose} tokenized to {len(ids)} tokens; /tokenize counts at most {most} "
+                        f"({MAX_TOKENIZE_CONTEXTS} x the context's {model.max_model_len})", what)
+    if len(text) > most:
+        head = model.tokenizer.encode(text[:most], add_special_tokens=special)
+        if len(head) > most:
+            raise refuse(head, f"the first {most} characters of your {what}")
+    ids = model.tokenizer.encode(text, add_special_tokens=special)
+    if len(ids) > most:
+        raise refuse(ids, f"your {what}")
     return ids
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,12 +52,10 @@ class WorkerState:
         --long-prefill-token-threshold a prompt takes at most that many tokens of a step while
         others wait, so each counts for at most that much: short prompts are still sent to a
         worker busy with long ones, and start beside them."""
-        cap = self.status.long_prefill_token_threshold
-
-        def share(tokens: int) -> int:
-            return min(tokens, cap) if cap else tokens
+        cap = self.status.long_prefill_token_threshold or math.inf
+        queued = sum(min(tokens, cap) for tokens in self.inflight.values())
         budget = PREFILL_QUEUE_STEPS * max(1, self.status.max_prefill_tokens)
-        return not self.inflight or sum(map(share, self.inflight.values())) + share(num_tokens) <= budget
+        return not self.inflight or queued + min(num_tokens, cap) <= budget
 
     @property
     def worker_id(self) -> str:

@@ -68,16 +68,16 @@ class OutputText:
             self.token_offsets.append(self._num_chars_sent + len(self._unsent))
             if hide_last and i == len(token_ids) - 1:
                 break
-            delta = self._detokenizer.step([token_id])
-            if self._took_text(delta, len(self.token_offsets) > self._min_tokens):
+            if self._took_text(self._detokenizer.step([token_id])):
                 return i + 1
         return len(token_ids)
 
-    def _took_text(self, delta: str, look: bool = True) -> bool:
-        """Append `delta`; True if `look` and a stop string ends in it: the text is then cut
-        before the first one found (after it, with include_stop)."""
+    def _took_text(self, delta: str) -> bool:
+        """Append `delta`; True if a stop string ends in it once more than min_tokens tokens
+        are out: the text is then cut before the first one found (after it, with include_stop)."""
         start = len(self._unsent)
         self._unsent += delta
+        look = len(self.token_offsets) > self._min_tokens
         if self._stop and delta and look:  # a stop string ends in the new text, if anywhere
             hits = [(j, len(s)) for s in self._stop
                     if (j := self._unsent.find(s, max(0, start - len(s) + 1))) >= 0]
@@ -91,7 +91,7 @@ class OutputText:
         """Text not handed out yet; all of it once finished (with the text of tokens that end
         inside a character, U+FFFD, as tokenizer.decode gives it), else all but the hold-back."""
         if finished and not self.stopped:
-            self._took_text(self._detokenizer.flush(), len(self.token_offsets) > self._min_tokens)
+            self._took_text(self._detokenizer.flush())
         end = len(self._unsent) if finished or self.stopped else len(self._unsent) - self._holdback
         if end <= 0:
             return ""

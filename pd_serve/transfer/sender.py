@@ -140,7 +140,6 @@ class KVSender:
         self._outstanding: Counter = Counter()  # receiver address -> its records in _outgoing
         self._deadlines = Deadlines()  # of the _outgoing records
         self._socks: dict[str, zmq.Socket] = {}
-        self._identities: dict[str, str] = {}  # receiver address -> our socket's identity
         self._addresses: dict[zmq.Socket, str] = {}
         self._monitors: dict[str, zmq.Socket] = {}  # address -> its socket's disconnect events
         # Receivers whose welcome we await: the I/O thread never blocks on one (a dead
@@ -366,7 +365,7 @@ class KVSender:
         # "<sender id>/<random>": a receiver knows the sender by the part before the slash, and
         # no peer can take the identity first (a ROUTER refuses a second connection under one
         # identity: a guessable one let a peer without the key stall our transfers)
-        identity = self._identities[address] = f"{self.sender_id}/{secrets.token_hex(8)}"
+        identity = f"{self.sender_id}/{secrets.token_hex(8)}"
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX_BYTES)
@@ -513,10 +512,9 @@ class KVSender:
                     continue
                 prepared = now()
                 try:  # never wait here: every other receiver's transfers would wait too
-                    self._socks[address].send_multipart(
-                        [self.codec.encode(KVChunks(headers, counts, self._identities[address])),
-                         *frames], copy=False,
-                        flags=zmq.NOBLOCK)
+                    sock = self._socks[address]
+                    sock.send_multipart([self.codec.encode(KVChunks(headers, counts, _identity(sock))),
+                                         *frames], copy=False, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     raise TransferError(f"{address} takes nothing: its send queue is full (the "
                                         "receiver, or the link to it, is stalled)") from None
@@ -578,8 +576,7 @@ class KVSender:
         if sock is not None:
             # (a full queue: the receiver gets no abort, and hears from its own side instead)
             with contextlib.suppress(zmq.Again):
-                sock.send(self.codec.encode(TransferAbort(key[0], reason, self._identities[key[1]])),
-                          zmq.NOBLOCK)
+                sock.send(self.codec.encode(TransferAbort(key[0], reason, _identity(sock))), zmq.NOBLOCK)
         self._finish(key, ok=False, error=reason)
 
     def _expire(self, poller: zmq.Poller) -> None:
@@ -627,3 +624,8 @@ class KVSender:
         with self._has_results:
             self._results.extend(results)
             self._has_results.notify_all()
+
+
+def _identity(sock: zmq.Socket) -> str:
+    """The socket's identity, which every message to a receiver names (protocol.KVChunks)."""
+    return sock.getsockopt(zmq.IDENTITY).decode()

@@ -497,7 +497,7 @@ def test_signed_messages_replayed_on_another_connection_change_nothing(monkeypat
     snd.connect(rec.address)
     rec.expect("req", [3, 4])
     signed, before = protocol.Codec(KEY), errors("kv-receiver")
-    victim = next(iter(snd._identities.values()))  # the connection the recorded messages name
+    victim = next(iter(snd._socks.values())).getsockopt(zmq.IDENTITY).decode()  # what they name
     rogue = dealer(rec.address, f"{snd.sender_id}/{'0' * 16}".encode())
     rogue.send(signed.encode(TransferHello(snd.sender_id, "tcp", asdict(LAYOUT), {}, victim)))
     rogue.send_multipart([signed.encode(KVChunks([chunk("req", [3, 4])], [1], victim)), bytes(2 * PAGE)])
