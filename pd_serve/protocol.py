@@ -169,6 +169,7 @@ class WorkerStatus:
     max_running_requests: int = 0
     max_prefill_tokens: int = 0  # prompt tokens one step takes (--chunked-prefill-size)
     long_prefill_token_threshold: int = 0  # most of a step one prompt takes while others wait
+    schedule_policy: str = ""  # --schedule-policy: "priority" lets requests carry a priority
     max_model_len: int = 0
     draining: bool = False  # after SIGTERM: finishing what it holds; the gateway sends it no more
     metrics: str = ""

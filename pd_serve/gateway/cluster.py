@@ -152,6 +152,11 @@ class Cluster(TokenSource):
         lens = [w.status.max_model_len for w in self.workers.values()]
         return min(lens) if lens else None
 
+    def priority_scheduling(self) -> bool:
+        """Any registered worker schedules by priority (its queue and the gateway's then both
+        honour it)."""
+        return any(w.status.schedule_policy == "priority" for w in self.workers.values())
+
     def max_choices(self) -> int:
         """Each choice queues and flies as a request of its own."""
         return min(self.config.max_queued_requests, self.config.max_outstanding_requests)

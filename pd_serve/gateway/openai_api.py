@@ -172,6 +172,10 @@ class OpenAIServer:
             return error_response(ApiError(
                 f"this request has {len(choices)} choices (n x prompts); the gateway takes at "
                 f"most {limit} at once (--max-queued-requests / --max-outstanding-requests)", "n"))
+        if parsed.priority and not self.source.priority_scheduling():
+            return error_response(ApiError(
+                f"priority={parsed.priority} is honoured only by workers started with "
+                "--schedule-policy priority; leave it out (or 0) here", "priority"))
         request_id = self.new_request_id(id_prefix)
         shape = shape_cls(request_id, info.name, self.tokenizer)
         if isinstance(shape, _ChatShape):

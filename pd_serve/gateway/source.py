@@ -63,6 +63,12 @@ class TokenSource(ABC):
     def max_model_len(self) -> int | None:
         return None
 
+    def priority_scheduling(self) -> bool:
+        """Whether a request's `priority` is honoured (--schedule-policy priority): else a
+        request with a non-zero one is refused, as vLLM does, so that no client moves ahead of
+        the others where the operator did not ask for it."""
+        return False
+
     def max_choices(self) -> int | None:
         """The most choices (n x prompts) one request may have: what could never all be taken
         at once is a 400, not a 429 to retry forever. None: no limit."""
@@ -87,6 +93,9 @@ class EngineSource(TokenSource):
 
     def max_model_len(self) -> int | None:
         return self.engine.engine.max_model_len
+
+    def priority_scheduling(self) -> bool:
+        return self.engine.engine.config.scheduler.schedule_policy == "priority"
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent]:
         # The engine does token-level stops; stop strings are the HTTP layer's (it detokenizes).

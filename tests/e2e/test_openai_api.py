@@ -54,6 +54,9 @@ class ScriptedSource(TokenSource):
     def max_model_len(self) -> int:
         return 1024
 
+    def priority_scheduling(self) -> bool:
+        return True
+
     def generate(self, spec: GenerateSpec):
         self.specs.append(spec)
         gen = self._events(spec)
@@ -357,6 +360,16 @@ def test_stop_string_cuts_text_and_aborts(client, ref, engines):
     assert "".join(c.choices[0].text for c in chunks) == full[:k]
     assert chunks[-1].choices[0].finish_reason == "stop"
     wait_idle(engines[0])
+
+
+def test_priority_needs_an_engine_that_schedules_by_it(client):
+    """The served engine runs --schedule-policy fcfs: a non-zero priority is a 400 naming the
+    field (the client would otherwise believe it moved ahead); 0 is served."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": -1})
+    assert e.value.body["param"] == "priority" and "--schedule-policy priority" in e.value.body["message"]
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": 0})
+    assert resp.usage.completion_tokens == 2
 
 
 def test_n_seeded_choices_are_the_engine_s_with_seed_plus_i(client, engines):

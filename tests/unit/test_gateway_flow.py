@@ -35,9 +35,10 @@ class FakeWorker:
 
     def __init__(self, cluster: Cluster, role: str, worker_id: str, *, key: bytes = KEY,
                  max_running: int = 8, num_pages: int = 64, incarnation: str = "one",
-                 long_prefill: int = 0):
+                 long_prefill: int = 0, policy: str = "fcfs"):
         self.role, self.worker_id, self.incarnation = role, worker_id, incarnation
         self.long_prefill = long_prefill  # its --long-prefill-token-threshold
+        self.policy = policy  # its --schedule-policy
         self.max_running, self.num_pages = max_running, num_pages
         self.codec = protocol.Codec(key)
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)  # (routing id: the gateway's)
@@ -62,7 +63,8 @@ class FakeWorker:
                             transfer_addresses=[self.address] if self.role == "decode" else [],
                             layout=LAYOUT, num_pages=self.num_pages, num_free_pages=self.num_pages,
                             max_running_requests=self.max_running, max_prefill_tokens=64,
-                            max_model_len=4096, long_prefill_token_threshold=self.long_prefill)
+                            max_model_len=4096, long_prefill_token_threshold=self.long_prefill,
+                            schedule_policy=self.policy)
 
     def beat(self) -> Heartbeat:
         self.beats += 1
@@ -266,6 +268,18 @@ async def test_queue_serves_by_priority_then_arrival(cluster, add):
     decode.send(TokenBatch("d", [TokenDelta("r", [8], None, True, "length")]))
     await asyncio.gather(first, *rest)
     assert [m.request_id for m in decode.of(Admit)] == ["r", "high", "mid", "mid2", "low"]
+
+
+@with_gateway()
+async def test_priority_is_honoured_once_a_worker_schedules_by_it(cluster, add):
+    """The HTTP layer refuses a non-zero priority unless the source honours it: a cluster
+    does once any registered worker runs --schedule-policy priority."""
+    assert not cluster.priority_scheduling()  # no worker yet
+    await one_pair(cluster, add)
+    assert not cluster.priority_scheduling()  # fcfs on both
+    add("prefill", "p2", policy="priority")
+    await ready(cluster, 3)
+    assert cluster.priority_scheduling()
 
 
 @with_gateway(max_queued_requests=2)

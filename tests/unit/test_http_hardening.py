@@ -31,14 +31,18 @@ class ScriptedSource(TokenSource):
     """Plays `script` (a list of TokenEvents) to every request; `specs` records what came in."""
 
     def __init__(self, script: list[TokenEvent], max_choices: int | None = None,
-                 max_model_len: int = 1024):
+                 max_model_len: int = 1024, priority: bool = True):
         self.script = script
         self.specs: list[GenerateSpec] = []
         self._max_choices = max_choices
         self._max_model_len = max_model_len
+        self._priority = priority
 
     def max_choices(self) -> int | None:
         return self._max_choices
+
+    def priority_scheduling(self) -> bool:
+        return self._priority
 
     def model_name(self) -> str:
         return MODEL
@@ -69,8 +73,8 @@ def done(token: int) -> list[TokenEvent]:
 
 @contextlib.asynccontextmanager
 async def serving(tokenizer, script: list[TokenEvent], max_choices: int | None = None,
-                  max_model_len: int = 1024, **kwargs):
-    app = build_app(ScriptedSource(script, max_choices, max_model_len), tokenizer, **kwargs)
+                  max_model_len: int = 1024, priority: bool = True, **kwargs):
+    app = build_app(ScriptedSource(script, max_choices, max_model_len, priority), tokenizer, **kwargs)
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -611,6 +615,22 @@ def test_surrogate_pair_is_fine(tokenizer, token):
 def test_integers_beyond_64_bits_are_400_naming_the_field(tokenizer, token, field, value):
     status, _, body = post(tokenizer, done(token), completion(**{field: value}))
     assert_error(status, body, 400, field)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_priority_without_priority_scheduling_is_400(tokenizer, token, path):
+    """A request's priority moves it ahead of others only where the operator runs
+    --schedule-policy priority; elsewhere a non-zero one is refused (vLLM's rule), 0 is fine."""
+    body = completion() if path == "/v1/completions" else {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for priority in (-1, 5):
+        status, _, resp = post(tokenizer, done(token), body | {"priority": priority}, path,
+                               priority=False)
+        assert_error(status, resp, 400, "priority", "--schedule-policy priority")
+    status, _, resp = post(tokenizer, done(token), body | {"priority": 0}, path, priority=False)
+    assert status == 200, resp
+    status, _, resp = post(tokenizer, done(token), body | {"priority": -1}, path)
+    assert status == 200, resp
 
 
 def test_64_bit_edges_are_accepted(tokenizer, token):
