@@ -11,6 +11,7 @@ errors included, and their preflight OPTIONS requests are answered before the ke
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import logging
@@ -66,12 +67,14 @@ def build_app(source: TokenSource, tokenizer: Tokenizer,
     `extra_routes` are added first and win: a route of theirs with the same method and path
     replaces the built-in one (a cluster gateway's own /health, for example). `api_key`, when
     set, is required of every request outside OPEN_PATHS; a body slower than `body_timeout_s`
-    is a 408; a stream its client leaves unread for `send_timeout_s` is closed and aborted.
+    is a 408; a reply (a stream, a whole answer, an error) its client leaves unread for
+    `send_timeout_s` ends the connection (and aborts the request).
     `tool_call_parser` / `reasoning_parser`: read tool calls (tool_choice auto) and
     reasoning out of chat output (gateway/tool_parsers.py, gateway/reasoning.py; None: off).
     `allowed_origins`: browser origins (or "*") the API answers CORS requests of.
     """
-    middlewares = ([cors_preflight(allowed_origins)] if allowed_origins else []) + [json_errors] \
+    middlewares = [reply_within(send_timeout_s)] \
+        + ([cors_preflight(allowed_origins)] if allowed_origins else []) + [json_errors] \
         + ([require_api_key(api_key)] if api_key else [])
     app = web.Application(client_max_size=CLIENT_MAX_SIZE, middlewares=middlewares)
     if allowed_origins:
@@ -83,6 +86,32 @@ def build_app(source: TokenSource, tokenizer: Tokenizer,
     taken = {(r.method, r.path) for r in extra}
     app.add_routes(extra + [r for r in server.routes() if (r.method, r.path) not in taken])
     return app
+
+
+def reply_within(timeout_s: float):
+    """The outermost middleware: a reply a handler returns unsent (a JSON body, an error, a
+    401) is sent here, and a client that reads none of it for `timeout_s` loses the
+    connection. aiohttp's own send of it waits for the client without end, and a client that
+    pipelines requests and never reads held the connection (and ~6 MB of socket buffers) for
+    good, without an API key. Streams and whole completions send themselves, each write so
+    bounded (openai_api._write)."""
+    @web.middleware
+    async def send(request: web.Request, handler) -> web.StreamResponse:
+        response = await handler(request)
+        if response.prepared:
+            return response
+        try:
+            async with asyncio.timeout(timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            logger.info("%s %s: the client read nothing of the reply for %g s: disconnected",
+                        request.method, request.path, timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+        return response
+
+    return send
 
 
 @web.middleware

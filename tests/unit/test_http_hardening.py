@@ -551,6 +551,51 @@ def test_a_whole_reply_its_client_does_not_read_is_dropped(tokenizer, token):
     assert dropped == [(200, True)]
 
 
+@pytest.mark.parametrize("api_key", ["", "k"])
+def test_pipelined_requests_whose_replies_are_never_read_lose_the_connection(tokenizer, token,
+                                                                             api_key):
+    """A client that pipelines requests on one connection and reads none of the replies (its
+    receive buffer full): once the server has waited send_timeout_s to send a reply, the
+    connection is dropped, whether the replies are answers or 401s (before, it was held for
+    good, with a few MB of socket buffers, by a client with no API key)."""
+    requests = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" * 2000  # ~600 KB of replies
+
+    @web.middleware
+    async def small_send_buffer(request, handler):
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                              4096)
+        return await handler(request)
+
+    async def go():
+        app = build_app(ScriptedSource(done(token)), tokenizer, send_timeout_s=0.5, api_key=api_key)
+        app.middlewares.insert(1, small_send_buffer)
+        runner = await start_server(app, "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", runner.addresses[0][1]))
+            sending = asyncio.ensure_future(loop.sock_sendall(sock, requests))
+            await until_true(lambda: runner.server.connections, 30)
+            held = await until_true(lambda: not runner.server.connections, 60)  # reading nothing
+            sending.cancel()
+            return held
+        finally:
+            sock.close()
+            await runner.cleanup()
+    assert asyncio.run(go()), "the connection was still open 60 s on"
+
+
+async def until_true(what, timeout_s: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not what():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 # ---- hostile JSON --------------------------------------------------------------------------
 def test_deep_nesting_is_400(tokenizer, token):
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
