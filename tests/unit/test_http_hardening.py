@@ -596,6 +596,81 @@ async def until_true(what, timeout_s: float) -> bool:
     return True
 
 
+def test_a_large_body_waits_for_room_while_small_ones_pass(tokenizer, token, monkeypatch):
+    """Large bodies (over 1 MiB, or of unknown length) are read and parsed within a shared
+    byte budget (3 MiB here): while a stalled upload holds 2 MiB of it, a second 2 MiB body
+    waits and is served only after the stalled one's 408, and a small request is served at
+    once meanwhile."""
+    from pd_serve.gateway import openai_api
+    monkeypatch.setattr(openai_api, "LARGE_BODIES_BYTES", 3 * 2**20)
+    large = json.dumps(completion(user="x" * (2 * 2**20))).encode()
+
+    async def go():
+        app = build_app(ScriptedSource(done(token)), tokenizer, body_timeout_s=2.0)
+        runner = await start_server(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        loop = asyncio.get_running_loop()
+        stalled = socket.socket()
+        stalled.setblocking(False)
+        ends = {}
+        try:
+            await loop.sock_connect(stalled, ("127.0.0.1", runner.addresses[0][1]))
+            await loop.sock_sendall(stalled, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                    b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                                    b"\r\n" % len(large) + large[:1000])
+            await asyncio.sleep(0.3)  # its 2 MiB held from here
+            async with aiohttp.ClientSession() as client:
+                async def post_large():
+                    async with client.post(url, data=large) as r:
+                        ends["large"] = loop.time()
+                        return r.status
+                waiting = asyncio.ensure_future(post_large())
+                await asyncio.sleep(0.3)
+                async with client.post(url, json=completion()) as r:
+                    small = r.status, waiting.done()
+                reply = await asyncio.wait_for(loop.sock_recv(stalled, 4096), 60)
+                ends["stalled"] = loop.time()
+                return small, reply.split(b" ", 2)[1], await asyncio.wait_for(waiting, 60), ends
+        finally:
+            stalled.close()
+            await runner.cleanup()
+    small, stalled_status, large_status, ends = asyncio.run(go())
+    assert small == (200, False) and stalled_status == b"408" and large_status == 200
+    assert ends["large"] >= ends["stalled"], ends
+
+
+def test_body_budget_refuses_past_its_timeout():
+    """BodyBudget on its own: a small body passes while the budget is spent; a large one (or
+    one of unknown length, counted as the whole budget) waits, and is a 503 with Retry-After
+    when no room comes within the timeout; released room lets a waiter in."""
+    from types import SimpleNamespace
+    from pd_serve.gateway.openai_api import BodyBudget
+    from pd_serve.gateway.openai_protocol import ApiError
+
+    def body(length):
+        return SimpleNamespace(content_length=length)
+
+    async def go():
+        budget = BodyBudget(8 * 2**20)
+        async with budget.hold(body(None), 1):  # unknown length: all of it
+            assert budget.free == 0
+            async with budget.hold(body(1000), 1):  # small: passes
+                pass
+            with pytest.raises(ApiError) as e:
+                async with budget.hold(body(2 * 2**20), 0.2):
+                    pass
+            assert e.value.status == 503 and e.value.retry_after == 1
+            held = budget.hold(body(2 * 2**20), 10)
+            waiter = asyncio.ensure_future(held.__aenter__())
+            await asyncio.sleep(0.1)
+            assert not waiter.done()
+        await asyncio.wait_for(waiter, 10)
+        assert budget.free == 6 * 2**20
+        await held.__aexit__(None, None, None)
+        assert budget.free == 8 * 2**20
+    asyncio.run(go())
+
+
 # ---- hostile JSON --------------------------------------------------------------------------
 def test_deep_nesting_is_400(tokenizer, token):
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
