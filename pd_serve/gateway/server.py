@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pd_serve.config import GatewayConfig
-from pd_serve.gateway.app import build_app, start_server
+from pd_serve.gateway.app import build_app, raise_open_files_limit, start_server
 from pd_serve.gateway.cluster import Cluster
 from pd_serve.gateway.metrics import render
 from pd_serve.model.tokenizer import Tokenizer
@@ -40,6 +40,10 @@ def make_routes(cluster: Cluster) -> list[web.RouteDef]:
 
 async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
+    open_files = raise_open_files_limit()
+    if open_files < 4096:
+        logger.warning("open files limit %d: at most about that many clients at once (ulimit -n)",
+                       open_files)
     cluster = Cluster(config)
     await cluster.start()
     app = build_app(cluster, tokenizer, make_routes(cluster), api_key=config.api_key,

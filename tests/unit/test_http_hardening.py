@@ -671,6 +671,43 @@ def test_body_budget_refuses_past_its_timeout():
     asyncio.run(go())
 
 
+def test_accept_failures_are_logged_once_per_interval():
+    """Out of file descriptors, asyncio logs "socket.accept() out of system resource" at every
+    turn of its loop: one such record per 10 s gets through, naming how many were held back;
+    other records pass."""
+    from pd_serve.gateway.app import _FewAcceptFailures
+    quiet = _FewAcceptFailures(every_s=10.0)
+
+    def record(msg, at):
+        r = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None, None)
+        r.created = at
+        return r
+    accept = "socket.accept() out of system resource\nsocket: %s"
+    passed = [quiet.filter(r) for r in [record(accept, 100.0 + i / 100) for i in range(1000)]]
+    assert passed.count(True) == 1 and passed[0]
+    later = record(accept, 110.5)
+    assert quiet.filter(later) and "(999 more such records held back)" in later.msg
+    assert not quiet.filter(record(accept, 111.0))
+    assert quiet.filter(record("Task was destroyed but it is pending!", 111.0))
+
+
+def test_the_gateway_raises_its_open_files_limit():
+    """A child process with a soft limit of 1024: raise_open_files_limit lifts it towards the
+    hard limit (up to 65536); it cannot pass the hard limit."""
+    import resource
+    import subprocess
+    import sys
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    start = 1024 if hard == resource.RLIM_INFINITY else min(1024, hard)
+    code = ("import resource; from pd_serve.gateway.app import raise_open_files_limit; "
+            "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (start, hard)))
+    now, seen = map(int, out.stdout.split())
+    want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+    assert now == seen == want, out
+
+
 # ---- hostile JSON --------------------------------------------------------------------------
 def test_deep_nesting_is_400(tokenizer, token):
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
