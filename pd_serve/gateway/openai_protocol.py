@@ -34,6 +34,9 @@ _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_EXTRA_KEYS = ("name", "tool_calls", "tool_call_id")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # choices in one request: prompts (a completions batch) x n
+# A chat's messages: a long agent session has hundreds. Each costs the chat template's render
+# (GIL-bound: 900k one-letter messages took 2.5 s a request, other clients waiting meanwhile).
+MAX_MESSAGES = 16384
 # echo with logprobs, or prompt_logprobs: prompt tokens x choices x (N + 1) in one request: one
 # worker's message of them stays far inside the control plane's 64 MiB, the response under ~50 MB
 MAX_PROMPT_LOGPROB_ENTRIES = 2**20
@@ -626,6 +629,8 @@ def _messages(messages) -> list[dict]:
     """Messages as the chat template wants them: role plus string content."""
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list of message objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(f"{len(messages)} messages; at most {MAX_MESSAGES} in one request", "messages")
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"

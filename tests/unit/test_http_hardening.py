@@ -708,6 +708,17 @@ def test_the_gateway_raises_its_open_files_limit():
     assert now == seen == want, out
 
 
+def test_too_many_messages_is_400_before_the_template(tokenizer, token):
+    from pd_serve.gateway.openai_protocol import MAX_MESSAGES
+    chat = {"model": MODEL, "max_tokens": 4}
+    many = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
+    status, _, resp = post(tokenizer, done(token), chat | {"messages": many}, "/v1/chat/completions")
+    assert_error(status, resp, 400, "messages", f"at most {MAX_MESSAGES}")
+    status, _, resp = post(tokenizer, done(token), chat | {"messages": many[:MAX_MESSAGES]},
+                           "/v1/chat/completions", max_model_len=2**20)
+    assert status == 200, resp
+
+
 # ---- hostile JSON --------------------------------------------------------------------------
 def test_deep_nesting_is_400(tokenizer, token):
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
