@@ -252,8 +252,9 @@ class GatewayConfig:
     body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",
                                  flag="--body-timeout")
     send_timeout_s: float = _opt(
-        30.0, "seconds a streamed response waits for its client to read (then the connection "
-        "closes and the request is aborted, as when the client leaves)", flag="--send-timeout")
+        30.0, "seconds a response (a stream, a whole answer, an error) waits for its client to "
+        "read (then the connection closes and the request is aborted, as when the client "
+        "leaves)", flag="--send-timeout")
     timeout_keep_alive_s: float = _opt(
         5.0, "seconds a client connection stays open with no request running: after it opens "
         "or its last response (a request's headers must arrive within them)",
