@@ -21,14 +21,13 @@ from typing import Callable, Iterable
 from aiohttp import web
 
 from pd_serve.config import GatewayConfig
-from pd_serve.gateway.openai_api import OpenAIServer, error_response
+from pd_serve.gateway.openai_api import MAX_BODY_BYTES, OpenAIServer, error_response
 from pd_serve.gateway.openai_protocol import ApiError
 from pd_serve.gateway.source import TokenSource
 from pd_serve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-CLIENT_MAX_SIZE = 32 * 2**20  # bytes of request body; a 128k-token prompt as ids is ~1 MiB of JSON
 APP_KEY_OPENAI = web.AppKey("openai", OpenAIServer)
 OPEN_PATHS = ("/health", "/metrics")  # served without the API key (probes, scrapers)
 
@@ -117,7 +116,7 @@ def build_app(source: TokenSource, tokenizer: Tokenizer,
     middlewares = [reply_within(send_timeout_s)] \
         + ([cors_preflight(allowed_origins)] if allowed_origins else []) + [json_errors] \
         + ([require_api_key(api_key)] if api_key else [])
-    app = web.Application(client_max_size=CLIENT_MAX_SIZE, middlewares=middlewares)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     if allowed_origins:
         app.on_response_prepare.append(cors_headers(allowed_origins))
     server = OpenAIServer(source, tokenizer, request_id_generator(), body_timeout_s,

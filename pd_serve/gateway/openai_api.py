@@ -529,13 +529,15 @@ class _ChatShape(_Shape):
 
 
 # ---- helpers -------------------------------------------------------------------------------
+MAX_BODY_BYTES = 32 * 2**20  # of a request body (a 128k-token prompt as ids is ~1 MiB of JSON)
 LARGE_BODY_BYTES = 2**20  # a body larger than this (or of unknown length) counts against:
 LARGE_BODIES_BYTES = 2**27  # the bytes of large bodies read and parsed at once, all clients'
 
 
 class BodyBudget:
     """Bounds the memory of large request bodies held at once. A body is read, decoded and
-    parsed (a chat template rendered, a prompt tokenized) with its declared length held here:
+    parsed (a chat template rendered, a prompt tokenized) with its declared length (chunked:
+    the body limit) held here:
     parsed JSON takes up to ~20x its bytes, and without a bound thirty clients uploading 32 MB
     each took a gateway from 0.3 to 1.3 GB, eight 30 MB chats of 900k messages to 3.7 GB.
     Small bodies (every usual request) pass freely; a large one waits its turn, within the
@@ -547,12 +549,11 @@ class BodyBudget:
 
     @asynccontextmanager
     async def hold(self, request: web.Request, timeout_s: float):
-        length = request.content_length
-        size = self.total if length is None else length
-        if size <= LARGE_BODY_BYTES and length is not None:
+        length = request.content_length  # None: chunked, as long as the limit allows
+        if length is not None and length <= LARGE_BODY_BYTES:
             yield
             return
-        size = min(size, self.total)
+        size = min(MAX_BODY_BYTES if length is None else length, self.total)
         try:
             async with asyncio.timeout(timeout_s):
                 while self.free < size:

@@ -641,33 +641,33 @@ def test_a_large_body_waits_for_room_while_small_ones_pass(tokenizer, token, mon
 
 def test_body_budget_refuses_past_its_timeout():
     """BodyBudget on its own: a small body passes while the budget is spent; a large one (or
-    one of unknown length, counted as the whole budget) waits, and is a 503 with Retry-After
+    one of unknown length, counted at the body limit) waits, and is a 503 with Retry-After
     when no room comes within the timeout; released room lets a waiter in."""
     from types import SimpleNamespace
-    from pd_serve.gateway.openai_api import BodyBudget
+    from pd_serve.gateway.openai_api import MAX_BODY_BYTES, BodyBudget
     from pd_serve.gateway.openai_protocol import ApiError
 
     def body(length):
         return SimpleNamespace(content_length=length)
 
     async def go():
-        budget = BodyBudget(8 * 2**20)
-        async with budget.hold(body(None), 1):  # unknown length: all of it
-            assert budget.free == 0
+        budget = BodyBudget(MAX_BODY_BYTES + 8 * 2**20)
+        async with budget.hold(body(6 * 2**20), 1), budget.hold(body(None), 1):
+            assert budget.free == 2 * 2**20  # unknown length: the body limit
             async with budget.hold(body(1000), 1):  # small: passes
                 pass
             with pytest.raises(ApiError) as e:
-                async with budget.hold(body(2 * 2**20), 0.2):
+                async with budget.hold(body(3 * 2**20), 0.2):
                     pass
             assert e.value.status == 503 and e.value.retry_after == 1
-            held = budget.hold(body(2 * 2**20), 10)
+            held = budget.hold(body(3 * 2**20), 10)
             waiter = asyncio.ensure_future(held.__aenter__())
             await asyncio.sleep(0.1)
             assert not waiter.done()
         await asyncio.wait_for(waiter, 10)
-        assert budget.free == 6 * 2**20
+        assert budget.free == budget.total - 3 * 2**20
         await held.__aexit__(None, None, None)
-        assert budget.free == 8 * 2**20
+        assert budget.free == budget.total
     asyncio.run(go())
 
 
