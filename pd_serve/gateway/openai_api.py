@@ -537,11 +537,10 @@ LARGE_BODIES_BYTES = 2**27  # the bytes of large bodies read and parsed at once,
 class BodyBudget:
     """Bounds the memory of large request bodies held at once. A body is read, decoded and
     parsed (a chat template rendered, a prompt tokenized) with its declared length (chunked:
-    the body limit) held here:
-    parsed JSON takes up to ~20x its bytes, and without a bound thirty clients uploading 32 MB
-    each took a gateway from 0.3 to 1.3 GB, eight 30 MB chats of 900k messages to 3.7 GB.
-    Small bodies (every usual request) pass freely; a large one waits its turn, within the
-    body timeout (then a 503 to retry)."""
+    the body limit) held here: parsed JSON takes up to ~20x its bytes, and without a bound
+    thirty clients uploading 32 MB each took a gateway from 0.3 to 1.3 GB, eight 30 MB chats
+    of 900k messages to 3.7 GB. Small bodies (every usual request) pass freely; a large one
+    waits its turn, within the body timeout (then a 503 to retry)."""
 
     def __init__(self, total: int):
         self.total = self.free = total
