@@ -290,7 +290,8 @@ class Worker:
             max_prefill_tokens=sched.chunked_prefill_size if sched.chunked_prefill_size > 0
             else core.max_model_len, max_model_len=core.max_model_len,
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
-            schedule_policy=sched.schedule_policy, draining=self._drain_deadline is not None, metrics=self.metrics_text(), **transfer)
+            schedule_policy=sched.schedule_policy, draining=self._drain_deadline is not None,
+            metrics=self.metrics_text(), **transfer)
 
     def metrics_text(self) -> str:
         text = generate_latest(self.metrics.registry) + generate_latest(ERRORS_REGISTRY)

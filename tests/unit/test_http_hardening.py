@@ -473,6 +473,14 @@ class FloodSource(ScriptedSource):
             raise
 
 
+@web.middleware
+async def small_send_buffer(request, handler):
+    """The server's socket buffer for replies made small, so that a client reading nothing
+    fills it with little."""
+    request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    return await handler(request)
+
+
 def test_a_stream_its_client_does_not_read_is_closed_and_aborted(tokenizer, token):
     """A client that opens a stream and never reads it (its receive buffer full): once the
     server has waited send_timeout_s on a write, the connection is dropped and the request is
@@ -481,12 +489,6 @@ def test_a_stream_its_client_does_not_read_is_closed_and_aborted(tokenizer, toke
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(request))
     source = FloodSource(token, count=2000)  # 2k events of ~6 KB: 12 MB
-
-    @web.middleware
-    async def small_send_buffer(request, handler):  # (so that little fills it)
-        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
-                                                              4096)
-        return await handler(request)
 
     async def go():
         app = build_app(source, tokenizer, send_timeout_s=0.5)
@@ -523,16 +525,14 @@ def test_a_whole_reply_its_client_does_not_read_is_dropped(tokenizer, token):
     dropped = []
 
     @web.middleware
-    async def small_send_buffer(request, handler):
-        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
-                                                              4096)
-        response = await handler(request)
+    async def recording(request, handler):
+        response = await small_send_buffer(request, handler)
         dropped.append((response.status, request.transport is None or request.transport.is_closing()))
         return response
 
     async def go():
         app = build_app(source, tokenizer, send_timeout_s=0.5)
-        app.middlewares.append(small_send_buffer)
+        app.middlewares.append(recording)
         runner = await start_server(app, "127.0.0.1", 0)
         loop = asyncio.get_running_loop()
         sock = socket.socket()
@@ -559,12 +559,6 @@ def test_pipelined_requests_whose_replies_are_never_read_lose_the_connection(tok
     connection is dropped, whether the replies are answers or 401s (before, it was held for
     good, with a few MB of socket buffers, by a client with no API key)."""
     requests = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" * 2000  # ~600 KB of replies
-
-    @web.middleware
-    async def small_send_buffer(request, handler):
-        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
-                                                              4096)
-        return await handler(request)
 
     async def go():
         app = build_app(ScriptedSource(done(token)), tokenizer, send_timeout_s=0.5, api_key=api_key)
