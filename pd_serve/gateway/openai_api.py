@@ -106,7 +106,8 @@ class OpenAIServer:
         # other grammar's output is reasoning only where it opens <think> itself.
         reasoning = self.reasoning_parser if choice is None or choice.mode == "auto" else None
         return ChatOutput(reasoning, parsed.prompt_opens_reasoning, tools,
-                          constrained=parsed.params.grammar is not None)
+                          constrained=parsed.params.grammar is not None,
+                          max_calls=None if choice is None or choice.parallel else 1)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/completions", self.completions),
@@ -503,7 +504,7 @@ class _ChatShape(_Shape):
         deltas = output.deltas(text, finish_reason is not None)
         if not deltas and (logprobs is not None or finish_reason is not None):
             deltas = [{}]
-        finish_reason = _finish_reason(finish_reason, output.num_calls)
+        finish_reason = _finish_reason(finish_reason, output.num_calls * output.calls_finish)
         return [self._chunk(index, delta, logprobs if j == 0 else None,
                             finish_reason if j == len(deltas) - 1 else None)
                 for j, delta in enumerate(deltas)]
@@ -513,9 +514,11 @@ class _ChatShape(_Shape):
         return self._head(self.chunk_object) | {"choices": [choice]}
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        message = self.outputs[index].message(text)
+        output = self.outputs[index]
+        message = output.message(text)
+        num_calls = len(message.get("tool_calls", ())) * output.calls_finish
         return {"index": index, "message": message, "logprobs": logprobs,
-                "finish_reason": _finish_reason(finish_reason, len(message.get("tool_calls", ())))}
+                "finish_reason": _finish_reason(finish_reason, num_calls)}
 
     def logprobs(self, entries: list[Logprob], offsets: list[int], num_top: int, prompt=None) -> dict:
         return {"content": [self._entry(e.token_id, e.logprob)

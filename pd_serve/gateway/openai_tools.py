@@ -2,7 +2,8 @@
 
 tool_choice (OpenAI's; default auto when tools are given):
   none      the model may not call: plain text (the tools still reach the chat template).
-  auto      the model decides; the server's --tool-call-parser reads calls out of its text.
+  auto      the model decides; the server's --tool-call-parser reads calls out of its text
+            (the first only when parallel_tool_calls is false).
   required  one or more calls: a grammar makes the output a JSON array of
             {"name": <a tool>, "parameters": <its arguments schema>} (one item when
             parallel_tool_calls is false), so every call's arguments parse.
@@ -33,10 +34,12 @@ class ToolsError(ValueError):
 @dataclass(frozen=True)
 class ToolChoice:
     """How the output is read for calls: mode auto (the server's parser), required (the JSON
-    array the grammar forces) or named (the whole output is `name`'s arguments)."""
+    array the grammar forces) or named (the whole output is `name`'s arguments); parallel:
+    parallel_tool_calls (false: the first call only)."""
 
     mode: str
     name: str | None = None
+    parallel: bool = True
 
 
 @dataclass
@@ -62,17 +65,17 @@ def parse_tools(body: dict, parser: str | None) -> ToolRequest:
         return ToolRequest(None, None, None)
     schemas = _tool_schemas(tools)
     choice = "auto" if choice is None else choice
+    parallel = body.get("parallel_tool_calls")
     if choice == "none":
         return ToolRequest(tools, None, None)
     if choice == "auto":
         if parser is None:
             raise ToolsError('tool_choice "auto" needs the server started with --tool-call-parser; '
                            'use "required" or a named function, which need none', "tool_choice")
-        return ToolRequest(tools, ToolChoice("auto"), None)
+        return ToolRequest(tools, ToolChoice("auto", parallel=parallel is not False), None)
     if choice == "required":
         # xgrammar writes properties in the schema's order: name before parameters, so a
         # stream can name each call before its arguments arrive.
-        parallel = body.get("parallel_tool_calls")
         for i, (name, schema) in enumerate(schemas.items()):
             if (ref := _local_ref(schema)) is not None:
                 where = f"tools[{i}].function.parameters"
@@ -88,7 +91,8 @@ def parse_tools(body: dict, parser: str | None) -> ToolRequest:
         array = {"type": "array", "items": items, "minItems": 1} | defs
         if parallel is False:
             array["maxItems"] = 1
-        return ToolRequest(tools, ToolChoice("required"), _checked(array, "tools"))
+        return ToolRequest(tools, ToolChoice("required", parallel=parallel is not False),
+                           _checked(array, "tools"))
     name = _named_choice(choice)
     if name not in schemas:
         raise ToolsError(f"tool_choice names function {name!r}, which is not among the tools "

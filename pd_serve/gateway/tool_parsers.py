@@ -4,9 +4,12 @@ that `tool_choice` required / named force through a grammar.
 Every parser answers `parse(text, final)` for the output text so far. While the request runs
 (final False) the answer is a prefix-stable partial reading: `content` is text that is surely
 not part of a call (a possible start of a call marker is held back), and each call appears once
-its name is known, its `arguments` the raw JSON text received so far. A stream sends the
-differences between successive readings. The final reading of an auto parser is strict (as
-vLLM's): output that does not parse as calls is all content.
+its name is known, its `arguments` the raw JSON text received so far. The final reading of an
+auto parser (`strict`) is strict, as vLLM's: output that does not parse as calls is all
+content. A later token can still turn such a reading's calls into content (a bad block, text
+after a JSON call), so a stream sends an auto parser's calls only from its final reading
+(openai_message.py): streamed and whole answers agree. Required and named choices are JSON a
+grammar forces: their partial readings are the final one's beginning, and stream as they come.
 
 Arguments are the model's own JSON text (a slice of the output, not re-serialised), so the
 streamed fragments add up to exactly the non-streamed arguments.
@@ -49,6 +52,8 @@ class ToolParser:
     so the output must be detokenized with them (skip_special_tokens off)."""
 
     keeps_special_tokens = False
+    strict = True  # the final reading may take back partial calls (module docstring)
+    names_finish = True  # an answer with calls ends with finish_reason "tool_calls"
     # (text, state): where a parser of the calls in `text` may go on from in a text that goes
     # on from it (what is before reads the same there). A stream parses its output again at
     # every delta: reading every call from the start made n calls cost n^2 (800 small calls:
@@ -176,6 +181,8 @@ class RequiredParser(ToolParser):
     {"name": ..., "parameters": {...}}. Read the same way while running and at the end (a cut
     output keeps the calls begun); no call at all leaves the text as content."""
 
+    strict = False
+
     def parse(self, text: str, final: bool) -> ToolReading:
         calls, _, point = array_calls(text, _skip(text, 0), False, self._resumed(text))
         if point is not None:
@@ -184,7 +191,11 @@ class RequiredParser(ToolParser):
 
 
 class NamedParser(ToolParser):
-    """tool_choice naming a function: the grammar makes the whole output its arguments."""
+    """tool_choice naming a function: the grammar makes the whole output its arguments. The
+    answer ends as any other ("stop", "length"), as OpenAI ends a forced call."""
+
+    strict = False
+    names_finish = False
 
     def __init__(self, name: str):
         self.name = name

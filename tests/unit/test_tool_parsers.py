@@ -103,23 +103,65 @@ def test_stream_holds_back_a_marker_until_it_resolves():
     assert output.deltas("tip> is no tag", False) == [{"content": " <tool_tip> is no tag"}]
     output = ChatOutput(None, False, make_parser("llama3_json"))
     assert output.deltas("<|python", False) == []
-    first = output.deltas('_tag|>{"name": "f", "parameters": {"x"', False)
-    assert first == [{"tool_calls": [{"index": 0, "id": first[0]["tool_calls"][0]["id"],
-                                      "type": "function", "function": {"name": "f", "arguments": ""}}]},
-                     {"tool_calls": [{"index": 0, "function": {"arguments": '{"x"'}}]}]
-    assert output.deltas(": 1}}", True) == [
-        {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}]
+    assert output.deltas('_tag|>{"name": "f", "parameters": {"x"', False) == []
+    assert output.num_calls == 0  # an auto parser's calls go out with its final reading
+    last = output.deltas(": 1}}", True)
+    assert last == [{"tool_calls": [{"index": 0, "id": last[0]["tool_calls"][0]["id"],
+                                     "type": "function", "function": {"name": "f", "arguments": ""}}]},
+                    {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": 1}'}}]}]
     assert output.num_calls == 1
 
 
 def test_auto_output_cut_inside_a_call():
-    """A whole answer cut inside a call is content (vLLM's rule); a stream has already begun
-    the call by then and cannot take it back: it ends with the text as content too."""
+    """A whole answer cut inside a call is content (vLLM's rule), and so is the streamed one:
+    the stream never began the call."""
     text = '{"name": "get_weather", "parameters": {"city": "Par'
     assert whole(make_parser("llama3_json"), text) == {"role": "assistant", "content": text}
     s = streamed(make_parser("llama3_json"), text, 4)
-    assert s["content"] == text
-    assert s["calls"] == [{"name": "get_weather", "arguments": '{"city": "Par'}]
+    assert s == {"content": text, "calls": []}
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}}\n</tool_call>'),
+    ("hermes", 'Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
+    ("hermes", "Let me check.\n" + HERMES_CALL + '\n<tool_call>\n{"name": "get_weather", "argu'),
+    ("hermes", HERMES_CALL + "\n<tool_call>\nnot a call</tool_call>"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}\nI will now check.'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}] and more'),
+])
+def test_output_that_is_no_call_in_the_end_streams_as_content(name, text):
+    """Output whose beginning reads as a call but whose whole does not (a bad block, one cut
+    by max_tokens, text after a JSON call) is all content, whole and streamed: the stream
+    sent no call to take back (a red-team pass saw a call with arguments '{city: Paris}}
+    </tool_call>', then the raw text as content, finish_reason tool_calls)."""
+    assert whole(make_parser(name), text) == {"role": "assistant", "content": text}
+    for step in (1, 3, 11, len(text)):
+        assert streamed(make_parser(name), text, step) == {"content": text, "calls": []}, step
+
+
+@pytest.mark.parametrize("parser", [lambda: make_parser("hermes"), RequiredParser])
+def test_one_call_with_parallel_tool_calls_false(parser):
+    """max_calls 1 (parallel_tool_calls false): the first call only, whole and streamed, as
+    vLLM keeps it; the auto parser's later calls are dropped, not turned into content."""
+    hermes = parser().__class__ is not RequiredParser
+    text = (f"{HERMES_CALL}\n{HERMES_CALL.replace('Paris', 'Lyon')}" if hermes else
+            '[{"name":"get_weather","parameters":{"city":"Paris"}},'
+            '{"name":"get_weather","parameters":{"city":"Lyon"}}]')
+    paris = '{"city": "Paris"}' if hermes else '{"city":"Paris"}'
+    message = ChatOutput(None, False, parser(), max_calls=1).message(text)
+    assert message["content"] is None
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == [paris]
+    for step in (1, 7, len(text)):
+        output, deltas = ChatOutput(None, False, parser(), max_calls=1), []
+        for i in range(0, len(text), step):
+            deltas += output.deltas(text[i:i + step], False)
+        deltas += output.deltas("", True)
+        assert output.num_calls == 1 and not any(d.get("content") for d in deltas)
+        assert "".join(c["function"]["arguments"] for d in deltas
+                       for c in d.get("tool_calls", [])) == paris
 
 
 def test_required_and_named_outputs():
@@ -227,6 +269,7 @@ def test_a_stream_reads_each_call_once(new_parser, text):
         out = ChatOutput(None, False, new_parser())
         for k in range(len(text)):
             out.deltas(text[k], False)
+        out.deltas("", True)
     finally:
         tool_parsers.object_call = real
     assert out.num_calls == 43 and len(calls) < 3 * len(text)
