@@ -3,10 +3,12 @@
 Parsing knows the tokenizer (prompts become token ids here) and the served model's name and
 context length, nothing about where tokens come from. Field names and defaults follow the
 OpenAI API, with vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...).
-Structured outputs: OpenAI's response_format (json_object, json_schema), vLLM's guided_json /
-guided_regex / guided_grammar and SGLang's regex / ebnf become one SamplingParams.grammar,
-checked here (a schema, regex or grammar that does not parse is a 400). Chat's tools and
-tool_choice: openai_tools (required and named choices become the grammar).
+Structured outputs: OpenAI's response_format (json_object, json_schema), vLLM's
+structured_outputs (json, regex, choice, grammar, json_object) and its older guided_json /
+guided_regex / guided_grammar / guided_choice, and SGLang's regex / ebnf become one
+SamplingParams.grammar, checked here (a schema, regex or grammar that does not parse is a
+400). Chat's tools and tool_choice: openai_tools (required and named choices become the
+grammar).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ _SEED_RANGE = (-2**63, 2**64)  # a seed may also be an unsigned 64-bit integer
 
 # vLLM's chat fields for the template (render_chat)
 CHAT_TEMPLATE_FIELDS = frozenset(("add_generation_prompt", "continue_final_message",
-                                  "chat_template_kwargs"))
+                                  "chat_template_kwargs", "reasoning_effort"))
+# OpenAI's reasoning_effort values; the chat template gets the one asked for (render_chat)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_ROLE_IN_TEMPLATE = re.compile(r"""["']developer["']""")  # a template that handles the role
 # names the template gets from the server, which chat_template_kwargs may not set
 _RESERVED_TEMPLATE_NAMES = frozenset(("messages", "tools", "add_generation_prompt",
                                       "continue_final_message", "bos_token", "eos_token",
@@ -72,7 +77,8 @@ _COMMON_FIELDS = frozenset((
     "prompt_logprobs", "priority", "user", "metadata", "store", "service_tier",
     "parallel_tool_calls", "prompt_cache_key",
     "safety_identifier", "response_format", "guided_json", "guided_regex", "guided_grammar",
-    "guided_choice", "regex", "ebnf", "min_tokens", "include_stop_str_in_output"))
+    "guided_choice", "structured_outputs", "regex", "ebnf", "min_tokens",
+    "include_stop_str_in_output"))
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools",
                                  "tool_choice"} | CHAT_TEMPLATE_FIELDS
@@ -417,10 +423,15 @@ _GRAMMAR_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "regex
                    "guided_grammar": "ebnf", "ebnf": "ebnf", "guided_choice": "ebnf"}
 
 
+# vLLM's structured_outputs object: its keys and the field each stands for
+_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                       "grammar": "guided_grammar", "json_object": "response_format"}
+
+
 def _grammar(body: dict) -> Grammar | None:
     """The one grammar the body asks for (response_format or a vLLM / SGLang field), checked."""
-    asked = [(name, g) for name in ("response_format", *_GRAMMAR_FIELDS)
-             if body.get(name) is not None and (g := _grammar_field(body, name)) is not None]
+    asked = [(name, g) for name, field, value in _grammar_requests(body)
+             if (g := _grammar_field(value, field, name)) is not None]
     if not asked:
         return None
     if len(asked) > 1:
@@ -434,19 +445,47 @@ def _grammar(body: dict) -> Grammar | None:
     return grammar
 
 
-def _grammar_field(body: dict, name: str) -> Grammar | None:
-    value = body[name]
-    if name == "response_format":
+def _grammar_requests(body: dict) -> list[tuple[str, str, object]]:
+    """(name, field, value) of each grammar field the body gives: the name its errors use, the
+    field it is or stands for (vLLM's structured_outputs.json is guided_json), its value."""
+    asked = [(name, name, body[name]) for name in ("response_format", *_GRAMMAR_FIELDS)
+             if body.get(name) is not None]
+    outputs = body.get("structured_outputs")
+    if outputs is None:
+        return asked
+    if not isinstance(outputs, dict):
+        raise ApiError(f"'structured_outputs' must be an object, got {_json_type(outputs)}",
+                       "structured_outputs")
+    for key, value in outputs.items():
+        name = f"structured_outputs.{key}"
+        if key not in _STRUCTURED_OUTPUTS:
+            if value is None:
+                continue
+            raise ApiError(f"{name} is not supported; structured_outputs takes "
+                           f"{', '.join(_STRUCTURED_OUTPUTS)}", name)
+        if key == "json_object":
+            if not isinstance(value, bool):
+                raise ApiError(f"{name} must be a boolean, got {_json_type(value)}", name)
+            value = {"type": "json_object"} if value else None
+        if value is not None:
+            asked.append((name, _STRUCTURED_OUTPUTS[key], value))
+    return asked
+
+
+def _grammar_field(value, field: str, name: str) -> Grammar | None:
+    """The grammar of one field's value (field: a _GRAMMAR_FIELDS key or response_format);
+    errors name `name`."""
+    if field == "response_format":
         return _response_format(value)
-    kind = _GRAMMAR_FIELDS[name]
-    if name == "guided_choice":
-        return Grammar(kind, _choice_ebnf(value))
+    kind = _GRAMMAR_FIELDS[field]
+    if field == "guided_choice":
+        return Grammar(kind, _choice_ebnf(value, name))
     if kind == "json_schema":
         if isinstance(value, str):  # vLLM takes the schema as JSON text too
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise ApiError(f"guided_json is not valid JSON: {e}", name) from None
+                raise ApiError(f"{name} is not valid JSON: {e}", name) from None
         if not isinstance(value, dict):
             raise ApiError(f"'{name}' must be a JSON schema object, got {_json_type(value)}", name)
         if problem := strict_schema_problem(None, value, name):
@@ -458,17 +497,16 @@ def _grammar_field(body: dict, name: str) -> Grammar | None:
     return Grammar(kind, value)
 
 
-def _choice_ebnf(choices) -> str:
+def _choice_ebnf(choices, name: str = "guided_choice") -> str:
     """vLLM's guided_choice (the output is one of the strings) as an EBNF alternation."""
     if not (isinstance(choices, list) and choices
             and all(isinstance(c, str) and c for c in choices)):
-        raise ApiError("'guided_choice' must be a non-empty list of non-empty strings",
-                       "guided_choice")
+        raise ApiError(f"'{name}' must be a non-empty list of non-empty strings", name)
     if any("\0" in c for c in choices):  # (xgrammar's literals end at a NUL)
-        raise ApiError("guided_choice strings may not hold a NUL character", "guided_choice")
+        raise ApiError(f"{name} strings may not hold a NUL character", name)
     if len(choices) > MAX_GUIDED_CHOICES or sum(map(len, choices)) > MAX_GUIDED_CHOICE_CHARS:
-        raise ApiError(f"guided_choice takes at most {MAX_GUIDED_CHOICES} strings of "
-                       f"{MAX_GUIDED_CHOICE_CHARS} characters in all", "guided_choice")
+        raise ApiError(f"{name} takes at most {MAX_GUIDED_CHOICES} strings of "
+                       f"{MAX_GUIDED_CHOICE_CHARS} characters in all", name)
     return "root ::= " + " | ".join(map(_ebnf_literal, choices))
 
 
@@ -594,8 +632,18 @@ def render_chat(body: dict, model: ModelInfo, messages: list[dict], **extra) -> 
     them: add_generation_prompt (default true) opens the assistant's turn;
     continue_final_message (default false) leaves the final message open, its text the
     prompt's end, for the model to go on from; chat_template_kwargs reach the template (such
-    as Qwen3's enable_thinking)."""
+    as Qwen3's enable_thinking), and so does OpenAI's reasoning_effort (gpt-oss's template reads
+    it; others ignore it). OpenAI's developer role is the system role (as llama.cpp maps it)
+    unless the template names the role itself."""
     generation = _opt(body, "add_generation_prompt", bool)
+    effort = _opt(body, "reasoning_effort", str)
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got "
+                           f"{effort!r}", "reasoning_effort")
+        extra = extra | {"reasoning_effort": effort}
+    if not model.tokenizer.chat_template_matches(_ROLE_IN_TEMPLATE):
+        messages = [m | {"role": "system"} if m["role"] == "developer" else m for m in messages]
     resume = _opt(body, "continue_final_message", bool) or False
     if resume and generation:
         raise ApiError("continue_final_message and add_generation_prompt cannot both be true",
@@ -704,9 +752,11 @@ def _opt(body: dict, name: str, kind: type, param: str | None = None, *,
     if value is None:
         return None
     ok = {bool: lambda v: isinstance(v, bool), int: _is_int, dict: lambda v: isinstance(v, dict),
+          str: lambda v: isinstance(v, str),
           float: lambda v: _is_int(v) or isinstance(v, float)}[kind](value)
     if not ok:
-        expected = {bool: "a boolean", int: "an integer", float: "a number", dict: "an object"}[kind]
+        expected = {bool: "a boolean", int: "an integer", float: "a number", dict: "an object",
+                    str: "a string"}[kind]
         raise ApiError(f"'{param or name}' must be {expected}, got {_json_type(value)}", param or name)
     if kind is int and not int_range[0] <= value < int_range[1]:
         raise ApiError(f"{param or name}={value} is out of range (a 64-bit integer)", param or name)

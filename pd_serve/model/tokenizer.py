@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -136,6 +137,11 @@ class Tokenizer:
                 return bytes([int(piece[3:5], 16)])
             return piece.replace("\u2581", " ").encode("utf-8")
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def chat_template_matches(self, pattern: re.Pattern) -> bool:
+        """Whether the chat template's source (if any) matches `pattern`."""
+        return self._chat_template_source is not None and bool(
+            pattern.search(self._chat_template_source))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:

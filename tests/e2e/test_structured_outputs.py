@@ -95,10 +95,10 @@ def test_regex_ebnf_and_json_object_answers_match(cluster):
     model = client.models.list().data[0].id
 
     def one(i: int) -> tuple[str, str]:
-        field = ["regex", "guided_regex"][i % 2]
+        extra = [{"regex": REGEX}, {"guided_regex": REGEX}, {"structured_outputs": {"regex": REGEX}}]
         stream = i % 4 >= 2
         out = client.completions.create(model=model, prompt="Answer: ", max_tokens=40,
-                                        temperature=1.0, stream=stream, extra_body={field: REGEX})
+                                        temperature=1.0, stream=stream, extra_body=extra[i % 3])
         if stream:
             return "".join(c.choices[0].text for c in out if c.choices)
         return out.choices[0].text

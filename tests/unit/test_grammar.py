@@ -151,6 +151,16 @@ def test_gateway_fields_become_one_grammar(tokenizer):
     assert completion(tokenizer, guided_grammar='root ::= "x"') == Grammar("ebnf", 'root ::= "x"')
     assert chat(tokenizer, ebnf='root ::= "x"') == Grammar("ebnf", 'root ::= "x"')
     assert completion(tokenizer, response_format={"type": "json_object"}) == Grammar("json_object", "")
+    # vLLM's structured_outputs object, as its guided_* fields
+    for key, field, value in [("json", "guided_json", SCHEMA), ("regex", "guided_regex", "a+"),
+                              ("choice", "guided_choice", ["yes", "no"]),
+                              ("grammar", "guided_grammar", 'root ::= "x"')]:
+        assert chat(tokenizer, structured_outputs={key: value}) == chat(tokenizer, **{field: value})
+        assert completion(tokenizer, structured_outputs={key: value, "structural_tag": None}) == \
+            completion(tokenizer, **{field: value})
+    assert chat(tokenizer, structured_outputs={"json_object": True}) == Grammar("json_object", "")
+    assert chat(tokenizer, structured_outputs={"json_object": False}) is None
+    assert chat(tokenizer, structured_outputs={}) is None
 
 
 def test_a_json_schema_keeps_its_property_order(compiler, tokenizer):
@@ -181,6 +191,17 @@ def test_a_json_schema_keeps_its_property_order(compiler, tokenizer):
     (dict(guided_json=[1]), "guided_json", "schema object"),
     (dict(ebnf="root ::= "), "ebnf", "EBNF"),
     (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex", "give one"),
+    (dict(structured_outputs=["a"]), "structured_outputs", "must be an object, got an array"),
+    (dict(structured_outputs={"structural_tag": "x"}), "structured_outputs.structural_tag",
+     "not supported; structured_outputs takes json, regex, choice, grammar, json_object"),
+    (dict(structured_outputs={"json": "{bad"}), "structured_outputs.json", "not valid JSON"),
+    (dict(structured_outputs={"choice": []}), "structured_outputs.choice", "non-empty list"),
+    (dict(structured_outputs={"regex": "(a"}), "structured_outputs.regex", "parenthesis"),
+    (dict(structured_outputs={"json_object": 1}), "structured_outputs.json_object", "boolean"),
+    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs.choice",
+     "give one"),
+    (dict(structured_outputs={"regex": "a"}, guided_regex="a"), "structured_outputs.regex",
+     "give one"),
 ])
 def test_bad_grammar_fields_are_400_naming_them(tokenizer, fields, param, message):
     with pytest.raises(ApiError, match=message) as e:

@@ -98,7 +98,47 @@ def test_chat_template_fields_render_as_transformers_does(thinking, fields, mess
         assert tokenizer.decode(want, skip_special_tokens=False).endswith("The colour is ")
 
 
+# gpt-oss's template reads reasoning_effort and names the developer role; this one likewise
+EFFORT_TEMPLATE = (
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'developer' %}# Instructions\n{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DEVELOPER = [{"role": "developer", "content": "Be terse."}] + QUESTION
+
+
+def test_reasoning_effort_reaches_the_template_and_developer_is_system_unless_named(
+        thinking, default_model_dir, tmp_path):
+    """OpenAI's reasoning_effort reaches the template (transformers' rendering with it); the
+    developer role is the system role where the template does not name it (a template that
+    does not know it may drop the message or add its default system prompt beside it)."""
+    folder = tmp_path / "effort"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, folder / name)
+    (folder / "chat_template.jinja").write_text(EFFORT_TEMPLATE)
+    hf = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(folder)
+    effort = Tokenizer.from_dir(folder)
+    for tokenizer, hf_tokenizer, effort_level, roles in [
+            (effort, hf, "high", DEVELOPER), (thinking[0], thinking[1], None, None)]:
+        fields = {"reasoning_effort": effort_level} if effort_level else {}
+        as_system = [{"role": "system", "content": "Be terse."}] + QUESTION
+        want = tokenizer.encode(hf_tokenizer.apply_chat_template(
+            roles or as_system, tokenize=False, add_generation_prompt=True, **fields),
+            add_special_tokens=False)
+        status, _, out = post(tokenizer, [], {"messages": DEVELOPER} | fields, "/tokenize")
+        assert status == 200 and out["tokens"] == want, out
+        assert chat_prompt(tokenizer, {"messages": DEVELOPER} | fields) == want
+        text = tokenizer.decode(want, skip_special_tokens=False)
+        assert text.startswith("Reasoning: high\n# Instructions\n<|im_start|>developer\n"
+                               if effort_level else "<|im_start|>system\nBe terse."), text
+
+
 @pytest.mark.parametrize("fields,messages,param,message", [
+    ({"reasoning_effort": "max"}, QUESTION, "reasoning_effort", "must be one of none, minimal"),
+    ({"reasoning_effort": 1}, QUESTION, "reasoning_effort", "a string"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, QUESTION,
+     "chat_template_kwargs", "'reasoning_effort'"),
     ({"continue_final_message": True, "add_generation_prompt": True}, STARTED,
      "continue_final_message", "cannot both be true"),
     ({"continue_final_message": True}, QUESTION + [{"role": "assistant", "content": " "}],
