@@ -216,6 +216,12 @@ class OpenAIServer:
                     yield _Delta("", [], None, [], None, {}, restart=True)
                     continue
                 ids = event.new_token_ids
+                if parsed.echo_only:  # the prompt, its scores, no token (ParsedRequest)
+                    if ids or event.finished:
+                        yield _Delta(echo, [], None, [], "length", event.timings,
+                                     event.cached_tokens, prompt=self._prompt_logprobs(spec, event))
+                        return
+                    continue
                 eos = (event.finished and event.finish_reason == "stop" and not spec.params.ignore_eos
                        and bool(ids) and ids[-1] in self.tokenizer.eos_token_ids)
                 n = out.add(ids, hide_last=eos)

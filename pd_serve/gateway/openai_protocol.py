@@ -179,6 +179,9 @@ class ParsedRequest:
     prompts: one prompt's token ids, or a /v1/completions batch's. Each prompt gets n choices.
     logprobs: None, or N top alternatives per token (chat's top_logprobs, completions' logprobs).
     echo_texts: completions' echo: each prompt's text, put in front of its choices' text.
+    echo_only: completions' echo with max_tokens 0 (OpenAI's way to score a prompt): the
+        prompt is computed (params ask one token, which no worker skips) and the reply holds
+        the echo alone: no token, finish_reason "length".
     prompt_logprobs: vLLM's field: N top alternatives of each prompt token, with ranks (params'
         prompt_logprobs is the larger of it and echo's logprobs: one scoring serves both).
     tool_choice: chat's, when the output is read for tool calls (None: it is not).
@@ -193,6 +196,7 @@ class ParsedRequest:
     logprobs: int | None
     priority: int
     echo_texts: list[str] | None = None
+    echo_only: bool = False
     prompt_logprobs: int | None = None
     tool_choice: ToolChoice | None = None
     prompt_opens_reasoning: bool = False
@@ -227,14 +231,19 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     logprobs = _opt(body, "logprobs", int)
     max_tokens = _opt(body, "max_tokens", int)
     given = max_tokens is not None
-    params = _sampling_params(body, max_tokens if given else _COMPLETIONS_DEFAULT_MAX_TOKENS,
-                              logprobs, {"logprobs": "logprobs"}, model.tokenizer.vocab_size)
+    echo_only = echo and max_tokens == 0
+    if echo_only and _opt(body, "min_tokens", int):
+        raise ApiError("min_tokens must be 0 with max_tokens 0", "min_tokens")
+    params = _sampling_params(body, 1 if echo_only else max_tokens if given else
+                              _COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, {"logprobs": "logprobs"},
+                              model.tokenizer.vocab_size)
     prompts = []
     for ids in _prompts(body["prompt"], model):  # each checked as it comes: a batch past the
         # context stops at its first such prompt, the rest left untokenized
         _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
         prompts.append(ids)
     parsed = _parsed(body, prompts, params, logprobs)
+    parsed.echo_only = echo_only
     _score_prompts(parsed, body, logprobs if echo else None)
     if echo:
         texts = body["prompt"] if _is_batch(body["prompt"]) else [body["prompt"]]

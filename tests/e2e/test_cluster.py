@@ -162,6 +162,14 @@ def assert_echoed_logprobs(cluster, reference: Engine) -> None:
     n = len(prompts[0])
     streamed = first.choices[0].logprobs.token_logprobs[:n]
     assert streamed[0] is None and streamed[1:] == pytest.approx(out.choices[0].logprobs.token_logprobs[1:n], abs=1e-3)
+    # max_tokens 0 (OpenAI's prompt scoring): the prompt and its logprobs alone
+    scored = client.completions.create(model=client.models.list().data[0].id, prompt=prompts[0],
+                                       max_tokens=0, echo=True, logprobs=2)
+    (choice,) = scored.choices
+    assert choice.text == tok.decode(prompts[0], skip_special_tokens=False)
+    assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.token_logprobs[1:] == \
+        pytest.approx(out.choices[0].logprobs.token_logprobs[1:n], abs=1e-3)
     assert all(used == 0 for used, _ in wait_idle(cluster).values())
 
 

@@ -288,6 +288,48 @@ def test_echo_with_logprobs_puts_the_prompts_logprobs_first(tokenizer, token, st
     assert lp["text_offset"] == [sum(map(len, words[:i])) for i in range(len(words))]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_is_the_prompt_alone(tokenizer, token, stream):
+    """OpenAI's prompt scoring (echo, max_tokens 0; vLLM serves it too): the source computes
+    the prompt (one token asked, dropped), the reply is the prompt and its logprobs, no
+    completion tokens, finish_reason length. Without echo, max_tokens 0 stays a 400."""
+    from pd_serve.protocol import Logprob
+
+    ids, scored = _scored_prompt(tokenizer, "Say hi to me:")
+    script = [TokenEvent([token], [Logprob(token, -1.0, [(token, -1.0)])], finished=True,
+                         finish_reason="length", prompt_logprobs=scored)]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1,
+            "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+    source = ScriptedSource(script)
+
+    async def go():
+        async with TestClient(TestServer(build_app(source, tokenizer))) as client:
+            resp = await client.post("/v1/completions", json=body)
+            text = await resp.text()
+            return resp.status, json.loads(text) if not stream else text
+    status, out = asyncio.run(go())
+    assert status == 200, out
+    assert source.specs[0].params.max_tokens == 1 and source.specs[0].params.prompt_logprobs == 1
+    if stream:
+        events = [json.loads(e[6:]) for e in out.split("\n\n") if e.startswith("data: {")]
+        (lp,) = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        (finish,) = [e["choices"][0]["finish_reason"] for e in events
+                     if e["choices"] and e["choices"][0]["finish_reason"]]
+        usage = events[-1]["usage"]
+    else:
+        (choice,) = out["choices"]
+        lp, text, finish, usage = choice["logprobs"], choice["text"], choice["finish_reason"], out["usage"]
+    words = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert text == "".join(words) and finish == "length"
+    assert lp["tokens"] == words and lp["token_logprobs"] == [None] + [e.logprob for e in scored]
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(ids)
+    status, _, out = post(tokenizer, script, {"model": MODEL, "prompt": ids, "max_tokens": 0})
+    assert_error(status, out, 400, "max_tokens", ">= 1")
+    status, _, out = post(tokenizer, script, body | {"min_tokens": 1})
+    assert_error(status, out, 400, "min_tokens", "max_tokens 0")
+
+
 def test_echo_offsets_of_tokens_that_split_a_character_stay_in_the_text(tokenizer, token):
     """A prompt whose tokens end inside a character (an emoji's bytes over several tokens):
     each offset is where its token's text starts in the echoed text, never past it and never
