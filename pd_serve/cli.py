@@ -127,6 +127,11 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
     from pd_serve.launch import LocalCluster, launch_drain_args, launch_gpu_ids, launch_transfer_args
 
+    for flag, why in (("--worker-id", "launch names its workers itself"),
+                      ("--gateway", "launch starts its own gateway; to join another, start the "
+                                    "workers alone (pd-serve prefill / decode --gateway ...)")):
+        if any(a == flag or a.startswith(flag + "=") for a in args.engine_argv):
+            raise ValueError(f"{flag}: {why}; leave it out")
     passthrough = list(args.engine_argv) + (["--model", args.model] if args.model else [])
     gpu_ids = launch_gpu_ids(passthrough, args.gpu_ids.split(",") if args.gpu_ids else None)
     passthrough += launch_transfer_args(passthrough) + launch_drain_args(passthrough)
@@ -137,7 +142,8 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
         value = getattr(args, f.name, None) if f.name not in _LAUNCH_OWNS + ("api_key",) else None
         if value is not None and value is not False:
             gateway_args += [config_flag(f)] + ([] if value is True else [str(value)])
-    return LocalCluster(port=args.port, num_prefill=args.prefill, num_decode=args.decode,
+    return LocalCluster(port=args.port, host=args.host, num_prefill=args.prefill,
+                        num_decode=args.decode,
                         num_colocated=args.colocated, engine_args=passthrough,
                         gateway_args=gateway_args, control_port=args.control_port,
                         log_level=log_level or args.log_level, gpu_ids=gpu_ids,
@@ -202,7 +208,9 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocated", type=int, default=0,
                         help="colocated workers, beside the prefill and decode ones (a colocated-"
                              "only cluster: --prefill 0 --decode 0 --colocated 1)")
-    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: a free one)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="gateway HTTP address to bind (the workers stay on 127.0.0.1)")
     parser.add_argument("--control-port", type=int, default=0, help="gateway control port (0: any)")
     parser.add_argument("--model", default=None)
     # the gateway's own flags (--api-key, --max-queued-requests, --tool-call-parser, ...): to it

@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -118,28 +119,48 @@ def _check_counts(num_prefill: int, num_decode: int, num_colocated: int,
                 raise ValueError(f"--{role}-{flag} {n} must be >= 1")
 
 
+def _check_free(host: str, port: int) -> None:
+    """A ValueError when host:port cannot be bound (another server has it), as the gateway
+    binds it (address reuse on, so a port left in TIME_WAIT passes)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot bind ({e.strerror}): another "
+                             "server has it; stop that one or give another --port") from None
+
+
 class LocalCluster:
     """Starts the processes; stop() (or the context manager) ends all of them."""
 
-    def __init__(self, *, port: int, num_prefill: int = 1, num_decode: int = 1,
+    def __init__(self, *, port: int, host: str = "127.0.0.1", num_prefill: int = 1,
+                 num_decode: int = 1,
                  num_colocated: int = 0, engine_args: list[str] = (), worker_args: list[str] = (),
                  gateway_args: list[str] = (), control_port: int = 0, log_level: str = "info",
                  gpu_ids: list[str] | None = None, role_tp: dict[str, int] | None = None,
                  role_ep: dict[str, int] | None = None):
-        """gpu_ids: handed to the workers in turn, as many each as its ranks: max(--tp,
-        --ep-size), from engine_args or role_tp[role] / role_ep[role], which also add `--tp N`
-        / `--ep-size N` to that role's workers (--ep-size above --tp: attention replicated)."""
+        """host, port: the gateway's HTTP address (port 0: a free one, chosen here). gpu_ids:
+        handed to the workers in turn, as many each as its ranks: max(--tp, --ep-size), from
+        engine_args or role_tp[role] / role_ep[role], which also add `--tp N` / `--ep-size N`
+        to that role's workers (--ep-size above --tp: attention replicated)."""
         _check_counts(num_prefill, num_decode, num_colocated, role_tp or {}, role_ep or {})
         check_port("--port", port)
         check_port("--control-port", control_port)
-        self.port = port
+        local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.port = port or free_port(local)
+        # Whatever already answers on the port would pass the readiness check below (and a
+        # demo would ask it): a port in use is an error before anything starts.
+        _check_free(host, self.port)
         # Closed by default: the children share a fresh secret unless one is given.
         self.cluster_key = os.environ.get("PD_SERVE_CLUSTER_KEY") or secrets.token_hex(32)
         self.control_port = control_port or free_port()
         self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.gateway_command = ["gateway", "--port", str(port), "--control-port",
-                             str(self.control_port), *gateway_args]  # to start it again
+        self.base_url = f"http://{f'[{local}]' if ':' in local else local}:{self.port}"
+        self.gateway_command = ["gateway", "--host", host, "--port", str(self.port),
+                                "--control-port", str(self.control_port),
+                                *gateway_args]  # to start it again
         gateway = f"tcp://127.0.0.1:{self.control_port}"
         roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["colocated"] * num_colocated
         role_tp, role_ep = role_tp or {}, role_ep or {}

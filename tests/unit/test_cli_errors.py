@@ -49,9 +49,41 @@ def test_launch_refuses_bad_counts_and_ports_before_starting_anything(monkeypatc
 def test_launch_colocated_alone_or_beside_one_pool_is_fine(monkeypatch):
     started = []
     monkeypatch.setattr(LocalCluster, "_start", lambda self, name, *a, **kw: started.append(name))
-    LocalCluster(port=1, num_prefill=0, num_decode=0, num_colocated=1)
-    LocalCluster(port=1, num_prefill=1, num_decode=0, num_colocated=1)
+    LocalCluster(port=0, num_prefill=0, num_decode=0, num_colocated=1)
+    LocalCluster(port=0, num_prefill=1, num_decode=0, num_colocated=1)
     assert started == ["gateway", "colocated-0", "gateway", "prefill-0", "colocated-1"]
+
+
+@pytest.mark.parametrize("command", ["launch", "demo"])
+@pytest.mark.parametrize("argv,names", [
+    (["--port", "USED"], "cannot bind"),  # whatever answers there would pass for the cluster
+    (["--worker-id", "w"], "--worker-id: launch names its workers itself"),
+    (["--gateway=tcp://127.0.0.1:9"], "--gateway: launch starts its own gateway"),
+])
+def test_launch_refuses_a_port_in_use_and_the_flags_it_sets_itself(monkeypatch, capsys, used_port,
+                                                                   command, argv, names):
+    """A red-team pass ran launch and demo on a port another HTTP server had: launch said
+    "cluster ready" (that server's /health answered), demo sent its question there."""
+    monkeypatch.setattr(LocalCluster, "_start", lambda self, name, *a, **kw: pytest.fail(name))
+    argv = [str(used_port) if a == "USED" else a for a in argv]
+    one_line_error(capsys, [command, "--device", "cpu", *argv],
+                   names.replace("cannot bind", f"--port {used_port}: cannot bind"))
+
+
+def test_launch_port_0_picks_one_and_host_goes_to_the_gateway(monkeypatch):
+    """--port 0 is a free port launch picks (the gateway's own pick could not be waited on);
+    --host is the gateway's HTTP address, the workers stay on theirs."""
+    started = {}
+    monkeypatch.setattr(LocalCluster, "_start",
+                        lambda self, name, args, *a, **kw: started.setdefault(name, args))
+    args, rest = cli.build_parser().parse_known_args(["launch", "--device", "cpu", "--port", "0",
+                                                      "--host", "0.0.0.0"])
+    args.engine_argv = rest
+    cluster = cli._cluster_from_args(args)
+    gateway = cli.build_parser().parse_args(started.pop("gateway"))
+    assert cluster.port > 0 and gateway.port == cluster.port and gateway.host == "0.0.0.0"
+    assert cluster.base_url == f"http://127.0.0.1:{cluster.port}"
+    assert all("--host" not in command for command in started.values())
 
 
 @pytest.mark.parametrize("argv,names", [

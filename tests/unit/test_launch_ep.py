@@ -17,7 +17,7 @@ def _workers(monkeypatch, argv: list[str]) -> dict[str, tuple[str | None, str, s
     monkeypatch.setattr(LocalCluster, "_start",
                         lambda self, name, args, log_level, gpu=None: started.append((name, args, gpu)))
     parser = cli.build_parser()
-    args, rest = parser.parse_known_args(["launch", *argv])
+    args, rest = parser.parse_known_args(["launch", "--port", "0", *argv])
     args.engine_argv = rest
     cli._cluster_from_args(args)
     return {name: (gpu, flag_value(args, "--tp", "1"), flag_value(args, "--ep-size", "1"))

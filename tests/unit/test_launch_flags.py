@@ -18,7 +18,8 @@ def test_launch_workers_drain_timeout(monkeypatch, argv, want):
     started = []
     monkeypatch.setattr(LocalCluster, "_start",
                         lambda self, name, args, log_level, gpu=None: started.append((name, args)))
-    args, rest = cli.build_parser().parse_known_args(["launch", "--device", "cpu", *argv])
+    args, rest = cli.build_parser().parse_known_args(["launch", "--port", "0", "--device", "cpu",
+                                                      *argv])
     args.engine_argv = rest
     cli._cluster_from_args(args)
     workers = {name: flag_value(a, "--drain-timeout", None) for name, a in started if name != "gateway"}
@@ -36,7 +37,8 @@ def test_launch_passes_the_gateways_flags_to_the_gateway_only(monkeypatch):
     given = ["--api-key", "k1", "--max-queued-requests", "3", "--max-outstanding-requests", "5",
              "--admit-timeout", "7.5", "--served-model-name", "m", "--prefill-policy", "round_robin",
              "--tool-call-parser", "hermes"]
-    args, rest = cli.build_parser().parse_known_args(["launch", "--device", "cpu", *given])
+    args, rest = cli.build_parser().parse_known_args(["launch", "--port", "0", "--device", "cpu",
+                                                      *given])
     args.engine_argv = rest
     assert rest == ["--device", "cpu"]
     cli._cluster_from_args(args)

@@ -30,7 +30,7 @@ def children(monkeypatch):
         monkeypatch.setattr(launch.subprocess, "Popen", FakePopen)
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
         monkeypatch.setattr(os, "cpu_count", lambda: 8)
-        args, rest = cli.build_parser().parse_known_args(["launch", *argv])
+        args, rest = cli.build_parser().parse_known_args(["launch", "--port", "0", *argv])
         args.engine_argv = rest
         cli._cluster_from_args(args)
         return started
