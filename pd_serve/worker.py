@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 64 * 2**20  # largest message taken from the gateway
 PING_GRACE = 1.5  # no gateway ping for this many of its timeouts: the gateway is gone
 SEND_TIMEOUT_S = 15.0  # a send the gateway's full queue holds this long: the gateway is stuck
+UNHEARD_WARN_S = 10.0  # no word from the gateway since the start: a warning this often
 ROLE_SCHEDULERS = {"colocated": ColocatedScheduler, "prefill": PrefillScheduler, "decode": DecodeScheduler}
 
 
@@ -80,6 +81,7 @@ class Worker:
         self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
         self._sock.connect(config.gateway)
         self._link = GatewayLink(self._sock, SEND_TIMEOUT_S, self._gateway_stuck)
+        self._unheard = UnheardGateway(config.gateway, time.monotonic())
         self._next_heartbeat = 0.0
         self._gateway_deadline = float("inf")  # no gateway ping by then: the gateway is gone
         self._ping_timeout_s = 0.0
@@ -122,6 +124,7 @@ class Worker:
                     while self._sock.poll(0, zmq.POLLIN):
                         msg = self.codec.receive(self._sock.recv(), "control", "the gateway")
                         self._link.heard()
+                        self._unheard = None
                         if isinstance(msg, GatewayPing):
                             self._reconcile(msg)
                         elif isinstance(msg, Replaced):
@@ -130,6 +133,8 @@ class Worker:
                             self.send_all(self.scheduler.handle(msg))
                 if time.monotonic() > self._gateway_deadline:
                     self._gateway_gone()
+                if self._unheard is not None and (warning := self._unheard.due(time.monotonic())):
+                    logger.warning(warning)
                 self.tick()
                 if self._drain_deadline is not None:
                     self._drain()
@@ -327,6 +332,30 @@ class GatewayLink:
 
     def heard(self) -> None:
         self.stuck = False
+
+
+class UnheardGateway:
+    """A worker the gateway has never answered (it registers by its first status; the gateway
+    pings it back) says so every UNHEARD_WARN_S, with the likely causes: otherwise a wrong
+    address or cluster key leaves it waiting without a word (zmq reconnects quietly, and a
+    gateway drops messages under another key, logging it on its side only)."""
+
+    def __init__(self, gateway: str, start: float):
+        self.gateway, self.start, self.next = gateway, start, start + UNHEARD_WARN_S
+
+    def due(self, now: float) -> str | None:
+        """The warning to log now, if one is due."""
+        if now < self.next:
+            return None
+        self.next = now + UNHEARD_WARN_S
+        host, _, port = self.gateway.removeprefix("tcp://").rpartition(":")
+        try:
+            socket.getaddrinfo(host.strip("[]"), int(port))
+            why = ("is the gateway up at that address, and started with the same "
+                   "PD_SERVE_CLUSTER_KEY / --cluster-key-file? (it drops messages under another key)")
+        except (socket.gaierror, ValueError) as e:
+            why = f"its host {host!r} does not resolve ({e})"
+        return f"no word from the gateway at {self.gateway} for {now - self.start:.0f} s: {why}"
 
 
 def send_nowait(sock: zmq.Socket, data: bytes) -> bool:

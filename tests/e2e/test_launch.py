@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import openai
@@ -61,3 +63,29 @@ def test_launch_serves_openai_and_ctrl_c_stops_every_child():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_worker_with_no_gateway_to_hear_says_so():
+    """A decode worker whose --gateway has nobody listening logs why it waits (UNHEARD_WARN_S
+    after it starts), where it waited without a word."""
+    port = free_port()  # nothing listens there
+    proc = subprocess.Popen([sys.executable, "-m", "pd_serve.cli", "--log-level", "warning", "decode",
+                             "--gateway", f"tcp://127.0.0.1:{port}", "--device", TEST_DEVICE,
+                             "--max-total-tokens", "1024", *TEST_TRANSFER]
+                            + (["--model", os.environ["PD_SERVE_TEST_MODEL"]] if os.environ.get("PD_SERVE_TEST_MODEL") else []),
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PD_SERVE_CLUSTER_KEY="k" * 32))
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr] + [lines.put(None)],
+                     daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))  # (Empty: no warning)
+            assert line is not None, f"the worker exited ({proc.wait()}) without the warning"
+            if "no word from the gateway" in line:
+                assert f"tcp://127.0.0.1:{port}" in line and "PD_SERVE_CLUSTER_KEY" in line, line
+                break
+    finally:
+        proc.kill()
+        proc.wait()

@@ -47,3 +47,20 @@ def test_link_waits_its_timeout_once_then_drops_until_the_gateway_is_heard(unrea
     assert not link.send(b"status")
     assert time.monotonic() - start > 0.25 and stuck == [1, 1]
     assert link.dropped == 102
+
+
+def test_a_worker_never_answered_says_why_every_interval():
+    """A worker the gateway never answers (a wrong address, another cluster key) warns every
+    UNHEARD_WARN_S with the likely causes; a host that does not resolve is named as such (a
+    red-team pass watched workers wait without a word for 25-52 s)."""
+    from pd_serve.worker import UNHEARD_WARN_S, UnheardGateway
+
+    watch = UnheardGateway("tcp://127.0.0.1:8100", start=100.0)
+    assert watch.due(100.0 + UNHEARD_WARN_S - 0.1) is None
+    warning = watch.due(100.0 + UNHEARD_WARN_S)
+    assert warning.startswith(f"no word from the gateway at tcp://127.0.0.1:8100 for {UNHEARD_WARN_S:.0f} s")
+    assert "same PD_SERVE_CLUSTER_KEY" in warning
+    assert watch.due(100.0 + 1.5 * UNHEARD_WARN_S) is None  # once an interval
+    assert watch.due(100.0 + 2 * UNHEARD_WARN_S) is not None
+    far = UnheardGateway("tcp://no-such-host.invalid:8100", start=0.0).due(UNHEARD_WARN_S)
+    assert "its host 'no-such-host.invalid' does not resolve" in far
