@@ -9,6 +9,7 @@ are store_true flags. Nothing writes a config after start-up.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -53,7 +54,8 @@ class CacheConfig:
                "--max-total-tokens", self.max_total_tokens, "must be >= --page-size")
         _check(0.0 < self.mem_fraction_static < 1.0, "--mem-fraction-static",
                self.mem_fraction_static, "must be in (0, 1)")
-        _check(self.cpu_kv_cache_gb > 0, "--cpu-kv-cache-gb", self.cpu_kv_cache_gb, "must be > 0")
+        _check(0 < self.cpu_kv_cache_gb < math.inf, "--cpu-kv-cache-gb", self.cpu_kv_cache_gb,
+               "must be > 0 and finite")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype", self.kv_cache_dtype,
                f"must be one of {', '.join(KV_CACHE_DTYPES)}")
 

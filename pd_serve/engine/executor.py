@@ -280,19 +280,43 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
-    """Pool size in pages: --max-total-tokens if given, else from free memory."""
-    if cache.max_total_tokens is not None:
-        return pages_for(cache.max_total_tokens, layout.page_size)
-    if device.type == "cpu":
-        budget = cache.cpu_kv_cache_gb * 2**30
-    else:
-        # What the weights' load left cached (a model quantized at load frees its dense copy)
-        # goes back to the driver first, and the budget subtracts all the allocator reserves,
-        # so the rest of the memory is really free for graph capture, cuBLAS and activations.
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(device).total_memory
-        budget = total * cache.mem_fraction_static - torch.cuda.memory_reserved(device)
-        if budget < layout.bytes_per_page:
-            raise ValueError(f"--mem-fraction-static {cache.mem_fraction_static} leaves no room "
-                             "for the KV cache after the weights; raise it")
+    """Pool size in pages: --max-total-tokens if given, else from free memory (CPU:
+    --cpu-kv-cache-gb). A CPU pool past the host's available memory is an error naming the
+    flag (the allocation would fail with a traceback, or swap)."""
+    if device.type == "cpu" or cache.max_total_tokens is not None:
+        if cache.max_total_tokens is not None:
+            flag, pages = (f"--max-total-tokens {cache.max_total_tokens}",
+                           pages_for(cache.max_total_tokens, layout.page_size))
+        else:
+            flag, pages = (f"--cpu-kv-cache-gb {cache.cpu_kv_cache_gb}",
+                           int(cache.cpu_kv_cache_gb * 2**30 // layout.bytes_per_page))
+        if pages < 1:
+            raise ValueError(f"{flag}: not one {layout.page_size}-token KV page "
+                             f"({layout.bytes_per_page} bytes); give more")
+        available = _available_memory() if device.type == "cpu" else None
+        if available is not None and pages * layout.bytes_per_page > available:
+            raise ValueError(f"{flag}: a KV cache of {pages * layout.bytes_per_page / 2**30:.1f} "
+                             f"GiB, and this machine has {available / 2**30:.1f} GiB available")
+        return pages
+    # What the weights' load left cached (a model quantized at load frees its dense copy)
+    # goes back to the driver first, and the budget subtracts all the allocator reserves,
+    # so the rest of the memory is really free for graph capture, cuBLAS and activations.
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = total * cache.mem_fraction_static - torch.cuda.memory_reserved(device)
+    if budget < layout.bytes_per_page:
+        raise ValueError(f"--mem-fraction-static {cache.mem_fraction_static} leaves no room "
+                         "for the KV cache after the weights; raise it")
     return int(budget // layout.bytes_per_page)
+
+
+def _available_memory() -> int | None:
+    """The host's MemAvailable in bytes (Linux), or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

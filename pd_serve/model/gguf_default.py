@@ -117,8 +117,12 @@ def gguf_model_dir(gguf_path: Path) -> Path:
     final = cache_root() / f"{gguf_path.stem}-{_file_key(gguf_path)}"
     if final.is_dir():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as e:  # one line naming what to change (cli), not a traceback
+        raise ValueError(f"the model cache {final.parent} cannot be written ({e.strerror}): set "
+                         "PD_SERVE_CACHE to a writable folder") from None
     try:
         convert_gguf_to_hf(gguf_path, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared

@@ -136,3 +136,42 @@ def test_gateway_refuses_an_allowed_origin_that_is_no_origin(capsys, monkeypatch
     monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
     monkeypatch.setattr("pd_serve.gateway.server.serve", lambda *a: pytest.fail("started"))
     one_line_error(capsys, ["gateway", "--allowed-origins", value], "--allowed-origins")
+
+
+def test_a_cpu_kv_cache_past_the_memory_or_below_a_page_names_its_flag():
+    """--cpu-kv-cache-gb 10000 failed in the allocator with a traceback, inf with 'cannot
+    convert float NaN to integer', a pool below one page without naming the flag."""
+    import torch
+
+    from pd_serve.cache.pool import KVLayout
+    from pd_serve.config import CacheConfig
+    from pd_serve.engine.executor import _available_memory, _num_kv_pages
+
+    layout = KVLayout(num_layers=30, page_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+    cpu = torch.device("cpu")
+    assert _num_kv_pages(CacheConfig(cpu_kv_cache_gb=0.5), layout, cpu) == \
+        int(0.5 * 2**30 // layout.bytes_per_page)
+    too_much = 2 * _available_memory() / 2**30
+    with pytest.raises(ValueError, match=rf"--cpu-kv-cache-gb {too_much}: a KV cache of .* GiB "
+                                         r"available"):
+        _num_kv_pages(CacheConfig(cpu_kv_cache_gb=too_much), layout, cpu)
+    with pytest.raises(ValueError, match=r"--max-total-tokens 10000000000: a KV cache"):
+        _num_kv_pages(CacheConfig(max_total_tokens=10**10), layout, cpu)
+    with pytest.raises(ValueError, match=r"--cpu-kv-cache-gb 1e-09: not one 16-token KV page"):
+        _num_kv_pages(CacheConfig(cpu_kv_cache_gb=1e-9), layout, cpu)
+    for bad in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="--cpu-kv-cache-gb .* must be > 0 and finite"):
+            CacheConfig(cpu_kv_cache_gb=bad)
+
+
+def test_an_unwritable_model_cache_names_pd_serve_cache(monkeypatch, tmp_path, capsys):
+    """$PD_SERVE_CACHE on a file (or where nothing may be written) was a FileExistsError or
+    PermissionError traceback."""
+    from pd_serve.model import gguf_default
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("PD_SERVE_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(ValueError, match=r"the model cache .*file/cache cannot be written .*set "
+                                         r"PD_SERVE_CACHE to a writable folder"):
+        gguf_default.gguf_model_dir(gguf_default.find_default_gguf())
+    one_line_error(capsys, ["gateway", "--port", "0"], "PD_SERVE_CACHE")
