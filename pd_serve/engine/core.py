@@ -40,6 +40,7 @@ from pd_serve.engine.sampler import DeferredSample, PendingSample, needs_penalti
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.engine.scheduler import PlanBuilder, Scheduler, SchedulerOutput
 from pd_serve.model.config import ModelConfig
+from pd_serve.model.parallel import check_shards
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.ports import free_port
 
@@ -66,6 +67,7 @@ class EngineCore:
         device = resolve_device(cfg.device)
         self.tp, self._tp_followers, self.tp_reports = None, [], None
         if cfg.world_size > 1:  # --tp, or --ep-size over replicated attention
+            check_shards(model_config, cfg.tp, cfg.ep_size)
             self.tp, self._tp_followers, self.tp_reports = tp_group.start(
                 cfg, free_port(), follow, (tp_follower_io,))
             device = _rank_device(device, 0)

@@ -104,6 +104,15 @@ def shard_config(cfg: ModelConfig, tp: int, ep: int = 1) -> ModelConfig:
                    shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp)
 
 
+def check_shards(cfg: ModelConfig, tp: int, ep: int) -> None:
+    """The ValueError shard_model would raise on every rank for --tp tp --ep-size ep, raised
+    before any rank starts (a follower's traceback came before the worker's one-line error)."""
+    if ep > tp:
+        check_ep(cfg, tp, ep)
+    else:
+        shard_config(cfg, tp, ep)
+
+
 def check_ep(cfg: ModelConfig, tp: int, ep: int) -> None:
     """--ep-size: 1 (a dense model, or an MoE model on one rank), --tp, or any size with
     --tp 1, on an MoE model whose experts it divides (else a ValueError)."""

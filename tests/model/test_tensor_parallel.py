@@ -102,6 +102,18 @@ def test_shard_shapes_and_clear_errors(tiny_checkpoints):
         shard_config(full, 3)
 
 
+def test_a_tp_that_does_not_divide_the_model_fails_before_a_follower_starts(tiny_checkpoints,
+                                                                            monkeypatch):
+    """The engine checks the shapes before starting its followers: a follower's traceback
+    came before the one-line error (a red-team pass, --tp 2 on a model of 9 heads)."""
+    from pd_serve import Engine
+    from pd_serve.engine import tp_group
+
+    monkeypatch.setattr(tp_group, "start", lambda *a, **kw: pytest.fail("a follower started"))
+    with pytest.raises(ValueError, match="--tp 3 does not divide this model: 4 attention heads"):
+        Engine(str(tiny_checkpoints["llama3"]), device="cpu", tp=3)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
 def test_engine_with_tp_2_equals_tp_1(tiny_checkpoints, overlap):
     """Engine(tp=2): a follower process runs rank 1; rank 0 broadcasts every step (prefill,
