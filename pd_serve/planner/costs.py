@@ -146,8 +146,11 @@ def load_profile(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--profile {path}: no such file (record one with pd-serve profile)")
-    profile = json.loads(path.read_text(encoding="utf-8"))
-    if profile.get("kind") != "pd-serve-profile":
+    try:
+        profile = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"--profile {path}: not JSON ({e}); record one with pd-serve profile") from None
+    if not isinstance(profile, dict) or profile.get("kind") != "pd-serve-profile":
         raise ValueError(f"--profile {path}: not a pd-serve profile (no kind: pd-serve-profile)")
     return profile
 

@@ -13,6 +13,7 @@ with n <= 1 meets a TPOT SLO).
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,9 +114,12 @@ def parse_slo(text: str) -> dict[str, float]:
         if not sep or name.strip().lower() not in SLO_KEYS:
             raise argparse.ArgumentTypeError(f"bad SLO {item!r}: use ttft=MS,tpot=MS[,e2e=MS]")
         try:
-            slo[SLO_KEYS[name.strip().lower()]] = float(value)
+            ms = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad SLO value in {item!r}: not a number") from None
+        if not 0 < ms < math.inf:
+            raise argparse.ArgumentTypeError(f"bad SLO value in {item!r}: must be > 0 and finite")
+        slo[SLO_KEYS[name.strip().lower()]] = ms
     if not slo:
         raise argparse.ArgumentTypeError("empty SLO")
     return slo

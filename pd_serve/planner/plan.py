@@ -43,7 +43,7 @@ def float_list(text: str) -> list[float]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers") from None
-    if not values or min(values) <= 0:
+    if not values or not all(v > 0 for v in values):  # (NaN is not > 0)
         raise argparse.ArgumentTypeError(f"{text!r}: expected numbers > 0")
     return values
 
@@ -87,6 +87,10 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--slo: {e}") from None
     if args.num_gpus < 1:
         raise ValueError("--num-gpus must be >= 1")
+    if args.transfer_gbps is not None and not 0 < args.transfer_gbps < math.inf:
+        raise ValueError(f"--transfer-gbps {args.transfer_gbps} must be > 0 and finite")
+    if args.transfer_latency_ms is not None and not 0 <= args.transfer_latency_ms < math.inf:
+        raise ValueError(f"--transfer-latency-ms {args.transfer_latency_ms} must be >= 0 and finite")
     overrides = {}
     if args.transfer_gbps is not None:
         overrides["transfer_gbps"] = args.transfer_gbps
@@ -124,10 +128,22 @@ def workload_args(args: argparse.Namespace, max_model_len: int | None) -> argpar
     merged.update({k: getattr(args, k) for k in DATASET_FLAGS if getattr(args, k) is not None})
     merged["max_model_len"] = merged["max_model_len"] or max_model_len
     merged["sharegpt_lengths"] = Path(merged["sharegpt_lengths"])
-    if min(merged[k] for k in ("num_prompts", "input_len", "output_len")) < 1 \
-            or not 0 <= merged["range_ratio"] < 1 or merged["burstiness"] <= 0:
-        raise ValueError("--num-prompts, --input-len, --output-len must be >= 1, --range-ratio "
-                         "in [0, 1), --burstiness > 0")
+    if min(merged[k] for k in ("num_prompts", "input_len", "output_len", "num_prefixes")) < 1 \
+            or min(merged[k] for k in ("prefix_len", "suffix_len")) < 0 \
+            or not 0 <= merged["range_ratio"] < 1 or not 0 < merged["burstiness"] < math.inf:
+        raise ValueError("--num-prompts, --input-len, --output-len, --num-prefixes must be >= 1, "
+                         "--prefix-len and --suffix-len >= 0, --range-ratio in [0, 1), "
+                         "--burstiness > 0 and finite")
+    limit = merged["max_model_len"]
+    if limit and merged["dataset"] != "sharegpt":
+        if merged["dataset"] == "shared-prefix":
+            longest = merged["prefix_len"] + merged["suffix_len"] + merged["output_len"]
+        else:  # random: lengths up to (1 + range ratio) times the flags' (workload.py)
+            longest = sum(math.floor(merged[k] * (1 + merged["range_ratio"]))
+                          for k in ("input_len", "output_len"))
+        if longest > limit:
+            raise ValueError(f"requests of up to {longest} tokens (prompt and output) exceed the "
+                             f"profile's context length {limit}: lower --input-len / --output-len")
     return argparse.Namespace(**merged)
 
 

@@ -36,8 +36,10 @@ import argparse
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import time
+from pathlib import Path
 
 from pd_serve.cache.pool import pages_for
 from pd_serve.config import engine_config_from_args
@@ -108,7 +110,19 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    write_json(args.output, measure(args))
+    output = Path(args.output)
+    try:  # a path that cannot be written fails now, not after minutes of measuring
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.touch()
+    except OSError as e:
+        raise ValueError(f"--output {output}: cannot be written ({e.strerror})") from None
+    try:
+        record = measure(args)
+    except BaseException:
+        if output.stat().st_size == 0:
+            output.unlink()  # (the empty file touched above: no profile)
+        raise
+    write_json(output, record)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -117,19 +131,21 @@ def measure(args: argparse.Namespace) -> dict:
     config = engine_config_from_args(args)
     chunk = config.scheduler.chunked_prefill_size
     chunk = 2048 if chunk < 0 else chunk
-    repeats = args.repeats or (2 if args.quick else 3)
+    repeats = (2 if args.quick else 3) if args.repeats is None else args.repeats
     tokens = args.prefill_tokens or _powers(16, min(chunk, 512) if args.quick else chunk)
     batches = args.decode_batches or list(QUICK_DECODE_BATCHES if args.quick else DECODE_BATCHES)
     contexts = args.decode_contexts
     default_mixed = QUICK_MIXED_POINTS if args.quick else MIXED_POINTS
     mixed = args.mixed_points or [(p, b, c) for p, b, c in default_mixed  # inside the grids
                                   if p <= max(tokens) and b <= max(batches) and c <= max(contexts)]
+    if repeats < 1 or not 0 < args.transfer_gbps < math.inf \
+            or not 0 <= args.transfer_latency_ms < math.inf or not 0 <= (args.sustain_s or 0) < math.inf \
+            or (args.threads is not None and args.threads < 1):
+        raise ValueError("--repeats must be >= 1, --transfer-gbps > 0, --transfer-latency-ms >= 0, "
+                         "--sustain-s >= 0 (all finite), --threads >= 1")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    if repeats < 1 or args.transfer_gbps <= 0 or args.transfer_latency_ms < 0 or (args.sustain_s or 0) < 0:
-        raise ValueError("--repeats must be >= 1, --transfer-gbps > 0, --transfer-latency-ms >= 0, "
-                         "--sustain-s >= 0")
     # Room for the largest grid point; the limits the profile is for are recorded as given.
     page = config.cache.page_size
     decoding = lambda b, c: b * pages_for(c + repeats + DECODE_SPARE, page) * page  # noqa: E731

@@ -437,3 +437,45 @@ def test_plan_on_one_gpu_searches_colocated_limits(capsys):
     assert [c["config"] for c in rate["configs"]] == ["colocated1"]
     assert main(flags[:4] + ["0"] + flags[5:]) == 2
     assert "--num-gpus must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,names", [
+    (["--slo", "ttft=500,tpot=0"], "--slo: bad SLO value in 'tpot=0': must be > 0"),
+    (["--slo", "ttft=-5"], "must be > 0"),
+    (["--slo", "ttft=nan"], "must be > 0 and finite"),
+    (["--transfer-gbps", "0"], "--transfer-gbps 0.0 must be > 0"),
+    (["--transfer-gbps", "-1"], "--transfer-gbps -1.0 must be > 0"),
+    (["--dataset", "shared-prefix", "--num-prefixes", "0"], "--num-prefixes must be >= 1"),
+    (["--input-len", "100000"], "exceed the profile's context length"),
+    (["--profile", "pyproject.toml"], "--profile pyproject.toml: not JSON"),
+])
+def test_plan_refuses_nonsense_in_one_line(capsys, flags, names):
+    """A red-team pass: ZeroDivisionError / IndexError tracebacks (an SLO or link rate of 0, no
+    prefixes), and NaN SLOs, negative rates or prompts past the context planned without a word."""
+    base = {"--profile": str(RECORDED), "--request-rate": "1", "--slo": "ttft=500,tpot=50",
+            "--num-prompts": "4"}
+    base.update(dict(zip(flags[::2], flags[1::2])))
+    assert main(["plan", *[x for kv in base.items() for x in kv]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err) and names in err[-1], err
+    for rate in ("nan", "-1"):
+        with pytest.raises(SystemExit):
+            main(["plan", "--profile", str(RECORDED), "--request-rate", rate, "--slo", "ttft=1"])
+
+
+@pytest.mark.parametrize("flags,names", [
+    (["--threads", "-1"], "--threads >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--output", "/proc/nope/p.json"], "--output /proc/nope/p.json: cannot be written"),
+])
+def test_profile_refuses_bad_flags_before_measuring(capsys, tmp_path, flags, names):
+    """--threads -1 was a RuntimeError traceback, --repeats 0 meant the default, and an output
+    path that cannot be written failed only after the measurements."""
+    given = dict(zip(flags[::2], flags[1::2]))
+    argv = ["profile", "--output", given.pop("--output", str(tmp_path / "p.json")), "--device",
+            "cpu", "--prefill-tokens", "8", "--decode-batches", "1", "--decode-contexts", "8",
+            *[x for kv in given.items() for x in kv]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err) and names in err[-1], err
+    assert not (tmp_path / "p.json").exists()
