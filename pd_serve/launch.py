@@ -94,7 +94,11 @@ def worker_gpus(first: int, gpu_ids: list[str] | None, count: int) -> str | None
     return ",".join(gpu_ids[(first + j) % len(gpu_ids)] for j in range(count))
 
 
-def _die_with_parent() -> None:
+def _child_setup() -> None:
+    """In each child before it runs: it dies with launch (SIGTERM), and it ignores SIGINT, which
+    Python then leaves ignored: Ctrl-C reaches the whole process group, and launch stops the
+    children itself (SIGTERM), where each printed a KeyboardInterrupt traceback mid-import."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -186,7 +190,7 @@ class LocalCluster:
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         cmd = [sys.executable, "-m", "pd_serve.cli", "--log-level", log_level, *args]
-        self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
+        self.procs.append((name, subprocess.Popen(cmd, env=env, preexec_fn=_child_setup)))
 
     def wait_ready(self, timeout_s: float = 300.0, num_workers: int | None = None,
                    stopping=lambda: False) -> dict:

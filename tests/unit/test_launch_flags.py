@@ -51,3 +51,24 @@ def test_launch_passes_the_gateways_flags_to_the_gateway_only(monkeypatch):
     for name, command in commands.items():
         assert not set(given[::2]) & set(command) and "k1" not in command, name
         cli.build_parser().parse_args(command)  # a worker's flags are all its own
+
+
+def test_launch_children_leave_ctrl_c_to_launch(monkeypatch):
+    """Ctrl-C reaches launch's whole process group: its children ignore SIGINT (Python keeps
+    an inherited SIG_IGN) and launch stops them, where each printed a KeyboardInterrupt
+    traceback from inside its imports (a red-team pass)."""
+    import subprocess
+    import sys
+
+    from pd_serve import launch
+
+    seen, real = [], subprocess.Popen
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kw: seen.append(kw["preexec_fn"])
+                        if "pd_serve.cli" in cmd else real(cmd, **kw))
+    args, rest = cli.build_parser().parse_known_args(["launch", "--port", "0", "--device", "cpu"])
+    args.engine_argv = rest
+    cli._cluster_from_args(args)
+    assert seen and all(f is launch._child_setup for f in seen)
+    out = subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
+                         preexec_fn=launch._child_setup, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out
