@@ -337,6 +337,20 @@ class Cluster(TokenSource):
             heapq.heapify(self._queue)
         self.metrics.queued.set(self.num_queued)
 
+    def not_ready(self) -> str:
+        """Why no request can be served now ("" if one can): /health's status. A colocated
+        worker serves alone; a prefill and a decode pool serve only with a pair that can hand
+        KV over (other --kv-cache-dtype, --transfer-backend: every request would be a 503)."""
+        if self.pool("colocated"):
+            return ""
+        pairs = [(p.status, d.status) for p in self.pool("prefill") for d in self.pool("decode")]
+        if not pairs:
+            return "no workers"
+        errors = [pair_error(*pair) for pair in pairs]
+        if all(errors):
+            return f"no prefill worker can send KV to any decode worker: {errors[0]}"
+        return ""
+
     def _check_fits(self, spec) -> None:
         """A prompt that no decode or prefill pool could ever hold is a 400 now, not a wait;
         with no pair that can hand KV over at all, a 503."""

@@ -21,15 +21,15 @@ logger = logging.getLogger(__name__)
 
 def make_routes(cluster: Cluster) -> list[web.RouteDef]:
     async def health(_request: web.Request) -> web.Response:
-        ready = bool(cluster.pool("colocated")) or bool(cluster.pool("prefill") and cluster.pool("decode"))
+        why = cluster.not_ready()
         workers = {w.worker_id: {"role": w.status.role, "free_pages": w.status.num_free_pages,
                                  "total_pages": w.status.num_pages, "running": w.status.num_running,
                                  "waiting": w.status.num_waiting, "inflight": len(w.inflight),
                                  "draining": w.status.draining}
                    for w in cluster.workers.values()}
-        status = cluster.fatal or ("ok" if ready else "no workers")
+        status = cluster.fatal or why or "ok"
         return web.json_response({"status": status, "queued": cluster.num_queued, "workers": workers},
-                                 status=200 if ready and not cluster.fatal else 503)
+                                 status=200 if status == "ok" else 503)
 
     async def metrics(_request: web.Request) -> web.Response:
         body = render(cluster.metrics, cluster.workers)

@@ -5,6 +5,7 @@ restarts, reconcile pings, and hostile control messages. No model, no worker pro
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import socket
 import threading
@@ -35,8 +36,9 @@ class FakeWorker:
 
     def __init__(self, cluster: Cluster, role: str, worker_id: str, *, key: bytes = KEY,
                  max_running: int = 8, num_pages: int = 64, incarnation: str = "one",
-                 long_prefill: int = 0, policy: str = "fcfs"):
+                 long_prefill: int = 0, policy: str = "fcfs", layout: dict | None = None):
         self.role, self.worker_id, self.incarnation = role, worker_id, incarnation
+        self.layout = layout or LAYOUT  # its KV layout
         self.long_prefill = long_prefill  # its --long-prefill-token-threshold
         self.policy = policy  # its --schedule-policy
         self.max_running, self.num_pages = max_running, num_pages
@@ -61,7 +63,7 @@ class FakeWorker:
         return WorkerStatus(worker_id=self.worker_id, role=self.role, model="m", seq=self.seq,
                             incarnation=self.incarnation, transfer_backend="tcp",
                             transfer_addresses=[self.address] if self.role == "decode" else [],
-                            layout=LAYOUT, num_pages=self.num_pages, num_free_pages=self.num_pages,
+                            layout=self.layout, num_pages=self.num_pages, num_free_pages=self.num_pages,
                             max_running_requests=self.max_running, max_prefill_tokens=64,
                             max_model_len=4096, long_prefill_token_threshold=self.long_prefill,
                             schedule_policy=self.policy)
@@ -280,6 +282,31 @@ async def test_priority_is_honoured_once_a_worker_schedules_by_it(cluster, add):
     add("prefill", "p2", policy="priority")
     await ready(cluster, 3)
     assert cluster.priority_scheduling()
+
+
+@with_gateway()
+async def test_health_needs_a_pair_that_can_hand_kv_over(cluster, add):
+    """/health's status: a prefill and a decode pool whose layouts differ (another
+    --kv-cache-dtype) serve nothing, every request a 503; a red-team pass saw /health say ok
+    (and launch call the cluster ready). A compatible pair, or a colocated worker, serves."""
+    from pd_serve.gateway.server import make_routes
+
+    health = next(r.handler for r in make_routes(cluster) if r.path == "/health")
+
+    async def status() -> tuple[int, str]:
+        resp = await health(None)
+        return resp.status, json.loads(resp.body)["status"]
+
+    assert await status() == (503, "no workers")
+    add("prefill", "p")
+    add("decode", "d8", layout={**LAYOUT, "dtype": "float8_e4m3fn"})
+    await ready(cluster, 2)
+    code, why = await status()
+    assert code == 503 and why.startswith("no prefill worker can send KV to any decode worker: "
+                                          "KV layouts differ"), why
+    add("decode", "d")
+    await ready(cluster, 3)
+    assert await status() == (200, "ok")
 
 
 @with_gateway(max_queued_requests=2)
