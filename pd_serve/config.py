@@ -126,8 +126,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={"flag": None})
 
     def __post_init__(self) -> None:
-        _check(self.device in DEVICES or self.device.startswith("cuda:"), "--device", self.device,
-               f"must be one of {', '.join(DEVICES)} or cuda:N")
+        _check(self.device in DEVICES or re.fullmatch(r"cuda:\d+", self.device), "--device",
+               self.device, f"must be one of {', '.join(DEVICES)} or cuda:N")
         _check(self.context_length is None or self.context_length >= 2, "--context-length",
                self.context_length, "must be >= 2")
         _check(self.load_format in LOAD_FORMATS, "--load-format", self.load_format,
@@ -192,7 +192,7 @@ class WorkerConfig:
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control and KV message (empty: none)
 
     def __post_init__(self) -> None:
-        if self.drain_timeout_s < 0:
+        if not self.drain_timeout_s >= 0:  # (NaN is not)
             raise ValueError(f"--drain-timeout {self.drain_timeout_s} must be >= 0")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"--transfer-timeout {self.transfer_timeout_s} must be > 0")
@@ -288,6 +288,10 @@ class GatewayConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.retry_max_retries < 0:
             raise ValueError("--retry-max-retries must be >= 0")
+        if self.balance_abs_threshold < 0 or not 0 <= self.balance_rel_threshold < math.inf:
+            raise ValueError(f"--balance-abs-threshold {self.balance_abs_threshold} and "
+                             f"--balance-rel-threshold {self.balance_rel_threshold} must be >= 0 "
+                             "and finite")
         bad = [o for o in self.origins if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o)]
         if bad:
             raise ValueError(f"--allowed-origins {bad[0]!r} is not an origin: scheme://host[:port] "

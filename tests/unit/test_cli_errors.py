@@ -175,3 +175,19 @@ def test_an_unwritable_model_cache_names_pd_serve_cache(monkeypatch, tmp_path, c
                                          r"PD_SERVE_CACHE to a writable folder"):
         gguf_default.gguf_model_dir(gguf_default.find_default_gguf())
     one_line_error(capsys, ["gateway", "--port", "0"], "PD_SERVE_CACHE")
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["gateway", "--balance-abs-threshold", "-5"], "--balance-abs-threshold -5"),
+    (["gateway", "--balance-rel-threshold", "nan"], "--balance-rel-threshold nan"),
+    (["gateway", "--balance-rel-threshold", "-1"], "--balance-rel-threshold -1.0"),
+    (["decode", "--gateway", "tcp://127.0.0.1:1", "--drain-timeout", "nan"], "--drain-timeout nan"),
+    (["decode", "--gateway", "tcp://127.0.0.1:1", "--device", "cuda:abc"], "--device"),
+])
+def test_values_that_mean_nothing_are_refused(capsys, monkeypatch, argv, names):
+    """A red-team pass: NaN and negative thresholds and timeouts, and a device cuda:abc, were
+    taken as given."""
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
+    monkeypatch.setattr("pd_serve.gateway.server.serve", lambda *a: pytest.fail("started"))
+    monkeypatch.setattr("pd_serve.worker.Worker.__init__", lambda *a: pytest.fail("started"))
+    one_line_error(capsys, argv, names)
