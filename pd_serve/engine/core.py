@@ -318,6 +318,8 @@ def resolve_model(config: EngineConfig) -> tuple[Path, ModelConfig, int]:
     """--model's folder (checked), its config and the context length (--context-length, checked
     against the model's limit)."""
     model_dir = _model_dir_for(config.model)
+    if model_dir.is_file():
+        raise ValueError(f"--model {model_dir}: a file, not a model folder or a .gguf file")
     if not model_dir.is_dir():
         raise ValueError(f"--model {model_dir}: no such directory")
     model_config = ModelConfig.from_dir(model_dir)

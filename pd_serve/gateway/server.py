@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 
 from aiohttp import web
@@ -55,8 +56,9 @@ async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) ->
         runner = await start_server(app, host, port, config.timeout_keep_alive_s)
     except OSError as e:  # bad input: one line naming the flags (cli.main)
         await cluster.stop()
-        raise ValueError(f"--host {host} --port {port}: cannot bind "
-                         f"({os.strerror(e.errno) if e.errno else e})") from None
+        why = (f"the host does not resolve: {e.strerror}" if isinstance(e, socket.gaierror)
+               else os.strerror(e.errno) if e.errno else str(e))
+        raise ValueError(f"--host {host} --port {port}: cannot bind ({why})") from None
     logger.info("gateway: http://%s:%d (model %s), workers register at %s", host, port,
                 config.served_model_name, cluster.control_address)
     stop = asyncio.Event()

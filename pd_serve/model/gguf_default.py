@@ -124,7 +124,11 @@ def gguf_model_dir(gguf_path: Path) -> Path:
         raise ValueError(f"the model cache {final.parent} cannot be written ({e.strerror}): set "
                          "PD_SERVE_CACHE to a writable folder") from None
     try:
-        convert_gguf_to_hf(gguf_path, tmp)
+        try:
+            convert_gguf_to_hf(gguf_path, tmp)
+        except (ValueError, KeyError, IndexError, EOFError) as e:  # a damaged or foreign file
+            raise ValueError(f"--model {gguf_path}: not a GGUF file pd-serve can read "
+                             f"({type(e).__name__}: {e})") from None
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
         for f in tmp.iterdir():
             os.chmod(f, 0o644)

@@ -191,3 +191,22 @@ def test_values_that_mean_nothing_are_refused(capsys, monkeypatch, argv, names):
     monkeypatch.setattr("pd_serve.gateway.server.serve", lambda *a: pytest.fail("started"))
     monkeypatch.setattr("pd_serve.worker.Worker.__init__", lambda *a: pytest.fail("started"))
     one_line_error(capsys, argv, names)
+
+
+def test_a_model_that_is_no_model_says_so(capsys, monkeypatch, tmp_path):
+    """A truncated or foreign .gguf and a file that is neither a folder nor a .gguf name the
+    file (were a numpy reshape error, 'GGUF magic invalid' alone, 'no such directory'); a
+    gateway host that does not resolve says so (was 'Unknown error -2')."""
+    from pd_serve.model.gguf_default import find_default_gguf
+
+    monkeypatch.setenv("PD_SERVE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cut.gguf").write_bytes(find_default_gguf().read_bytes()[:300_000])
+    (tmp_path / "noise.gguf").write_bytes(bytes(range(256)) * 400)
+    (tmp_path / "notes.txt").write_text("hi")
+    for name, names in (("cut.gguf", "cut.gguf: not a GGUF file pd-serve can read"),
+                        ("noise.gguf", "noise.gguf: not a GGUF file pd-serve can read"),
+                        ("notes.txt", "notes.txt: a file, not a model folder or a .gguf file")):
+        one_line_error(capsys, ["chat", "hi", "--model", str(tmp_path / name)], names)
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
+    one_line_error(capsys, ["gateway", "--host", "no-such-host.invalid", "--port", "0"],
+                   "cannot bind (the host does not resolve")
