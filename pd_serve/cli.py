@@ -62,6 +62,9 @@ def add_cluster_key_arg(group) -> None:
                             "The gateway and every worker need the same")
 
 
+MIN_KEY_BYTES = 16  # a cluster key shorter than this is warned of
+
+
 def cluster_key(path: str | None) -> bytes:
     """The cluster secret: --cluster-key-file, else $PD_SERVE_CLUSTER_KEY, else none (warned)."""
 
@@ -72,12 +75,17 @@ def cluster_key(path: str | None) -> bytes:
             raise ValueError(f"--cluster-key-file {path}: {e.strerror}") from None
         if not key:
             raise ValueError(f"--cluster-key-file {path} is empty")
-        return key
-    key = os.environ.get("PD_SERVE_CLUSTER_KEY", "").encode()
+        where = f"--cluster-key-file {path}"
+    else:
+        key, where = os.environ.get("PD_SERVE_CLUSTER_KEY", "").encode(), "PD_SERVE_CLUSTER_KEY"
     if not key:
         logging.getLogger("pd_serve").warning(
             "no cluster key: control and KV sockets accept any peer (set PD_SERVE_CLUSTER_KEY or "
             "--cluster-key-file on the gateway and every worker; `pd-serve launch` sets one)")
+    elif len(key) < MIN_KEY_BYTES:  # a short secret is a guessable one
+        logging.getLogger("pd_serve").warning(
+            "%s holds %d bytes: a guessable secret; use %d or more random ones "
+            "(openssl rand -hex 32)", where, len(key), MIN_KEY_BYTES)
     return key
 
 

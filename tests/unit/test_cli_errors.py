@@ -210,3 +210,13 @@ def test_a_model_that_is_no_model_says_so(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "k")
     one_line_error(capsys, ["gateway", "--host", "no-such-host.invalid", "--port", "0"],
                    "cannot bind (the host does not resolve")
+
+
+def test_a_short_cluster_key_is_warned_of(monkeypatch, tmp_path, caplog):
+    """A 1-byte PD_SERVE_CLUSTER_KEY was taken without a word (a red-team pass)."""
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "x")
+    assert cli.cluster_key(None) == b"x"
+    assert "PD_SERVE_CLUSTER_KEY holds 1 bytes: a guessable secret" in caplog.text
+    caplog.clear()
+    (tmp_path / "key").write_text("a" * 64)
+    assert cli.cluster_key(str(tmp_path / "key")) == b"a" * 64 and "guessable" not in caplog.text
