@@ -58,8 +58,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 def add_cluster_key_arg(group) -> None:
     group.add_argument("--cluster-key-file", default=None,
                        help="file holding the cluster secret that authenticates every control and "
-                            "KV message (default: $PD_SERVE_CLUSTER_KEY; `launch` makes a fresh one). "
-                            "The gateway and every worker need the same")
+                            "KV message (default: $PD_SERVE_CLUSTER_KEY; `launch` hands its "
+                            "children this, else a fresh one). The gateway and every worker need "
+                            "the same")
 
 
 MIN_KEY_BYTES = 16  # a cluster key shorter than this is warned of
@@ -140,6 +141,12 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
                                     "workers alone (pd-serve prefill / decode --gateway ...)")):
         if any(a == flag or a.startswith(flag + "=") for a in args.engine_argv):
             raise ValueError(f"{flag}: {why}; leave it out")
+    if args.cluster_key_file:  # to the gateway and every worker, in their environment
+        try:
+            os.environ["PD_SERVE_CLUSTER_KEY"] = cluster_key(args.cluster_key_file).decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"--cluster-key-file {args.cluster_key_file}: launch hands the key on "
+                             "in PD_SERVE_CLUSTER_KEY, so it must be text (openssl rand -hex 32)") from None
     passthrough = list(args.engine_argv) + (["--model", args.model] if args.model else [])
     gpu_ids = launch_gpu_ids(passthrough, args.gpu_ids.split(",") if args.gpu_ids else None)
     passthrough += launch_transfer_args(passthrough) + launch_drain_args(passthrough)
@@ -221,6 +228,7 @@ def _add_launch_args(parser: argparse.ArgumentParser) -> None:
                         help="gateway HTTP address to bind (the workers stay on 127.0.0.1)")
     parser.add_argument("--control-port", type=int, default=0, help="gateway control port (0: any)")
     parser.add_argument("--model", default=None)
+    add_cluster_key_arg(parser)
     # the gateway's own flags (--api-key, --max-queued-requests, --tool-call-parser, ...): to it
     add_config_args(parser.add_argument_group("gateway"), GatewayConfig, skip=_LAUNCH_OWNS,
                     **{f.name: None for f in fields(GatewayConfig)})

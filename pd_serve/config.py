@@ -220,7 +220,8 @@ class GatewayConfig:
 
     control_host: str = _opt("127.0.0.1", "address workers register on")
     control_port: int = _opt(0, "port workers register on")  # 0: any free port
-    served_model_name: str = _opt("default", "the id clients name (default: the folder name)")
+    served_model_name: str = _opt("default", "the id clients name (default: --model's folder or "
+                                  "file name; SmolLM2-135M-Instruct for the default model)")
     prefill_policy: str = _opt(
         "cache_aware", "which prefill (and colocated) worker computes a prompt: cache_aware (the "
         "longest cached prefix, unless the load is out of balance), round_robin, least_load, "
@@ -249,8 +250,9 @@ class GatewayConfig:
         2, "times a request whose worker was lost (died, unreachable, restarted) before its "
         "client saw output (its first token; a non-streamed request's whole answer) goes back "
         "to the queue for another pair (0: it fails at once)")
-    api_key: str = _opt("", "clients must send 'Authorization: Bearer KEY' on /v1/* (default: "
-                        "$PD_SERVE_API_KEY; none: open); /health and /metrics stay open")
+    api_key: str = _opt("", "clients must send 'Authorization: Bearer KEY' on every route but "
+                        "/health and /metrics, which stay open (default: $PD_SERVE_API_KEY; "
+                        "none: open)")
     body_timeout_s: float = _opt(30.0, "seconds to read a request body (then 408)",
                                  flag="--body-timeout")
     send_timeout_s: float = _opt(

@@ -72,3 +72,23 @@ def test_launch_children_leave_ctrl_c_to_launch(monkeypatch):
     out = subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
                          preexec_fn=launch._child_setup, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out
+
+
+def test_launch_hands_its_cluster_key_file_to_every_child(monkeypatch, tmp_path):
+    """--cluster-key-file given to launch went to the workers alone (the gateway kept its own
+    key, so none could register; a docs review); the key now reaches every child."""
+    from pd_serve import launch
+
+    envs = {}
+    monkeypatch.setattr(launch.subprocess, "Popen",
+                        lambda cmd, **kw: envs.setdefault(cmd[cmd.index("--log-level") + 2], kw["env"]))
+    monkeypatch.delenv("PD_SERVE_CLUSTER_KEY", raising=False)
+    (tmp_path / "key").write_text("ab" * 32 + "\n")
+    args, rest = cli.build_parser().parse_known_args(["launch", "--port", "0", "--device", "cpu",
+                                                      "--cluster-key-file", str(tmp_path / "key")])
+    args.engine_argv = rest
+    assert rest == ["--device", "cpu"]
+    cluster = cli._cluster_from_args(args)
+    assert cluster.cluster_key == "ab" * 32
+    assert set(envs) == {"gateway", "prefill", "decode"}
+    assert all(env["PD_SERVE_CLUSTER_KEY"] == "ab" * 32 for env in envs.values())
