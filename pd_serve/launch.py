@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from pd_serve.config import check_port
@@ -207,6 +208,13 @@ class LocalCluster:
                     health = json.loads(r.read())
                 if len(health["workers"]) >= want:
                     return health
+            except urllib.error.HTTPError as e:  # 503: every worker registered, and still not?
+                try:
+                    health = json.loads(e.read())
+                except ValueError:
+                    health = {}
+                if len(health.get("workers", ())) >= want and health.get("status") != "no workers":
+                    raise LaunchError(f"the cluster cannot serve: {health.get('status')}") from None
             except OSError:
                 pass
             time.sleep(0.2)

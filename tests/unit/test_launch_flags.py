@@ -92,3 +92,37 @@ def test_launch_hands_its_cluster_key_file_to_every_child(monkeypatch, tmp_path)
     assert cluster.cluster_key == "ab" * 32
     assert set(envs) == {"gateway", "prefill", "decode"}
     assert all(env["PD_SERVE_CLUSTER_KEY"] == "ab" * 32 for env in envs.values())
+
+
+def test_launch_says_why_a_registered_cluster_cannot_serve(monkeypatch):
+    """Every worker registered, and /health still 503 (a pair that cannot hand KV over): launch
+    says why at once, where it waited out its start-up time without a word."""
+    import http.server
+    import json
+    import threading
+
+    from pd_serve.launch import LaunchError
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "no prefill worker can send KV to any decode worker: "
+                                         "KV layouts differ", "workers": {"p": {}, "d": {}}}).encode()
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(LocalCluster, "_start", lambda self, *a, **kw: None)
+        cluster = LocalCluster(port=0, engine_args=["--device", "cpu"])
+        cluster.base_url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(LaunchError, match="the cluster cannot serve: no prefill worker can "
+                                              "send KV to any decode worker: KV layouts differ"):
+            cluster.wait_ready(timeout_s=60, num_workers=2)
+    finally:
+        server.shutdown()
