@@ -4,6 +4,7 @@ command. Every child dies with it: on exit, on Ctrl-C, and (PR_SET_PDEATHSIG) if
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -124,17 +125,25 @@ def _check_counts(num_prefill: int, num_decode: int, num_colocated: int,
                 raise ValueError(f"--{role}-{flag} {n} must be >= 1")
 
 
-def _check_free(host: str, port: int) -> None:
-    """A ValueError when host:port cannot be bound (another server has it), as the gateway
-    binds it (address reuse on, so a port left in TIME_WAIT passes)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
+def _bindable_port(host: str, port: int) -> int:
+    """`port` (0: a free one) once a test bind of host:port has passed, as the gateway binds
+    it (address reuse on, so a port left in TIME_WAIT passes); else a ValueError naming why:
+    another server has the port, the host does not resolve or is not this machine's."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port,
+                                                             type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: does not resolve ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(address)
         except OSError as e:
-            raise ValueError(f"--host {host} --port {port}: cannot bind ({e.strerror}): another "
-                             "server has it; stop that one or give another --port") from None
+            why = ("another server has it; stop that one or give another --port"
+                   if e.errno == errno.EADDRINUSE else "give an address of this machine")
+            raise ValueError(f"--host {host} --port {port}: cannot bind ({e.strerror}): "
+                             f"{why}") from None
+        return s.getsockname()[1]
 
 
 class LocalCluster:
@@ -153,11 +162,10 @@ class LocalCluster:
         _check_counts(num_prefill, num_decode, num_colocated, role_tp or {}, role_ep or {})
         check_port("--port", port)
         check_port("--control-port", control_port)
-        local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.port = port or free_port(local)
         # Whatever already answers on the port would pass the readiness check below (and a
         # demo would ask it): a port in use is an error before anything starts.
-        _check_free(host, self.port)
+        self.port = _bindable_port(host, port)
+        local = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         # Closed by default: the children share a fresh secret unless one is given.
         self.cluster_key = os.environ.get("PD_SERVE_CLUSTER_KEY") or secrets.token_hex(32)
         self.control_port = control_port or free_port()

@@ -281,8 +281,10 @@ def resolve_device(name: str) -> torch.device:
 
 def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
     """Pool size in pages: --max-total-tokens if given, else from free memory (CPU:
-    --cpu-kv-cache-gb). A CPU pool past the host's available memory is an error naming the
-    flag (the allocation would fail with a traceback, or swap)."""
+    --cpu-kv-cache-gb). A CPU pool larger than the memory this process may have at all (the
+    host's, or its cgroup's limit) is an error naming the flag (the allocation failed with a
+    traceback); one larger than what is free now is a warning (CPU pages are committed as
+    they are first written, so it may still fit)."""
     if device.type == "cpu" or cache.max_total_tokens is not None:
         if cache.max_total_tokens is not None:
             flag, pages = (f"--max-total-tokens {cache.max_total_tokens}",
@@ -293,10 +295,15 @@ def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) ->
         if pages < 1:
             raise ValueError(f"{flag}: not one {layout.page_size}-token KV page "
                              f"({layout.bytes_per_page} bytes); give more")
-        available = _available_memory() if device.type == "cpu" else None
-        if available is not None and pages * layout.bytes_per_page > available:
-            raise ValueError(f"{flag}: a KV cache of {pages * layout.bytes_per_page / 2**30:.1f} "
-                             f"GiB, and this machine has {available / 2**30:.1f} GiB available")
+        if device.type == "cpu":
+            total, available = _host_memory()
+            size = pages * layout.bytes_per_page
+            if total is not None and size > total:
+                raise ValueError(f"{flag}: a KV cache of {size / 2**30:.1f} GiB, and this "
+                                 f"machine has {total / 2**30:.1f} GiB in all")
+            if available is not None and size > available:
+                logger.warning("%s: a KV cache of %.1f GiB, more than the %.1f GiB free now",
+                               flag, size / 2**30, available / 2**30)
         return pages
     # What the weights' load left cached (a model quantized at load frees its dense copy)
     # goes back to the driver first, and the budget subtracts all the allocator reserves,
@@ -310,13 +317,26 @@ def _num_kv_pages(cache: CacheConfig, layout: KVLayout, device: torch.device) ->
     return int(budget // layout.bytes_per_page)
 
 
-def _available_memory() -> int | None:
-    """The host's MemAvailable in bytes (Linux), or None where /proc/meminfo does not say."""
+def _host_memory() -> tuple[int | None, int | None]:
+    """(bytes this process may have at all, bytes free now): /proc/meminfo's MemTotal and
+    MemAvailable, each capped by the cgroup v2 limit where one is set; None where unknown."""
+    info = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                key, _, value = line.partition(":")
+                info[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
-    return None
+    total, available = info.get("MemTotal"), info.get("MemAvailable")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            total = min(total or int(limit), int(limit))
+            available = min(available or int(limit) - used, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return total, available

@@ -338,18 +338,18 @@ class Cluster(TokenSource):
         self.metrics.queued.set(self.num_queued)
 
     def not_ready(self) -> str:
-        """Why no request can be served now ("" if one can): /health's status. A colocated
-        worker serves alone; a prefill and a decode pool serve only with a pair that can hand
-        KV over (other --kv-cache-dtype, --transfer-backend: every request would be a 503)."""
-        if self.pool("colocated"):
+        """Why no request can be served now ("" if one can): /health's status, by generate's
+        rule: requests go to the prefill and decode pools where both have workers, and serve
+        only with a pair that can hand KV over (another --kv-cache-dtype or --transfer-backend:
+        every request a 503, colocated workers or not); else to colocated workers."""
+        prefills, decodes = self.pool("prefill"), self.pool("decode")
+        if not (prefills and decodes):
+            return "" if self.pool("colocated") else "no workers"
+        pairs = ((p.status, d.status) for p in prefills for d in decodes)
+        if any(not pair_error(*pair) for pair in pairs):
             return ""
-        pairs = [(p.status, d.status) for p in self.pool("prefill") for d in self.pool("decode")]
-        if not pairs:
-            return "no workers"
-        errors = [pair_error(*pair) for pair in pairs]
-        if all(errors):
-            return f"no prefill worker can send KV to any decode worker: {errors[0]}"
-        return ""
+        why = pair_error(prefills[0].status, decodes[0].status)
+        return f"no prefill worker can send KV to any decode worker: {why}"
 
     def _check_fits(self, spec) -> None:
         """A prompt that no decode or prefill pool could ever hold is a 400 now, not a wait;

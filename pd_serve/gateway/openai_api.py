@@ -217,9 +217,13 @@ class OpenAIServer:
                     continue
                 ids = event.new_token_ids
                 if parsed.echo_only:  # the prompt, its scores, no token (ParsedRequest)
-                    if ids or event.finished:
+                    if ids:  # the prompt was computed
                         yield _Delta(echo, [], None, [], "length", event.timings,
                                      event.cached_tokens, prompt=self._prompt_logprobs(spec, event))
+                        return
+                    if event.finished:  # ended without it (an abort): as it ended
+                        yield _Delta(echo, [], None, [], event.finish_reason or "abort",
+                                     event.timings, event.cached_tokens)
                         return
                     continue
                 eos = (event.finished and event.finish_reason == "stop" and not spec.params.ignore_eos

@@ -240,7 +240,8 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
     prompts = []
     for ids in _prompts(body["prompt"], model):  # each checked as it comes: a batch past the
         # context stops at its first such prompt, the rest left untokenized
-        _check_context(len(ids), params.max_tokens, given, model.max_model_len, "prompt")
+        _check_context(len(ids), 0 if echo_only else params.max_tokens, given,
+                       model.max_model_len, "prompt")
         prompts.append(ids)
     parsed = _parsed(body, prompts, params, logprobs)
     parsed.echo_only = echo_only
@@ -467,17 +468,16 @@ def _grammar_requests(body: dict) -> list[tuple[str, str, object]]:
                        "structured_outputs")
     for key, value in outputs.items():
         name = f"structured_outputs.{key}"
+        if value is None or value is False:  # vLLM's defaults of its options: nothing asked
+            continue
         if key not in _STRUCTURED_OUTPUTS:
-            if value is None:
-                continue
             raise ApiError(f"{name} is not supported; structured_outputs takes "
                            f"{', '.join(_STRUCTURED_OUTPUTS)}", name)
         if key == "json_object":
-            if not isinstance(value, bool):
+            if value is not True:
                 raise ApiError(f"{name} must be a boolean, got {_json_type(value)}", name)
-            value = {"type": "json_object"} if value else None
-        if value is not None:
-            asked.append((name, _STRUCTURED_OUTPUTS[key], value))
+            value = {"type": "json_object"}
+        asked.append((name, _STRUCTURED_OUTPUTS[key], value))
     return asked
 
 

@@ -111,16 +111,17 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     output = Path(args.output)
+    existed = output.exists()
     try:  # a path that cannot be written fails now, not after minutes of measuring
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.touch()
+        open(output, "a").close()
     except OSError as e:
         raise ValueError(f"--output {output}: cannot be written ({e.strerror})") from None
     try:
         record = measure(args)
     except BaseException:
-        if output.stat().st_size == 0:
-            output.unlink()  # (the empty file touched above: no profile)
+        if not existed:
+            output.unlink(missing_ok=True)  # (the empty file opened above: no profile)
         raise
     write_json(output, record)
 

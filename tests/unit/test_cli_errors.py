@@ -57,6 +57,8 @@ def test_launch_colocated_alone_or_beside_one_pool_is_fine(monkeypatch):
 @pytest.mark.parametrize("command", ["launch", "demo"])
 @pytest.mark.parametrize("argv,names", [
     (["--port", "USED"], "cannot bind"),  # whatever answers there would pass for the cluster
+    (["--host", "no-such-host.invalid", "--port", "0"], "--host no-such-host.invalid: does not resolve"),
+    (["--host", "192.0.2.1"], "give an address of this machine"),  # (TEST-NET-1: no one's)
     (["--worker-id", "w"], "--worker-id: launch names its workers itself"),
     (["--gateway=tcp://127.0.0.1:9"], "--gateway: launch starts its own gateway"),
 ])
@@ -67,7 +69,8 @@ def test_launch_refuses_a_port_in_use_and_the_flags_it_sets_itself(monkeypatch, 
     monkeypatch.setattr(LocalCluster, "_start", lambda self, name, *a, **kw: pytest.fail(name))
     argv = [str(used_port) if a == "USED" else a for a in argv]
     one_line_error(capsys, [command, "--device", "cpu", *argv],
-                   names.replace("cannot bind", f"--port {used_port}: cannot bind"))
+                   names.replace("cannot bind", f"--port {used_port}: cannot bind") if argv[0] == "--port"
+                   else names)
 
 
 def test_launch_port_0_picks_one_and_host_goes_to_the_gateway(monkeypatch):
@@ -84,6 +87,19 @@ def test_launch_port_0_picks_one_and_host_goes_to_the_gateway(monkeypatch):
     assert cluster.port > 0 and gateway.port == cluster.port and gateway.host == "0.0.0.0"
     assert cluster.base_url == f"http://127.0.0.1:{cluster.port}"
     assert all("--host" not in command for command in started.values())
+
+
+def test_launch_on_every_ipv6_interface_polls_ipv6_loopback(monkeypatch):
+    """A gateway on :: takes no IPv4 (asyncio sets IPV6_V6ONLY): launch polls [::1], where it
+    polled 127.0.0.1 for its whole start-up time (a review)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::", 0))
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    monkeypatch.setattr(LocalCluster, "_start", lambda self, *a, **kw: None)
+    cluster = LocalCluster(port=0, host="::", engine_args=["--device", "cpu"])
+    assert cluster.base_url == f"http://[::1]:{cluster.port}" and cluster.port > 0
 
 
 @pytest.mark.parametrize("argv,names", [
@@ -138,23 +154,29 @@ def test_gateway_refuses_an_allowed_origin_that_is_no_origin(capsys, monkeypatch
     one_line_error(capsys, ["gateway", "--allowed-origins", value], "--allowed-origins")
 
 
-def test_a_cpu_kv_cache_past_the_memory_or_below_a_page_names_its_flag():
+def test_a_cpu_kv_cache_past_the_memory_or_below_a_page_names_its_flag(caplog):
     """--cpu-kv-cache-gb 10000 failed in the allocator with a traceback, inf with 'cannot
-    convert float NaN to integer', a pool below one page without naming the flag."""
+    convert float NaN to integer', a pool below one page without naming the flag. Past the
+    memory free now (but within the machine's): a warning (pages commit as they are written)."""
     import torch
 
     from pd_serve.cache.pool import KVLayout
     from pd_serve.config import CacheConfig
-    from pd_serve.engine.executor import _available_memory, _num_kv_pages
+    from pd_serve.engine.executor import _host_memory, _num_kv_pages
 
     layout = KVLayout(num_layers=30, page_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
     cpu = torch.device("cpu")
     assert _num_kv_pages(CacheConfig(cpu_kv_cache_gb=0.5), layout, cpu) == \
         int(0.5 * 2**30 // layout.bytes_per_page)
-    too_much = 2 * _available_memory() / 2**30
-    with pytest.raises(ValueError, match=rf"--cpu-kv-cache-gb {too_much}: a KV cache of .* GiB "
-                                         r"available"):
+    total, available = _host_memory()
+    too_much = 2 * total / 2**30
+    with pytest.raises(ValueError, match=rf"--cpu-kv-cache-gb {too_much}: a KV cache of .* GiB, "
+                                         r"and this machine has .* GiB in all"):
         _num_kv_pages(CacheConfig(cpu_kv_cache_gb=too_much), layout, cpu)
+    if available < total * 0.99:  # (a machine with next to nothing in use has no such band)
+        between = (available + total) / 2 / 2**30
+        _num_kv_pages(CacheConfig(cpu_kv_cache_gb=between), layout, cpu)
+        assert "more than the" in caplog.text and "GiB free now" in caplog.text
     with pytest.raises(ValueError, match=r"--max-total-tokens 10000000000: a KV cache"):
         _num_kv_pages(CacheConfig(max_total_tokens=10**10), layout, cpu)
     with pytest.raises(ValueError, match=r"--cpu-kv-cache-gb 1e-09: not one 16-token KV page"):

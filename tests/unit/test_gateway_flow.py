@@ -304,8 +304,11 @@ async def test_health_needs_a_pair_that_can_hand_kv_over(cluster, add):
     code, why = await status()
     assert code == 503 and why.startswith("no prefill worker can send KV to any decode worker: "
                                           "KV layouts differ"), why
-    add("decode", "d")
+    add("colocated", "c")  # (requests still go to the pools: no help)
     await ready(cluster, 3)
+    assert (await status())[0] == 503
+    add("decode", "d")
+    await ready(cluster, 4)
     assert await status() == (200, "ok")
 
 

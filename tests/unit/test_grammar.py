@@ -160,6 +160,10 @@ def test_gateway_fields_become_one_grammar(tokenizer):
             completion(tokenizer, **{field: value})
     assert chat(tokenizer, structured_outputs={"json_object": True}) == Grammar("json_object", "")
     assert chat(tokenizer, structured_outputs={"json_object": False}) is None
+    # vLLM's whole object, its options at their defaults (null, false): only the grammar asked
+    assert chat(tokenizer, structured_outputs={"regex": "a+", "json_object": None, "json": None,
+                                               "disable_fallback": False, "structural_tag": None}) \
+        == Grammar("regex", "a+")
     assert chat(tokenizer, structured_outputs={}) is None
 
 

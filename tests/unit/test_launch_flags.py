@@ -82,7 +82,8 @@ def test_launch_hands_its_cluster_key_file_to_every_child(monkeypatch, tmp_path)
     envs = {}
     monkeypatch.setattr(launch.subprocess, "Popen",
                         lambda cmd, **kw: envs.setdefault(cmd[cmd.index("--log-level") + 2], kw["env"]))
-    monkeypatch.delenv("PD_SERVE_CLUSTER_KEY", raising=False)
+    monkeypatch.setenv("PD_SERVE_CLUSTER_KEY", "")  # (recorded: launch's write is undone)
+    monkeypatch.delenv("PD_SERVE_CLUSTER_KEY")
     (tmp_path / "key").write_text("ab" * 32 + "\n")
     args, rest = cli.build_parser().parse_known_args(["launch", "--port", "0", "--device", "cpu",
                                                       "--cluster-key-file", str(tmp_path / "key")])

@@ -467,6 +467,7 @@ def test_plan_refuses_nonsense_in_one_line(capsys, flags, names):
     (["--threads", "-1"], "--threads >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--output", "/proc/nope/p.json"], "--output /proc/nope/p.json: cannot be written"),
+    (["--output", "/tmp"], "--output /tmp: cannot be written"),  # a folder
 ])
 def test_profile_refuses_bad_flags_before_measuring(capsys, tmp_path, flags, names):
     """--threads -1 was a RuntimeError traceback, --repeats 0 meant the default, and an output

@@ -326,6 +326,11 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone(tokenizer, token, stream):
     assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(ids)
     status, _, out = post(tokenizer, script, {"model": MODEL, "prompt": ids, "max_tokens": 0})
     assert_error(status, out, 400, "max_tokens", ">= 1")
+    from pd_serve.gateway.openai_protocol import ApiError, ModelInfo, parse_completion
+    full = ModelInfo(MODEL, tokenizer, len(ids))  # a prompt as long as the context: scored
+    assert parse_completion({"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True}, full).echo_only
+    with pytest.raises(ApiError, match="maximum context length"):
+        parse_completion({"model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True}, full)
     status, _, out = post(tokenizer, script, body | {"min_tokens": 1})
     assert_error(status, out, 400, "min_tokens", "max_tokens 0")
 
