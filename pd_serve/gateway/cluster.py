@@ -342,20 +342,26 @@ class Cluster(TokenSource):
         rule: requests go to the prefill and decode pools where both have workers, and serve
         only with a pair that can hand KV over (another --kv-cache-dtype or --transfer-backend:
         every request a 503, colocated workers or not); else to colocated workers."""
-        prefills, decodes = self.pool("prefill"), self.pool("decode")
-        if not (prefills and decodes):
+        if not (self.pool("prefill") and self.pool("decode")):
             return "" if self.pool("colocated") else "no workers"
-        pairs = ((p.status, d.status) for p in prefills for d in decodes)
-        if any(not pair_error(*pair) for pair in pairs):
-            return ""
-        why = pair_error(prefills[0].status, decodes[0].status)
-        return f"no prefill worker can send KV to any decode worker: {why}"
+        why = self._pair_problem()
+        return why and f"no prefill worker can send KV to any decode worker: {why}"
+
+    def _pair_problem(self) -> str:
+        """"" if some prefill worker can hand KV to some decode worker, else why not (the first
+        pair's reason)."""
+        first = ""
+        for p in self.pool("prefill"):
+            for d in self.pool("decode"):
+                if not (why := pair_error(p.status, d.status)):
+                    return ""
+                first = first or why
+        return first or "no prefill or decode worker"
 
     def _check_fits(self, spec) -> None:
         """A prompt that no decode or prefill pool could ever hold is a 400 now, not a wait;
         with no pair that can hand KV over at all, a 503."""
-        if not any(not pair_error(p.status, d.status) for p in self.pool("prefill")
-                   for d in self.pool("decode")):
+        if self._pair_problem():
             raise ClusterError("no prefill worker can send KV to any decode worker (the gateway's "
                                "log says why)", 503, self.config.worker_timeout_s)
         for role in ("decode", "prefill"):

@@ -514,7 +514,8 @@ class _ChatShape(_Shape):
         deltas = output.deltas(text, finish_reason is not None)
         if not deltas and (logprobs is not None or finish_reason is not None):
             deltas = [{}]
-        finish_reason = _finish_reason(finish_reason, output.num_calls * output.calls_finish)
+        finish_reason = _finish_reason(finish_reason,
+                                       output.num_calls if output.calls_finish else 0)
         return [self._chunk(index, delta, logprobs if j == 0 else None,
                             finish_reason if j == len(deltas) - 1 else None)
                 for j, delta in enumerate(deltas)]
@@ -526,7 +527,7 @@ class _ChatShape(_Shape):
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
         output = self.outputs[index]
         message = output.message(text)
-        num_calls = len(message.get("tool_calls", ())) * output.calls_finish
+        num_calls = len(message.get("tool_calls", ())) if output.calls_finish else 0
         return {"index": index, "message": message, "logprobs": logprobs,
                 "finish_reason": _finish_reason(finish_reason, num_calls)}
 
