@@ -22,6 +22,8 @@ import argparse
 import itertools
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -106,12 +108,14 @@ def run(args: argparse.Namespace) -> None:
              "num_gpus": args.num_gpus, "slo_ms": slo,
              "workload": {k: getattr(wl_args, k) for k in DATASET_FLAGS}}
     if args.capacity:
-        result = plan_capacity(costs, args.num_gpus, wl_args, slo, args.chunk_sizes, args.max_running)
+        result = plan_capacity(costs, args.num_gpus, wl_args, slo, args.chunk_sizes, args.max_running,
+                               progress=Progress("capacity"))
         print(json.dumps(about | result, indent=2, default=str) if args.json
               else format_capacity(result))
         return
     results = [plan_rate(costs, args.num_gpus, workload(wl_args, rate), rate, slo,
-                         args.chunk_sizes, args.max_running) for rate in args.request_rate]
+                         args.chunk_sizes, args.max_running, Progress(f"rate {rate:g}"))
+               for rate in args.request_rate]
     if args.json:
         print(json.dumps(about | {"rates": results}, indent=2, default=str))
         return
@@ -171,6 +175,21 @@ def candidates(num_gpus: int, chunk_sizes, max_running) -> dict[str, list[Cluste
     return out
 
 
+class Progress:
+    """One stderr line per simulated split (its name, how many of how many, the time so far and
+    an estimate of what is left), so a plan over many GPUs shows it is moving: each split
+    simulates every limit combination, seconds each on a large workload."""
+
+    def __init__(self, what: str):
+        self.what, self.start = what, time.monotonic()
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        spent = time.monotonic() - self.start
+        left = f" (about {spent / done * (total - done):.0f} s left)" if done < total else ""
+        print(f"plan ({self.what}): {name} simulated, {done} of {total} splits, {spent:.0f} s{left}",
+              file=sys.stderr, flush=True)
+
+
 def evaluate(spec: ClusterSpec, costs: CostModel, requests, slo: dict[str, float]) -> dict:
     return summarize(spec, simulate(spec, costs, requests), slo)
 
@@ -188,50 +207,62 @@ def summarize(spec: ClusterSpec, simulated, slo: dict[str, float]) -> dict:
 
 
 def plan_rate(costs: CostModel, num_gpus: int, requests, rate: float, slo: dict[str, float],
-              chunk_sizes, max_running) -> dict:
-    """The best limits of every split at one rate, and the best split."""
+              chunk_sizes, max_running, progress=None) -> dict:
+    """The best limits of every split at one rate, and the best split. progress(done, total,
+    name) is called after each split."""
     rows = []
-    for specs in candidates(num_gpus, chunk_sizes, max_running).values():
+    splits = candidates(num_gpus, chunk_sizes, max_running)
+    for name, specs in splits.items():
         rows.append(max((evaluate(s, costs, requests, slo) for s in specs), key=lambda r: _rank(r, slo)))
+        if progress:
+            progress(len(rows), len(splits), name)
     best = max(rows, key=lambda r: _rank(r, slo))
     return {"request_rate": "inf" if math.isinf(rate) else rate, "configs": rows, "best": best}
 
 
 def plan_capacity(costs: CostModel, num_gpus: int, wl_args, slo: dict[str, float], chunk_sizes,
-                  max_running, target: float = CAPACITY_TARGET) -> dict:
+                  max_running, target: float = CAPACITY_TARGET, progress=None) -> dict:
     """Every split's SLO capacity: the highest rate at which the best of its limits keeps
     >= target attainment, found by bisection between a rate that meets the target and one that
     does not (starting from twice the split's all-at-once throughput), to within 2 %
     (`fails_at_rps`); `bound` ">=" when even that rate meets it, "<" when a 64th of it does not.
     On a finite burst of requests attainment need not fall steadily with the rate, so this is a
-    rate where it crosses the target, not always the highest. The split with the most wins."""
+    rate where it crosses the target, not always the highest. The split with the most wins.
+    progress(done, total, name) is called after each split."""
     rows = []
-    for specs in candidates(num_gpus, chunk_sizes, max_running).values():
-        def best_at(rate: float) -> dict:  # the limits that keep the most requests within the SLOs
-            requests = workload(wl_args, rate)
-            return max((evaluate(s, costs, requests, slo) for s in specs),
-                       key=lambda r: (r["slo_attainment"], round(r["goodput"], 6)))
-
-        hi = 2 * best_at(math.inf)["request_throughput"]
-        lo = hi / 64
-        best_hi = best_at(hi)
-        if best_hi["slo_attainment"] >= target:
-            rows.append(best_hi | {"capacity_rps": hi, "bound": ">="})
-            continue
-        best_lo = best_at(lo)
-        if best_lo["slo_attainment"] < target:
-            rows.append(best_lo | {"capacity_rps": lo, "bound": "<"})
-            continue
-        while hi - lo > CAPACITY_PRECISION * lo:
-            mid = (lo + hi) / 2
-            row = best_at(mid)
-            if row["slo_attainment"] >= target:
-                lo, best_lo = mid, row
-            else:
-                hi = mid
-        rows.append(best_lo | {"capacity_rps": lo, "bound": "=", "fails_at_rps": hi})
+    splits = candidates(num_gpus, chunk_sizes, max_running)
+    for name, specs in splits.items():
+        rows.append(_capacity(specs, costs, wl_args, slo, target))
+        if progress:
+            progress(len(rows), len(splits), name)
     best = max(rows, key=lambda r: (r["bound"] != "<", r["capacity_rps"]))
     return {"target": target, "slo_ms": slo, "num_gpus": num_gpus, "configs": rows, "best": best}
+
+
+def _capacity(specs: list[ClusterSpec], costs: CostModel, wl_args, slo: dict[str, float],
+              target: float) -> dict:
+    """One split's row of plan_capacity."""
+    def best_at(rate: float) -> dict:  # the limits that keep the most requests within the SLOs
+        requests = workload(wl_args, rate)
+        return max((evaluate(s, costs, requests, slo) for s in specs),
+                   key=lambda r: (r["slo_attainment"], round(r["goodput"], 6)))
+
+    hi = 2 * best_at(math.inf)["request_throughput"]
+    lo = hi / 64
+    best_hi = best_at(hi)
+    if best_hi["slo_attainment"] >= target:
+        return best_hi | {"capacity_rps": hi, "bound": ">="}
+    best_lo = best_at(lo)
+    if best_lo["slo_attainment"] < target:
+        return best_lo | {"capacity_rps": lo, "bound": "<"}
+    while hi - lo > CAPACITY_PRECISION * lo:
+        mid = (lo + hi) / 2
+        row = best_at(mid)
+        if row["slo_attainment"] >= target:
+            lo, best_lo = mid, row
+        else:
+            hi = mid
+    return best_lo | {"capacity_rps": lo, "bound": "=", "fails_at_rps": hi}
 
 
 def bounded(rate: float, bound: str) -> str:

@@ -183,8 +183,12 @@ def test_plan_end_to_end_on_the_recorded_profile(capsys):
              "--output-len", "16", "--num-prompts", "20", "--request-rate", "0.5,2",
              "--slo", "ttft=1500,tpot=150"]
     assert main(flags) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert out.count("recommended:") == 2 and "1p1d" in out and "colocated2" in out
+    # progress on stderr, a line a split and rate, so a large --num-gpus shows it is moving
+    assert [line.split(",")[:2] for line in err.splitlines()] == [
+        [f"plan (rate {r}): {name} simulated", f" {i} of 2 splits"]
+        for r in ("0.5", "2") for i, name in ((1, "1p1d"), (2, "colocated2"))]
     assert main(flags + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [r["request_rate"] for r in result["rates"]] == [0.5, 2.0]
@@ -203,7 +207,10 @@ def test_plan_capacity_finds_each_splits_highest_rate_within_the_slos(capsys):
              "--output-len", "16", "--num-prompts", "48", "--slo", "ttft=1500,tpot=150",
              "--chunk-sizes", "2048", "--max-running", "256"]
     assert main(flags + ["--capacity", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert "plan (capacity): 1p1d simulated, 1 of 2 splits" in err
+    assert "colocated2 simulated, 2 of 2 splits" in err
     assert [c["config"] for c in result["configs"]] == ["1p1d", "colocated2"]
     assert result["best"]["capacity_rps"] == max(c["capacity_rps"] for c in result["configs"])
     costs = CostModel.from_profile(json.loads(RECORDED.read_text()))
