@@ -157,6 +157,8 @@ def _cluster_from_args(args: argparse.Namespace, log_level: str | None = None):
         value = getattr(args, f.name, None) if f.name not in _LAUNCH_OWNS + ("api_key",) else None
         if value is not None and value is not False:
             gateway_args += [config_flag(f)] + ([] if value is True else [str(value)])
+    if args.disable_access_log_for_endpoints is None:  # not a line per start-up poll of /health
+        gateway_args += ["--disable-access-log-for-endpoints", "/health"]
     return LocalCluster(port=args.port, host=args.host, num_prefill=args.prefill,
                         num_decode=args.decode,
                         num_colocated=args.colocated, engine_args=passthrough,

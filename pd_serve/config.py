@@ -189,6 +189,9 @@ class WorkerConfig:
         "the ones held for at most this many seconds, then fail the rest and exit; 0: exit at "
         "once; a second SIGTERM exits at once", flag="--drain-timeout")
     heartbeat_s: float = _opt(1.0, flag=None)
+    disable_access_log_for_endpoints: str = _opt(
+        "", "paths whose requests the access log leaves out, comma-separated, e.g. /health,/metrics "
+        "(probes and scrapers; `launch` leaves out /health, which it polls while workers start)")
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control and KV message (empty: none)
 
     def __post_init__(self) -> None:
@@ -275,6 +278,9 @@ class GatewayConfig:
     allowed_origins: str = _opt(
         "", "browser origins that may call the API (CORS), comma-separated, e.g. "
         "https://app.example.com, or * for any (default: none, no CORS headers)")
+    disable_access_log_for_endpoints: str = _opt(
+        "", "paths whose requests the access log leaves out, comma-separated, e.g. /health,/metrics "
+        "(probes and scrapers; `launch` leaves out /health, which it polls while workers start)")
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control message (empty: none)
 
     def __post_init__(self) -> None:
@@ -294,10 +300,18 @@ class GatewayConfig:
             raise ValueError(f"--balance-abs-threshold {self.balance_abs_threshold} and "
                              f"--balance-rel-threshold {self.balance_rel_threshold} must be >= 0 "
                              "and finite")
+        bad = [p for p in self.quiet_paths if not p.startswith("/")]
+        if bad:
+            raise ValueError(f"--disable-access-log-for-endpoints {bad[0]!r}: a path starts with /")
         bad = [o for o in self.origins if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o)]
         if bad:
             raise ValueError(f"--allowed-origins {bad[0]!r} is not an origin: scheme://host[:port] "
                              "(no path), or *")
+
+    @property
+    def quiet_paths(self) -> tuple[str, ...]:
+        """--disable-access-log-for-endpoints as a tuple."""
+        return tuple(p.strip() for p in self.disable_access_log_for_endpoints.split(",") if p.strip())
 
     @property
     def origins(self) -> tuple[str, ...]:

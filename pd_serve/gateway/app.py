@@ -19,6 +19,7 @@ import secrets
 from typing import Callable, Iterable
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
 
 from pd_serve.config import GatewayConfig
 from pd_serve.gateway.openai_api import MAX_BODY_BYTES, OpenAIServer, error_response
@@ -239,16 +240,29 @@ def require_api_key(api_key: str):
     return check
 
 
+def _access_logger(quiet: frozenset[str]) -> type[AccessLogger]:
+    """aiohttp's access logger, leaving out requests to the `quiet` paths."""
+    class Logger(AccessLogger):
+        def log(self, request, response, time: float) -> None:
+            if request.path not in quiet:
+                super().log(request, response, time)
+
+    return Logger
+
+
 async def start_server(app: web.Application, host: str, port: int,
-                       keep_alive_s: float = GatewayConfig.timeout_keep_alive_s) -> web.AppRunner:
+                       keep_alive_s: float = GatewayConfig.timeout_keep_alive_s,
+                       quiet_paths: tuple[str, ...] = ()) -> web.AppRunner:
     """Serve `app` on host:port from the running event loop; `await runner.cleanup()` stops it.
 
     Handlers are cancelled when their client disconnects, so a request whose client left
     during a long prefill is aborted at once rather than at its next token. A connection with
     no request running is closed `keep_alive_s` after it opened or its last response ended,
     headers half sent or not (aiohttp's own default, an hour, let idle sockets pile up).
+    Requests to `quiet_paths` are left out of the access log.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=keep_alive_s)
+    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=keep_alive_s,
+                           access_log_class=_access_logger(frozenset(quiet_paths)))
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

@@ -53,7 +53,7 @@ async def serve(config: GatewayConfig, model_dir: Path, host: str, port: int) ->
                     reasoning_parser=config.reasoning_parser or None,
                     allowed_origins=config.origins)
     try:
-        runner = await start_server(app, host, port, config.timeout_keep_alive_s)
+        runner = await start_server(app, host, port, config.timeout_keep_alive_s, config.quiet_paths)
     except OSError as e:  # bad input: one line naming the flags (cli.main)
         await cluster.stop()
         why = (f"the host does not resolve: {e.strerror}" if isinstance(e, socket.gaierror)

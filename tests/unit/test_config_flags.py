@@ -45,6 +45,10 @@ def test_gateway_flags_and_cli_defaults():
                                                     timeout_keep_alive_s=2.5)
     with pytest.raises(ValueError, match="--timeout-keep-alive must be > 0"):
         GatewayConfig(timeout_keep_alive_s=0)
+    assert GatewayConfig(disable_access_log_for_endpoints=" /health, /metrics,").quiet_paths == (
+        "/health", "/metrics")
+    with pytest.raises(ValueError, match="--disable-access-log-for-endpoints 'health'"):
+        GatewayConfig(disable_access_log_for_endpoints="health")
 
 
 def test_choices_come_from_config():
@@ -83,4 +87,5 @@ def test_parsers_reach_the_gateway_also_through_launch(monkeypatch):
                                       "mistral", "--reasoning-parser", "deepseek-r1"])
     args.engine_argv = []
     _cluster_from_args(args)
-    assert seen["gateway_args"] == ["--tool-call-parser", "mistral", "--reasoning-parser", "deepseek-r1"]
+    assert seen["gateway_args"][:4] == ["--tool-call-parser", "mistral", "--reasoning-parser",
+                                        "deepseek-r1"]

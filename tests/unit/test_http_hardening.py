@@ -937,3 +937,23 @@ def test_a_non_boolean_parallel_tool_calls_is_400(tokenizer, token, value):
         assert status == 400 and out["error"]["param"] == "parallel_tool_calls", out
     status, _, out = post(tokenizer, done(token), completion(parallel_tool_calls=False))
     assert status == 200, out
+
+
+def test_access_log_leaves_out_the_quiet_paths(tokenizer, token, caplog):
+    """--disable-access-log-for-endpoints (vLLM's flag): requests to those paths get no access
+    line (launch's start-up polls of /health wrote five a second); others still do."""
+    async def go():
+        app = build_app(ScriptedSource(done(token)), tokenizer)
+        runner = await start_server(app, "127.0.0.1", 0, quiet_paths=("/health",))
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                for path in ("/health", "/v1/models", "/health"):
+                    async with session.get(f"http://127.0.0.1:{port}{path}") as r:
+                        await r.read()
+        finally:
+            await runner.cleanup()
+    with caplog.at_level("INFO", logger="aiohttp.access"):
+        asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
+    assert len(lines) == 1 and "GET /v1/models" in lines[0], lines

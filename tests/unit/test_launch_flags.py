@@ -48,6 +48,8 @@ def test_launch_passes_the_gateways_flags_to_the_gateway_only(monkeypatch):
             gateway.admit_timeout_s, gateway.served_model_name, gateway.prefill_policy,
             gateway.tool_call_parser) == (3, 5, 7.5, "m", "round_robin", "hermes")
     assert not gateway.api_key and os.environ["PD_SERVE_API_KEY"] == "k1"  # not in ps
+    # not an access line per start-up poll of /health, unless the flag is given
+    assert gateway.disable_access_log_for_endpoints == "/health"
     for name, command in commands.items():
         assert not set(given[::2]) & set(command) and "k1" not in command, name
         cli.build_parser().parse_args(command)  # a worker's flags are all its own
