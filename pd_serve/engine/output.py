@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pd_serve.engine.core import token_stop_reason
 from pd_serve.engine.request import FinishReason, Request, TokenLogprob
-from pd_serve.model.output_text import OutputText
+from pd_serve.model.output_text import OutputText, hides_stop_token
 from pd_serve.model.tokenizer import Tokenizer
 
 
@@ -74,14 +74,13 @@ class OutputTracker:
 
     def on_token(self, token_id: int) -> FinishReason | None:
         """Account for one sampled token (already appended); return why it ends the request: a
-        stop string it completes, else `token_stop_reason`. An EOS that ends the request adds
-        no text, as in the gateway."""
+        stop string it completes, else `token_stop_reason`. The EOS or stop token id that ends
+        it adds no text (`hides_stop_token`), as in the gateway."""
         request = self.request
         reason = token_stop_reason(request, self.eos_token_ids, self.max_model_len)
         if self.text is not None:
-            eos = (reason is FinishReason.STOP and not request.sampling_params.ignore_eos
-                   and token_id in self.eos_token_ids)
-            self.text.add([token_id], hide_last=eos)
+            self.text.add([token_id], hide_last=reason is FinishReason.STOP and hides_stop_token(
+                request.sampling_params, token_id, self.eos_token_ids))
             if self.text.stopped:
                 return FinishReason.STOP
         return reason

@@ -34,7 +34,7 @@ from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest
 from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, ToolParser, make_parser
-from pd_serve.model.output_text import OutputText
+from pd_serve.model.output_text import OutputText, hides_stop_token
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.protocol import Logprob
 
@@ -226,9 +226,9 @@ class OpenAIServer:
                                      event.timings, event.cached_tokens)
                         return
                     continue
-                eos = (event.finished and event.finish_reason == "stop" and not spec.params.ignore_eos
-                       and bool(ids) and ids[-1] in self.tokenizer.eos_token_ids)
-                n = out.add(ids, hide_last=eos)
+                hide = (event.finished and event.finish_reason == "stop" and bool(ids)
+                        and hides_stop_token(spec.params, ids[-1], self.tokenizer.eos_token_ids))
+                n = out.add(ids, hide_last=hide)
                 finish = "stop" if out.stopped else (
                     (event.finish_reason or "stop") if event.finished else None)
                 logprobs = event.logprobs[:n] if parsed.logprobs is not None and event.logprobs else None

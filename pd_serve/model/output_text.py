@@ -11,6 +11,14 @@ from __future__ import annotations
 from pd_serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+def hides_stop_token(params, token_id: int, eos_token_ids) -> bool:
+    """Whether `token_id`, having ended an output with finish_reason stop, stays out of its text:
+    vLLM's rule, an EOS or a stop_token_ids entry adds no text unless include_stop_str_in_output
+    (then its text, "" for a special token skipped). params: SamplingParams."""
+    return not params.include_stop_str_in_output and (
+        token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids))
+
+
 class OutputText:
     """Feed it token ids as they arrive; take text deltas that are safe to show.
 
@@ -62,8 +70,7 @@ class OutputText:
 
     def add(self, token_ids: list[int], hide_last: bool = False) -> int:
         """Take token ids in order until one completes a stop string; return how many were taken.
-        hide_last: the last token is the EOS that ended the output; it adds no text (as in vLLM,
-        also when special tokens are kept)."""
+        hide_last: the last token ended the output and adds no text (`hides_stop_token`)."""
         for i, token_id in enumerate(token_ids):
             self.token_offsets.append(self._num_chars_sent + len(self._unsent))
             if hide_last and i == len(token_ids) - 1:

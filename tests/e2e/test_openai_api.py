@@ -404,9 +404,10 @@ def test_chat_stream_n_2_interleaves_both_choices(client, ref, engines):
 
 
 def test_vllm_min_tokens_include_stop_str_and_guided_choice(client, ref, engines):
-    """vLLM's fields through the OpenAI client's extra_body: min_tokens holds off a stop token
-    id (and stop strings) for that many tokens; include_stop_str_in_output keeps the stop
-    string; guided_choice answers one of its strings."""
+    """vLLM's fields through the OpenAI client's extra_body: a stop token id ends the output
+    without its text; min_tokens holds it (and stop strings) off for that many tokens;
+    include_stop_str_in_output keeps the stop string or token's text; guided_choice answers one
+    of its strings."""
     tok = engines[0].tokenizer
     expected = ref(PROMPT, 12)
     first = expected.token_ids[0]
@@ -414,8 +415,10 @@ def test_vllm_min_tokens_include_stop_str_and_guided_choice(client, ref, engines
     def create(**extra):
         return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
                                          extra_body=extra).choices[0]
-    stopped = create(stop_token_ids=[first])
-    assert stopped.text == tok.decode([first]) and stopped.finish_reason == "stop"  # (as vLLM)
+    stopped = create(stop_token_ids=[first])  # the stop token adds no text (vLLM's rule) ...
+    assert stopped.text == "" and stopped.finish_reason == "stop"
+    kept = create(stop_token_ids=[first], include_stop_str_in_output=True)  # ... unless asked
+    assert kept.text == tok.decode([first]) and kept.finish_reason == "stop"
     held = create(stop_token_ids=[first], min_tokens=3)
     reference = engines[1].generate(PROMPT, SamplingParams(
         temperature=0, max_tokens=12, stop_token_ids=[first], min_tokens=3))[0]

@@ -173,6 +173,13 @@ def test_stop_token_ids_and_max_tokens_and_eos(smol, prompts):
         temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[full.token_ids[5]]))[0]
     first = full.token_ids.index(full.token_ids[5])
     assert stopped.token_ids == full.token_ids[:first + 1] and stopped.finish_reason == "stop"
+    # the stop token adds no text unless include_stop_str_in_output (vLLM's rule)
+    assert stopped.text == smol.tokenizer.decode(full.token_ids[:first])
+    kept = smol.generate([prompts[1]], SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[full.token_ids[5]],
+        include_stop_str_in_output=True))[0]
+    assert kept.token_ids == stopped.token_ids
+    assert kept.text == smol.tokenizer.decode(full.token_ids[:first + 1]) != stopped.text
     short = smol.generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=3))[0]
     assert len(short.token_ids) == 3 and short.finish_reason == "length"
     chat = smol.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
@@ -182,13 +189,17 @@ def test_stop_token_ids_and_max_tokens_and_eos(smol, prompts):
 
 def test_eos_adds_no_text_and_a_stream_never_shows_a_stop_strings_start(smol, prompts):
     """With special tokens kept, the EOS that ends an output adds no text (as the gateway and
-    vLLM do); a streamed output holds back what could begin a stop string, so its deltas add
+    vLLM do) unless include_stop_str_in_output; a streamed output holds back what could begin a stop string, so its deltas add
     up to the cut text and no output along the way shows text past the cut."""
     chat = smol.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
     kept = smol.generate(chat, SamplingParams(temperature=0.0, max_tokens=200,
                                               skip_special_tokens=False))[0]
     assert kept.finish_reason == "stop" and kept.token_ids[-1] in smol.tokenizer.eos_token_ids
     assert kept.text == smol.tokenizer.decode(kept.token_ids[:-1], skip_special_tokens=False)
+    shown = smol.generate(chat, SamplingParams(temperature=0.0, max_tokens=200,  # (vLLM's rule)
+                                               skip_special_tokens=False,
+                                               include_stop_str_in_output=True))[0]
+    assert shown.text == smol.tokenizer.decode(kept.token_ids, skip_special_tokens=False)
     text = smol.generate([prompts[3]], GREEDY)[0].text
     stop = text[len(text) // 2:len(text) // 2 + 4]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
