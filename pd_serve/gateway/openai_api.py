@@ -329,7 +329,13 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, deltas: AsyncIterator[tuple[int, _Delta]], shape,
                       parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
-        extra = {"usage": None} if parsed.include_usage else {}
+        num_prompt = sum(map(len, parsed.prompts))
+
+        def extra() -> dict:  # each chunk's usage: none, null, or so far (continuous_usage)
+            if not parsed.include_usage:
+                return {}
+            return {"usage": _usage(num_prompt, num_tokens, _cached_tokens(cached, parsed.n))
+                    if parsed.continuous_usage else None}
 
         def render(i: int, d: _Delta) -> list[bytes]:  # (no prompt_logprobs: not with stream)
             lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs,
@@ -337,7 +343,8 @@ class OpenAIServer:
             chunks = shape.chunks(i, d.text, lp, d.finish_reason)
             if chunks and d.finish_reason and d.timings:  # pd-serve's extension,
                 chunks[-1]["timings"] = d.timings       # as in a whole reply
-            return [_event(chunk | extra) for chunk in chunks]
+            usage = extra()
+            return [_event(chunk | usage) for chunk in chunks]
 
         num_tokens = 0
         cached = [0] * num_choices
@@ -353,7 +360,7 @@ class OpenAIServer:
                 try:
                     for i in range(num_choices):
                         for chunk in shape.opening_chunks(i):
-                            await write(_event(chunk | extra))
+                            await write(_event(chunk | extra()))
                     while item is not None:
                         i, d = item
                         num_tokens += len(d.token_ids)
@@ -367,8 +374,7 @@ class OpenAIServer:
                                 await write(event)
                         item = await anext(deltas, None)
                     if parsed.include_usage:
-                        usage = _usage(sum(map(len, parsed.prompts)), num_tokens,
-                                       _cached_tokens(cached, parsed.n))
+                        usage = _usage(num_prompt, num_tokens, _cached_tokens(cached, parsed.n))
                         await write(_event(shape.usage_chunk(usage)))
                 except ConnectionResetError:
                     raise

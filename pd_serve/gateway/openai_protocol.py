@@ -75,15 +75,20 @@ _COMMON_FIELDS = frozenset((
     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs",
     "prompt_logprobs", "priority", "user", "metadata", "store", "service_tier",
-    "parallel_tool_calls", "prompt_cache_key",
+    "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention", "add_special_tokens",
     "safety_identifier", "response_format", "guided_json", "guided_regex", "guided_grammar",
     "guided_choice", "structured_outputs", "regex", "ebnf", "min_tokens",
     "include_stop_str_in_output"))
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools",
                                  "tool_choice"} | CHAT_TEMPLATE_FIELDS
-# Unimplemented fields, with the values that ask for nothing beyond plain text.
-_OFF_VALUES = {"functions": [[]], "function_call": ["none"], "suffix": [""]}
+# Unimplemented fields, with the values that ask for nothing beyond plain text (OpenAI's and
+# vLLM's defaults, which clients that send a whole request object fill in).
+_OFF_VALUES = {"functions": [[]], "function_call": ["none", "auto"], "suffix": [""],
+               "best_of": [1], "echo": [False], "modalities": [["text"]],
+               "use_beam_search": [False], "length_penalty": [1.0],
+               "spaces_between_special_tokens": [True], "return_tokens_as_token_ids": [False],
+               "return_token_ids": [False], "bad_words": [[]]}
 
 
 class ApiError(Exception):
@@ -186,6 +191,8 @@ class ParsedRequest:
         prompt_logprobs is the larger of it and echo's logprobs: one scoring serves both).
     tool_choice: chat's, when the output is read for tool calls (None: it is not).
     prompt_opens_reasoning: chat's rendered prompt ends inside an open <think>.
+    continuous_usage: stream_options' continuous_usage_stats (vLLM's) with include_usage: every
+        chunk carries the usage so far.
     """
 
     prompts: list[list[int]]
@@ -200,6 +207,7 @@ class ParsedRequest:
     prompt_logprobs: int | None = None
     tool_choice: ToolChoice | None = None
     prompt_opens_reasoning: bool = False
+    continuous_usage: bool = False
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, in the response's order (choice index prompt * n + i).
@@ -220,7 +228,8 @@ class ParsedRequest:
 
 
 def parse_completion(body, model: ModelInfo) -> ParsedRequest:
-    """Validate a /v1/completions body and tokenize its prompt (add_special_tokens=True)."""
+    """Validate a /v1/completions body and tokenize its prompt (add_special_tokens: vLLM's
+    field, default true: the tokenizer's BOS, if it adds one)."""
     body = _check_common(body, model, _COMPLETION_FIELDS)
     if "prompt" not in body:
         raise ApiError("'prompt' is a required field", "prompt")
@@ -238,8 +247,10 @@ def parse_completion(body, model: ModelInfo) -> ParsedRequest:
                               _COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, {"logprobs": "logprobs"},
                               model.tokenizer.vocab_size)
     prompts = []
-    for ids in _prompts(body["prompt"], model):  # each checked as it comes: a batch past the
-        # context stops at its first such prompt, the rest left untokenized
+    special = _opt(body, "add_special_tokens", bool)
+    # each prompt checked as it comes: a batch past the context stops at its first such
+    # prompt, the rest left untokenized
+    for ids in _prompts(body["prompt"], model, special is not False):
         _check_context(len(ids), 0 if echo_only else params.max_tokens, given,
                        model.max_model_len, "prompt")
         prompts.append(ids)
@@ -267,7 +278,8 @@ def parse_chat(body, model: ModelInfo) -> ParsedRequest:
     except ToolsError as e:
         raise ApiError(str(e), e.param) from None
     text = render_chat(body, model, messages, **({"tools": tools.tools} if tools.tools else {}))
-    prompt_ids = _encode(text, model, "messages", add_special_tokens=False)
+    # the template writes the special tokens; vLLM's add_special_tokens adds the tokenizer's too
+    prompt_ids = _encode(text, model, "messages", bool(_opt(body, "add_special_tokens", bool)))
     if not prompt_ids:
         raise ApiError("the messages rendered to an empty prompt", "messages")
     want_logprobs = _opt(body, "logprobs", bool) or False
@@ -347,13 +359,21 @@ def _parsed(body: dict, prompts: list[list[int]], params: SamplingParams,
                        f"{MAX_CHOICES} per request", "n")
     stream = _opt(body, "stream", bool) or False
     options = _opt(body, "stream_options", dict)
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not stream:
             raise ApiError("stream_options is only allowed with stream=true", "stream_options")
         include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage") or False
+        continuous = include_usage and bool(_opt(options, "continuous_usage_stats", bool,
+                                                 "stream_options.continuous_usage_stats"))
+        known = {"include_usage", "continuous_usage_stats", "include_obfuscation"}  # (no padding)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ApiError(f"stream_options.{unknown[0]} is not supported by this server (only "
+                           f"{', '.join(sorted(known))})", f"stream_options.{unknown[0]}")
     priority = _opt(body, "priority", int)
-    return ParsedRequest(prompts, params, n, stream, include_usage, logprobs, priority or 0)
+    return ParsedRequest(prompts, params, n, stream, include_usage, logprobs, priority or 0,
+                         continuous_usage=continuous)
 
 
 def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,
@@ -565,16 +585,16 @@ def _check_context(num_prompt: int, max_tokens: int, max_tokens_given: bool,
                    f"{what} or completion.", what)
 
 
-def _prompts(prompt, model: ModelInfo) -> Iterator[list[int]]:
+def _prompts(prompt, model: ModelInfo, special: bool = True) -> Iterator[list[int]]:
     """A string or a list of token ids (one prompt), or a list of those (a batch): each
-    prompt's ids, tokenized as they are asked for."""
+    prompt's ids, tokenized as they are asked for (special: add_special_tokens)."""
     if not _is_batch(prompt):
-        yield _prompt_token_ids(prompt, model, "prompt")
+        yield _prompt_token_ids(prompt, model, "prompt", special)
         return
     if len(prompt) > MAX_CHOICES:
         raise ApiError(f"{len(prompt)} prompts; at most {MAX_CHOICES} per request", "prompt")
     for i, p in enumerate(prompt):
-        yield _prompt_token_ids(p, model, f"prompt[{i}]")
+        yield _prompt_token_ids(p, model, f"prompt[{i}]", special)
 
 
 def _is_batch(prompt) -> bool:
@@ -612,11 +632,11 @@ def check_chars(text: str, model: ModelInfo, what: str) -> None:
                        f"reduce the length of the {what}.", what.split("[")[0])
 
 
-def _prompt_token_ids(prompt, model: ModelInfo, where: str) -> list[int]:
-    """A string or a list of token ids."""
+def _prompt_token_ids(prompt, model: ModelInfo, where: str, special: bool = True) -> list[int]:
+    """A string (tokenized, with add_special_tokens `special`) or a list of token ids."""
     tokenizer = model.tokenizer
     if isinstance(prompt, str):
-        ids = _encode(prompt, model, where)
+        ids = _encode(prompt, model, where, special)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = prompt
         bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)

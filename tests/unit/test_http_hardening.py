@@ -826,6 +826,60 @@ def test_harmless_and_off_fields_are_accepted(tokenizer, token):
             "service_tier": "auto", "functions": None, "guided_json": None}
     status, _, resp = post(tokenizer, done(token), body, "/v1/chat/completions")
     assert status == 200, resp
+    # OpenAI's and vLLM's defaults, which clients that send a whole request object fill in
+    defaults = {"echo": False, "best_of": 1, "function_call": "auto", "modalities": ["text"],
+                "prompt_cache_retention": "24h", "use_beam_search": False, "length_penalty": 1.0,
+                "spaces_between_special_tokens": True, "return_tokens_as_token_ids": False,
+                "return_token_ids": False, "bad_words": [], "add_special_tokens": False}
+    status, _, resp = post(tokenizer, done(token), body | defaults, "/v1/chat/completions")
+    assert status == 200, resp
+    status, _, resp = post(tokenizer, done(token), completion(**defaults | {"echo": False}))
+    assert status == 200, resp
+    for field, value in (("use_beam_search", True), ("bad_words", ["x"]), ("best_of", 2),
+                         ("return_token_ids", True), ("length_penalty", 0.5)):
+        status, _, resp = post(tokenizer, done(token), body | {field: value}, "/v1/chat/completions")
+        assert_error(status, resp, 400, field, f"'{field}' is not supported")
+
+
+@pytest.mark.parametrize("path,default", [("/v1/completions", True),
+                                          ("/v1/chat/completions", False)])
+def test_add_special_tokens_reaches_the_tokenizer(tokenizer, token, monkeypatch, path, default):
+    """vLLM's add_special_tokens: completions default true, chat false (the template writes
+    them); either may be set."""
+    seen, encode = [], tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, add_special_tokens=True: (
+        seen.append(add_special_tokens), encode(text, add_special_tokens=add_special_tokens))[1])
+    body = completion() if path == "/v1/completions" else {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for given in (None, True, False):
+        status, _, resp = post(tokenizer, done(token), body | {"add_special_tokens": given}, path)
+        assert status == 200, resp
+        assert seen.pop() == (default if given is None else given) and not seen
+    status, _, resp = post(tokenizer, done(token), body | {"add_special_tokens": "no"}, path)
+    assert_error(status, resp, 400, "add_special_tokens")
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(tokenizer, token):
+    """stream_options.continuous_usage_stats (vLLM's), with include_usage: each chunk carries
+    the usage so far; without include_usage, none do. Other stream_options keys are a 400."""
+    script = [TokenEvent([token]), TokenEvent([token]),
+              TokenEvent([token], finished=True, finish_reason="length")]
+    prompt = len(tokenizer.encode("hi"))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    status, _, text = post(tokenizer, script, completion(stream=True, stream_options=options))
+    assert status == 200, text
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 3]  # last: usage's own
+    assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    status, _, text = post(tokenizer, script, completion(stream=True, stream_options={
+        "continuous_usage_stats": True}))
+    assert "usage" not in json.loads(text.split("\n\n")[0].removeprefix("data: "))
+    status, _, resp = post(tokenizer, script, completion(stream=True, stream_options={
+        "include_usage": True, "every_chunk": True}))
+    assert_error(status, resp, 400, "stream_options.every_chunk", "not supported")
 
 
 # ---- the source's errors -------------------------------------------------------------------
