@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pd_serve.engine.core import token_stop_reason
 from pd_serve.engine.request import FinishReason, Request, TokenLogprob
-from pd_serve.model.output_text import OutputText, hides_stop_token
+from pd_serve.model.output_text import OutputText, hides_stop_token, stop_reason
 from pd_serve.model.tokenizer import Tokenizer
 
 
@@ -24,6 +24,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended it (None: EOS, length, or running)
+    stop_reason: str | int | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     num_preemptions: int = 0
@@ -85,6 +87,14 @@ class OutputTracker:
                 return FinishReason.STOP
         return reason
 
+    def _stop_reason(self) -> str | int | None:
+        request = self.request
+        if request.finish_reason is not FinishReason.STOP:
+            return None
+        return stop_reason(self.text.stop_string if self.text is not None else None,
+                           request.sampling_params, request.output_token_ids[-1],
+                           self.eos_token_ids)
+
     def make_output(self) -> RequestOutput:
         request = self.request
         new_text = self.text.take_delta(request.finished) if self.text is not None else ""
@@ -97,6 +107,7 @@ class OutputTracker:
             prompt_token_ids=request.prompt_token_ids,
             finished=request.finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=self._stop_reason(),
             new_token_ids=new_token_ids,
             new_text=new_text,
             num_preemptions=request.num_preemptions,

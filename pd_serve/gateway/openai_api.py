@@ -34,7 +34,7 @@ from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest
 from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, ToolParser, make_parser
-from pd_serve.model.output_text import OutputText, hides_stop_token
+from pd_serve.model.output_text import OutputText, hides_stop_token, stop_reason
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.protocol import Logprob
 
@@ -68,6 +68,7 @@ class _Delta:
     restart: bool = False  # the choice's deltas so far are void (a whole request started over)
     # the first delta of an echo with logprobs: the prompt's ids, and the logprobs of all but its first
     prompt: tuple[list[int], list[Logprob]] | None = None
+    stop_reason: str | int | None = None  # vLLM's, on the final delta: the stop string or token id
 
 
 class OpenAIServer:
@@ -235,9 +236,12 @@ class OpenAIServer:
                 prompt = self._prompt_logprobs(spec, event) if first and ids else None
                 first = first and not ids
                 text, echo = echo + out.take_delta(finish is not None), ""
+                why = stop_reason(out.stop_string, spec.params, ids[n - 1] if n else None,
+                                  self.tokenizer.eos_token_ids) if finish == "stop" else None
                 yield _Delta(text, event.new_token_ids[:n], logprobs,
                              [len(first_echo) + o for o in out.token_offsets[len(out.token_offsets) - n:]],
-                             finish, event.timings, event.cached_tokens, prompt=prompt)
+                             finish, event.timings, event.cached_tokens, prompt=prompt,
+                             stop_reason=why)
                 if finish is not None:
                     return
             raise SourceError("the token source ended without a final event")
@@ -293,6 +297,7 @@ class OpenAIServer:
                                 prompt if parsed.echo_texts is not None else None) \
                 if parsed.logprobs is not None else None
             choice = shape.choice(i, "".join(d.text for d in ds), lp, ds[-1].finish_reason)
+            choice["stop_reason"] = ds[-1].stop_reason  # (vLLM's)
             if parsed.prompt_logprobs is not None and shape.prompt_logprobs_per_choice:
                 choice["prompt_logprobs"] = shape.prompt_logprobs(prompt, parsed.prompt_logprobs)
             return json.dumps(choice).encode()
@@ -341,8 +346,10 @@ class OpenAIServer:
             lp = shape.logprobs(d.logprobs or [], d.text_offsets, parsed.logprobs,
                                 d.prompt) if parsed.logprobs is not None else None
             chunks = shape.chunks(i, d.text, lp, d.finish_reason)
-            if chunks and d.finish_reason and d.timings:  # pd-serve's extension,
-                chunks[-1]["timings"] = d.timings       # as in a whole reply
+            if chunks and d.finish_reason:
+                chunks[-1]["choices"][0]["stop_reason"] = d.stop_reason  # (vLLM's)
+                if d.timings:  # pd-serve's extension, as in a whole reply
+                    chunks[-1]["timings"] = d.timings
             usage = extra()
             return [_event(chunk | usage) for chunk in chunks]
 

@@ -19,6 +19,18 @@ def hides_stop_token(params, token_id: int, eos_token_ids) -> bool:
         token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids))
 
 
+def stop_reason(stop_string: str | None, params, token_id: int | None,
+                eos_token_ids) -> str | int | None:
+    """vLLM's stop_reason of an output that ended with finish_reason stop: the stop string
+    found (OutputText.stop_string), else the last token `token_id` if it is a stop_token_ids
+    entry and not an EOS that ended it; None for an EOS."""
+    if stop_string is not None:
+        return stop_string
+    if token_id is None or token_id not in params.stop_token_ids:
+        return None
+    return None if not params.ignore_eos and token_id in eos_token_ids else token_id
+
+
 class OutputText:
     """Feed it token ids as they arrive; take text deltas that are safe to show.
 
@@ -33,6 +45,8 @@ class OutputText:
         All output text so far; cut before the stop string once one is found.
     stopped : bool
         A stop string was found; tokens after the one that completed it are not taken.
+    stop_string : str or None
+        The stop string found.
     token_offsets : list[int]
         Per taken token, where its text starts in `text` (OpenAI's text_offset).
     shown : str
@@ -52,6 +66,7 @@ class OutputText:
         self._num_chars_sent = 0
         self._unsent = ""  # the text after them
         self.stopped = False
+        self.stop_string: str | None = None
         self.token_offsets: list[int] = []
 
     @property
@@ -86,10 +101,10 @@ class OutputText:
         self._unsent += delta
         look = len(self.token_offsets) > self._min_tokens
         if self._stop and delta and look:  # a stop string ends in the new text, if anywhere
-            hits = [(j, len(s)) for s in self._stop
+            hits = [(j, len(s), s) for s in self._stop
                     if (j := self._unsent.find(s, max(0, start - len(s) + 1))) >= 0]
             if hits:
-                at, size = min(hits)
+                at, size, self.stop_string = min(hits)
                 self._unsent = self._unsent[:at + size if self._include_stop else at]
                 self.stopped = True
         return self.stopped

@@ -179,12 +179,14 @@ def test_stop_token_ids_and_max_tokens_and_eos(smol, prompts):
         temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[full.token_ids[5]],
         include_stop_str_in_output=True))[0]
     assert kept.token_ids == stopped.token_ids
+    assert stopped.stop_reason == kept.stop_reason == full.token_ids[5]  # vLLM's stop_reason
     assert kept.text == smol.tokenizer.decode(full.token_ids[:first + 1]) != stopped.text
     short = smol.generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=3))[0]
     assert len(short.token_ids) == 3 and short.finish_reason == "length"
     chat = smol.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
     ended = smol.generate(chat, SamplingParams(temperature=0.0, max_tokens=200))[0]
     assert ended.finish_reason == "stop" and ended.token_ids[-1] in smol.tokenizer.eos_token_ids
+    assert ended.stop_reason is None and short.stop_reason is None  # an EOS, the length
 
 
 def test_eos_adds_no_text_and_a_stream_never_shows_a_stop_strings_start(smol, prompts):
@@ -205,6 +207,7 @@ def test_eos_adds_no_text_and_a_stream_never_shows_a_stop_strings_start(smol, pr
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
     streamed = list(smol.stream(prompts[3], params))
     assert "".join(o.new_text for o in streamed) == streamed[-1].text == text[:text.index(stop)]
+    assert streamed[-1].stop_reason == stop and streamed[-2].stop_reason is None
     assert all(streamed[-1].text.startswith(o.text) for o in streamed)  # nothing past the cut
 
 

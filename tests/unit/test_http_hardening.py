@@ -1011,3 +1011,31 @@ def test_access_log_leaves_out_the_quiet_paths(tokenizer, token, caplog):
         asyncio.run(go())
     lines = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
     assert len(lines) == 1 and "GET /v1/models" in lines[0], lines
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_names_the_stop_string_or_token_id(tokenizer, token, stream):
+    """vLLM's stop_reason on each choice: the stop string found, the stop_token_ids entry that
+    ended the output, null for an EOS or length."""
+    eos = next(iter(tokenizer.eos_token_ids))
+    other = tokenizer.encode(" world", add_special_tokens=False)[0]
+
+    def stop_reason(script, **fields):
+        status, _, resp = post(tokenizer, script, completion(stream=stream, **fields))
+        assert status == 200, resp
+        if not stream:
+            return resp["choices"][0]["stop_reason"], resp["choices"][0]["finish_reason"]
+        chunks = [json.loads(e.removeprefix("data: ")) for e in resp.split("\n\n")
+                  if e and e != "data: [DONE]"]
+        last = chunks[-1]["choices"][0]
+        return last["stop_reason"], last["finish_reason"]
+
+    by_token = [TokenEvent([token]), TokenEvent([other], finished=True, finish_reason="stop")]
+    assert stop_reason(by_token, stop_token_ids=[other]) == (other, "stop")
+    by_eos = [TokenEvent([token]), TokenEvent([eos], finished=True, finish_reason="stop")]
+    assert stop_reason(by_eos, stop_token_ids=[other]) == (None, "stop")
+    assert stop_reason(by_eos, stop_token_ids=[eos]) == (None, "stop")  # an EOS first (vLLM)
+    long = [TokenEvent([token]), TokenEvent([other]), TokenEvent([token], finished=True,
+                                                                 finish_reason="length")]
+    assert stop_reason(long, stop=["wor", "zzz"]) == ("wor", "stop")
+    assert stop_reason(long) == (None, "length")
