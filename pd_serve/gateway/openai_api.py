@@ -183,7 +183,7 @@ class OpenAIServer:
                 f"priority={parsed.priority} is honoured only by workers started with "
                 "--schedule-policy priority; leave it out (or 0) here", "priority"))
         request_id = self.new_request_id(id_prefix)
-        shape = shape_cls(request_id, info.name, self.tokenizer)
+        shape = shape_cls(request_id, info.name, self.tokenizer, parsed.tokens_as_ids)
         if isinstance(shape, _ChatShape):
             shape.outputs = [self._chat_output(parsed) for _ in choices]
         specs = [GenerateSpec(request_id if len(choices) == 1 else f"{request_id}-{i}", ids,
@@ -434,8 +434,10 @@ class _Shape:
 
     object = chunk_object = ""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer):
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, tokens_as_ids: bool = False):
+        """tokens_as_ids: logprobs name tokens "token_id:N" (ParsedRequest.tokens_as_ids)."""
         self.id, self.model, self.tokenizer = request_id, model, tokenizer
+        self.tokens_as_ids = tokens_as_ids
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
@@ -451,6 +453,8 @@ class _Shape:
         return self._head(self.object) | {"choices": choices, "usage": usage}
 
     def _token(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def prompt_logprobs(self, prompt: tuple[list[int], list[Logprob]], num_top: int) -> list:

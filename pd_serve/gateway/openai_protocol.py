@@ -76,6 +76,7 @@ _COMMON_FIELDS = frozenset((
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs",
     "prompt_logprobs", "priority", "user", "metadata", "store", "service_tier",
     "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention", "add_special_tokens",
+    "return_tokens_as_token_ids",
     "safety_identifier", "response_format", "guided_json", "guided_regex", "guided_grammar",
     "guided_choice", "structured_outputs", "regex", "ebnf", "min_tokens",
     "include_stop_str_in_output"))
@@ -87,8 +88,8 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tok
 _OFF_VALUES = {"functions": [[]], "function_call": ["none", "auto"], "suffix": [""],
                "best_of": [1], "echo": [False], "modalities": [["text"]],
                "use_beam_search": [False], "length_penalty": [1.0],
-               "spaces_between_special_tokens": [True], "return_tokens_as_token_ids": [False],
-               "return_token_ids": [False], "bad_words": [[]]}
+               "spaces_between_special_tokens": [True], "return_token_ids": [False],
+               "bad_words": [[]]}
 
 
 class ApiError(Exception):
@@ -193,6 +194,8 @@ class ParsedRequest:
     prompt_opens_reasoning: chat's rendered prompt ends inside an open <think>.
     continuous_usage: stream_options' continuous_usage_stats (vLLM's) with include_usage: every
         chunk carries the usage so far.
+    tokens_as_ids: vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (tokens
+        of one text, such as byte pieces that all show U+FFFD, stay apart).
     """
 
     prompts: list[list[int]]
@@ -208,6 +211,7 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None
     prompt_opens_reasoning: bool = False
     continuous_usage: bool = False
+    tokens_as_ids: bool = False
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, in the response's order (choice index prompt * n + i).
@@ -373,7 +377,8 @@ def _parsed(body: dict, prompts: list[list[int]], params: SamplingParams,
                            f"{', '.join(sorted(known))})", f"stream_options.{unknown[0]}")
     priority = _opt(body, "priority", int)
     return ParsedRequest(prompts, params, n, stream, include_usage, logprobs, priority or 0,
-                         continuous_usage=continuous)
+                         continuous_usage=continuous,
+                         tokens_as_ids=bool(_opt(body, "return_tokens_as_token_ids", bool)))
 
 
 def _sampling_params(body: dict, max_tokens: int, logprobs: int | None,

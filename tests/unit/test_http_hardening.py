@@ -1039,3 +1039,30 @@ def test_stop_reason_names_the_stop_string_or_token_id(tokenizer, token, stream)
                                                                  finish_reason="length")]
     assert stop_reason(long, stop=["wor", "zzz"]) == ("wor", "stop")
     assert stop_reason(long) == (None, "length")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer, path):
+    """vLLM's return_tokens_as_token_ids: logprobs' tokens and top alternatives are
+    "token_id:N", so byte pieces that all decode to U+FFFD stay apart (they collided as
+    completions' top_logprobs keys)."""
+    pieces = [t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "\ufffd"][:3]
+    assert len(pieces) == 3
+    logprob = Logprob(pieces[0], -0.5, [(pieces[0], -0.5), (pieces[1], -1.0), (pieces[2], -2.0)])
+    script = [TokenEvent([pieces[0]], logprobs=[logprob], finished=True, finish_reason="length")]
+    names = [f"token_id:{t}" for t in pieces]
+    if path == "/v1/completions":
+        body = completion(logprobs=3)
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "logprobs": True, "top_logprobs": 3}
+    status, _, plain = post(tokenizer, script, body, path)
+    status, _, resp = post(tokenizer, script, body | {"return_tokens_as_token_ids": True}, path)
+    assert status == 200, resp
+    lp = resp["choices"][0]["logprobs"]
+    if path == "/v1/completions":
+        assert lp["tokens"] == names[:1] and list(lp["top_logprobs"][0]) == names
+        assert len(plain["choices"][0]["logprobs"]["top_logprobs"][0]) == 1  # (collided)
+    else:
+        entry = lp["content"][0]
+        assert entry["token"] == names[0] and [t["token"] for t in entry["top_logprobs"]] == names
