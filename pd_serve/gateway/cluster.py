@@ -646,9 +646,19 @@ class Cluster(TokenSource):
         """Drop silent workers, end flights whose consumer is gone, and ping every worker with
         the requests it should hold."""
         interval = min(0.5, self.config.worker_timeout_s / 4)
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
-            cutoff = time.monotonic() - self.config.worker_timeout_s
+            now = time.monotonic()
+            held, last = now - last - interval, now
+            if held > interval:  # the gateway itself was held up (paused, starved of CPU): the
+                # workers' messages of that time wait unread, so it is not their silence
+                logger.warning("gateway held up for %.1f s; not counted as its workers' silence",
+                               held)
+                for state in self.workers.values():
+                    state.last_seen += held
+                    state.last_progress += held
+            cutoff = now - self.config.worker_timeout_s
             for worker_id in [w for w, s in self.workers.items() if s.last_seen < cutoff]:
                 self._drop(worker_id, f"worker {worker_id} stopped responding")
             for rid, flight in list(self._flights.items()):

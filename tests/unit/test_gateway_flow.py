@@ -905,3 +905,17 @@ def test_the_cluster_key_tag_is_checked():
     for data in (protocol.encode(msg), protocol.Codec(b"other").encode(msg)):
         with pytest.raises(protocol.ProtocolError, match="cluster-key"):
             protocol.Codec(KEY).decode(data)
+
+
+@with_gateway(worker_timeout_s=1.0)
+async def test_a_gateway_held_up_past_the_worker_timeout_keeps_its_workers(cluster, add):
+    """The gateway's own loop held up (a paused process, a starved VM) longer than
+    --worker-timeout: its workers' heartbeats of that time wait unread, so it keeps them and
+    their requests (it dropped both, failing every request; a red-team pass)."""
+    decode, _, task = await held_request(cluster, add)
+    time.sleep(3.0)  # the whole loop stops: gateway and the (in-process) workers alike
+    await asyncio.sleep(1.5)
+    assert set(cluster.workers) == {"d", "p"} and not task.done()
+    await decode.close()  # then gone for real: dropped, its request failed
+    events = await task
+    assert "worker d" in events[-1].error and "d" not in cluster.workers
