@@ -19,6 +19,7 @@ import secrets
 from typing import Callable, Iterable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_log import AccessLogger
 
 from pd_serve.config import GatewayConfig
@@ -33,17 +34,27 @@ APP_KEY_OPENAI = web.AppKey("openai", OpenAIServer)
 OPEN_PATHS = ("/health", "/metrics")  # served without the API key (probes, scrapers)
 
 
-class _QuietUndecodableBodies(logging.Filter):
-    """Drops aiohttp's "Unhandled exception" record for a body its Content-Encoding does not
-    decode. aiohttp reads what a handler left of the body after the answer (a 401, a 404, our
-    400 for that very body), hits the decode error again, logs it with its traceback at
-    ERROR and closes the connection: one record per request of any client, key or none."""
+class _QuietBadRequests(logging.Filter):
+    """aiohttp's records of requests a client got a 400 for, which it logs with a traceback at
+    ERROR: one per request of any client, key or none.
+    - A body its Content-Encoding does not decode: aiohttp reads what a handler left of it
+      after the answer (a 401, a 404, our 400 for that very body), hits the decode error
+      again and closes the connection. Dropped.
+    - A request that does not parse as HTTP (a header too long, a NUL in one, Content-Length
+      beside chunked): one warning line, as uvicorn logs it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], web.RequestPayloadError))
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, web.RequestPayloadError):
+            return False
+        if isinstance(error, HttpProcessingError):
+            record.msg, record.args = "malformed HTTP request (400): %s", (error.message,)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
 
 
-logging.getLogger("aiohttp.server").addFilter(_QuietUndecodableBodies())
+logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
 
 
 class _FewAcceptFailures(logging.Filter):

@@ -1066,3 +1066,33 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(tokenizer, path):
     else:
         entry = lp["content"][0]
         assert entry["token"] == names[0] and [t["token"] for t in entry["top_logprobs"]] == names
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",  # a NUL in a header
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 200_000 + b"\r\n\r\n",  # too long
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",  # both lengths (request smuggling)
+])
+def test_a_malformed_request_is_a_400_and_one_log_line(tokenizer, token, caplog, head):
+    """A request that does not parse as HTTP gets a 400 and one warning line, not aiohttp's
+    ERROR record with a traceback per request (a red-team pass)."""
+    async def go():
+        app = build_app(ScriptedSource(done(token)), tokenizer)
+        runner = await start_server(app, "127.0.0.1", 0)
+        port = runner.addresses[0][1]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 60)
+            writer.close()
+            return answer
+        finally:
+            await runner.cleanup()
+    with caplog.at_level("INFO", logger="aiohttp.server"):
+        answer = asyncio.run(go())
+    assert answer.split(b"\r\n", 1)[0].endswith(b"400 Bad Request"), answer[:200]
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(records) == 1 and records[0].levelname == "WARNING", records
+    assert records[0].exc_info is None and "malformed HTTP request" in records[0].getMessage()
