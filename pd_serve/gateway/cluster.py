@@ -52,12 +52,14 @@ class ClusterError(Exception):
     """A request the cluster cannot serve, with the HTTP status it maps to: 400 (it can never
     fit), 429 (the queue is full), 503 (no workers or no capacity in time), 500 (a worker
     failed). worker_lost: a worker of the request left the cluster, or its KV did not reach
-    decode (the request may go again on others)."""
+    decode (the request may go again on others). rejected: refused before it ran, counted in
+    pd_serve:requests_rejected, not among finished requests."""
 
     def __init__(self, message: str, status: int = 500, retry_after: float | None = None,
-                 worker_lost: bool = False):
+                 worker_lost: bool = False, rejected: bool = False):
         super().__init__(message)
         self.status, self.retry_after, self.worker_lost = status, retry_after, worker_lost
+        self.rejected = rejected
 
 
 @dataclass
@@ -211,7 +213,8 @@ class Cluster(TokenSource):
                         yield TokenEvent([], restart=True)
                         started = False
         except ClusterError as e:
-            self.metrics.finished("error")
+            if not e.rejected:  # (counted in requests_rejected)
+                self.metrics.finished("error")
             yield TokenEvent([], finished=True, error=str(e), status=e.status,
                              retry_after=e.retry_after)
         finally:
@@ -291,7 +294,8 @@ class Cluster(TokenSource):
         if self.num_queued >= self.config.max_queued_requests:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise ClusterError(f"the gateway's queue is full (--max-queued-requests "
-                               f"{self.config.max_queued_requests}); retry later", 429, 1)
+                               f"{self.config.max_queued_requests}); retry later", 429, 1,
+                               rejected=True)
         deadline = time.monotonic() + self.config.admit_timeout_s
         if flight.arrival is None:
             flight.arrival = next(self._seq)
@@ -307,7 +311,8 @@ class Cluster(TokenSource):
             except TimeoutError:
                 self.metrics.rejected.labels(reason="admit_timeout").inc()
                 raise ClusterError(f"no prefill+decode capacity within --admit-timeout "
-                                   f"{self.config.admit_timeout_s} s", 503, 1) from None
+                                   f"{self.config.admit_timeout_s} s", 503, 1,
+                                   rejected=True) from None
             finally:
                 entry.pair.cancel()
                 if entry.pair.cancelled():  # still queued (it timed out or its client left)

@@ -317,6 +317,9 @@ async def test_a_full_queue_answers_429_with_retry_after(cluster, add):
     _, tasks = await held_then_queued(cluster, add, 2)
     refused = await collect(cluster, spec("r3"))
     assert refused[-1].status == 429 and refused[-1].retry_after and "queue is full" in refused[-1].error
+    # counted as rejected, not among finished requests (as a 429 at the outstanding limit is)
+    assert cluster.metrics.rejected.labels(reason="queue_full")._value.get() == 1
+    assert cluster.metrics.requests.labels(finish_reason="error")._value.get() == 0
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
