@@ -189,9 +189,6 @@ class WorkerConfig:
         "the ones held for at most this many seconds, then fail the rest and exit; 0: exit at "
         "once; a second SIGTERM exits at once", flag="--drain-timeout")
     heartbeat_s: float = _opt(1.0, flag=None)
-    disable_access_log_for_endpoints: str = _opt(
-        "", "paths whose requests the access log leaves out, comma-separated, e.g. /health,/metrics "
-        "(probes and scrapers; `launch` leaves out /health, which it polls while workers start)")
     cluster_key: bytes = _opt(b"", flag=None)  # HMAC key of every control and KV message (empty: none)
 
     def __post_init__(self) -> None:

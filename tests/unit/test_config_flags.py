@@ -49,6 +49,9 @@ def test_gateway_flags_and_cli_defaults():
         "/health", "/metrics")
     with pytest.raises(ValueError, match="--disable-access-log-for-endpoints 'health'"):
         GatewayConfig(disable_access_log_for_endpoints="health")
+    for worker in ("prefill", "decode", "colocated"):  # a gateway flag, not a worker's
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([worker, "--disable-access-log-for-endpoints", "/health"])
 
 
 def test_choices_come_from_config():
