@@ -124,6 +124,8 @@ class Cluster(TokenSource):
         self.control_address = f"tcp://{config.control_host}:{port}"
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._drained_at = time.monotonic()  # when the receive loop last found the socket empty
+        self._idle = False  # ... and it waits on it still (_heard_until)
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(coro(), name=coro.__name__)
@@ -466,7 +468,7 @@ class Cluster(TokenSource):
             except TimeoutError:
                 if flight.error is not None:  # (its wake-up came with the timeout)
                     raise flight.error from None
-                cutoff = time.monotonic() - timeout
+                cutoff = self._heard_until() - timeout
                 silent = [w for w in flight.workers
                           if w not in self.workers or self.workers[w].last_progress < cutoff]
                 if silent or not flight.workers:
@@ -507,9 +509,23 @@ class Cluster(TokenSource):
             logger.warning("cannot reach %s: %s", worker_id, error)
             self._drop(worker_id, f"worker {worker_id} unreachable")
 
+    def _heard_until(self) -> float:
+        """Up to when the workers' messages have been read: now while the receive loop waits on
+        an empty control socket, else when it last began to. A silence is judged against this,
+        so a gateway held up (a paused process, a starved VM) or working through a backlog
+        does not take its workers' unread messages for silence."""
+        # (get, not getsockopt: the asyncio socket's get re-arms its wake-up after reading
+        # EVENTS, which zmq signals on an edge)
+        if self._idle and not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return time.monotonic()
+        return self._drained_at
+
     async def _receive(self) -> None:
         while True:
+            if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                self._drained_at, self._idle = time.monotonic(), True
             frames = await self._sock.recv_multipart()
+            self._idle = False
             if len(frames) != 2:
                 protocol.refused("control", f"a message of {len(frames)} frames")
                 continue
@@ -651,19 +667,9 @@ class Cluster(TokenSource):
         """Drop silent workers, end flights whose consumer is gone, and ping every worker with
         the requests it should hold."""
         interval = min(0.5, self.config.worker_timeout_s / 4)
-        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
-            now = time.monotonic()
-            held, last = now - last - interval, now
-            if held > interval:  # the gateway itself was held up (paused, starved of CPU): the
-                # workers' messages of that time wait unread, so it is not their silence
-                logger.warning("gateway held up for %.1f s; not counted as its workers' silence",
-                               held)
-                for state in self.workers.values():
-                    state.last_seen += held
-                    state.last_progress += held
-            cutoff = now - self.config.worker_timeout_s
+            cutoff = self._heard_until() - self.config.worker_timeout_s
             for worker_id in [w for w, s in self.workers.items() if s.last_seen < cutoff]:
                 self._drop(worker_id, f"worker {worker_id} stopped responding")
             for rid, flight in list(self._flights.items()):
