@@ -34,7 +34,7 @@ from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest
 from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, ToolParser, make_parser
-from pd_serve.model.output_text import OutputText, hides_stop_token, stop_reason
+from pd_serve.model.output_text import OutputText, hides_stop_token, stop_reason, stop_token_ends
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.protocol import Logprob
 
@@ -205,6 +205,8 @@ class OpenAIServer:
                               params.skip_special_tokens, params.min_tokens,
                               params.include_stop_str_in_output)
         out, first_echo, first = output(), echo, True
+        params, eos = spec.params, self.tokenizer.eos_token_ids
+        last_id = None  # the last token taken (a stop token may end the output an event later)
         events = self.source.generate(spec)
         ended = False  # the source sent its last event (or an error): it saw how this ended
         try:
@@ -213,7 +215,7 @@ class OpenAIServer:
                 if event.error:
                     raise SourceError(event.error, event.status, event.retry_after)
                 if event.restart:  # the text so far is void: it starts over
-                    out, echo, first = output(), first_echo, True
+                    out, echo, first, last_id = output(), first_echo, True, None
                     yield _Delta("", [], None, [], None, {}, restart=True)
                     continue
                 ids = event.new_token_ids
@@ -227,17 +229,20 @@ class OpenAIServer:
                                      event.timings, event.cached_tokens)
                         return
                     continue
-                hide = (event.finished and event.finish_reason == "stop" and bool(ids)
-                        and hides_stop_token(spec.params, ids[-1], self.tokenizer.eos_token_ids))
+                # a stop token that ends the output adds no text, also when it comes before the
+                # final event (prefill's token 1, which decode then ends the request on)
+                hide = (bool(ids) and event.finish_reason in (None, "stop")
+                        and stop_token_ends(params, ids[-1], len(out.token_offsets) + len(ids), eos)
+                        and hides_stop_token(params, ids[-1], eos))
                 n = out.add(ids, hide_last=hide)
+                last_id = ids[n - 1] if n else last_id
                 finish = "stop" if out.stopped else (
                     (event.finish_reason or "stop") if event.finished else None)
                 logprobs = event.logprobs[:n] if parsed.logprobs is not None and event.logprobs else None
                 prompt = self._prompt_logprobs(spec, event) if first and ids else None
                 first = first and not ids
                 text, echo = echo + out.take_delta(finish is not None), ""
-                why = stop_reason(out.stop_string, spec.params, ids[n - 1] if n else None,
-                                  self.tokenizer.eos_token_ids) if finish == "stop" else None
+                why = stop_reason(out.stop_string, params, last_id, eos) if finish == "stop" else None
                 yield _Delta(text, event.new_token_ids[:n], logprobs,
                              [len(first_echo) + o for o in out.token_offsets[len(out.token_offsets) - n:]],
                              finish, event.timings, event.cached_tokens, prompt=prompt,

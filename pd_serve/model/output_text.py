@@ -11,6 +11,13 @@ from __future__ import annotations
 from pd_serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+def stop_token_ends(params, token_id: int, num_output: int, eos_token_ids) -> bool:
+    """Whether `token_id`, the output's num_output-th token, ends it (the token source's rule:
+    a stop_token_ids entry, or an EOS unless ignore_eos, once min_tokens are out)."""
+    return params.may_stop(num_output) and (
+        token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids))
+
+
 def hides_stop_token(params, token_id: int, eos_token_ids) -> bool:
     """Whether `token_id`, having ended an output with finish_reason stop, stays out of its text:
     vLLM's rule, an EOS or a stop_token_ids entry adds no text unless include_stop_str_in_output

@@ -126,6 +126,11 @@ def test_min_tokens_and_guided_choice_through_prefill_and_decode(cluster_1p1d, r
     out = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
                                     extra_body={"stop_token_ids": [first], "min_tokens": 4})
     assert out.choices[0].text == want.text
+    # prefill's token 1 a stop token, decode ending the request on it: no text (vLLM's rule)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                    extra_body={"stop_token_ids": [first]})
+    assert (out.choices[0].text, out.choices[0].finish_reason) == ("", "stop")
+    assert out.choices[0].model_extra["stop_reason"] == first
     choices = ["red", "green", "blue sky"]
     out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
                                     extra_body={"guided_choice": choices})

@@ -1096,3 +1096,26 @@ def test_a_malformed_request_is_a_400_and_one_log_line(tokenizer, token, caplog,
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert len(records) == 1 and records[0].levelname == "WARNING", records
     assert records[0].exc_info is None and "malformed HTTP request" in records[0].getMessage()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_before_the_final_event_adds_no_text(tokenizer, token, stream):
+    """Disaggregated, prefill sends token 1 and decode ends the request on it with an empty
+    final event: a stop token there adds no text and is the stop_reason, as when it comes in
+    the final event (colocated); not while min_tokens holds stops off (review)."""
+    other = tokenizer.encode(" world", add_special_tokens=False)[0]
+    script = [TokenEvent([other]), TokenEvent([], finished=True, finish_reason="stop")]
+
+    def answer(**fields):
+        status, _, resp = post(tokenizer, script, completion(stream=stream, **fields))
+        assert status == 200, resp
+        if not stream:
+            choice = resp["choices"][0]
+            return choice["text"], choice["stop_reason"]
+        chunks = [json.loads(e.removeprefix("data: ")) for e in resp.split("\n\n")
+                  if e and e != "data: [DONE]"]
+        return ("".join(c["choices"][0]["text"] for c in chunks),
+                chunks[-1]["choices"][0]["stop_reason"])
+    assert answer(stop_token_ids=[other]) == ("", other)
+    assert answer(stop_token_ids=[other], include_stop_str_in_output=True) == (" world", other)
+    assert answer(stop_token_ids=[other], min_tokens=2)[0] == " world"  # (not a stop yet)
