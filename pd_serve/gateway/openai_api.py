@@ -341,10 +341,10 @@ class OpenAIServer:
                       parsed: ParsedRequest, num_choices: int) -> web.StreamResponse:
         num_prompt = sum(map(len, parsed.prompts))
 
-        def extra() -> dict:  # each chunk's usage: none, null, or so far (continuous_usage)
-            if not parsed.include_usage:
+        def extra(i: int) -> dict:  # choice i's chunks' usage: none, null, or (continuous_usage)
+            if not parsed.include_usage:  # its own so far, as vLLM counts it
                 return {}
-            return {"usage": _usage(num_prompt, num_tokens, _cached_tokens(cached, parsed.n))
+            return {"usage": _usage(len(parsed.prompts[i // parsed.n]), tokens[i], cached[i])
                     if parsed.continuous_usage else None}
 
         def render(i: int, d: _Delta) -> list[bytes]:  # (no prompt_logprobs: not with stream)
@@ -355,11 +355,10 @@ class OpenAIServer:
                 chunks[-1]["choices"][0]["stop_reason"] = d.stop_reason  # (vLLM's)
                 if d.timings:  # pd-serve's extension, as in a whole reply
                     chunks[-1]["timings"] = d.timings
-            usage = extra()
+            usage = extra(i)
             return [_event(chunk | usage) for chunk in chunks]
 
-        num_tokens = 0
-        cached = [0] * num_choices
+        tokens, cached = [0] * num_choices, [0] * num_choices  # per choice
         async with aclosing(deltas):
             try:  # the first delta before the 200: a request failing before it gets its status
                 item = await anext(deltas)
@@ -372,10 +371,10 @@ class OpenAIServer:
                 try:
                     for i in range(num_choices):
                         for chunk in shape.opening_chunks(i):
-                            await write(_event(chunk | extra()))
+                            await write(_event(chunk | extra(i)))
                     while item is not None:
                         i, d = item
-                        num_tokens += len(d.token_ids)
+                        tokens[i] += len(d.token_ids)
                         cached[i] += d.cached_tokens
                         if d.text or d.logprobs or d.finish_reason:  # else nothing visible yet
                             # echo's prompt logprobs (up to MAX_PROMPT_LOGPROB_ENTRIES entries,
@@ -386,7 +385,7 @@ class OpenAIServer:
                                 await write(event)
                         item = await anext(deltas, None)
                     if parsed.include_usage:
-                        usage = _usage(num_prompt, num_tokens, _cached_tokens(cached, parsed.n))
+                        usage = _usage(num_prompt, sum(tokens), _cached_tokens(cached, parsed.n))
                         await write(_event(shape.usage_chunk(usage)))
                 except ConnectionResetError:
                     raise

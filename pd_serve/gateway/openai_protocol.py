@@ -193,7 +193,7 @@ class ParsedRequest:
     tool_choice: chat's, when the output is read for tool calls (None: it is not).
     prompt_opens_reasoning: chat's rendered prompt ends inside an open <think>.
     continuous_usage: stream_options' continuous_usage_stats (vLLM's) with include_usage: every
-        chunk carries the usage so far.
+        chunk carries its choice's usage so far (its prompt, its tokens).
     tokens_as_ids: vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (tokens
         of one text, such as byte pieces that all show U+FFFD, stay apart).
     """
@@ -368,8 +368,8 @@ def _parsed(body: dict, prompts: list[list[int]], params: SamplingParams,
         if not stream:
             raise ApiError("stream_options is only allowed with stream=true", "stream_options")
         include_usage = _opt(options, "include_usage", bool, "stream_options.include_usage") or False
-        continuous = include_usage and bool(_opt(options, "continuous_usage_stats", bool,
-                                                 "stream_options.continuous_usage_stats"))
+        continuous = bool(_opt(options, "continuous_usage_stats", bool,
+                               "stream_options.continuous_usage_stats")) and include_usage
         known = {"include_usage", "continuous_usage_stats", "include_obfuscation"}  # (no padding)
         unknown = sorted(set(options) - known)
         if unknown:

@@ -874,9 +874,24 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(tokenizer, 
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 3]  # last: usage's own
     assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    # per choice, as vLLM counts: its own prompt and tokens so far
+    status, _, text = post(tokenizer, script, completion(
+        stream=True, stream_options=options, n=2, prompt=["hi", "hello there"]))
+    chunks = [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n")
+              if e and e != "data: [DONE]"]
+    seen = {}
+    for c in chunks[:-1]:
+        i = c["choices"][0]["index"]
+        seen[i] = seen.get(i, 0) + 1
+        assert c["usage"]["completion_tokens"] == seen[i], c
+        assert c["usage"]["prompt_tokens"] == len(tokenizer.encode(["hi", "hello there"][i // 2]))
+    assert chunks[-1]["usage"]["completion_tokens"] == 12 and seen == dict.fromkeys(range(4), 3)
     status, _, text = post(tokenizer, script, completion(stream=True, stream_options={
         "continuous_usage_stats": True}))
     assert "usage" not in json.loads(text.split("\n\n")[0].removeprefix("data: "))
+    status, _, resp = post(tokenizer, script, completion(stream=True, stream_options={
+        "continuous_usage_stats": "yes"}))
+    assert_error(status, resp, 400, "stream_options.continuous_usage_stats")
     status, _, resp = post(tokenizer, script, completion(stream=True, stream_options={
         "include_usage": True, "every_chunk": True}))
     assert_error(status, resp, 400, "stream_options.every_chunk", "not supported")
