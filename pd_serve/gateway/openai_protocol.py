@@ -323,7 +323,9 @@ def _check_common(body, model: ModelInfo, fields: frozenset[str]) -> dict:
     if name != model.name:
         raise model_not_found(name, model.name)
     for key, value in body.items():
-        if key not in fields and value is not None and value not in _OFF_VALUES.get(key, ()):
+        if key not in fields and value is not None and not any(
+                isinstance(value, bool) == isinstance(off, bool) and value == off
+                for off in _OFF_VALUES.get(key, ())):  # (true is not 1, nor 0 false)
             raise ApiError(f"'{key}' is not supported by this server", key)
     n = _opt(body, "n", int)
     if n is not None and not 1 <= n <= MAX_CHOICES:

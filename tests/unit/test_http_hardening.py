@@ -836,7 +836,8 @@ def test_harmless_and_off_fields_are_accepted(tokenizer, token):
     status, _, resp = post(tokenizer, done(token), completion(**defaults | {"echo": False}))
     assert status == 200, resp
     for field, value in (("use_beam_search", True), ("bad_words", ["x"]), ("best_of", 2),
-                         ("return_token_ids", True), ("length_penalty", 0.5)):
+                         ("return_token_ids", True), ("length_penalty", 0.5),
+                         ("best_of", True), ("echo", 0), ("length_penalty", True)):
         status, _, resp = post(tokenizer, done(token), body | {field: value}, "/v1/chat/completions")
         assert_error(status, resp, 400, field, f"'{field}' is not supported")
 
