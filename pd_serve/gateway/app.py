@@ -41,14 +41,17 @@ class _QuietBadRequests(logging.Filter):
       after the answer (a 401, a 404, our 400 for that very body), hits the decode error
       again and closes the connection. Dropped.
     - A request that does not parse as HTTP (a header too long, a NUL in one, Content-Length
-      beside chunked): one warning line, as uvicorn logs it."""
+      beside chunked): one warning line (the parser's message without its pointer lines), as
+      uvicorn logs it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, web.RequestPayloadError):
             return False
-        if isinstance(error, HttpProcessingError):
-            record.msg, record.args = "malformed HTTP request (400): %s", (error.message,)
+        if isinstance(error, HttpProcessingError) and record.levelno >= logging.ERROR:
+            # (aiohttp logs some, a TLS hello on the port for one, at DEBUG: left as they are)
+            record.msg = "malformed HTTP request (400): %s"
+            record.args = (str(error.message).splitlines()[0] if error.message else "",)
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info = record.exc_text = None
         return True

@@ -1112,6 +1112,7 @@ def test_a_malformed_request_is_a_400_and_one_log_line(tokenizer, token, caplog,
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert len(records) == 1 and records[0].levelname == "WARNING", records
     assert records[0].exc_info is None and "malformed HTTP request" in records[0].getMessage()
+    assert "\n" not in records[0].getMessage()
 
 
 @pytest.mark.parametrize("stream", [False, True])
