@@ -47,7 +47,8 @@ class SamplingParams:
     grammar: the output is constrained to it (tokens it forbids are masked before sampling).
     min_tokens: EOS and stop_token_ids are masked until this many tokens are out, and no stop
     (token or string) ends the output before (vLLM's field); max_tokens still does.
-    include_stop_str_in_output: a stop string that ends the output stays in its text (vLLM's).
+    include_stop_str_in_output: the stop string, stop token id or EOS that ends the output
+        stays in its text (vLLM's; an EOS adds "" unless skip_special_tokens is off).
     """
 
     max_tokens: int = 16

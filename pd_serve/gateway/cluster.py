@@ -215,7 +215,7 @@ class Cluster(TokenSource):
                         yield TokenEvent([], restart=True)
                         started = False
         except ClusterError as e:
-            if not e.rejected:  # (counted in requests_rejected)
+            if not e.rejected or attempt > 1:  # (refused before it ran: requests_rejected)
                 self.metrics.finished("error")
             yield TokenEvent([], finished=True, error=str(e), status=e.status,
                              retry_after=e.retry_after)
