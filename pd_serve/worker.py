@@ -79,6 +79,7 @@ class Worker:
         self._sock = self._ctx.socket(zmq.DEALER)  # (its routing id: the gateway's to pick)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
+        protocol.secure_control(self._sock, config.cluster_key, server=False)
         self._sock.connect(config.gateway)
         self._link = GatewayLink(self._sock, SEND_TIMEOUT_S, self._gateway_stuck)
         self._unheard = UnheardGateway(config.gateway, time.monotonic())
@@ -256,6 +257,7 @@ class Worker:
         (status 1) and the gateway and the prefill side see a dead worker, not a zombie."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        protocol.secure_control(sock, self.config.cluster_key, server=False)
         sock.connect(self.config.gateway)
         seq = itertools.count(1)
         while not self._stop:
@@ -337,8 +339,8 @@ class GatewayLink:
 class UnheardGateway:
     """A worker the gateway has never answered (it registers by its first status; the gateway
     pings it back) says so every UNHEARD_WARN_S, with the likely causes: otherwise a wrong
-    address or cluster key leaves it waiting without a word (zmq reconnects quietly, and a
-    gateway drops messages under another key, logging it on its side only)."""
+    address or cluster key leaves it waiting without a word (zmq reconnects quietly, also
+    after a failed CURVE handshake, which neither side logs)."""
 
     def __init__(self, gateway: str, start: float):
         self.gateway, self.start, self.next = gateway, start, start + UNHEARD_WARN_S
@@ -352,7 +354,8 @@ class UnheardGateway:
         try:
             socket.getaddrinfo(host.strip("[]"), int(port))
             why = ("is the gateway up at that address, and started with the same "
-                   "PD_SERVE_CLUSTER_KEY / --cluster-key-file? (it drops messages under another key)")
+                   "PD_SERVE_CLUSTER_KEY / --cluster-key-file? (under another key, or none on "
+                   "one side, the connection's handshake fails)")
         except (socket.gaierror, ValueError) as e:
             why = f"its host {host!r} does not resolve ({e})"
         return f"no word from the gateway at {self.gateway} for {now - self.start:.0f} s: {why}"

@@ -119,6 +119,7 @@ class Cluster(TokenSource):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_BYTES)
+        protocol.secure_control(self._sock, config.cluster_key, server=True)
         port = bind_zmq(self._sock, config.control_host, config.control_port,
                         ("--control-host", "--control-port"))
         self.control_address = f"tcp://{config.control_host}:{port}"

@@ -285,8 +285,9 @@ def test_full_queue_answers_429_with_retry_after(cluster, model):
 # ---- 3. a worker without the cluster key ----------------------------------------------------
 def test_worker_without_the_cluster_key_cannot_register(cluster, model, tmp_path):
     """Two decode workers started by hand against the running gateway, one with a wrong
-    PD_SERVE_CLUSTER_KEY, one with none: once up (their start-up log line), they are never
-    registered, the gateway counts their refused messages, and the cluster still serves."""
+    PD_SERVE_CLUSTER_KEY, one with none: once up (their start-up log line), they do not get
+    past the control socket's handshake (nothing of theirs reaches the gateway), are never
+    registered, say so in their log, and the cluster still serves."""
     before = protocol_errors(cluster.base_url).get(("gateway", "control"), 0)
     intruders = {}
     for worker_id, key in (("intruder-wrong-key", "wrong"), ("intruder-no-key", None)):
@@ -305,9 +306,10 @@ def test_worker_without_the_cluster_key_cannot_register(cluster, model, tmp_path
             line = f"decode {worker_id}: model"  # logged once it is up, before its first status
             up = wait_for(lambda: proc.poll() is not None or line in log.read_text(), START_S, 0.5)
             assert up and proc.poll() is None, f"{worker_id} did not start:\n{log.read_text()[-3000:]}"
-        # each sends a status and a heartbeat every second: give them several
-        assert wait_for(lambda: protocol_errors(cluster.base_url).get(("gateway", "control"), 0)
-                        >= before + 6, 30, 0.5), protocol_errors(cluster.base_url)
+        for worker_id, (proc, log) in intruders.items():  # (after UNHEARD_WARN_S)
+            assert wait_for(lambda: "no word from the gateway" in log.read_text(), 60, 0.5), \
+                f"{worker_id} did not warn:\n{log.read_text()[-3000:]}"
+        assert protocol_errors(cluster.base_url).get(("gateway", "control"), 0) == before
         for _ in range(10):
             assert not any(w.startswith("intruder") for w in health(cluster.base_url)["workers"])
             time.sleep(0.3)
@@ -546,9 +548,10 @@ def test_soak_rss_stays_flat(cluster, model):
 
 
 # ---- 7. garbage on the sockets ---------------------------------------------------------------------
-def send_garbage(address: str, header: bytes) -> zmq.Socket:
+def send_garbage(address: str, header: bytes, curve_key: bytes = b"") -> zmq.Socket:
     """8 raw bytes over TCP (not even ZMTP), then from a zmq DEALER a 3-frame message and
-    `header` (an unkeyed message). Returns the DEALER (still connected: answers come to it)."""
+    `header` (an unkeyed message); curve_key: the DEALER passes the control socket's handshake
+    with it. Returns the DEALER (still connected: answers come to it)."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as raw:
         raw.sendall(b"\x00\xffgarbag")
@@ -556,6 +559,7 @@ def send_garbage(address: str, header: bytes) -> zmq.Socket:
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, b"garbage")
     dealer.setsockopt(zmq.LINGER, 0)
+    protocol.secure_control(dealer, curve_key, server=False)
     dealer.connect(address)
     dealer.send_multipart([b"\x01", b"\x02\x03", b"\xff" * 100])
     dealer.send(header)
@@ -568,8 +572,13 @@ def test_garbage_on_the_control_and_kv_sockets_is_refused(cluster, model, kv_por
     assert want.complete(12), want
     decode, _ = worker(cluster, "decode")
     before = protocol_errors(cluster.base_url)
+    # past the control socket's handshake (a key holder's connection), unkeyed messages
     control = send_garbage(f"tcp://127.0.0.1:{cluster.control_port}",
-                           protocol.encode(protocol.WorkerStatus("garbage", "decode", "m")))
+                           protocol.encode(protocol.WorkerStatus("garbage", "decode", "m")),
+                           cluster.cluster_key.encode())
+    # without the key: not past the handshake, nothing reaches the gateway
+    keyless = send_garbage(f"tcp://127.0.0.1:{cluster.control_port}",
+                           protocol.encode(protocol.WorkerStatus("keyless", "decode", "m")))
     kv = send_garbage(f"tcp://127.0.0.1:{kv_port}",
                       protocol.encode(protocol.TransferHello("garbage", "tcp", {})))
     try:
@@ -589,10 +598,14 @@ def test_garbage_on_the_control_and_kv_sockets_is_refused(cluster, model, kv_por
             return all(now.get(k, 0) >= before.get(k, 0) + 2
                        for k in (("gateway", "control"), (decode, "kv-receiver"))) and now
         assert wait_for(rose, 30, 0.5), (before, protocol_errors(cluster.base_url))
+        time.sleep(2.0)  # the keyless DEALER's two messages never arrive: the key holder's do
+        key = ("gateway", "control")
+        assert protocol_errors(cluster.base_url).get(key, 0) == before.get(key, 0) + 2
     finally:
         control.close()
         kv.close()
-    assert "garbage" not in health(cluster.base_url)["workers"]
+        keyless.close()
+    assert not {"garbage", "keyless"} & set(health(cluster.base_url)["workers"])
     [after] = asyncio.run(call_all(cluster.base_url, [prompt]))
     assert after.complete(12) and after.body["choices"][0]["text"] == want.body["choices"][0]["text"]
     assert_idle(cluster)

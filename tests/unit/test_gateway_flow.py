@@ -45,6 +45,7 @@ class FakeWorker:
         self.codec = protocol.Codec(key)
         self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)  # (routing id: the gateway's)
         self.sock.setsockopt(zmq.LINGER, 0)
+        protocol.secure_control(self.sock, key, server=False)
         self.sock.connect(cluster.control_address)
         self.received: list = []
         self.full_replies = 0  # decode: answer this many Admits "full" first
@@ -709,6 +710,7 @@ async def test_a_status_sent_again_from_another_connection_moves_nothing(cluster
     route, before = cluster.workers["d"].route, _errors("control")
     peer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
+    protocol.secure_control(peer, KEY, server=False)  # (the wire is encrypted: a key holder)
     peer.connect(cluster.control_address)
     try:
         await peer.send(decode.last_status)
@@ -730,6 +732,7 @@ async def test_a_heartbeat_sent_again_cannot_keep_a_hung_worker_registered(clust
     decode._task.cancel()  # hung
     peer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
+    protocol.secure_control(peer, KEY, server=False)  # (the wire is encrypted: a key holder)
     peer.connect(cluster.control_address)
     before = _errors("control")
     try:
@@ -747,21 +750,31 @@ async def test_a_heartbeat_sent_again_cannot_keep_a_hung_worker_registered(clust
 
 @with_gateway()
 async def test_a_peer_squatting_a_worker_id_cannot_keep_the_worker_out(cluster, add):
-    """A peer without the key connects first under a worker's id as its ZMQ identity (the
-    gateway routed by worker id, so the worker's own connection was never heard, for good);
-    the gateway's routing ids are its own, so the worker registers and serves."""
-    before = _errors("control")
-    squatter = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    squatter.setsockopt(zmq.IDENTITY, b"d")
-    squatter.setsockopt(zmq.LINGER, 0)
-    squatter.connect(cluster.control_address)
-    await squatter.send(b"junk")
-    await until(lambda: _errors("control") > before)
+    """A peer connects first under a worker's id as its ZMQ identity (the gateway routed by
+    worker id, so the worker's own connection was never heard, for good); the gateway's
+    routing ids are its own, so the worker registers and serves. Without the key the peer
+    does not get past the handshake: its message never arrives; with it, it is refused."""
+    squatters = []
+    for key in (b"", KEY):
+        before = _errors("control")
+        squatter = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        squatter.setsockopt(zmq.IDENTITY, b"d")
+        squatter.setsockopt(zmq.LINGER, 0)
+        protocol.secure_control(squatter, key, server=False)
+        squatter.connect(cluster.control_address)
+        squatters.append(squatter)
+        await squatter.send(b"junk")
+        if key:
+            await until(lambda: _errors("control") > before)
+        else:
+            await asyncio.sleep(1.0)
+            assert _errors("control") == before
     try:
         await one_pair(cluster, add)
         assert not (await collect(cluster, spec("r")))[-1].error
     finally:
-        squatter.close()
+        for squatter in squatters:
+            squatter.close()
 
 
 @with_gateway()
@@ -871,6 +884,7 @@ async def test_hostile_control_messages_are_refused_and_the_gateway_serves_on(cl
             rogues[identity] = ctx.socket(zmq.DEALER)
             rogues[identity].setsockopt(zmq.IDENTITY, identity)
             rogues[identity].setsockopt(zmq.LINGER, 0)
+            protocol.secure_control(rogues[identity], KEY, server=False)  # (past the handshake)
             rogues[identity].connect(cluster.control_address)
         await rogues[identity].send_multipart(frames)
     host, port = cluster.control_address.removeprefix("tcp://").split(":")
@@ -928,6 +942,7 @@ class ThreadWorker:
     def _run(self, address: str) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        protocol.secure_control(sock, KEY, server=False)
         sock.connect(address)
         while not self.stop.wait(0.2):
             sock.send(self.codec.encode(self.status()))
@@ -961,3 +976,36 @@ async def test_a_gateway_held_up_past_the_worker_timeout_keeps_its_workers(clust
         for w in workers:
             w.stop.set()
             w.thread.join(10)
+
+
+@with_gateway()
+async def test_a_peer_without_the_key_gets_nothing_buffered(cluster, add):
+    """With a cluster key the control socket speaks CURVE under a key pair derived from it: a
+    peer without the key (or with another) fails the handshake, so its message of many
+    frames, each under the frame cap, never reaches the gateway, which zmq would otherwise
+    have taken whole, all its frames buffered, before any tag could be checked (a red-team
+    pass: 16 x 64 MiB); a key holder's such message is refused after it arrives."""
+    before = _errors("control")
+    peers = []
+    for key in (b"", b"another key, sixteen bytes long"):
+        peer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        protocol.secure_control(peer, key, server=False)
+        peer.connect(cluster.control_address)
+        peers.append(peer)
+        await peer.send_multipart([b"x" * 2**20] * 8)
+    await asyncio.sleep(1.5)
+    assert _errors("control") == before
+    holder = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    holder.setsockopt(zmq.LINGER, 0)
+    protocol.secure_control(holder, KEY, server=False)
+    holder.connect(cluster.control_address)
+    peers.append(holder)
+    try:
+        await holder.send_multipart([b"x" * 2**20] * 8)
+        await until(lambda: _errors("control") == before + 1)
+        await one_pair(cluster, add)
+        assert not (await collect(cluster, spec("r")))[-1].error
+    finally:
+        for peer in peers:
+            peer.close()
