@@ -90,5 +90,5 @@ def test_parsers_reach_the_gateway_also_through_launch(monkeypatch):
                                       "mistral", "--reasoning-parser", "deepseek-r1"])
     args.engine_argv = []
     _cluster_from_args(args)
-    assert seen["gateway_args"][:4] == ["--tool-call-parser", "mistral", "--reasoning-parser",
-                                        "deepseek-r1"]
+    assert seen["gateway_args"] == ["--tool-call-parser", "mistral", "--reasoning-parser",
+                                    "deepseek-r1", "--disable-access-log-for-endpoints", "/health"]
