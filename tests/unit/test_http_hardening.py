@@ -412,6 +412,16 @@ class SlowSource(ScriptedSource):
             yield event
 
 
+async def until_closed(port: int, sent: bytes) -> bytes:
+    """All the server on `port` sends after `sent`, until it closes the connection (EOF)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(sent)
+    await writer.drain()
+    received = await asyncio.wait_for(reader.read(), 60)
+    writer.close()
+    return received
+
+
 def test_idle_and_half_sent_connections_are_closed(tokenizer, token):
     """start_server closes a connection with no request running keep_alive_s after it opened
     or after its last response: one that never sends, one that sends half its headers and
@@ -420,15 +430,6 @@ def test_idle_and_half_sent_connections_are_closed(tokenizer, token):
     request = json.dumps(completion()).encode()
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(request))
-
-    async def until_closed(port: int, sent: bytes) -> bytes:
-        """All the server sends until it closes the connection (EOF)."""
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(sent)
-        await writer.drain()
-        received = await asyncio.wait_for(reader.read(), 60)
-        writer.close()
-        return received
 
     async def go():
         app = build_app(SlowSource(done(token), delay_s=3.0), tokenizer)
@@ -1098,12 +1099,7 @@ def test_a_malformed_request_is_a_400_and_one_log_line(tokenizer, token, caplog,
         runner = await start_server(app, "127.0.0.1", 0)
         port = runner.addresses[0][1]
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(head)
-            await writer.drain()
-            answer = await asyncio.wait_for(reader.read(), 60)
-            writer.close()
-            return answer
+            return await until_closed(port, head)
         finally:
             await runner.cleanup()
     with caplog.at_level("INFO", logger="aiohttp.server"):
