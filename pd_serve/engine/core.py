@@ -40,6 +40,7 @@ from pd_serve.engine.sampler import DeferredSample, PendingSample, needs_penalti
 from pd_serve.engine.sampling_params import SamplingParams
 from pd_serve.engine.scheduler import PlanBuilder, Scheduler, SchedulerOutput
 from pd_serve.model.config import ModelConfig
+from pd_serve.model.output_text import stop_token_ends
 from pd_serve.model.parallel import check_shards
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.ports import free_port
@@ -304,11 +305,8 @@ def token_stop_reason(request: Request, eos_token_ids, max_model_len: int) -> Fi
     """Why the request's newest token ends it (EOS, stop token id, max_tokens, context), if it does."""
     params, token_id = request.sampling_params, request.output_token_ids[-1]
     num_output = len(request.output_token_ids)
-    if params.may_stop(num_output):
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if not params.ignore_eos and token_id in eos_token_ids:
-            return FinishReason.STOP
+    if stop_token_ends(params, token_id, num_output, eos_token_ids):
+        return FinishReason.STOP
     if num_output >= params.max_tokens or request.num_known_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None

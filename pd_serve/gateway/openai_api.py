@@ -34,7 +34,7 @@ from pd_serve.gateway.openai_protocol import (ApiError, ModelInfo, ParsedRequest
 from pd_serve.gateway.openai_tokenize import detokenize, tokenize
 from pd_serve.gateway.source import GenerateSpec, TokenSource
 from pd_serve.gateway.tool_parsers import NamedParser, RequiredParser, ToolParser, make_parser
-from pd_serve.model.output_text import OutputText, hides_stop_token, stop_reason, stop_token_ends
+from pd_serve.model.output_text import OutputText, stop_reason, stop_token_ends
 from pd_serve.model.tokenizer import Tokenizer
 from pd_serve.protocol import Logprob
 
@@ -232,8 +232,8 @@ class OpenAIServer:
                 # a stop token that ends the output adds no text, also when it comes before the
                 # final event (prefill's token 1, which decode then ends the request on)
                 hide = (bool(ids) and event.finish_reason in (None, "stop")
-                        and stop_token_ends(params, ids[-1], len(out.token_offsets) + len(ids), eos)
-                        and hides_stop_token(params, ids[-1], eos))
+                        and not params.include_stop_str_in_output  # (hides_stop_token's rule)
+                        and stop_token_ends(params, ids[-1], len(out.token_offsets) + len(ids), eos))
                 n = out.add(ids, hide_last=hide)
                 last_id = ids[n - 1] if n else last_id
                 finish = "stop" if out.stopped else (

@@ -11,19 +11,22 @@ from __future__ import annotations
 from pd_serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+def _stop_token(params, token_id: int, eos_token_ids) -> bool:
+    """A stop_token_ids entry, or an EOS unless ignore_eos. params: SamplingParams."""
+    return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)
+
+
 def stop_token_ends(params, token_id: int, num_output: int, eos_token_ids) -> bool:
-    """Whether `token_id`, the output's num_output-th token, ends it (the token source's rule:
-    a stop_token_ids entry, or an EOS unless ignore_eos, once min_tokens are out)."""
-    return params.may_stop(num_output) and (
-        token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids))
+    """Whether `token_id`, the output's num_output-th token, ends it: a stop token once
+    min_tokens are out (the token source's rule, engine.core.token_stop_reason)."""
+    return params.may_stop(num_output) and _stop_token(params, token_id, eos_token_ids)
 
 
 def hides_stop_token(params, token_id: int, eos_token_ids) -> bool:
     """Whether `token_id`, having ended an output with finish_reason stop, stays out of its text:
     vLLM's rule, an EOS or a stop_token_ids entry adds no text unless include_stop_str_in_output
-    (then its text, "" for a special token skipped). params: SamplingParams."""
-    return not params.include_stop_str_in_output and (
-        token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids))
+    (then its text, "" for a special token skipped)."""
+    return not params.include_stop_str_in_output and _stop_token(params, token_id, eos_token_ids)
 
 
 def stop_reason(stop_string: str | None, params, token_id: int | None,
